@@ -1,0 +1,83 @@
+"""Process-group set-up shared by the torchrun worker and the in-process test launcher."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    """cuda:LOCAL_RANK when asked for (or when present and 'auto'), else the CPU."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_process_group(device: torch.device, timeout_s: float = 300.0) -> None:
+    """NCCL for GPUs, gloo for CPUs; the timeout turns a lost peer into an error, not a hang."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_entry(rank, world_size, port, fn, args, result_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    path = os.path.join(result_dir, f"{rank}.pt")
+    try:
+        init_process_group(torch.device("cpu"), timeout_s=120)
+        out = fn(*args)
+        torch.save({"ok": out}, path)
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, path)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_gloo(fn, world_size: int, *args):
+    """Run ``fn(*args)`` on ``world_size`` fresh CPU processes over gloo; return each rank's result.
+
+    ``fn`` must be importable (module level). Used by tests: the same code that torchrun runs,
+    without the launcher's start-up cost.
+    """
+    with tempfile.TemporaryDirectory() as result_dir:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        procs = [ctx.Process(target=_spawn_entry, args=(r, world_size, port, fn, args, result_dir))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=600)
+            if p.is_alive():
+                p.kill()
+        results = []
+        for r in range(world_size):
+            path = os.path.join(result_dir, f"{r}.pt")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {r} died without a result (exit code {procs[r].exitcode})")
+            res = torch.load(path, weights_only=False)
+            if "error" in res:
+                raise RuntimeError(f"rank {r} failed:\n{res['error']}")
+            results.append(res["ok"])
+        return results

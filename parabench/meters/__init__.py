@@ -1,0 +1,1 @@
+"""Measurements taken on every rank: time, memory, communication, FLOPs."""

@@ -1,0 +1,45 @@
+"""Peak memory per rank, reset between phases so the timed steps are measured on their own.
+
+On CUDA: the caching allocator's peak allocated and reserved bytes, and NVML's device-wide used
+bytes (which adds the CUDA context and NCCL's buffers). On CPU: the process's peak resident set
+(``ru_maxrss``), whose high-water mark Linux resets when ``5`` is written to
+``/proc/self/clear_refs``.
+"""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass  # not Linux, or not permitted: the peak then covers the whole process life
+
+
+def _nvml_used_bytes(device: torch.device) -> int | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+    except Exception:  # NVML missing or not permitted: the allocator figures still stand
+        return None
+
+
+def read_peak(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return {
+            "peak_alloc_bytes": int(torch.cuda.max_memory_allocated(device)),
+            "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+            "device_used_bytes": _nvml_used_bytes(device),
+        }
+    return {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

@@ -1,0 +1,224 @@
+"""The one model every strategy trains, its size ladder, and the synthetic data it learns.
+
+The model is a GPT-2/3 style decoder: learned token and position embeddings, pre-LayerNorm
+blocks with causal scaled-dot-product attention and a GELU MLP (4x), a final LayerNorm and an
+untied output head. Every strategy builds it through :func:`build_model` with the same seed,
+so all of them start from bit-identical weights on the same device type.
+
+The data is a first-order Markov chain over the vocabulary: token[t+1] = token[t] + offset, where
+the offset is drawn from a small fixed set with skewed probabilities. A model can learn the
+transition table, so loss curves fall; the entropy floor is that of the offset distribution.
+Batches are a pure function of (seed, step), so any world size sees the same global batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    n_layers: int
+    d_model: int
+    n_heads: int
+    vocab_size: int = 50304
+    seq_len: int = 2048
+    mlp_ratio: int = 4
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# GPT-3 paper Table 2.1 with consistent shapes (see FACTS.md), plus CPU-sized models for tests.
+MODEL_LADDER: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64),
+    "small": GPTConfig(n_layers=4, d_model=128, n_heads=4, vocab_size=512, seq_len=128),
+    "gpt-125m": GPTConfig(n_layers=12, d_model=768, n_heads=12),
+    "gpt-350m": GPTConfig(n_layers=24, d_model=1024, n_heads=16),
+    "gpt-760m": GPTConfig(n_layers=24, d_model=1536, n_heads=16),
+    "gpt-1.3b": GPTConfig(n_layers=24, d_model=2048, n_heads=16),
+    "gpt-2.7b": GPTConfig(n_layers=32, d_model=2560, n_heads=32),
+    "gpt-6.7b": GPTConfig(n_layers=32, d_model=4096, n_heads=32),
+    "gpt-13b": GPTConfig(n_layers=40, d_model=5120, n_heads=40),
+}
+
+
+def model_config(name: str, seq_len: int | None = None, vocab_size: int | None = None) -> GPTConfig:
+    if name not in MODEL_LADDER:
+        raise KeyError(f"unknown model {name!r}; valid models: {', '.join(MODEL_LADDER)}")
+    cfg = MODEL_LADDER[name]
+    if seq_len is not None:
+        cfg = replace(cfg, seq_len=seq_len)
+    if vocab_size is not None:
+        cfg = replace(cfg, vocab_size=vocab_size)
+    return cfg
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        # Separate q/k/v projections (not one fused qkv) so that a column split of each weight
+        # is a split by heads: tensor parallelism then needs no re-layout.
+        self.q = nn.Linear(cfg.d_model, cfg.d_model)
+        # No key bias: it adds q.b to every score of a row, which softmax cancels, so its true
+        # gradient is zero and Adam would only amplify rounding noise into it.
+        self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # The head count comes from the local width, so a tensor-parallel shard (fewer heads) works unchanged.
+        q, k, v = (lin(x).view(b, s, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer. ``forward(tokens)`` returns logits; ``loss`` is the mean token CE."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.tok_emb(tokens) + self.pos_emb(pos)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over all tokens, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@torch.no_grad()
+def init_weights(model: GPT, seed: int) -> None:
+    """GPT-2 initialisation (N(0, 0.02), residual projections scaled by 1/sqrt(2L)), seeded.
+
+    Parameters are drawn in a fixed order from one generator on the parameters' device, so every
+    strategy and world size starts from the same numbers on the same kind of device (CPU runs
+    are bit-identical to each other, GPU runs to each other). Drawing on the device keeps the
+    initialisation of billion-parameter models to a fraction of a second.
+    """
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    resid_std = 0.02 / math.sqrt(2 * model.cfg.n_layers)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            p.zero_()
+        elif ".ln" in name or name.startswith("ln_"):
+            p.fill_(1.0)
+        else:
+            std = resid_std if name.endswith("proj.weight") else 0.02
+            p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32).mul_(std))
+
+
+def build_model(cfg: GPTConfig, seed: int, device: torch.device | str = "cpu") -> GPT:
+    """The model every strategy starts from: fp32 parameters on ``device``, deterministic in ``seed``.
+
+    The module is built on the meta device and materialised once on ``device``, so no
+    throw-away CPU copy of a billion-parameter model is ever made.
+    """
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model = model.to_empty(device=device)
+    init_weights(model, seed)
+    return model
+
+
+def parameter_count(cfg: GPTConfig) -> dict[str, int]:
+    """Parameter counts by role, computed from the shapes (no model needed)."""
+    d, L, V = cfg.d_model, cfg.n_layers, cfg.vocab_size
+    per_block = (3 * d * d + 2 * d) + (d * d + d) + 2 * (cfg.mlp_ratio * d * d) + cfg.mlp_ratio * d + d + 4 * d
+    blocks = L * per_block
+    embeddings = V * d + cfg.seq_len * d
+    head = V * d
+    final_ln = 2 * d
+    return {
+        "total": blocks + embeddings + head + final_ln,
+        "blocks": blocks,
+        "embeddings": embeddings,
+        "head": head,
+        # Parameters that take part in matrix multiplies: block weights and the output head.
+        "matmul": L * (4 * d * d + 2 * cfg.mlp_ratio * d * d) + head,
+    }
+
+
+FLOPS_CONVENTION = (
+    "6*N + 12*L*s*d per token (PaLM appendix B); N = matmul parameters "
+    "(block weights + untied output head, embeddings excluded); no causal-mask discount"
+)
+
+
+def model_flops_per_token(cfg: GPTConfig) -> int:
+    n = parameter_count(cfg)["matmul"]
+    return 6 * n + 12 * cfg.n_layers * cfg.seq_len * cfg.d_model
+
+
+# --- synthetic, learnable data ------------------------------------------------------------
+
+MARKOV_OFFSETS = (1, 2, 3, 5, 8, 13)
+MARKOV_PROBS = (0.5, 0.2, 0.12, 0.08, 0.06, 0.04)
+
+
+def markov_entropy_nats() -> float:
+    """Irreducible loss of the data: the entropy of the offset distribution."""
+    return -sum(p * math.log(p) for p in MARKOV_PROBS)
+
+
+def global_batch(step: int, batch_size: int, cfg: GPTConfig, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets of the whole global batch for ``step`` (int64, CPU), shape [B, s].
+
+    Sample j of step i is the same whatever the world size, so strategies that split the batch
+    differently still train on identical data.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, cfg.vocab_size, (batch_size, 1), generator=gen)
+    choice = torch.multinomial(torch.tensor(MARKOV_PROBS), batch_size * cfg.seq_len, replacement=True, generator=gen)
+    offsets = torch.tensor(MARKOV_OFFSETS)[choice].view(batch_size, cfg.seq_len)
+    stream = torch.cat([starts, starts + offsets.cumsum(dim=1)], dim=1) % cfg.vocab_size
+    return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()

@@ -1,0 +1,1 @@
+"""Adapters that run production libraries (PyTorch, DeepSpeed) behind parabench's Strategy interface."""

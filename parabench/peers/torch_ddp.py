@@ -1,0 +1,26 @@
+"""PyTorch DistributedDataParallel: gradients all-reduced in buckets, overlapped with backward."""
+
+from __future__ import annotations
+
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from parabench.models import build_model
+from parabench.peers.common import TorchTrainer, adamw
+from parabench.strategies import TrainSpec
+
+
+class DDPTrainer(TorchTrainer):
+    def full_parameters(self):
+        return {n: p.detach().float().cpu() for n, p in self.module.module.named_parameters()}
+
+
+def build(spec: TrainSpec) -> DDPTrainer:
+    model = build_model(spec.model, spec.seed, spec.device)
+    ddp = DDP(
+        model,
+        device_ids=[spec.device.index] if spec.device.type == "cuda" else None,
+        process_group=spec.topology.dp_group,
+        bucket_cap_mb=float(spec.options.get("bucket_mb", 25)),
+        gradient_as_bucket_view=True,
+    )
+    return DDPTrainer(spec, ddp, adamw(ddp.parameters(), spec), no_sync=ddp.no_sync)

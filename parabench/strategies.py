@@ -1,0 +1,138 @@
+"""The Strategy interface shared by reference implementations and peer adapters, and the registry.
+
+A strategy is a builder ``build(spec: TrainSpec) -> Trainer``. The runner never special-cases
+a library: it builds a trainer, feeds it this rank's slice of every global batch, and asks it
+for the memory it holds. Builders are named by import path and imported only when used, so a
+case with ``torch.ddp`` never imports DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from parabench.models import GPTConfig
+from parabench.topology import Topology
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW, every hyperparameter explicit: library defaults differ (weight decay above all)."""
+
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+    @property
+    def betas(self) -> tuple[float, float]:
+        return (self.beta1, self.beta2)
+
+
+@dataclass
+class TrainSpec:
+    """Everything a strategy needs to build its trainer on this rank."""
+
+    model: GPTConfig
+    seed: int
+    device: torch.device
+    precision: str
+    topology: Topology
+    micro_batch: int
+    grad_accum: int = 1
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    options: dict = field(default_factory=dict)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.precision]
+
+
+class Trainer(ABC):
+    """One rank's view of a training run under some strategy."""
+
+    @abstractmethod
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """One optimizer step over this rank's data-parallel slice, ``[grad_accum * micro_batch, s]``.
+
+        Returns the mean loss over the slice as a detached 0-d tensor (not synchronised to the
+        host, so the step does not stall), or None on ranks that never see the loss (pipeline
+        stages before the last).
+        """
+
+    @abstractmethod
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of model state this rank holds: keys ``params``, ``grads``, ``optimizer``
+        (master weights count under optimizer)."""
+
+    def full_parameters(self) -> dict[str, torch.Tensor] | None:
+        """Every parameter of the full model as fp32 CPU tensors keyed by the GPT's own names.
+
+        A collective: call it on every rank. Used by equivalence tests; None if unsupported.
+        """
+        return None
+
+    def loss_scale(self) -> dict | None:
+        """For fp16 runs: ``{"scale": float, "skipped": bool}`` for the last step, else None."""
+        return None
+
+    def close(self) -> None:
+        """Release what the strategy holds (called between cases that share a launch)."""
+
+
+@dataclass(frozen=True)
+class StrategyInfo:
+    name: str
+    builder: str  # "module:function"
+    kind: str  # "peer" or "reference"
+    description: str
+    precisions: tuple[str, ...] = ("fp32", "bf16")
+    min_world_size: int = 1
+    version: str = "1"  # bump when the implementation changes what it measures
+
+    def build(self, spec: TrainSpec) -> Trainer:
+        module, func = self.builder.split(":")
+        return getattr(importlib.import_module(module), func)(spec)
+
+
+STRATEGIES: dict[str, StrategyInfo] = {}
+
+
+def register(info: StrategyInfo) -> None:
+    if info.name in STRATEGIES:
+        raise ValueError(f"strategy {info.name!r} registered twice")
+    STRATEGIES[info.name] = info
+
+
+def get_strategy(name: str) -> StrategyInfo:
+    if name not in STRATEGIES:
+        raise KeyError(f"unknown strategy {name!r}; valid strategies: {', '.join(sorted(STRATEGIES))}")
+    return STRATEGIES[name]
+
+
+# Peer adapters (parabench/peers/) and reference implementations (reference_impls/, adapted in
+# parabench/reference_adapters.py). Add a strategy by appending one line here.
+_BUILTIN = (
+    StrategyInfo("single", "parabench.peers.single:build", "reference",
+                 "one process, no parallelism: the ground truth the others are checked against"),
+    StrategyInfo("torch.ddp", "parabench.peers.torch_ddp:build", "peer",
+                 "PyTorch DistributedDataParallel (bucketed all-reduce overlapped with backward)"),
+    StrategyInfo("torch.fsdp2", "parabench.peers.torch_fsdp2:build", "peer",
+                 "PyTorch FSDP2 fully_shard per transformer block + root (ZeRO-3 style)"),
+    StrategyInfo("deepspeed.zero0", "parabench.peers.deepspeed_zero:build_zero0", "peer",
+                 "DeepSpeed engine, ZeRO disabled (plain data parallel)"),
+    StrategyInfo("deepspeed.zero1", "parabench.peers.deepspeed_zero:build_zero1", "peer",
+                 "DeepSpeed ZeRO stage 1 (optimizer states partitioned)"),
+    StrategyInfo("deepspeed.zero2", "parabench.peers.deepspeed_zero:build_zero2", "peer",
+                 "DeepSpeed ZeRO stage 2 (+ gradients partitioned)"),
+    StrategyInfo("deepspeed.zero3", "parabench.peers.deepspeed_zero:build_zero3", "peer",
+                 "DeepSpeed ZeRO stage 3 (+ parameters partitioned)"),
+)
+for _info in _BUILTIN:
+    register(_info)

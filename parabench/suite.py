@@ -1,0 +1,267 @@
+"""Suite files (TOML) → validated Case objects.
+
+A suite file is flat TOML::
+
+    [suite]                      # name, description, defaults for every case
+    name = "smoke"
+    steps = 6
+    warmup = 2
+
+    [[matrix]]                   # each key a value or a list; the cartesian product is taken
+    model = ["tiny"]
+    strategy = ["torch.ddp", "torch.fsdp2"]
+    world_size = [2]
+    precision = ["fp32", "bf16"]
+
+    [[exclude]]                  # drop every expanded case matching all keys given
+    strategy = "torch.fsdp2"
+    precision = "bf16"
+
+Several ``[[matrix]]`` tables are expanded one by one and concatenated, which is how a suite
+gives each model size its own micro-batch. Every error names the file, the line and the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from parabench.models import MODEL_LADDER
+from parabench.strategies import PRECISIONS, STRATEGIES, get_strategy
+from parabench.topology import Topology, TopologyError
+
+SUITES_DIR = Path(__file__).resolve().parent.parent / "suites"
+
+
+class SuiteError(ValueError):
+    """A suite that cannot run, with file, line and field in the message."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured training run. Everything that changes what is measured is in the hash."""
+
+    model: str
+    strategy: str
+    world_size: int
+    precision: str = "fp32"
+    micro_batch: int = 2
+    grad_accum: int = 1
+    seq_len: int | None = None
+    steps: int = 5
+    warmup: int = 1
+    seed: int = 1234
+    lr: float = 3e-4
+    device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when present)
+    options: dict = field(default_factory=dict, hash=False)
+    # Not part of the identity of the measurement:
+    timeout_s: float = 600.0
+    comm_meter: bool = True
+
+    IDENTITY_EXCLUDES = ("timeout_s",)
+
+    def identity(self) -> dict:
+        d = asdict(self)
+        for k in self.IDENTITY_EXCLUDES:
+            d.pop(k)
+        d["strategy_version"] = get_strategy(self.strategy).version
+        return d
+
+    @property
+    def case_hash(self) -> str:
+        blob = json.dumps(self.identity(), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    @property
+    def label(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
+        return (f"{self.strategy} {self.model} w{self.world_size} {self.precision} mb{self.micro_batch}"
+                + (f" ga{self.grad_accum}" if self.grad_accum > 1 else "") + (f" [{opts}]" if opts else ""))
+
+    @property
+    def global_batch(self) -> int:
+        dp = Topology.check(self.world_size, self.options.get("pp", 1), self.options.get("tp", 1))
+        return self.micro_batch * self.grad_accum * dp
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Case":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+CASE_FIELDS = {f.name: f for f in fields(Case)}
+SUITE_KEYS = {"name", "description", "kind"} | (set(CASE_FIELDS) - {"model", "strategy", "world_size"})
+_TYPES = {"world_size": int, "micro_batch": int, "grad_accum": int, "seq_len": int, "steps": int,
+          "warmup": int, "seed": int, "lr": (int, float), "timeout_s": (int, float), "comm_meter": bool,
+          "model": str, "strategy": str, "precision": str, "device": str, "options": dict}
+
+
+@dataclass
+class Suite:
+    name: str
+    path: Path
+    description: str
+    cases: list[Case]
+    kind: str = "training"
+    raw: dict = field(default_factory=dict)
+
+    @property
+    def file_hash(self) -> str:
+        return hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
+
+
+def _line_of(text: str, key: str, table: str | None, index: int = 0) -> int | None:
+    """Line (1-based) of ``key = ...`` inside the ``index``-th ``[table]``/``[[table]]``; best effort."""
+    lines = text.splitlines()
+    start, seen = 0, -1
+    if table is not None:
+        header = re.compile(r"^\s*\[\[?\s*" + re.escape(table) + r"\s*\]\]?\s*(#.*)?$")
+        for i, line in enumerate(lines):
+            if header.match(line):
+                seen += 1
+                if seen == index:
+                    start = i
+                    break
+        else:
+            return None
+    key_re = re.compile(r"^\s*" + re.escape(key) + r"\s*=")
+    for i in range(start, len(lines)):
+        if i > start and table is not None and lines[i].lstrip().startswith("["):
+            break
+        if key_re.match(lines[i]):
+            return i + 1
+    return start + 1 if table is not None else None
+
+
+def list_suites() -> list[str]:
+    return sorted(p.stem for p in SUITES_DIR.glob("*.toml"))
+
+
+def resolve_suite_path(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix == ".toml" or p.exists():
+        if not p.exists():
+            raise SuiteError(f"suite file {p} does not exist")
+        return p
+    candidate = SUITES_DIR / f"{name_or_path}.toml"
+    if not candidate.exists():
+        raise SuiteError(f"unknown suite {name_or_path!r}; valid suites: {', '.join(list_suites())}")
+    return candidate
+
+
+def load_suite(name_or_path: str) -> Suite:
+    path = resolve_suite_path(name_or_path)
+    text = path.read_text()
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SuiteError(f"{path}: malformed TOML: {exc}") from None
+
+    def fail(msg: str, key: str, table: str | None, index: int = 0):
+        line = _line_of(text, key, table, index)
+        where = f"{path}:{line}" if line else str(path)
+        raise SuiteError(f"{where}: field '{key}'{f' in [{table}]' if table else ''}: {msg}")
+
+    for top in data:
+        if top not in ("suite", "matrix", "exclude"):
+            fail("unknown table; expected [suite], [[matrix]] and [[exclude]]", top, None)
+    head = data.get("suite", {})
+    for key in head:
+        if key not in SUITE_KEYS:
+            fail(f"unknown key; valid keys: {', '.join(sorted(SUITE_KEYS))}", key, "suite")
+    kind = head.get("kind", "training")
+    if kind not in ("training", "collectives"):
+        fail("kind must be 'training' or 'collectives'", "kind", "suite")
+    name = head.get("name", path.stem)
+    defaults = {k: v for k, v in head.items() if k in CASE_FIELDS}
+    for key, value in defaults.items():
+        _check_value(key, value, lambda m, k=key: fail(m, k, "suite"))
+
+    if kind == "collectives":
+        return Suite(name=name, path=path, description=head.get("description", ""), cases=[], kind=kind, raw=data)
+
+    matrices = data.get("matrix", [])
+    if not isinstance(matrices, list) or not matrices:
+        raise SuiteError(f"{path}: a training suite needs at least one [[matrix]] table")
+    cases: list[Case] = []
+    for mi, matrix in enumerate(matrices):
+        for key, value in matrix.items():
+            if key not in CASE_FIELDS:
+                fail(f"unknown key; valid keys: {', '.join(sorted(CASE_FIELDS))}", key, "matrix", mi)
+            for v in (value if isinstance(value, list) else [value]):
+                _check_value(key, v, lambda m, k=key: fail(m, k, "matrix", mi))
+        for key in ("model", "strategy", "world_size"):
+            if key not in matrix:
+                fail("required key missing", key, "matrix", mi)
+        keys = list(matrix)
+        axes = [v if isinstance(v, list) else [v] for v in matrix.values()]
+        for combo in itertools.product(*axes):
+            spec = {**defaults, **dict(zip(keys, combo))}
+            try:
+                case = Case(**spec)
+                validate_case(case)
+            except (SuiteError, TopologyError) as exc:
+                fail(str(exc), "strategy", "matrix", mi)
+            cases.append(case)
+
+    excludes = data.get("exclude", [])
+    for ei, ex in enumerate(excludes):
+        for key in ex:
+            if key not in CASE_FIELDS:
+                fail(f"unknown key; valid keys: {', '.join(sorted(CASE_FIELDS))}", key, "exclude", ei)
+    cases = [c for c in cases if not any(all(_matches(getattr(c, k), v) for k, v in ex.items()) for ex in excludes)]
+    seen: dict[str, Case] = {}
+    for c in cases:
+        seen.setdefault(c.case_hash, c)  # the same case from two matrices runs once
+    return Suite(name=name, path=path, description=head.get("description", ""), cases=list(seen.values()), raw=data)
+
+
+def _matches(actual, wanted) -> bool:
+    return actual in wanted if isinstance(wanted, list) else actual == wanted
+
+
+def _check_value(key: str, value, fail) -> None:
+    want = _TYPES.get(key)
+    if want is not None and (not isinstance(value, want) or (want is int and isinstance(value, bool))):
+        fail(f"expected {getattr(want, '__name__', 'a number')}, got {type(value).__name__} {value!r}")
+    if key == "model" and value not in MODEL_LADDER:
+        fail(f"unknown model {value!r}; valid models: {', '.join(MODEL_LADDER)}")
+    if key == "strategy" and value not in STRATEGIES:
+        fail(f"unknown strategy {value!r}; valid strategies: {', '.join(sorted(STRATEGIES))}")
+    if key == "precision" and value not in PRECISIONS:
+        fail(f"unknown precision {value!r}; valid precisions: {', '.join(PRECISIONS)}")
+    if key == "device" and value not in ("auto", "cpu", "cuda"):
+        fail(f"unknown device {value!r}; valid devices: auto, cpu, cuda")
+    if key in ("world_size", "micro_batch", "grad_accum", "steps", "seq_len") and isinstance(value, int) and value < 1:
+        fail("must be >= 1")
+    if key == "warmup" and isinstance(value, int) and value < 0:
+        fail("must be >= 0")
+
+
+def validate_case(case: Case) -> None:
+    """Reject what cannot run, before anything launches."""
+    info = get_strategy(case.strategy)
+    if case.precision not in info.precisions:
+        raise SuiteError(f"{case.strategy} does not support precision {case.precision} "
+                         f"(supported: {', '.join(info.precisions)})")
+    if case.world_size < info.min_world_size:
+        raise SuiteError(f"{case.strategy} needs world_size >= {info.min_world_size}")
+    if case.strategy == "single" and case.world_size != 1:
+        raise SuiteError("strategy 'single' runs on world_size 1 only")
+    pp, tp = case.options.get("pp", 1), case.options.get("tp", 1)
+    Topology.check(case.world_size, pp, tp)
+    cfg = MODEL_LADDER[case.model]
+    if cfg.n_heads % tp:
+        raise SuiteError(f"tp={tp} does not divide the {cfg.n_heads} heads of {case.model}")
+    if pp > cfg.n_layers:
+        raise SuiteError(f"pp={pp} stages for a model of {cfg.n_layers} layers")
+    if case.seq_len is not None and case.seq_len > 1 << 20:
+        raise SuiteError("seq_len is unreasonably large")

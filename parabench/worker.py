@@ -1,0 +1,210 @@
+"""What every rank executes: ``torchrun ... -m parabench.worker --cases CASES.json --scratch DIR``.
+
+One launch may run several cases in a row (same world size and device), which saves the
+start-up of torch, NCCL and the rendezvous for each. Per case, every rank:
+
+1. builds the rank grid and the strategy's trainer from the shared model and seed;
+2. runs ``warmup`` untimed steps, then ``steps`` timed steps with nothing else on them
+   (device events on GPU, the host clock on CPU; peak memory reset just before);
+3. runs one more, instrumented step: communication meter on, model-state bytes sampled;
+4. sends its measurements to rank 0, which writes ``<case_hash>.json`` in the scratch folder.
+
+A rank that fails writes ``<case_hash>.rank<r>.error.json`` (type, message, traceback, time)
+and exits non-zero; the runner picks the earliest such file as the first failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from parabench.distributed import init_process_group, pick_device
+from parabench.hardware import device_name, measured_matmul_flops, peak_flops
+from parabench.meters import memory
+from parabench.meters.comm import CommMeter
+from parabench.models import global_batch, model_config
+from parabench.results import write_json_atomic
+from parabench.strategies import OptimConfig, TrainSpec, get_strategy
+from parabench.suite import Case
+from parabench.topology import build_topology
+
+
+def _inject_fault(case: Case, step: int) -> None:
+    """Test hook: options.inject_fault = {kind: oom|crash|abort|hang, rank: r, step: k}."""
+    fault = case.options.get("inject_fault")
+    if not fault or fault.get("step", 0) != step or fault.get("rank", 0) != dist.get_rank():
+        return
+    kind = fault["kind"]
+    if kind == "oom":
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 EiB (injected by parabench)")
+    if kind == "crash":
+        raise RuntimeError("injected crash (parabench fault injection)")
+    if kind == "abort":
+        os.abort()
+    if kind == "hang":
+        time.sleep(10**6)
+    raise ValueError(f"unknown injected fault kind {kind!r}")
+
+
+class StepClock:
+    """Per-step durations that do not stall the device: CUDA events read once at the end."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def durations_s(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_spec(case: Case, device: torch.device) -> TrainSpec:
+    """The strategy's view of ``case`` on this rank (builds the rank grid: a collective)."""
+    cfg = model_config(case.model, case.seq_len)
+    topo = build_topology(device.type, case.options.get("pp", 1), case.options.get("tp", 1))
+    return TrainSpec(model=cfg, seed=case.seed, device=device, precision=case.precision, topology=topo,
+                     micro_batch=case.micro_batch, grad_accum=case.grad_accum,
+                     optim=OptimConfig(lr=case.lr, **case.options.get("optim", {})), options=case.options)
+
+
+def local_batches(case: Case, spec: TrainSpec, n_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's data-parallel slice of each step's global batch, already on the device."""
+    per_rank = case.micro_batch * case.grad_accum
+    lo = spec.topology.dp_rank * per_rank
+    out = []
+    for step in range(n_steps):
+        x, y = global_batch(step, case.global_batch, spec.model, case.seed)
+        out.append((x[lo:lo + per_rank].to(spec.device), y[lo:lo + per_rank].to(spec.device)))
+    return out
+
+
+def run_case(case: Case, device: torch.device) -> dict | None:
+    """Train ``case`` on this rank; return the gathered measurements on rank 0, None elsewhere."""
+    rank = dist.get_rank()
+    spec = make_spec(case, device)
+    topo = spec.topology
+    t_setup = time.perf_counter()
+    trainer = get_strategy(case.strategy).build(spec)
+    _sync(device)
+    setup_s = time.perf_counter() - t_setup
+
+    n_steps = case.warmup + case.steps + 1  # + the instrumented step
+    batches = local_batches(case, spec, n_steps)
+
+    losses: list = []
+    for step in range(case.warmup):
+        _inject_fault(case, step)
+        losses.append(trainer.train_step(*batches[step]))
+
+    _sync(device)
+    dist.barrier()
+    memory.reset_peak(device)
+    clock = StepClock(device)
+    clock.mark()
+    for step in range(case.warmup, case.warmup + case.steps):
+        _inject_fault(case, step)
+        losses.append(trainer.train_step(*batches[step]))
+        clock.mark()
+    step_times = clock.durations_s()
+    peak = memory.read_peak(device)
+
+    # The instrumented step: communication meter on and state bytes sampled, off the clock.
+    step = n_steps - 1
+    _inject_fault(case, step)
+    if hasattr(trainer, "measure_state"):
+        trainer.measure_state = True
+    if case.comm_meter:
+        with CommMeter() as meter:
+            losses.append(trainer.train_step(*batches[step]))
+        comm = meter.summary()
+    else:
+        losses.append(trainer.train_step(*batches[step]))
+        comm = None
+    _sync(device)
+    state = trainer.state_bytes()
+    loss_values = [None if l is None else float(l) for l in losses]
+
+    mine = {
+        "rank": rank,
+        "coords": dict(zip(("dp", "pp", "tp"), topo.coords)),
+        "step_times_s": step_times,
+        "losses": loss_values,
+        "memory": peak,
+        "state_bytes": state,
+        "comm": comm,
+        "setup_s": setup_s,
+    }
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    trainer.close()
+    del trainer, batches
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if rank != 0:
+        return None
+    return {
+        "per_rank": gathered,
+        "device_name": device_name(device),
+        "device_type": device.type,
+        "peak_flops_per_device": peak_flops(device, case.precision),
+        "matmul_roofline_flops": measured_matmul_flops(device, case.precision) if case.options.get("roofline", device.type != "cuda") else None,
+        "topology": {"dp": topo.dp, "pp": topo.pp, "tp": topo.tp},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="parabench.worker")
+    ap.add_argument("--cases", required=True, help="JSON file with a list of case dicts")
+    ap.add_argument("--scratch", required=True, help="folder for per-case measurements and errors")
+    args = ap.parse_args(argv)
+    cases = [Case.from_dict(d) for d in json.loads(open(args.cases).read())]
+    device = pick_device(cases[0].device)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    init_process_group(device, timeout_s=min(c.timeout_s for c in cases))
+    rank = dist.get_rank()
+    for case in cases:
+        try:
+            result = run_case(case, device)
+        except BaseException as exc:
+            err = {
+                "rank": rank,
+                "type": type(exc).__name__,
+                "message": str(exc)[:2000],
+                "traceback": traceback.format_exc()[-4000:],
+                "time": time.time(),
+                "oom": isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower(),
+            }
+            write_json_atomic(os.path.join(args.scratch, f"{case.case_hash}.rank{rank}.error.json"), err)
+            raise
+        if result is not None:
+            write_json_atomic(os.path.join(args.scratch, f"{case.case_hash}.json"), result)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

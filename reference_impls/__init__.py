@@ -1,0 +1,6 @@
+"""From-scratch reference implementations of distributed-training strategies (torch only).
+
+One strategy per file, each small enough to read in one sitting, with the collectives it issues
+written out in the code. parabench adapts them to its Strategy interface in
+``parabench/reference_adapters.py``; nothing here imports parabench.
+"""

@@ -1,0 +1,58 @@
+"""Train a case in-process on N gloo ranks and return what equivalence tests compare."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parabench.distributed import run_on_gloo
+from parabench.strategies import get_strategy
+from parabench.suite import Case
+from parabench.worker import local_batches, make_spec
+
+
+def _train(case_dict: dict, n_steps: int, want_params: bool):
+    case = Case.from_dict(case_dict)
+    device = torch.device("cpu")
+    spec = make_spec(case, device)
+    trainer = get_strategy(case.strategy).build(spec)
+    losses = []
+    for x, y in local_batches(case, spec, n_steps):
+        loss = trainer.train_step(x, y)
+        losses.append(None if loss is None else float(loss))
+    params = trainer.full_parameters() if want_params else None
+    state = trainer.state_bytes()
+    trainer.close()
+    return {"rank": dist.get_rank(), "coords": spec.topology.coords, "losses": losses,
+            "params": params if dist.get_rank() == 0 else None, "state_bytes": state}
+
+
+def train(case: Case, n_steps: int = 5, want_params: bool = True) -> dict:
+    """Losses per step (averaged over the ranks that see the loss), rank 0's gathered parameters,
+    and every rank's state bytes."""
+    per_rank = run_on_gloo(_train, case.world_size, case.to_dict(), n_steps, want_params)
+    losses = []
+    for step in range(n_steps):
+        vals = [r["losses"][step] for r in per_rank if r["losses"][step] is not None]
+        losses.append(sum(vals) / len(vals))
+    return {"losses": losses, "params": per_rank[0]["params"], "per_rank": per_rank}
+
+
+def single_reference(case: Case, n_steps: int = 5) -> dict:
+    """The same model, data and global batch on one process: the ground truth."""
+    from dataclasses import replace
+
+    dp = case.global_batch // (case.micro_batch * case.grad_accum)
+    ref = replace(case, strategy="single", world_size=1, micro_batch=case.micro_batch * dp,
+                  options={k: v for k, v in case.options.items() if k in ("optim",)})
+    return train(ref, n_steps)
+
+
+def max_rel_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def params_close(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> list[str]:
+    """Names of parameters that differ (empty when all match)."""
+    assert a.keys() == b.keys(), (sorted(a)[:5], sorted(b)[:5])
+    return [n for n in a if not torch.allclose(a[n], b[n], rtol=rtol, atol=atol)]
