@@ -171,8 +171,8 @@ def load_suite(name_or_path: str) -> Suite:
         raise SuiteError(f"{where}: field '{key}'{f' in [{table}]' if table else ''}: {msg}")
 
     for top in data:
-        if top not in ("suite", "matrix", "exclude"):
-            fail("unknown table; expected [suite], [[matrix]] and [[exclude]]", top, None)
+        if top not in ("suite", "matrix", "exclude", "collectives"):
+            fail("unknown table; expected [suite], [[matrix]], [[exclude]] or [collectives]", top, None)
     head = data.get("suite", {})
     for key in head:
         if key not in SUITE_KEYS:
