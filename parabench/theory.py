@@ -74,13 +74,13 @@ def _torch_ddp(cfg, case, dp):
 @expectation("torch.fsdp2")
 def _torch_fsdp2(cfg, case, dp):
     psi = _counts(cfg)["total"]
-    blocks = _counts(cfg)["blocks"]
     pbytes = BYTES[case.precision]
     accum = case.grad_accum
     comm = {
-        # forward gathers every parameter; backward re-gathers the blocks (the root is not resharded
-        # after forward); gradients are reduce-scattered in fp32 after every micro-batch.
-        "all_gather": accum * (psi + blocks) * pbytes,
+        # forward gathers every parameter group (blocks and root), backward gathers each again
+        # (reshard_after_forward=True, the root included); gradients are reduce-scattered in fp32
+        # after every micro-batch.
+        "all_gather": accum * 2 * psi * pbytes,
         "reduce_scatter": accum * psi * 4,
     } if dp > 1 else {}
     return Expectation(
@@ -92,12 +92,21 @@ def _torch_fsdp2(cfg, case, dp):
 
 
 def _deepspeed(stage: int):
+    """DeepSpeed 0.19 as it behaves (read from its source, confirmed by the meter): gradients
+    travel in the parameter dtype; stages 1 and 2 all-reduce each gradient bucket and then
+    all-gather the updated parameters, so their payload is 2Ψ elements and their wire traffic 3Ψ
+    (the paper's reduce-scatter + all-gather would be 2Ψ); stage 3, configured to reshard after
+    forward, gathers parameters in forward and again in backward and reduce-scatters gradients."""
     def fn(cfg, case, dp):
         psi = _counts(cfg)["total"]
-        gbytes = BYTES[case.precision]
+        b = BYTES[case.precision]
+        accum = case.grad_accum
         comm = None
         if dp > 1:
-            comm = {"all_reduce": gbytes * psi} if stage == 0 else None
+            comm = {0: {"all_reduce": b * psi},
+                    1: {"all_reduce": b * psi, "all_gather": b * psi},
+                    2: {"all_reduce": b * psi, "all_gather": b * psi},
+                    3: {"all_gather": accum * 2 * b * psi, "reduce_scatter": accum * b * psi}}[stage]
         return Expectation(
             state_bytes=None,
             comm_payload_bytes=comm,

@@ -156,6 +156,8 @@ def run_case(case: Case, device: torch.device) -> dict | None:
         "comm": comm,
         "setup_s": setup_s,
     }
+    if hasattr(trainer, "pipeline_stats"):
+        mine["pipeline"] = trainer.pipeline_stats()
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     trainer.close()
@@ -186,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     init_process_group(device, timeout_s=min(c.timeout_s for c in cases))
     rank = dist.get_rank()
     for case in cases:
+        if rank == 0:
+            with open(os.path.join(args.scratch, f"{case.case_hash}.started"), "w") as f:
+                f.write(repr(time.time()))
         try:
             result = run_case(case, device)
         except BaseException as exc:

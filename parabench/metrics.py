@@ -1,0 +1,135 @@
+"""Every figure parabench reports, derived once from the raw per-rank measurements.
+
+Names carry their units. Conventions:
+- ``step_time_s``: per step, the slowest rank's duration (a step ends when every rank ends it);
+  the summary is the median over timed steps, with p10/p90 and min/max as spread.
+- ``tokens_per_s``: global (all data-parallel replicas) = global batch x seq_len / median step time;
+  ``tokens_per_s_per_device`` divides by the world size.
+- ``mfu``: model FLOPs (``parabench.models.FLOPS_CONVENTION``) per second per device over the
+  device's dense peak; None where the peak is unknown (CPUs), where ``roofline_fraction``
+  (over a matmul rate measured on the spot) is given instead.
+- Memory: the maximum over ranks of each rank's peak during the timed steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from parabench.models import FLOPS_CONVENTION, model_config, model_flops_per_token, parameter_count
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    if len(s) == 1:
+        return s[0]
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def step_times_over_ranks(per_rank: list[dict]) -> list[float]:
+    return [max(ts) for ts in zip(*(r["step_times_s"] for r in per_rank))]
+
+
+def losses_over_ranks(per_rank: list[dict]) -> list[float | None]:
+    """Per step, the mean loss of the ranks that see it (every dp replica's last stage)."""
+    out = []
+    for vals in zip(*(r["losses"] for r in per_rank)):
+        seen = [v for v in vals if v is not None]
+        out.append(sum(seen) / len(seen) if seen else None)
+    return out
+
+
+def summarize(case, raw: dict) -> dict:
+    """The record's ``metrics`` section from the worker's gathered measurements."""
+    cfg = model_config(case.model, case.seq_len)
+    per_rank = raw["per_rank"]
+    steps = step_times_over_ranks(per_rank)
+    median = statistics.median(steps)
+    tokens_per_step = case.global_batch * cfg.seq_len
+    world = case.world_size
+    flops_per_token = model_flops_per_token(cfg)
+    achieved = tokens_per_step / median * flops_per_token / world
+    peak = raw.get("peak_flops_per_device")
+    roof = raw.get("matmul_roofline_flops")
+
+    def mem(key):
+        vals = [r["memory"].get(key) for r in per_rank]
+        vals = [v for v in vals if v is not None]
+        return max(vals) if vals else None
+
+    state_total = [sum(v for v in r["state_bytes"].values() if v is not None) for r in per_rank]
+    losses = losses_over_ranks(per_rank)
+    return {
+        "step_time_s_median": median,
+        "step_time_s_p10": _quantile(steps, 0.1),
+        "step_time_s_p90": _quantile(steps, 0.9),
+        "step_time_s_min": min(steps),
+        "step_time_s_max": max(steps),
+        "step_times_s": steps,
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": tokens_per_step / median,
+        "tokens_per_s_per_device": tokens_per_step / median / world,
+        "model_flops_per_token": flops_per_token,
+        "model_flops_per_s_per_device": achieved,
+        "peak_flops_per_device": peak,
+        "mfu": achieved / peak if peak else None,
+        "matmul_roofline_flops": roof,
+        "roofline_fraction": achieved / roof if roof else None,
+        "peak_alloc_bytes": mem("peak_alloc_bytes"),
+        "peak_reserved_bytes": mem("peak_reserved_bytes"),
+        "device_used_bytes": mem("device_used_bytes"),
+        "peak_rss_bytes": mem("peak_rss_bytes"),
+        "model_state_bytes_max": max(state_total),
+        "losses": losses,
+        "final_loss": next((l for l in reversed(losses) if l is not None), None),
+        "setup_s_max": max(r["setup_s"] for r in per_rank),
+    }
+
+
+def model_section(case) -> dict:
+    cfg = model_config(case.model, case.seq_len)
+    return {
+        "name": case.model,
+        "config": cfg.to_dict(),
+        "params": parameter_count(cfg),
+        "tied_head": False,
+        "flops_per_token": model_flops_per_token(cfg),
+        "flops_convention": FLOPS_CONVENTION,
+    }
+
+
+def check_against_theory(theory: dict | None, per_rank: list[dict], allowance: float = 0.01) -> dict:
+    """Measured vs expected: communication payload per kind (rank 0's instrumented step) and
+    model-state bytes per rank. ``ok`` is False when any ratio is off by more than ``allowance``."""
+    if not theory:
+        return {"available": False}
+    out: dict = {"available": True, "allowance": allowance}
+    comm_exp = theory.get("comm_payload_bytes")
+    comm_meas = per_rank[0].get("comm")
+    if comm_exp is not None and comm_meas is not None:
+        rows = {}
+        kinds = set(comm_exp) | set(comm_meas["by_kind"])
+        for k in sorted(kinds):
+            exp = comm_exp.get(k, 0)
+            meas = comm_meas["by_kind"].get(k, {}).get("payload_bytes", 0)
+            ratio = meas / exp if exp else (None if meas == 0 else float("inf"))
+            rows[k] = {"expected_bytes": exp, "measured_bytes": meas, "ratio": ratio,
+                       "ok": (meas == 0) if not exp else abs(ratio - 1) <= allowance}
+        out["comm"] = rows
+        out["comm_ok"] = all(r["ok"] for r in rows.values())
+    state_exp = theory.get("state_bytes")
+    if state_exp is not None:
+        rows = []
+        for r in per_rank:
+            exp = state_exp if not isinstance(state_exp, list) else state_exp[r["rank"]]
+            row = {}
+            for k, e in exp.items():
+                m = r["state_bytes"].get(k)
+                row[k] = {"expected_bytes": e, "measured_bytes": m, "ok": m is None or e is None or m == e}
+            rows.append(row)
+        out["state"] = rows
+        out["state_ok"] = all(v["ok"] for row in rows for v in row.values())
+    out["ok"] = out.get("comm_ok", True) and out.get("state_ok", True)
+    return out
