@@ -1,0 +1,482 @@
+"""Collective-algorithm benchmark: the backend's collectives beside ``reference_impls.collectives``.
+
+Run on every rank under torchrun (gloo on CPU, NCCL on GPU)::
+
+    python -m torch.distributed.run --standalone --nproc-per-node N \\
+        -m parabench.collectives_bench --config CONFIG.json --out RESULT.json
+
+or from Python: :func:`run_collectives_suite` (one torchrun launch per world size of a suite
+with ``[suite] kind = "collectives"``).
+
+Config contract (``CONFIG.json``: one JSON object; the ``[collectives]`` table of a suite file
+maps onto it key for key; unknown keys are an error)
+----------------------------------------------------------------------------------------------
+``ops``              list of "all_reduce", "all_gather", "reduce_scatter" (default: all three)
+``algorithms``       list of "backend", "ps", "ring", "halving_doubling", "tree" (default: all).
+                     all_reduce runs every one; all_gather and reduce_scatter only "backend" and
+                     "ring"; pairs that do not exist are left out (no row).
+``min_bytes``        smallest message, bytes (default 1024)
+``max_bytes``        largest message, bytes, on CPU (default 64 MiB); sizes are min_bytes × 2^k
+``max_bytes_gpu``    largest message when the device is a GPU (default: max_bytes)
+``dtype``            "fp32" (default), "fp64", "bf16" or "fp16"
+``iters``            timed iterations per cell (default 20)
+``warmup``           untimed iterations before them (default 5)
+``iters_full_bytes`` messages up to this size get the full iters/warmup; above it both are scaled
+                     by iters_full_bytes/bytes (default 1 MiB), but never below ``min_iters``
+                     timed (default 3) and 1 warmup iteration
+``cell_budget_s``    time one (op, algorithm, size) cell may take (default 10 s): iterations are
+                     cut to fit, and if even ``min_iters`` do not fit the cell is skipped with a
+                     reason, as are the larger sizes of that algorithm
+``device``           "auto" (default), "cpu" or "cuda"
+``seed``             base of the input seeds (default 0)
+``timeout_s``        process-group timeout (default 300)
+``world_sizes``      ignored here (the launcher's business)
+
+Sizes: all_reduce moves a ``bytes`` tensor; all_gather and reduce_scatter count the full
+n × shard buffer (nccl-tests), so the shard is ``bytes // (n × itemsize)`` elements and the row
+records the bytes actually moved (rounded down to a multiple of n elements).
+
+Method, per (op, size): fresh random inputs, different on every rank, integer-valued in
+{-4..-1, 1..4} so that every summation order gives the same bits (the check is exact while
+|sum| stays representable: 4n ≤ 256 in bf16, 2048 in fp16, 2^24 in fp32; beyond that a relative
+tolerance applies). The backend's result is checked against the sum computed locally from the
+same seeds, each reference algorithm against the backend's result; a cell is ``correct`` only if
+it matches on every rank. Then ``warmup`` untimed and ``iters`` timed calls, each preceded by a
+barrier (and the input restored for in-place all-reduce, untimed); a call is timed with CUDA
+events on GPU and ``perf_counter`` on CPU; each iteration's time is the max over ranks.
+
+Result (``RESULT.json``, written by rank 0 with ``write_json_atomic``)::
+
+    {schema_version, kind: "collectives", created_at, ok, config (with defaults filled in),
+     world_size, backend, device: {type, name}, versions, env, wall_s,
+     rows: [{op, algorithm, bytes, count, dtype, iters, time_s_median, time_s_all,
+             algbw_GBps, busbw_GBps, correct, max_abs_err, skipped}],
+     failures: [{op, algorithm, bytes, max_abs_err}]}
+
+GB/s are 1e9 bytes/s. algbw = bytes / median time; busbw (nccl-tests) = algbw × 2(n-1)/n for
+all_reduce, × (n-1)/n for all_gather and reduce_scatter. ``skipped`` is null or the reason;
+skipped cells have null times. If any cell is incorrect the file is still written (``ok``:
+false, ``failures`` listed) and every rank exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from parabench.distributed import init_process_group, pick_device
+from parabench.results import SCHEMA_VERSION, recorded_env, write_json_atomic
+from reference_impls import collectives as ref
+from reference_impls._compat import all_gather_into, reduce_scatter_into
+
+MiB = 1 << 20
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
+# largest integer every value up to which the dtype represents exactly
+EXACT_INT = {torch.float32: 2 ** 24, torch.float64: 2 ** 53, torch.bfloat16: 256, torch.float16: 2048}
+LOOSE_RTOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+ALGORITHMS = ("backend", "ps", "ring", "halving_doubling", "tree")
+IMPLS = {
+    "all_reduce": {
+        "backend": lambda t: dist.all_reduce(t),
+        "ps": ref.ps_allreduce,
+        "ring": ref.ring_allreduce,
+        "halving_doubling": ref.recursive_halving_doubling_allreduce,
+        "tree": ref.tree_allreduce,
+    },
+    "all_gather": {"backend": lambda out, inp: all_gather_into(out, inp), "ring": ref.ring_allgather},
+    "reduce_scatter": {"backend": lambda out, inp: reduce_scatter_into(out, inp), "ring": ref.ring_reduce_scatter},
+}
+BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+                "reduce_scatter": lambda n: (n - 1) / n}
+
+DEFAULTS = {
+    "ops": list(OPS),
+    "algorithms": list(ALGORITHMS),
+    "min_bytes": 1024,
+    "max_bytes": 64 * MiB,
+    "max_bytes_gpu": None,
+    "dtype": "fp32",
+    "iters": 20,
+    "warmup": 5,
+    "min_iters": 3,
+    "iters_full_bytes": 1 * MiB,
+    "cell_budget_s": 10.0,
+    "device": "auto",
+    "seed": 0,
+    "timeout_s": 300.0,
+    "world_sizes": None,
+}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def validate_config(raw: dict) -> dict:
+    """Defaults filled in, every value checked; a ConfigError names the offending key."""
+    unknown = set(raw) - set(DEFAULTS)
+    if unknown:
+        raise ConfigError(f"unknown collectives config key(s) {sorted(unknown)}; valid: {sorted(DEFAULTS)}")
+    cfg = {**DEFAULTS, **raw}
+    for key, valid in (("ops", OPS), ("algorithms", ALGORITHMS)):
+        if not isinstance(cfg[key], list) or not cfg[key]:
+            raise ConfigError(f"'{key}' must be a non-empty list")
+        bad = [v for v in cfg[key] if v not in valid]
+        if bad:
+            raise ConfigError(f"'{key}': unknown {bad}; valid: {list(valid)}")
+    if not any(a in IMPLS[op] for op in cfg["ops"] for a in cfg["algorithms"]):
+        raise ConfigError(f"no algorithm of {cfg['algorithms']} implements any op of {cfg['ops']}")
+    if cfg["dtype"] not in DTYPES:
+        raise ConfigError(f"'dtype' {cfg['dtype']!r}; valid: {list(DTYPES)}")
+    if cfg["device"] not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"'device' {cfg['device']!r}; valid: auto, cpu, cuda")
+    for key, lo in (("min_bytes", 1), ("max_bytes", 1), ("iters", 1), ("warmup", 0), ("min_iters", 1),
+                    ("iters_full_bytes", 1), ("seed", 0)):
+        v = cfg[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise ConfigError(f"'{key}' must be an integer >= {lo}, got {v!r}")
+    if cfg["max_bytes_gpu"] is not None and (not isinstance(cfg["max_bytes_gpu"], int) or cfg["max_bytes_gpu"] < 1):
+        raise ConfigError(f"'max_bytes_gpu' must be a positive integer, got {cfg['max_bytes_gpu']!r}")
+    for key in ("cell_budget_s", "timeout_s"):
+        if not isinstance(cfg[key], (int, float)) or isinstance(cfg[key], bool) or cfg[key] <= 0:
+            raise ConfigError(f"'{key}' must be a positive number, got {cfg[key]!r}")
+    if cfg["min_bytes"] > max(cfg["max_bytes"], cfg["max_bytes_gpu"] or 0):
+        raise ConfigError("'min_bytes' is larger than 'max_bytes'")
+    ws = cfg["world_sizes"]
+    if ws is not None and (not isinstance(ws, list) or not ws
+                           or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in ws)):
+        raise ConfigError(f"'world_sizes' must be a non-empty list of positive integers, got {ws!r}")
+    cfg["min_iters"] = min(cfg["min_iters"], cfg["iters"])
+    return cfg
+
+
+def message_sizes(cfg: dict, device_type: str) -> list[int]:
+    top = cfg["max_bytes_gpu"] if device_type == "cuda" and cfg["max_bytes_gpu"] else cfg["max_bytes"]
+    sizes, b = [], cfg["min_bytes"]
+    while b <= top:
+        sizes.append(b)
+        b *= 2
+    return sizes
+
+
+def iterations_for(cfg: dict, nbytes: int) -> tuple[int, int]:
+    """(warmup, iters) for a message of ``nbytes``: scaled down above ``iters_full_bytes``."""
+    scale = min(1.0, cfg["iters_full_bytes"] / nbytes)
+    iters = max(cfg["min_iters"], min(cfg["iters"], math.ceil(cfg["iters"] * scale)))
+    warmup = min(cfg["warmup"], max(1, math.ceil(cfg["warmup"] * scale)))
+    return warmup, iters
+
+
+# --------------------------------------------------------------------------- data and checks
+
+
+def random_input(seed: int, rank: int, count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Integers in {-4..-1, 1..4} (never zero), reproducible from (seed, rank) on any rank.
+
+    Eight random bytes per 64-bit draw, 3 bits each: ~10x faster than ``torch.randint`` on a CPU,
+    which matters when every rank regenerates every other rank's input for the check."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed * 1_000_003 + rank)
+    raw = torch.empty((count + 7) // 8, dtype=torch.int64, device=device).random_(generator=g)
+    b = raw.view(torch.uint8)[:count]
+    v = (b & 7).add_((b >> 2) & 1)  # 0,1,2,3,5,6,7,8
+    return torch.empty(count, dtype=dtype, device=device).copy_(v).sub_(4)
+
+
+def expected_output(op: str, seed: int, count: int, dtype, device, rank: int, world: int) -> torch.Tensor:
+    """What rank ``rank`` must hold after ``op``, from every rank's regenerated input."""
+    if op == "all_gather":
+        return torch.cat([random_input(seed, r, count, dtype, device) for r in range(world)])
+    total = None
+    for r in range(world):
+        x = random_input(seed, r, count, dtype, device)
+        total = x if total is None else total.add_(x)
+    if op == "reduce_scatter":
+        shard = count // world
+        return total[rank * shard:(rank + 1) * shard].clone()
+    return total
+
+
+def compare(got: torch.Tensor, want: torch.Tensor, world: int) -> tuple[bool, float]:
+    """(equal, max |difference|): exact while 4·world is exactly representable, else rtol."""
+    if got.shape != want.shape:
+        return False, math.inf
+    if torch.equal(got, want):
+        return True, 0.0
+    max_err = float((got.double() - want.double()).abs().max())
+    if 4 * world <= EXACT_INT[got.dtype]:
+        return False, max_err
+    return bool(torch.allclose(got, want, rtol=LOOSE_RTOL[got.dtype], atol=0.0)), max_err
+
+
+class Cell:
+    """Buffers and the call for one (op, algorithm) on one rank; ``reset`` restores the input."""
+
+    def __init__(self, op: str, fn, inp: torch.Tensor, world: int):
+        self.op, self.inp = op, inp
+        if op == "all_reduce":
+            self.out = inp.clone()
+            self.call = lambda: fn(self.out)
+            self.reset = lambda: self.out.copy_(self.inp)
+        elif op == "all_gather":
+            self.out = torch.empty(inp.numel() * world, dtype=inp.dtype, device=inp.device)
+            self.call = lambda: fn(self.out, self.inp)
+            self.reset = lambda: None
+        else:
+            self.out = torch.empty(inp.numel() // world, dtype=inp.dtype, device=inp.device)
+            self.call = lambda: fn(self.out, self.inp)
+            self.reset = lambda: None
+
+
+def check_algorithm(op: str, fn, count: int, dtype: torch.dtype = torch.float32, device=None,
+                    seed: int = 0, against: torch.Tensor | None = None):
+    """Run ``fn`` once on fresh inputs on every rank of the default group.
+
+    ``count`` is the element count of the input (all_reduce, reduce_scatter) or of the shard
+    (all_gather). Compares with ``against`` when given (the backend's output), else with the
+    locally computed expectation. Returns (correct on every rank, max error over ranks, seconds
+    the call took (max over ranks), the :class:`Cell` holding this rank's input and output).
+    Collective: call it on every rank.
+    """
+    device = device or torch.device("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cell = Cell(op, fn, random_input(seed, rank, count, dtype, device), world)
+    _sync(device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    cell.call()
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    want = against if against is not None else expected_output(op, seed, count, dtype, device, rank, world)
+    ok, err = compare(cell.out, want, world)
+    flags = torch.tensor([0.0 if ok else 1.0, err, seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return flags[0].item() == 0.0, flags[1].item(), flags[2].item(), cell
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(cell: Cell, n: int, device: torch.device) -> list[float]:
+    """Seconds of each of ``n`` calls on this rank (barrier before each, reset untimed)."""
+    times = []
+    for _ in range(n):
+        cell.reset()
+        _sync(device)
+        dist.barrier()
+        _sync(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            cell.call()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            cell.call()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+def run_bench(cfg: dict, device: torch.device) -> dict:
+    """Every (op, algorithm, size) cell on every rank; returns the result document (all ranks)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = DTYPES[cfg["dtype"]]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    rows, failures = [], []
+    over_budget: dict[tuple[str, str], int] = {}  # (op, algorithm) -> size that did not fit
+    t_start = time.perf_counter()
+    for oi, op in enumerate(o for o in OPS if o in cfg["ops"]):
+        algos = [a for a in ALGORITHMS if a in cfg["algorithms"] and a in IMPLS[op]]
+        if not algos:
+            continue
+        for si, nbytes in enumerate(message_sizes(cfg, device.type)):
+            count = nbytes // itemsize if op == "all_reduce" else nbytes // (itemsize * world)
+            moved = count * itemsize * (1 if op == "all_reduce" else world)
+            base = {"op": op, "bytes": moved, "count": count * (1 if op == "all_reduce" else world),
+                    "dtype": cfg["dtype"]}
+            if count == 0:
+                for a in algos:
+                    rows.append(_skipped_row(base, a, f"{nbytes} bytes is less than one {cfg['dtype']} element per rank"))
+                continue
+            seed = cfg["seed"] * 1_000 + oi * 100 + si + 1
+            in_count = count * world if op == "reduce_scatter" else count
+            # the backend first: its output is what the reference algorithms must reproduce
+            ok, err, t_backend, backend_cell = check_algorithm(op, IMPLS[op]["backend"], in_count, dtype,
+                                                               device, seed)
+            backend_out = backend_cell.out.clone()  # the timing below reuses backend_cell
+            if not ok:
+                failures.append({"op": op, "algorithm": "backend", "bytes": moved, "max_abs_err": err})
+            for algo in algos:
+                if (op, algo) in over_budget:
+                    rows.append(_skipped_row(base, algo, f"a smaller message ({over_budget[op, algo]} bytes) "
+                                                         f"exceeded cell_budget_s={cfg['cell_budget_s']}"))
+                    continue
+                fn = IMPLS[op][algo]
+                if algo == "backend":
+                    correct, max_err, t_est, cell = ok, err, t_backend, backend_cell
+                else:
+                    correct, max_err, t_est, cell = check_algorithm(op, fn, in_count, dtype, device, seed,
+                                                                    against=backend_out)
+                    if not correct:
+                        failures.append({"op": op, "algorithm": algo, "bytes": moved, "max_abs_err": max_err})
+                # the checked call is the estimate of one call's time (first calls err on the slow side);
+                # its cell (input intact, the output is overwritten) serves for the timing
+                warmup, iters = iterations_for(cfg, nbytes)
+                fit = int(cfg["cell_budget_s"] / max(t_est, 1e-9)) - warmup
+                if fit < cfg["min_iters"]:
+                    over_budget[op, algo] = moved
+                    row = _skipped_row(base, algo, f"one call took {t_est:.3g} s: {warmup} warmup + "
+                                                   f"{cfg['min_iters']} iterations exceed cell_budget_s="
+                                                   f"{cfg['cell_budget_s']}")
+                    row.update(correct=correct, max_abs_err=max_err)
+                    rows.append(row)
+                    continue
+                iters = min(iters, fit)
+                time_calls(cell, warmup, device)
+                local = torch.tensor(time_calls(cell, iters, device), dtype=torch.float64, device=device)
+                dist.all_reduce(local, op=dist.ReduceOp.MAX)
+                times = local.tolist()
+                med = statistics.median(times)
+                algbw = moved / med / 1e9 if med > 0 else math.inf
+                rows.append({**base, "algorithm": algo, "iters": iters, "warmup": warmup, "time_s_median": med,
+                             "time_s_all": times, "algbw_GBps": algbw,
+                             "busbw_GBps": algbw * BUSBW_FACTOR[op](world), "correct": correct,
+                             "max_abs_err": max_err, "skipped": None})
+                del cell
+            del backend_out, backend_cell
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "collectives",
+        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "ok": not failures,
+        "config": cfg,
+        "world_size": world,
+        "backend": dist.get_backend(),
+        "device": {"type": device.type, "name": _device_name(device)},
+        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": _nccl_version(device),
+                     "python": platform.python_version()},
+        "env": recorded_env(),
+        "wall_s": time.perf_counter() - t_start,
+        "rows": rows,
+        "failures": failures,
+    }
+
+
+def _skipped_row(base: dict, algo: str, reason: str) -> dict:
+    return {**base, "algorithm": algo, "iters": 0, "warmup": 0, "time_s_median": None, "time_s_all": [],
+            "algbw_GBps": None, "busbw_GBps": None, "correct": None, "max_abs_err": None, "skipped": reason}
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def _nccl_version(device: torch.device):
+    if device.type != "cuda":
+        return None
+    try:
+        return ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m parabench.collectives_bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="JSON object (see the module docstring)")
+    parser.add_argument("--out", required=True, help="result JSON, written by rank 0")
+    args = parser.parse_args(argv)
+    cfg = validate_config(json.loads(Path(args.config).read_text()))
+    device = pick_device(cfg["device"])
+    init_process_group(device, timeout_s=cfg["timeout_s"])
+    try:
+        result = run_bench(cfg, device)
+        if dist.get_rank() == 0:
+            write_json_atomic(args.out, result)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    if result["failures"]:
+        cells = ", ".join(f"{f['op']}/{f['algorithm']}/{f['bytes']}B" for f in result["failures"])
+        print(f"collectives_bench: INCORRECT results in {len(result['failures'])} cell(s): {cells}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# --------------------------------------------------------------------------- launching a suite
+
+
+def suite_config(suite) -> dict:
+    """The validated config of a ``kind = "collectives"`` suite (its ``[collectives]`` table)."""
+    table = suite.raw.get("collectives")
+    if not isinstance(table, dict):
+        raise ConfigError(f"{suite.path}: a collectives suite needs a [collectives] table")
+    try:
+        cfg = validate_config(dict(table))
+    except ConfigError as exc:
+        raise ConfigError(f"{suite.path}: [collectives]: {exc}") from None
+    device = suite.raw.get("suite", {}).get("device")
+    if device is not None and "device" not in table:
+        cfg["device"] = device
+    return cfg
+
+
+def run_collectives_suite(suite, run_dir, world_size: int, *, device: str | None = None,
+                          timeout_s: float = 1800.0, python: str = sys.executable) -> Path:
+    """Launch torchrun with ``world_size`` ranks for ``suite``; return the result path.
+
+    Writes ``run_dir/collectives-w{N}.config.json`` and ``run_dir/collectives-w{N}.json``
+    (outside ``cases/``: it is not a training-case record). The launch runs in its own session
+    and the whole process group is killed after ``timeout_s``. Raises RuntimeError when torchrun
+    fails, including when a cell is incorrect (the result file is still there in that case).
+    """
+    cfg = suite_config(suite)
+    if device is not None:
+        cfg["device"] = device
+    run_dir = Path(run_dir)
+    config_path = run_dir / f"collectives-w{world_size}.config.json"
+    out_path = run_dir / f"collectives-w{world_size}.json"
+    write_json_atomic(config_path, cfg)
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size),
+           "-m", "parabench.collectives_bench", "--config", str(config_path), "--out", str(out_path)]
+    proc = subprocess.Popen(cmd, cwd=root, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise RuntimeError(f"collectives bench (world {world_size}) timed out after {timeout_s} s") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"collectives bench (world {world_size}) failed with exit code {proc.returncode}:\n"
+                           + output[-4000:])
+    return out_path
+
+
+if __name__ == "__main__":
+    sys.exit(main())
