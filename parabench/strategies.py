@@ -148,6 +148,23 @@ _BUILTIN = (
     StrategyInfo("ref.hsdp", "parabench.reference_adapters:build_hsdp", "reference",
                  "reference hybrid shard: FSDP within shard groups (option shard_size), all-reduce across replicas",
                  min_world_size=4),
+    StrategyInfo("ref.tp", "parabench.reference_adapters_mp:build_tp", "reference",
+                 "Megatron tensor parallel: f/g operators, column/row-parallel layers, vocab-parallel "
+                 "embedding and cross-entropy (options tp, pp; x dp)"),
+    StrategyInfo("ref.tp_sp", "parabench.reference_adapters_mp:build_tp_sp", "reference",
+                 "Megatron tensor + sequence parallel: all-gather/reduce-scatter along the sequence"),
+    StrategyInfo("ref.pp_gpipe", "parabench.reference_adapters_mp:build_pp_gpipe", "reference",
+                 "GPipe pipeline over send/recv (options pp, microbatches, tp, sp; x dp)"),
+    StrategyInfo("ref.pp_1f1b", "parabench.reference_adapters_mp:build_pp_1f1b", "reference",
+                 "1F1B (PipeDream-Flush) pipeline over send/recv (options pp, microbatches, tp, sp; x dp)"),
+    StrategyInfo("torch.tp", "parabench.peers.torch_tp:build_tp", "peer",
+                 "PyTorch DTensor parallelize_module, ColwiseParallel/RowwiseParallel over the tp mesh"),
+    StrategyInfo("torch.tp_sp", "parabench.peers.torch_tp:build_tp_sp", "peer",
+                 "PyTorch DTensor tensor parallel + SequenceParallel LayerNorms"),
+    StrategyInfo("torch.pp_gpipe", "parabench.peers.torch_pipeline:build_gpipe", "peer",
+                 "torch.distributed.pipelining PipelineStage + ScheduleGPipe"),
+    StrategyInfo("torch.pp_1f1b", "parabench.peers.torch_pipeline:build_1f1b", "peer",
+                 "torch.distributed.pipelining PipelineStage + Schedule1F1B"),
 )
 for _info in _BUILTIN:
     register(_info)
