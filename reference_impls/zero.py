@@ -1,0 +1,183 @@
+"""ZeRO stages 1 and 2: optimizer states (1), and gradients (2), partitioned over the data-parallel group.
+
+Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models".
+
+* Stage 1, P_os (Sec. 5.1): each of the N ranks keeps the fp32 master weights and Adam moments
+  of 1/N of the parameters only. Gradients are computed in full, **reduce-scattered** so that
+  every rank receives the average of the shard it owns, each rank updates its shard, and the
+  new parameters are **all-gathered** (Sec. 7.2.1: the same 2Ψ volume as DDP's all-reduce,
+  which is itself a reduce-scatter followed by an all-gather).
+* Stage 2, P_os+g (Sec. 5.2): in addition, a rank never keeps the full gradient. As backward
+  produces gradients they are copied into a bucket and the parameter's own gradient is freed
+  at once; a complete bucket is reduce-scattered straight into the owners' shards while
+  backward goes on, and the bucket is dropped as soon as its collective completes. With
+  gradient accumulation this happens on every micro-batch (ZeRO-1 accumulates the full
+  gradient locally and communicates on the last micro-batch only).
+
+Layout (see ``dp_common.py``): the flat buffer is cut into buckets (bucket_mb of the compute
+dtype, last parameters first) and **each bucket is padded to a multiple of N and split into N
+equal shards**, rank r owning shard r of every bucket (Megatron-core's distributed optimizer
+shards its buckets the same way). So every bucket's reduce-scatter and all-gather lands exactly
+on shard boundaries and can be launched as soon as the bucket is ready.
+
+Precision. fp32: the shard of ``flat_param`` a rank owns *is* its master copy (the optimizer
+updates it in place, then the in-place all-gather sends it out). bf16 (the paper's mixed-
+precision layout, Sec. 3.1): bf16 parameters and gradients; gradients cross the wire in **bf16**
+(reduce-scatter) and are accumulated into an fp32 main-gradient shard; the fp32 master shard
+is cast into the bf16 buffer and **bf16** parameters are all-gathered.
+
+Averaging: the loss is multiplied by 1/(grad_accum x N) before backward, so the sum that
+reduce-scatter computes is the mean.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from reference_impls._compat import all_gather_into, reduce_scatter_into
+from reference_impls.dp_common import (MiB, adamw, bind_grads, bind_params, flatten, optimizer_state_bytes,
+                                       plan_buckets, tensor_bytes)
+
+
+class ZeRO:
+    def __init__(self, model, loss_fn, group=None, *, stage: int, grad_accum=1, compute_dtype=torch.float32,
+                 bucket_mb=25.0, adam: dict, grad_scaler=None):
+        assert stage in (1, 2)
+        self.model, self.loss_fn, self.group, self.stage = model, loss_fn, group, stage
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.grad_accum, self.grad_scaler = grad_accum, grad_scaler
+        self.measure_state, self._grad_bytes = False, 0
+        elem = torch.empty((), dtype=compute_dtype).element_size()
+        self.buckets = plan_buckets(model.parameters(), bucket_mb * MiB, elem, pad_to=self.world)
+
+        full32 = flatten(self.buckets, torch.float32)
+        self.flat_param = full32 if compute_dtype == torch.float32 else full32.to(compute_dtype)
+        bind_params(self.buckets, self.flat_param)
+        if compute_dtype == torch.float32:
+            self.master_flat = None  # the owned shards of flat_param are the master weights
+            self.master = [self._mine(self.flat_param, b) for b in self.buckets]
+        else:
+            self.master_flat = torch.cat([self._mine(full32, b) for b in self.buckets])
+            self.master = list(self.master_flat.split([b.numel // self.world for b in self.buckets]))
+        del full32
+        self.main_grad = torch.zeros(sum(m.numel() for m in self.master), device=self.flat_param.device)
+        self.main_grads = list(self.main_grad.split([m.numel() for m in self.master]))
+        for m, g in zip(self.master, self.main_grads):
+            m.grad = g  # fp32 averaged gradient of the owned shard, written by reduce-scatter
+        self.optimizer = adamw(self.master, **adam)
+
+        self.flat_grad = None
+        if stage == 1:  # full gradient buffer, autograd accumulates into it (p.grad are views)
+            self.flat_grad = torch.zeros_like(self.flat_param)
+            bind_grads(self.buckets, self.flat_grad)
+        self._hooks = [p.register_post_accumulate_grad_hook(lambda p, b=b, s=s: self._grad_ready(p, b, s))
+                       for b in self.buckets for p, s in zip(b.params, b.starts)]
+        self._staging = {}  # stage 2: bucket index -> gradient bucket being filled
+        self._pending = []  # (work, output, main-grad shard, input kept alive)
+        self._sync, self._first = False, True
+
+    def _mine(self, flat, b):
+        """This rank's shard of bucket ``b`` in ``flat`` (a view)."""
+        s = b.numel // self.world
+        return flat[b.offset + self.rank * s: b.offset + (self.rank + 1) * s]
+
+    # --- backward: gradients into buckets, buckets reduce-scattered in order -------------------
+
+    def _grad_ready(self, p, b, start):
+        if not self._sync:  # ZeRO-1, earlier micro-batch: only accumulate into flat_grad
+            return
+        if self.stage == 2:
+            staging = self._staging.get(b.index)
+            if staging is None:
+                staging = self._staging[b.index] = torch.empty(b.numel, dtype=p.dtype, device=p.device)
+                staging[b.used:].zero_()  # padding
+            staging[start - b.offset: start - b.offset + p.numel()].copy_(p.grad.view(-1))
+            p.grad = None  # the full gradient of this parameter is gone at once
+        self._ready[b.index] += 1
+        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].params):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b):
+        if self.stage == 1:
+            full = self.flat_grad[b.offset:b.offset + b.numel]
+        else:
+            full = self._staging.pop(b.index)
+        dst = self.main_grads[b.index]
+        direct = self._first and full.dtype == dst.dtype  # fp32, first contribution: straight into the shard
+        out = dst if direct else torch.empty(b.numel // self.world, dtype=full.dtype, device=full.device)
+        work = reduce_scatter_into(out, full, group=self.group, async_op=True)
+        self._pending.append((work, out, dst, full))
+
+    def _drain(self):
+        """Wait for this micro-batch's reduce-scatters; fold each result into the fp32 main-gradient shard."""
+        for work, out, dst, _ in self._pending:
+            work.wait()  # on NCCL the compute stream waits, the host does not
+            if out is not dst:
+                dst.copy_(out) if self._first else dst.add_(out)
+        self._pending = []  # ZeRO-2: the gradient buckets are released here
+
+    def train_step(self, inputs, targets):
+        total = torch.zeros((), device=inputs.device)
+        scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+        mult = scale / (self.grad_accum * self.world)
+        for i, (x, y) in enumerate(zip(inputs.chunk(self.grad_accum), targets.chunk(self.grad_accum))):
+            last = i == self.grad_accum - 1
+            self._sync = last or self.stage == 2
+            self._first = self.stage == 1 or i == 0
+            self._ready, self._next = [0] * len(self.buckets), 0
+            loss = self.loss_fn(self.model(x), y)
+            (loss * mult).backward()
+            total += loss.detach()
+            if self._sync:
+                for b in self.buckets[self._next:]:  # buckets with unused parameters
+                    self._launch(b)
+                self._drain()
+        self._sync = False
+        self._step()
+        return total / self.grad_accum
+
+    # --- update: each rank its shard, then all-gather the parameters ---------------------------
+
+    def _step(self):
+        if self.measure_state:
+            self._grad_bytes = tensor_bytes([self.main_grad, self.flat_grad])
+        applied = True
+        if self.grad_scaler is not None:  # seam: unscale the owned shard, agree on inf across the group
+            applied = self.grad_scaler.unscale_and_check([self.main_grad], self.group)
+            self.grad_scaler.update(applied)
+        if applied:
+            self.optimizer.step()
+        works = []
+        for b, master in zip(self.buckets, self.master):
+            full = self.flat_param[b.offset:b.offset + b.numel]
+            mine = self._mine(self.flat_param, b)
+            if master is not mine:
+                mine.copy_(master)  # bf16: cast the updated fp32 master shard into the compute copy
+            works.append(all_gather_into(full, mine, group=self.group, async_op=True))  # in place
+        for w in works:
+            w.wait()
+        if self.flat_grad is not None:
+            self.flat_grad.zero_()
+
+    def state_bytes(self):
+        master = tensor_bytes([self.master_flat]) if self.master_flat is not None else 0
+        return {"params": tensor_bytes([self.flat_param]), "grads": self._grad_bytes,
+                "optimizer": master + optimizer_state_bytes(self.optimizer)}
+
+    def full_parameters(self):
+        """All-gather the fp32 master shards; slice them back into the model's parameters."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out = {}
+        for b, master in zip(self.buckets, self.master):
+            full = torch.empty(b.numel, dtype=torch.float32, device=master.device)
+            all_gather_into(full, master.float().contiguous(), group=self.group)
+            for p, start in zip(b.params, b.starts):
+                out[names[id(p)]] = full[start - b.offset: start - b.offset + p.numel()].view(p.shape).cpu().clone()
+        return out
+
+    def close(self):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
