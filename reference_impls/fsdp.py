@@ -1,0 +1,224 @@
+"""ZeRO-3 / FSDP full shard, and HSDP hybrid shard: parameters partitioned too, gathered per block.
+
+* ZeRO stage 3, P_os+g+p (Rajbhandari et al. 2020, Sec. 5.3 and 7.2.2): a rank keeps 1/N of
+  every parameter, gradient and optimizer state. Parameters are all-gathered just before they
+  are needed in forward, freed after, all-gathered again for backward, and gradients are
+  reduce-scattered to their owners: 3Ψ of traffic instead of 2Ψ.
+* FSDP (Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel"):
+  the same algorithm organised in *units*, here one per transformer block plus a root unit for
+  what is left (embeddings, final LayerNorm, head). Each unit is one **flat parameter**
+  (Sec. 3.2.1: flatten the unit's parameters, concatenate, pad to a multiple of N, chunk into N
+  shards); each rank stores its shard. Forward and backward **prefetch** the next unit's
+  all-gather while the current one computes (Sec. 3.3.2 / 3.3.3).
+* HSDP, hybrid shard (same paper, Sec. 3.2.2): shard within a group of ``shard_size`` ranks
+  (normally one host) and replicate across groups: reduce-scatter inside the shard group, then
+  all-reduce the shard across replicas. Parameters are only gathered within the shard group.
+
+``ref.zero3`` and ``ref.fsdp`` are this class with one option apart: ZeRO-3 frees *every* unit
+after its forward (``reshard_root=True``: the root is gathered again for backward, exactly 3Ψ
+of traffic), FSDP keeps the root unit gathered from its forward to the end of its backward
+(FSDP2's behaviour for the root: the head and embeddings are not gathered twice).
+
+Mechanics. A unit's gathered buffer ``full`` exists for the whole run, and its parameters are
+permanent views of it; freeing it means shrinking its *storage* to zero bytes
+(``untyped_storage().resize_(0)``, as FSDP1 does), and gathering grows it back and all-gathers
+into it. Tensors that autograd saved in forward are views of the same storage, so backward sees
+the re-gathered values without any re-binding.
+
+* pre-forward hook: wait for (or issue) this unit's all-gather; prefetch the next unit's;
+* post-forward hook: free the unit (unless it is the root and ``reshard_root`` is False);
+  register a hook on its output, which fires when backward reaches the unit (pre-backward):
+  wait for its all-gather and prefetch the unit backward visits next;
+* post-accumulate-grad hooks: when every parameter of a unit has its gradient, flatten them,
+  drop the per-parameter gradients, free the unit, and reduce-scatter asynchronously.
+
+Precision. fp32: the fp32 shard is both the all-gather source and the master the optimizer
+updates. bf16 (the ZeRO paper's layout): a bf16 shard is gathered (**bf16 on the wire** for
+all-gather and reduce-scatter), the fp32 master shard and Adam moments live in the optimizer,
+and gradient shards are accumulated in fp32. HSDP's all-reduce across replicas runs once per
+step on the **fp32** main-gradient shard.
+
+Averaging: the loss is multiplied by 1/(grad_accum x N_total) before backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from reference_impls._compat import all_gather_into, reduce_scatter_into
+from reference_impls.dp_common import adamw, optimizer_state_bytes, round_up, tensor_bytes
+
+
+class _Unit:
+    """One flat parameter: the parameters of one module, their shard and their gathered buffer."""
+
+    def __init__(self, index, module, params, world, compute_dtype, reshard_after_forward):
+        self.index, self.module, self.params = index, module, params
+        self.reshard_after_forward = reshard_after_forward
+        self.numel = sum(p.numel() for p in params)
+        self.padded = round_up(self.numel, world)
+        self.shard_numel = self.padded // world
+        values = torch.cat([p.detach().reshape(-1).float() for p in params])
+        self.values32 = torch.nn.functional.pad(values, (0, self.padded - self.numel))  # dropped after set-up
+        self.full = self.values32.to(compute_dtype)
+        start = 0
+        for p in params:  # parameters become permanent views of the gathered buffer
+            p.data = self.full[start:start + p.numel()].view(p.shape)
+            start += p.numel()
+        self.nbytes = self.full.untyped_storage().nbytes()
+        self.gathered, self.work, self.ready = True, None, 0
+
+
+class FSDP:
+    def __init__(self, model, loss_fn, blocks, group=None, *, replicate_group=None, reshard_root=False,
+                 prefetch=True, grad_accum=1, compute_dtype=torch.float32, adam: dict, grad_scaler=None):
+        self.model, self.loss_fn, self.group, self.replicate_group = model, loss_fn, group, replicate_group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.dp_total = self.world * (dist.get_world_size(replicate_group) if replicate_group is not None else 1)
+        self.grad_accum, self.grad_scaler, self.prefetch = grad_accum, grad_scaler, prefetch
+        self.measure_state, self._grad_bytes = False, 0
+
+        in_blocks = {id(p) for blk in blocks for p in blk.parameters()}
+        root_params = [p for p in model.parameters() if id(p) not in in_blocks]
+        self.units = [_Unit(0, model, root_params, self.world, compute_dtype, reshard_root)]
+        self.units += [_Unit(i + 1, blk, list(blk.parameters()), self.world, compute_dtype, True)
+                       for i, blk in enumerate(blocks)]
+
+        # Shards of every unit back to back: fp32 master (+ bf16 copy to gather), fp32 main gradient.
+        sizes = [u.shard_numel for u in self.units]
+        self.master_flat = torch.cat([u.values32.chunk(self.world)[self.rank] for u in self.units])
+        self.lp_flat = None if compute_dtype == torch.float32 else self.master_flat.to(compute_dtype)
+        self.main_grad = torch.zeros_like(self.master_flat)
+        for u, shard, grad in zip(self.units, (self.lp_flat if self.lp_flat is not None else self.master_flat).split(sizes),
+                                  self.main_grad.split(sizes)):
+            u.shard, u.main_grad = shard, grad
+            del u.values32
+            self._free(u)
+        self.master_flat.grad = self.main_grad
+        self.optimizer = adamw([self.master_flat], **adam)
+
+        self._hooks = []
+        for u in self.units:
+            self._hooks.append(u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u)))
+            self._hooks.append(u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out)))
+            self._hooks += [p.register_post_accumulate_grad_hook(lambda p, u=u: self._grad_ready(u)) for p in u.params]
+        self._pending, self._first = [], True
+
+    # --- gather and free ----------------------------------------------------------------------
+
+    def _gather(self, u):
+        """Issue the all-gather of unit ``u`` (asynchronous; no-op if it is gathered or on its way)."""
+        if u.gathered or u.work is not None:
+            return
+        u.full.untyped_storage().resize_(u.nbytes)
+        u.work = all_gather_into(u.full, u.shard, group=self.group, async_op=True)
+
+    def _wait(self, u):
+        self._gather(u)
+        if u.work is not None:
+            u.work.wait()
+            u.work, u.gathered = None, True
+
+    def _free(self, u):
+        u.full.untyped_storage().resize_(0)
+        u.gathered = False
+
+    # --- hooks --------------------------------------------------------------------------------
+
+    def _pre_forward(self, u):
+        self._wait(u)
+        if self.prefetch and u.index + 1 < len(self.units):  # forward order: root, block 0, block 1, ...
+            self._gather(self.units[u.index + 1])
+
+    def _post_forward(self, u, out):
+        if u.reshard_after_forward:
+            self._free(u)
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad, u=u: self._pre_backward(u))
+
+    def _pre_backward(self, u):
+        self._wait(u)
+        # backward order: root (head, final LayerNorm), last block, ..., first block, root (embeddings)
+        nxt = len(self.units) - 1 if u.index == 0 else u.index - 1
+        if self.prefetch and nxt > 0:
+            self._gather(self.units[nxt])
+
+    def _grad_ready(self, u):
+        u.ready += 1
+        if u.ready < len(u.params):
+            return
+        u.ready = 0
+        grads = [p.grad.reshape(-1) for p in u.params]
+        if u.padded > u.numel:
+            grads.append(grads[0].new_zeros(u.padded - u.numel))
+        flat = torch.cat(grads)
+        for p in u.params:
+            p.grad = None
+        self._free(u)  # every use of these parameters in backward is done
+        direct = self._first and flat.dtype == u.main_grad.dtype
+        out = u.main_grad if direct else flat.new_empty(u.shard_numel)
+        work = reduce_scatter_into(out, flat, group=self.group, async_op=True)
+        self._pending.append((work, out, u.main_grad, flat))
+
+    def _drain(self):
+        for work, out, dst, _ in self._pending:
+            work.wait()
+            if out is not dst:
+                dst.copy_(out) if self._first else dst.add_(out)
+        self._pending = []
+
+    # --- training step ------------------------------------------------------------------------
+
+    def train_step(self, inputs, targets):
+        total = torch.zeros((), device=inputs.device)
+        scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+        mult = scale / (self.grad_accum * self.dp_total)
+        for i, (x, y) in enumerate(zip(inputs.chunk(self.grad_accum), targets.chunk(self.grad_accum))):
+            self._first = i == 0
+            loss = self.loss_fn(self.model(x), y)
+            (loss * mult).backward()
+            total += loss.detach()
+            self._drain()
+            for u in self.units:  # a unit whose parameters got no gradient is still gathered
+                if u.gathered:
+                    self._free(u)
+        if self.replicate_group is not None:  # HSDP: average the shard across replicas, once per step
+            dist.all_reduce(self.main_grad, group=self.replicate_group)
+        if self.measure_state:
+            self._grad_bytes = tensor_bytes([self.main_grad])
+        applied = True
+        if self.grad_scaler is not None:  # seam: unscale the owned shard, agree on inf over all ranks
+            applied = self.grad_scaler.unscale_and_check([self.main_grad], self.group)
+            self.grad_scaler.update(applied)
+        if applied:
+            self.optimizer.step()
+        if self.lp_flat is not None:
+            self.lp_flat.copy_(self.master_flat)  # fp32 master -> bf16 shard that the next step gathers
+        return total / self.grad_accum
+
+    def state_bytes(self):
+        gathered = sum(u.full.untyped_storage().nbytes() for u in self.units)  # 0 between steps
+        params = gathered + tensor_bytes([self.lp_flat if self.lp_flat is not None else self.master_flat])
+        master = tensor_bytes([self.master_flat]) if self.lp_flat is not None else 0
+        return {"params": params, "grads": self._grad_bytes,
+                "optimizer": master + optimizer_state_bytes(self.optimizer)}
+
+    def full_parameters(self):
+        """All-gather the fp32 master shards of every unit (within the shard group)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out, offset = {}, 0
+        for u in self.units:
+            full = self.master_flat.new_empty(u.padded)
+            all_gather_into(full, self.master_flat[offset:offset + u.shard_numel], group=self.group)
+            offset += u.shard_numel
+            start = 0
+            for p in u.params:
+                out[names[id(p)]] = full[start:start + p.numel()].view(p.shape).cpu().clone()
+                start += p.numel()
+        return out
+
+    def close(self):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
