@@ -263,5 +263,19 @@ def validate_case(case: Case) -> None:
         raise SuiteError(f"tp={tp} does not divide the {cfg.n_heads} heads of {case.model}")
     if pp > cfg.n_layers:
         raise SuiteError(f"pp={pp} stages for a model of {cfg.n_layers} layers")
+    if pp > 1:
+        m = case.options.get("microbatches", 2 * pp)
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+            raise SuiteError(f"microbatches must be a positive integer (got {m!r})")
+        if case.micro_batch % m:
+            raise SuiteError(f"{m} pipeline micro-batches do not divide micro_batch={case.micro_batch} "
+                             f"(each pipeline micro-batch is micro_batch / microbatches samples; "
+                             f"the default is 2*pp = {2 * pp})")
+    if tp > 1 and cfg.vocab_size % tp:
+        raise SuiteError(f"tp={tp} does not divide the vocabulary ({cfg.vocab_size}) of {case.model}")
+    if case.strategy in ("ref.tp_sp", "torch.tp_sp") or case.options.get("sp"):
+        seq = case.seq_len or cfg.seq_len
+        if seq % tp:
+            raise SuiteError(f"sequence parallel: tp={tp} does not divide seq_len={seq}")
     if case.seq_len is not None and case.seq_len > 1 << 20:
         raise SuiteError("seq_len is unreasonably large")

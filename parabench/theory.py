@@ -118,3 +118,144 @@ def _deepspeed(stage: int):
 
 for _stage in range(4):
     EXPECTATIONS[f"deepspeed.zero{_stage}"] = _deepspeed(_stage)
+
+
+# --- model parallelism: Megatron TP (+SP), GPipe / 1F1B pipelines, composed with DP -------------
+# Conventions: b·s·h elements per activation; t = tp, p = pp, d = dp; B = micro_batch x grad_accum
+# samples per data-parallel rank per step; a pipeline runs n = microbatches x grad_accum
+# micro-batches of B/n samples (without a pipeline, grad_accum chunks of micro_batch samples).
+# Every op's payload is computed one by one so that the meter's scalar cut-off (ops of at most
+# SCALAR_BYTES are listed apart from volume) is applied exactly as on the measurement.
+
+def _mp_local_params(cfg: GPTConfig, t: int, lo: int, hi: int, first: bool, last: bool) -> int:
+    """Parameters one rank of a TP x PP grid holds (shapes of reference_impls.tensor_parallel)."""
+    h, V, s, r = cfg.d_model, cfg.vocab_size, cfg.seq_len, cfg.mlp_ratio
+    per_layer = (3 * h * h // t + 2 * h // t      # q, k, v column-parallel (k has no bias)
+                 + h * h // t + h                  # attn proj row-parallel, bias replicated
+                 + r * h * h // t + r * h // t     # mlp fc column-parallel
+                 + r * h * h // t + h              # mlp proj row-parallel, bias replicated
+                 + 4 * h)                          # ln1, ln2 replicated
+    n = (hi - lo) * per_layer
+    if first:
+        n += V * h // t + s * h                    # vocab-parallel token embedding, replicated positions
+    if last:
+        n += 2 * h + V * h // t                    # ln_f, vocab-parallel head
+    return n
+
+
+def _mp_sp_params(cfg: GPTConfig, lo: int, hi: int, first: bool, last: bool) -> int:
+    """Replicated parameters applied to sequence shards (their grads are all-reduced over tp)."""
+    h = cfg.d_model
+    return (hi - lo) * 6 * h + (cfg.seq_len * h if first else 0) + (2 * h if last else 0)
+
+
+def model_parallel_ops(cfg: GPTConfig, case, coords: tuple[int, int, int], sequence_parallel: bool,
+                       microbatches: int | None = None) -> list[tuple[str, int]]:
+    """Every communication op (kind, payload bytes) one rank issues in one fp32 training step.
+
+    Tensor parallel (Megatron, per layer per micro-batch): forward 2 all-reduces (``g`` after the
+    attention and MLP row-parallel layers), backward 2 (``f`` before q/k/v and before the MLP fc),
+    each b·s·h. Embedding: 1 all-reduce b·s·h forward (partial vocab lookups). Head: 1 all-reduce
+    b·s·h backward (``f`` before the vocab-parallel head). Cross-entropy: 3 all-reduces of b·s fp32
+    scalars forward (max, target logit, sum of exponentials). With sequence parallelism each of the
+    b·s·h all-reduces becomes one all-gather or reduce-scatter (payload b·s·h, the full buffer)
+    in forward and its conjugate in backward: per layer 4 all-gathers + 4 reduce-scatters; plus
+    one all-reduce per step of the sequence-sharded replicated parameters' gradients
+    (LayerNorms, row-parallel biases, positions). Pipeline: per micro-batch, a stage other than
+    the first receives b·s·h (b·s/t·h under SP) activations and sends the same gradient back; a
+    stage other than the last sends activations and receives gradients. Data parallel: one
+    all-reduce of all local gradients per step.
+    """
+    from reference_impls.pipeline import partition_layers
+
+    dp_rank, pp_rank, tp_rank = coords
+    o = case.options
+    t, p = o.get("tp", 1), o.get("pp", 1)
+    d = case.world_size // (t * p)
+    h, s, E = cfg.d_model, cfg.seq_len, 4
+    lo, hi = partition_layers(cfg.n_layers, p)[pp_rank]
+    first, last = pp_rank == 0, pp_rank == p - 1
+    B = case.micro_batch * case.grad_accum
+    n = (microbatches or o.get("microbatches", 2 * p)) * case.grad_accum if p > 1 else case.grad_accum
+    b = B // n
+    act = b * s * h * E
+    ops: list[tuple[str, int]] = []
+    for _ in range(n):
+        if t > 1 or sequence_parallel:
+            if sequence_parallel:
+                per = ["all_gather", "reduce_scatter"] * 4
+                emb = ["reduce_scatter", "all_gather"]
+                head = ["all_gather", "reduce_scatter"]
+            else:
+                per, emb, head = ["all_reduce"] * 4, ["all_reduce"], ["all_reduce"]
+            for _layer in range(hi - lo):
+                ops += [(k, act) for k in per]
+            if first:
+                ops += [(k, act) for k in emb]
+            if last:
+                ops += [(k, act) for k in head] + [("all_reduce", b * s * 4)] * 3
+        if p > 1:
+            s_local = s // t if sequence_parallel else s
+            pact = b * s_local * h * E
+            if not first:
+                ops += [("recv", pact), ("send", pact)]
+            if not last:
+                ops += [("send", pact), ("recv", pact)]
+    if sequence_parallel:
+        ops.append(("all_reduce", _mp_sp_params(cfg, lo, hi, first, last) * E))
+    if d > 1:
+        ops.append(("all_reduce", _mp_local_params(cfg, t, lo, hi, first, last) * E))
+    return ops
+
+
+def _sum_ops(ops, scalar_bytes: int = 64) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for kind, nbytes in ops:
+        if nbytes > scalar_bytes:
+            out[kind] = out.get(kind, 0) + nbytes
+    return out
+
+
+def _model_parallel(sequence_parallel: bool | None, schedule: str | None):
+    def fn(cfg, case, dp):
+        from reference_impls.pipeline import bubble_fraction_theory, partition_layers
+
+        o = case.options
+        sp = bool(o.get("sp")) if sequence_parallel is None else sequence_parallel
+        t, p = o.get("tp", 1), o.get("pp", 1)
+        m = o.get("microbatches", 2 * p)
+        world = case.world_size
+        grid = [(r // (t * p), (r // t) % p, r % t) for r in range(world)]
+        exact = case.precision == "fp32"
+        per_rank = [_sum_ops(model_parallel_ops(cfg, case, c, sp)) for c in grid] if exact else None
+        state = []
+        for _, pp_rank, _ in grid:
+            lo, hi = partition_layers(cfg.n_layers, p)[pp_rank]
+            n = _mp_local_params(cfg, t, lo, hi, pp_rank == 0, pp_rank == p - 1)
+            state.append({"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n})
+        out = Expectation(
+            state_bytes=state,
+            comm_payload_bytes=per_rank[0] if per_rank else None,
+            comm_payload_bytes_per_rank=per_rank,
+            paper_state_bytes=None,
+            notes="fp32 parameters, gradients and Adam moments of this rank's TP shard of its pipeline stage "
+                  "(bf16 autocasts compute only). Communication: see parabench.theory.model_parallel_ops; "
+                  "exact for fp32 (bf16 moves some activations in bf16: not modelled).",
+        )
+        if p > 1:
+            n_micro = m * case.grad_accum
+            out["pipeline"] = {
+                "schedule": schedule or o.get("schedule", "1f1b"),
+                "microbatches": n_micro,
+                "bubble_fraction": bubble_fraction_theory(p, n_micro),
+                "peak_live_microbatches_per_stage": [n_micro if (schedule or o.get("schedule", "1f1b")) == "gpipe"
+                                                     else min(p - s, n_micro) for s in range(p)],
+            }
+        return out
+    return fn
+
+
+EXPECTATIONS["ref.tp"] = _model_parallel(False, None)
+EXPECTATIONS["ref.tp_sp"] = _model_parallel(True, None)
+EXPECTATIONS["ref.pp_gpipe"] = _model_parallel(None, "gpipe")
+EXPECTATIONS["ref.pp_1f1b"] = _model_parallel(None, "1f1b")

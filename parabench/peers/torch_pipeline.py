@@ -1,0 +1,127 @@
+"""PyTorch pipeline parallelism: ``torch.distributed.pipelining`` stages cut from the same GPT.
+
+The stage of this rank keeps contiguous blocks (the first stage also the embeddings, the last
+the final LayerNorm and head); ``PipelineStage`` talks to its neighbours over
+``topology.pp_group``; ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` run
+``microbatches * grad_accum`` micro-batches (``microbatches`` defaults to ``2*pp``) with
+``scale_grads=True`` (gradients of the mean loss). With ``dp > 1`` the stage's gradients are
+averaged over ``topology.dp_group`` after the schedule.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from parabench.models import build_model, lm_loss
+from parabench.peers.common import adamw, optimizer_state_bytes, tensor_bytes
+from parabench.strategies import Trainer, TrainSpec
+
+
+def _bounds(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
+    base, extra = divmod(n_layers, n_stages)
+    out, lo = [], 0
+    for s in range(n_stages):
+        hi = lo + base + (1 if s < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+class GPTStage(nn.Module):
+    """Blocks ``[lo, hi)`` of a GPT (keyed by their global index, so names match the GPT's)."""
+
+    def __init__(self, model, lo: int, hi: int, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(lo, hi)})
+        if last:
+            self.ln_f, self.head = model.ln_f, model.head
+
+    def forward(self, x):
+        if self.first:
+            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.last else x
+
+
+class TorchPipelineTrainer(Trainer):
+    def __init__(self, spec: TrainSpec, schedule: str):
+        self.spec = spec
+        topo = spec.topology
+        pp, self.pp_rank = topo.pp, topo.pp_rank
+        model = build_model(spec.model, spec.seed, spec.device)
+        v = int(spec.options.get("virtual_stages", 2)) if schedule == "interleaved" else 1
+        n_chunks = pp * v
+        bounds = _bounds(spec.model.n_layers, n_chunks)
+        # Interleaved: rank r holds chunks r, r + pp, r + 2pp, ... (Narayanan et al. 2021, Sec. 2.2.2).
+        self.stage_ids = [self.pp_rank + k * pp for k in range(v)]
+        self.modules = [GPTStage(model, *bounds[s], s == 0, s == n_chunks - 1) for s in self.stage_ids]
+        del model
+        self.stages = [PipelineStage(m, s, n_chunks, spec.device, group=topo.pp_group)
+                       for m, s in zip(self.modules, self.stage_ids)]
+        self.n_micro = int(spec.options.get("microbatches", 2 * pp)) * spec.grad_accum
+        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[schedule]
+        stage_arg = self.stages if schedule == "interleaved" else self.stages[0]
+        self.schedule = cls(stage_arg, n_microbatches=self.n_micro, loss_fn=lm_loss)
+        self.has_first = 0 in self.stage_ids
+        self.has_last = n_chunks - 1 in self.stage_ids
+        self.params = [p for m in self.modules for p in m.parameters()]
+        self.optimizer = adamw(self.params, spec)
+        self.measure_state = False
+        self._grad_bytes = 0
+
+    def train_step(self, inputs, targets):
+        losses: list = []
+        kwargs = {}
+        if self.has_last:
+            kwargs.update(target=targets, losses=losses)
+        if self.has_first:
+            self.schedule.step(inputs, **kwargs)
+        else:
+            self.schedule.step(**kwargs)
+        dp = self.spec.topology.dp_group
+        if dist.get_world_size(dp) > 1:
+            for p in self.params:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=dp)
+                    p.grad.div_(dist.get_world_size(dp))
+        if self.measure_state:
+            self._grad_bytes = tensor_bytes(p.grad for p in self.params)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return torch.stack([l.detach().float() for l in losses]).mean() if self.has_last else None
+
+    def state_bytes(self):
+        return {"params": tensor_bytes(self.params), "grads": self._grad_bytes,
+                "optimizer": optimizer_state_bytes(self.optimizer)}
+
+    def full_parameters(self):
+        mine = {"dp": self.spec.topology.dp_rank,
+                "params": {n: p.detach().float().cpu() for m in self.modules for n, p in m.named_parameters()}}
+        everything = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, everything, dst=0)
+        if dist.get_rank() != 0:
+            return None
+        full = {}
+        for r in everything:
+            if r["dp"] == 0:
+                full.update(r["params"])
+        return full
+
+
+def build_gpipe(spec: TrainSpec) -> TorchPipelineTrainer:
+    return TorchPipelineTrainer(spec, "gpipe")
+
+
+def build_1f1b(spec: TrainSpec) -> TorchPipelineTrainer:
+    return TorchPipelineTrainer(spec, "1f1b")
+
+
+def build_interleaved(spec: TrainSpec) -> TorchPipelineTrainer:
+    return TorchPipelineTrainer(spec, "interleaved")
