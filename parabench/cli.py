@@ -37,10 +37,7 @@ def _run_suite(suite: Suite, args) -> int:
 
     run_dir = default_run_dir(Path(args.out), suite, args.run_id, args.resume)
     if suite.kind == "collectives":
-        from parabench.runner_collectives import run_collectives_suite
-
-        run_collectives_suite(suite, run_dir, _launch_options(args))
-        counts = {"ok": 1}
+        counts = _run_collectives(suite, run_dir)
     else:
         print(f"parabench: suite {suite.name}: {len(suite.cases)} cases -> {run_dir}", flush=True)
         runner = Runner(suite, run_dir, _launch_options(args), resume=args.resume, retry_failed=args.retry_failed)
@@ -61,6 +58,33 @@ def _run_suite(suite: Suite, args) -> int:
         print(f"parabench: report: {path}")
     failed = sum(v for k, v in counts.items() if k not in ("ok", "skipped"))
     return 1 if failed and args.strict else 0
+
+
+def _run_collectives(suite: Suite, run_dir: Path) -> dict:
+    """One torchrun launch per world size; each writes collectives-w<N>.json in the run folder."""
+    import torch
+
+    from parabench.collectives_bench import run_collectives_suite, suite_config
+    from parabench.results import make_manifest, write_json_atomic
+
+    cfg = suite_config(suite)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run_dir / "manifest.json", make_manifest(suite, run_dir.name, sys.argv))
+    counts = {"ok": 0, "skipped": 0, "crashed": 0}
+    on_gpu = cfg.get("device", "auto") != "cpu" and torch.cuda.is_available()
+    for n in suite.raw["collectives"].get("world_sizes", [2]):
+        if on_gpu and n > torch.cuda.device_count():
+            print(f"parabench: collectives w{n}: skipped, this machine has {torch.cuda.device_count()} GPUs")
+            counts["skipped"] += 1
+            continue
+        try:
+            out = run_collectives_suite(suite, run_dir, n)
+            print(f"parabench: collectives w{n}: {out}")
+            counts["ok"] += 1
+        except RuntimeError as exc:
+            print(f"parabench: collectives w{n} failed: {exc}", file=sys.stderr)
+            counts["crashed"] += 1
+    return counts
 
 
 def cmd_run_suite(args) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -118,14 +119,32 @@ def build_record(case: Case, status: str, raw: dict | None = None, error: dict |
     return rec
 
 
+_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def _root_cause(log_tail: str) -> tuple[int, int] | None:
+    """(rank, exit code) of the first failure as torchrun reports it, if it does."""
+    m = _ROOT_CAUSE.search(log_tail)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
 def _classify(case: Case, scratch: Path, rc: int | None, timed_out: bool, log_tail: str, elapsed: float) -> tuple[str, dict]:
+    """Status and cause of a case that produced no result.
+
+    A rank that raises writes an error file; its peers then often raise too (connection reset)
+    a moment later, so the earliest error file names the first failure. A rank that dies
+    without a Python exception (abort, segfault, SIGKILL) writes nothing, while its peers do:
+    torchrun's own root-cause report names it, and it takes precedence when it has no file.
+    """
     errors = []
     for p in scratch.glob(f"{case.case_hash}.rank*.error.json"):
         try:
             errors.append(json.loads(p.read_text()))
         except (OSError, json.JSONDecodeError):
             continue
-    if errors:
+    root = _root_cause(log_tail)
+    silent_death = root is not None and root[1] != 1 and all(e["rank"] != root[0] for e in errors)
+    if errors and not silent_death:
         first = min(errors, key=lambda e: e["time"])
         status = "oom" if first.get("oom") else "crashed"
         return status, {"first_failing_rank": first["rank"], "type": first["type"], "message": first["message"],
@@ -134,12 +153,17 @@ def _classify(case: Case, scratch: Path, rc: int | None, timed_out: bool, log_ta
     if timed_out:
         return "timeout", {"message": f"no result after {elapsed:.0f} s (timeout {case.timeout_s:.0f} s): hang or too slow; "
                                       "the process group was killed", "log_tail": log_tail[-1500:]}
-    sig = -rc if rc is not None and rc < 0 else None
-    oom_killed = "out of memory" in log_tail.lower() or "oom" in log_tail.lower() and "killed" in log_tail.lower()
-    return ("oom" if oom_killed else "crashed"), {
-        "message": f"launcher exited with status {rc}" + (f" (signal {signal.Signals(sig).name})" if sig else "")
-                   + " and no rank reported an exception (killed, aborted or segfaulted)",
-        "exit_code": rc, "log_tail": log_tail[-1500:]}
+    rank, code = root if root else (None, rc)
+    sig = -code if code is not None and code < 0 else None
+    signame = signal.Signals(sig).name if sig and sig in signal.Signals._value2member_map_ else None
+    msg = (f"rank {rank} " if rank is not None else "launcher ") + f"exited with status {code}" + \
+        (f" ({signame})" if signame else "") + " and no Python exception (killed, aborted or segfaulted)"
+    if signame == "SIGKILL":
+        msg += "; SIGKILL is often the kernel's out-of-memory killer"
+    if errors:
+        later = min(errors, key=lambda e: e["time"])
+        msg += f"; then rank {later['rank']} reported {later['type']}: {later['message'][:200]}"
+    return "crashed", {"first_failing_rank": rank, "message": msg, "exit_code": code, "log_tail": log_tail[-1500:]}
 
 
 def _tail(path: Path, n: int = 4000) -> str:
@@ -299,7 +323,7 @@ class Runner:
             return []
         culprit = next((c for c in unfinished if self._started_at(c) is not None), unfinished[0])
         elapsed = time.time() - (self._started_at(culprit) or t_launch)
-        status, error = _classify(culprit, self.scratch, rc, timed_out, _tail(log_path), elapsed)
+        status, error = _classify(culprit, self.scratch, rc, timed_out, _tail(log_path, 20000), elapsed)
         self._write(culprit, build_record(culprit, status, error=error, started_at=self._started_at(culprit) or t_launch,
                                           duration_s=elapsed, launch=launch_info))
         return [c for c in unfinished if c is not culprit]

@@ -186,8 +186,18 @@ def load_suite(name_or_path: str) -> Suite:
         _check_value(key, value, lambda m, k=key: fail(m, k, "suite"))
 
     if kind == "collectives":
+        from parabench.collectives_bench import ConfigError, validate_config
+
+        if not isinstance(data.get("collectives"), dict):
+            raise SuiteError(f"{path}: a collectives suite needs a [collectives] table")
+        try:
+            validate_config(dict(data["collectives"]))
+        except ConfigError as exc:
+            fail(str(exc), str(exc).split("'")[1] if "'" in str(exc) else "collectives", "collectives")
         return Suite(name=name, path=path, description=head.get("description", ""), cases=[], kind=kind, raw=data)
 
+    if "collectives" in data:
+        fail("a [collectives] table needs kind = \"collectives\" in [suite]", "collectives", None)
     matrices = data.get("matrix", [])
     if not isinstance(matrices, list) or not matrices:
         raise SuiteError(f"{path}: a training suite needs at least one [[matrix]] table")

@@ -35,7 +35,7 @@ _OPS = {
     "_allgather_base": ("all_gather", "out0"),
     "allgather_into_tensor_coalesced": ("all_gather", "out0"),
     "allgather_coalesced": ("all_gather", "out0"),
-    "reduce_scatter": ("reduce_scatter", "in0"),
+    "reduce_scatter": ("reduce_scatter", "in1"),  # (output shard, [input list])
     "_reduce_scatter_base": ("reduce_scatter", "in1"),
     "reduce_scatter_tensor_coalesced": ("reduce_scatter", "in1"),
     "broadcast": ("broadcast", "in0"),
@@ -84,8 +84,6 @@ def _group_size(args, kwargs) -> int:
                 return _resolve_process_group(a).size()
             except Exception:
                 continue
-        if isinstance(a, int) and a > 0 and a == kwargs.get("group_size"):
-            return a
     return dist.get_world_size() if dist.is_initialized() else 1
 
 

@@ -1,0 +1,154 @@
+"""The runner through real torchrun launches: failures are recorded with their cause while the
+rest of the suite completes, --resume skips finished cases, bad input fails before launching."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from parabench.results import load_run
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parabench(*args, cwd=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "parabench.cli", *args], cwd=cwd or ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def write_suite(tmp_path: Path, body: str, name="t") -> Path:
+    path = tmp_path / f"{name}.toml"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+FAULTS = """
+[suite]
+name = "faults"
+device = "cpu"
+steps = 3
+warmup = 1
+timeout_s = 60
+
+[[matrix]]
+model = "tiny"
+strategy = "torch.ddp"
+world_size = 2
+micro_batch = 2
+options = [
+  {},
+  {inject_fault = {kind = "oom", rank = 1, step = 2}},
+  {inject_fault = {kind = "crash", rank = 0, step = 1}},
+  {inject_fault = {kind = "abort", rank = 1, step = 1}},
+  {inject_fault = {kind = "hang", rank = 1, step = 1}},
+  {bucket_mb = 1},
+]
+
+[[matrix]]
+model = "tiny"
+strategy = "torch.ddp"
+world_size = 2
+micro_batch = 2
+timeout_s = 25
+options = {inject_fault = {kind = "hang", rank = 1, step = 1}}
+
+[[exclude]]
+options = {inject_fault = {kind = "hang", rank = 1, step = 1}}
+timeout_s = 60
+"""
+
+
+def test_faults_are_recorded_and_the_suite_goes_on(tmp_path):
+    suite = write_suite(tmp_path, FAULTS)
+    proc = parabench("run", "suite", str(suite), "--out", str(tmp_path / "res"), "--run-id", "r1", "--no-report")
+    assert proc.returncode == 0, proc.stderr
+    _, records = load_run(tmp_path / "res" / "faults" / "r1")
+    by_fault = {json.dumps(r["case"]["options"].get("inject_fault", {}).get("kind")): r for r in records}
+    assert len(records) == 6
+    ok = [r for r in records if r["status"] == "ok"]
+    assert len(ok) == 2 and all(r["metrics"]["tokens_per_s"] > 0 for r in ok)
+
+    oom = by_fault['"oom"']
+    assert oom["status"] == "oom" and oom["error"]["first_failing_rank"] == 1
+    assert "out of memory" in oom["error"]["message"].lower()
+
+    crash = by_fault['"crash"']
+    assert crash["status"] == "crashed" and crash["error"]["first_failing_rank"] == 0
+    assert crash["error"]["type"] == "RuntimeError" and "injected crash" in crash["error"]["message"]
+
+    abort = by_fault['"abort"']
+    assert abort["status"] == "crashed" and abort["error"]["first_failing_rank"] == 1
+    assert "SIGABRT" in abort["error"]["message"] and "no Python exception" in abort["error"]["message"]
+
+    hang = by_fault['"hang"']
+    assert hang["status"] == "timeout" and "hang" in hang["error"]["message"]
+    # the 25 s timeout counts from the launch; the recorded duration from the case's own start
+    assert 15 <= hang["duration_s"] < 60
+
+
+def test_resume_skips_recorded_cases(tmp_path):
+    suite = write_suite(tmp_path, """
+        [suite]
+        name = "resume"
+        device = "cpu"
+        steps = 2
+        warmup = 0
+        [[matrix]]
+        model = "tiny"
+        strategy = ["torch.ddp", "torch.fsdp2"]
+        world_size = 2
+        """)
+    out = tmp_path / "res"
+    first = parabench("run", "suite", str(suite), "--out", str(out), "--run-id", "r", "--no-report")
+    assert first.returncode == 0, first.stderr
+    cases = sorted((out / "resume" / "r" / "cases").glob("*.json"))
+    assert len(cases) == 2
+    kept = json.loads(cases[0].read_text())
+    cases[1].unlink()  # as if Ctrl-C had come before the second case finished
+    again = parabench("run", "suite", str(suite), "--out", str(out), "--resume", "--no-report")
+    assert again.returncode == 0, again.stderr
+    assert "already recorded" in again.stdout and again.stdout.count(" ok ") == 1
+    assert json.loads(cases[0].read_text()) == kept  # untouched
+    assert cases[1].exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "suite", "no-such-suite"], "valid suites: "),
+    (["run", "case", "--model", "tiny", "--strategy", "torch.nope"], "valid strategies: "),
+    (["run", "case", "--model", "gpt-9t", "--strategy", "torch.ddp"], "valid models: "),
+    (["run", "case", "--model", "tiny", "--strategy", "torch.ddp", "--world-size", "3", "--options", '{"tp": 2}'],
+     "not dp x pp x tp"),
+])
+def test_bad_names_exit_2_and_list_valid_ones(args, message, tmp_path):
+    proc = parabench(*args, "--out", str(tmp_path))
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert not any(tmp_path.iterdir())  # nothing ran, nothing written
+
+
+def test_unwritable_output_fails_before_any_case(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    proc = parabench("run", "case", "--model", "tiny", "--strategy", "torch.ddp", "--world-size", "2",
+                     "--out", str(blocker / "sub"))
+    assert proc.returncode == 2 and "not writable" in proc.stderr
+
+
+def test_world_size_beyond_devices_is_skipped(tmp_path):
+    suite = write_suite(tmp_path, """
+        [suite]
+        name = "gpu"
+        device = "cuda"
+        [[matrix]]
+        model = "tiny"
+        strategy = "torch.ddp"
+        world_size = 64
+        """)
+    proc = parabench("run", "suite", str(suite), "--out", str(tmp_path / "res"), "--run-id", "r", "--no-report")
+    assert proc.returncode == 0
+    _, records = load_run(tmp_path / "res" / "gpu" / "r")
+    assert records[0]["status"] == "skipped"
+    assert "GPU" in records[0]["error"]["message"] or "CUDA" in records[0]["error"]["message"]
