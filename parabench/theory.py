@@ -259,3 +259,134 @@ EXPECTATIONS["ref.tp"] = _model_parallel(False, None)
 EXPECTATIONS["ref.tp_sp"] = _model_parallel(True, None)
 EXPECTATIONS["ref.pp_gpipe"] = _model_parallel(None, "gpipe")
 EXPECTATIONS["ref.pp_1f1b"] = _model_parallel(None, "1f1b")
+
+
+# --- reference data parallel: reference_impls/data_parallel.py, zero.py, fsdp.py -----------------
+# The layout rules are restated here, not imported, so that a change in the code shows up as a
+# mismatch with the measurement. b = bytes of the compute dtype (4 fp32, 2 bf16); Ψ the parameter
+# count; N the data-parallel degree (the shard-group size S for hsdp); A = grad_accum.
+# Padding: ZeRO-1/2 pad each gradient bucket, ZeRO-3/FSDP/HSDP each unit (a block, or the root:
+# embeddings + final LayerNorm + head), to a multiple of N elements; Ψp is the padded total. The
+# collectives run even at N = 1 (group of one), so the payloads below hold for any N.
+
+def _ref_bucket_sizes(cfg: GPTConfig, elem: int, bucket_mb: float, pad_to: int) -> list[int]:
+    """Padded bucket sizes (elements): parameters last-registered first, a bucket closes once it
+    holds >= bucket_mb MiB of the compute dtype (reference_impls/dp_common.py:plan_buckets)."""
+    import torch
+
+    from parabench.models import GPT
+
+    with torch.device("meta"):
+        numels = [p.numel() for p in GPT(cfg).parameters()]
+    sizes, used = [], 0
+    for n in reversed(numels):
+        used += n
+        if used * elem >= bucket_mb * (1 << 20):
+            sizes.append(-(-used // pad_to) * pad_to)
+            used = 0
+    if used:
+        sizes.append(-(-used // pad_to) * pad_to)
+    return sizes
+
+
+def _ref_units(cfg: GPTConfig, n: int) -> tuple[int, int]:
+    """(padded root unit, padded block unit) in elements, for shard groups of ``n`` ranks."""
+    c = _counts(cfg)
+    block = c["blocks"] // cfg.n_layers
+    return _shard(c["total"] - c["blocks"], n) * n, _shard(block, n) * n
+
+
+def _big(ops) -> int:
+    """Sum of op payloads the comm meter counts as volume (ops above its scalar cut-off)."""
+    return sum(x for x in ops if x > 64)
+
+
+@expectation("ref.ddp")
+def _ref_ddp(cfg, case, dp):
+    psi, b, mixed = _counts(cfg)["total"], BYTES[case.precision], case.precision != "fp32"
+    buckets = _ref_bucket_sizes(cfg, b, float(case.options.get("bucket_mb", 25)), 1)
+    return Expectation(
+        state_bytes={"params": b * psi, "grads": b * psi + (4 * psi if mixed else 0),
+                     "optimizer": 8 * psi + (4 * psi if mixed else 0)},
+        comm_payload_bytes={"all_reduce": _big(b * n for n in buckets)},
+        paper_state_bytes=zero_paper_state_bytes(0, psi, dp),
+        notes="flat buffers, no padding. fp32: 4Ψ params (= the master) + 4Ψ grads + 8Ψ Adam = 16Ψ. bf16: 2Ψ "
+              "params + 2Ψ grads + 4Ψ fp32 main gradient (made just before the update) + 4Ψ master + 8Ψ Adam = "
+              "20Ψ (paper 16Ψ: it does not count the fp32 gradient). One all-reduce per bucket per step, in "
+              "the compute dtype (bf16 on the wire for bf16); no_sync during accumulation.",
+    )
+
+
+@expectation("ref.ps")
+def _ref_ps(cfg, case, dp):
+    psi, b, mixed = _counts(cfg)["total"], BYTES[case.precision], case.precision != "fp32"
+    return Expectation(
+        state_bytes={"params": b * psi, "grads": 2 * b * psi + (4 * psi if mixed else 0),
+                     "optimizer": 8 * psi + (4 * psi if mixed else 0)},
+        comm_payload_bytes={**({"recv": (dp - 1) * b * psi} if dp > 1 else {}), "broadcast": b * psi},
+        paper_state_bytes=zero_paper_state_bytes(0, psi, dp),
+        notes="figures for the server (rank 0), the busiest rank: own gradient + one receive buffer (+ the fp32 "
+              "main gradient in bf16), master and Adam moments; it receives (N-1) gradients per step. A worker "
+              "holds bΨ params + bΨ grads, no optimizer state, and moves send bΨ + broadcast bΨ.",
+    )
+
+
+def _ref_zero(stage: int):
+    def fn(cfg, case, dp):
+        psi, b, mixed = _counts(cfg)["total"], BYTES[case.precision], case.precision != "fp32"
+        buckets = _ref_bucket_sizes(cfg, b, float(case.options.get("bucket_mb", 25)), dp)
+        psi_p, shard = sum(buckets), sum(buckets) // dp
+        rs_rounds = 1 if stage == 1 else case.grad_accum
+        return Expectation(
+            state_bytes={"params": b * psi_p,
+                         "grads": (b * psi_p if stage == 1 else 0) + 4 * shard,
+                         "optimizer": 8 * shard + (4 * shard if mixed else 0)},
+            comm_payload_bytes={"reduce_scatter": rs_rounds * _big(b * n for n in buckets),
+                                "all_gather": _big(b * n for n in buckets)},
+            paper_state_bytes=zero_paper_state_bytes(stage, psi, dp),
+            notes=f"buckets padded to a multiple of N (Ψp = {psi_p} vs Ψ = {psi}); every bucket split into N shards. "
+                  + ("ZeRO-1: full gradient buffer bΨp + fp32 main-gradient shard 4Ψp/N; " if stage == 1 else
+                     "ZeRO-2: only the fp32 main-gradient shard 4Ψp/N at update time (buckets freed); ")
+                  + "Adam 8Ψp/N, + fp32 master shard 4Ψp/N in bf16 (in fp32 the owned part of the parameter "
+                  "buffer is the master). bf16: 2Ψ + 16Ψ/N (stage 2) vs the paper's 2Ψ + 14Ψ/N, the difference being "
+                  "the fp32 gradient shard (as DeepSpeed holds). Reduce-scatter and all-gather in the compute dtype"
+                  + (", reduce-scatter on every micro-batch." if stage == 2 else ", communication on the last micro-batch only."),
+        )
+    return fn
+
+
+EXPECTATIONS["ref.zero1"] = _ref_zero(1)
+EXPECTATIONS["ref.zero2"] = _ref_zero(2)
+
+
+def _ref_sharded(variant: str):
+    def fn(cfg, case, dp):
+        psi, b, mixed = _counts(cfg)["total"], BYTES[case.precision], case.precision != "fp32"
+        n = int(case.options.get("shard_size", 2)) if variant == "hsdp" else dp
+        root, block = _ref_units(cfg, n)
+        units = [root] + [block] * cfg.n_layers
+        psi_p, shard = sum(units), sum(units) // n
+        regathered = units[1:] + ([root] if variant == "zero3" else [])
+        comm = {"all_gather": case.grad_accum * _big(b * u for u in units + regathered),
+                "reduce_scatter": case.grad_accum * _big(b * u for u in units)}
+        if variant == "hsdp":
+            comm["all_reduce"] = _big([4 * shard])
+        return Expectation(
+            state_bytes={"params": b * shard, "grads": 4 * shard, "optimizer": 8 * shard + (4 * shard if mixed else 0)},
+            comm_payload_bytes=comm,
+            paper_state_bytes=zero_paper_state_bytes(3, psi, n),
+            notes=f"units (root + one per block) padded to a multiple of {'S' if variant == 'hsdp' else 'N'} "
+                  f"(Ψp = {psi_p}); shard bΨp/n (fp32: the master itself), fp32 main-gradient shard 4Ψp/n, Adam 8Ψp/n "
+                  "(+ fp32 master 4Ψp/n in bf16): 16Ψp/n in fp32, 18Ψp/n in bf16 (paper 16Ψ/N). Per micro-batch: "
+                  "all-gather of every unit for forward and of every block again for backward"
+                  + (" and of the root too" if variant == "zero3" else " (the root stays gathered)")
+                  + ", reduce-scatter of every unit, in the compute dtype"
+                  + ("; once per step an fp32 all-reduce of the gradient shard across the N/S replicas"
+                     if variant == "hsdp" else "") + ".",
+        )
+    return fn
+
+
+EXPECTATIONS["ref.zero3"] = _ref_sharded("zero3")
+EXPECTATIONS["ref.fsdp"] = _ref_sharded("fsdp")
+EXPECTATIONS["ref.hsdp"] = _ref_sharded("hsdp")
