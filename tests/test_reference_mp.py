@@ -1,0 +1,285 @@
+"""Model parallelism (reference TP / SP / pipelines and their compositions with DP, and the torch
+peers) trains the same model to the same losses and parameters as one process, executes the
+textbook schedules, and moves exactly the bytes the theory says. CPU, gloo, fp32, tiny shapes.
+
+Cases of one world size share one spawned process group (spawning costs far more than training
+these models); the single-process ground truth is computed on rank 0 of that group, in-process,
+and checked once against ``helpers.single_reference``.
+
+Tolerances: losses 1e-5 relative at every step; parameters rtol 1e-5 with atol 1e-5, i.e. 1% of
+one Adam step at lr 1e-3. Adam normalises every update to about ``lr``, so fp32 rounding
+differences between *any* two summation orders (micro-batching alone shows it) come out as
+parameter differences of up to ~1e-6 where a gradient element is tiny. Adam's epsilon is 1e-6 here
+(default 1e-8): at step one Adam moves each element by ``lr * g / (|g| + eps)``, and with 1e-8 an
+element whose true gradient is ~1e-8 (a cancellation: one head weight in these runs) moves by
+~lr/2 with a rounding-sized change of sign. Neither setting hides real errors: a broken operator
+is still caught, see ``test_broken_operator_is_caught``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers import max_rel_diff, params_close, single_reference
+from parabench.distributed import run_on_gloo
+from parabench.meters.comm import CommMeter
+from parabench.models import global_batch, model_config
+from parabench.strategies import OptimConfig, TrainSpec, get_strategy
+from parabench.suite import Case, SuiteError, validate_case
+from parabench.theory import expected
+from parabench.topology import Topology
+from parabench.worker import local_batches, make_spec
+
+N_STEPS = 5
+OPTIM = {"eps": 1e-6}
+TOL = 1e-5
+PARAM_ATOL = 1e-5
+
+
+def mk(name, strategy, world, model="tiny", micro_batch=4, grad_accum=1, seq_len=None, **options):
+    return name, Case(model=model, strategy=strategy, world_size=world, micro_batch=micro_batch,
+                      grad_accum=grad_accum, seq_len=seq_len, lr=1e-3, options={"optim": OPTIM, **options})
+
+
+CASES_2 = dict([
+    mk("tp2", "ref.tp", 2, tp=2),
+    mk("tp_sp2", "ref.tp_sp", 2, tp=2),
+    mk("tp2_ga2", "ref.tp", 2, micro_batch=2, grad_accum=2, tp=2),
+    mk("gpipe_p2_m4", "ref.pp_gpipe", 2, pp=2),
+    mk("1f1b_p2_m4", "ref.pp_1f1b", 2, pp=2),
+    mk("gpipe_p2_m8", "ref.pp_gpipe", 2, micro_batch=8, pp=2, microbatches=8),
+    mk("1f1b_p2_m8", "ref.pp_1f1b", 2, micro_batch=8, pp=2, microbatches=8),
+    mk("broken_f", "ref.tp", 2, tp=2, break_operator="f"),
+    mk("torch.tp2", "torch.tp", 2, tp=2),
+    mk("torch.tp_sp2", "torch.tp_sp", 2, tp=2),
+    mk("torch.gpipe2", "torch.pp_gpipe", 2, pp=2),
+    mk("torch.1f1b2", "torch.pp_1f1b", 2, pp=2),
+])
+CASES_4 = dict([
+    mk("tp4", "ref.tp", 4, model="small", seq_len=32, tp=4),
+    mk("gpipe_p4_m4", "ref.pp_gpipe", 4, model="small", seq_len=32, pp=4, microbatches=4),
+    mk("1f1b_p4_m4", "ref.pp_1f1b", 4, model="small", seq_len=32, pp=4, microbatches=4),
+    mk("gpipe_p4_m8", "ref.pp_gpipe", 4, model="small", seq_len=32, micro_batch=8, pp=4),
+    mk("1f1b_p4_m8", "ref.pp_1f1b", 4, model="small", seq_len=32, micro_batch=8, pp=4),
+    mk("tp2xdp2", "ref.tp", 4, micro_batch=2, tp=2),
+    mk("pp2xdp2", "ref.pp_1f1b", 4, pp=2),
+    mk("sp2xpp2", "ref.pp_1f1b", 4, pp=2, tp=2, sp=True),
+])
+CASES_8 = dict([
+    mk("tp2xpp2xdp2", "ref.pp_1f1b", 8, pp=2, tp=2),
+])
+# Cases whose measured bytes are compared with parabench.theory.
+METERED = {"tp2", "tp_sp2", "tp2_ga2", "gpipe_p2_m4", "1f1b_p2_m8", "tp4", "gpipe_p4_m4", "1f1b_p4_m8",
+           "tp2xdp2", "pp2xdp2", "sp2xpp2", "tp2xpp2xdp2"}
+
+
+def _break(kind: str):
+    """Monkeypatch a Megatron operator into a wrong one; returns the undo function."""
+    import reference_impls.tensor_parallel as tpm
+
+    if kind == "f":  # f without its backward all-reduce
+        saved = tpm._CopyToTP.backward
+        tpm._CopyToTP.backward = staticmethod(lambda ctx, grad: (grad, None))
+        return lambda: setattr(tpm._CopyToTP, "backward", staticmethod(saved))
+    raise ValueError(kind)
+
+
+def _single_inprocess(case: Case, n_steps: int) -> dict:
+    """helpers.single_reference without spawning: same model, data, global batch, one process."""
+    cfg = model_config(case.model, case.seq_len)
+    spec = TrainSpec(model=cfg, seed=case.seed, device=torch.device("cpu"), precision=case.precision,
+                     topology=Topology(world_size=1, rank=0), micro_batch=case.global_batch // case.grad_accum,
+                     grad_accum=case.grad_accum, optim=OptimConfig(lr=case.lr, **case.options.get("optim", {})))
+    trainer = get_strategy("single").build(spec)
+    losses = []
+    for step in range(n_steps):
+        x, y = global_batch(step, case.global_batch, cfg, case.seed)
+        losses.append(float(trainer.train_step(x, y)))
+    return {"losses": losses, "params": trainer.full_parameters()}
+
+
+def _run_group(cases: dict, n_steps: int, metered: set) -> dict:
+    """Every rank: train each case, gather params, meter one more step; rank 0 adds the truth."""
+    out = {}
+    for name, cd in cases.items():
+        case = Case.from_dict(cd)
+        undo = _break(case.options["break_operator"]) if "break_operator" in case.options else None
+        try:
+            spec = make_spec(case, torch.device("cpu"))
+            trainer = get_strategy(case.strategy).build(spec)
+            batches = local_batches(case, spec, n_steps + 1)
+            losses = []
+            for x, y in batches[:n_steps]:
+                loss = trainer.train_step(x, y)
+                losses.append(None if loss is None else float(loss))
+            params = trainer.full_parameters()
+            comm = None
+            if name in metered:
+                with CommMeter() as meter:
+                    trainer.train_step(*batches[n_steps])
+                comm = meter.summary()
+            stats = trainer.pipeline_stats() if hasattr(trainer, "pipeline_stats") else None
+            trainer.close()
+        finally:
+            if undo:
+                undo()
+        mine = {"coords": spec.topology.coords, "losses": losses, "comm": comm, "stats": stats}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        out[name] = {"per_rank": everyone, "params": params}
+    if dist.get_rank() == 0:
+        truths = {}
+        for name, cd in cases.items():
+            case = Case.from_dict(cd)
+            key = (case.model, case.seq_len, case.global_batch, case.grad_accum)
+            if key not in truths:
+                truths[key] = _single_inprocess(case, n_steps)
+            out[name]["single"] = truths[key]
+    return out
+
+
+def _launch(cases: dict, world: int) -> dict:
+    return run_on_gloo(_run_group, world, {n: c.to_dict() for n, c in cases.items()}, N_STEPS, METERED)[0]
+
+
+@pytest.fixture(scope="module")
+def group2():
+    return _launch(CASES_2, 2)
+
+
+@pytest.fixture(scope="module")
+def group4():
+    return _launch(CASES_4, 4)
+
+
+@pytest.fixture(scope="module")
+def group8():
+    return _launch(CASES_8, 8)
+
+
+def _losses(res) -> list[float]:
+    """Per step, the mean over the ranks that see the loss (they must agree anyway)."""
+    steps = []
+    for i in range(N_STEPS):
+        vals = [r["losses"][i] for r in res["per_rank"] if r["losses"][i] is not None]
+        assert vals and max(vals) - min(vals) <= 1e-6 * abs(vals[0]), vals
+        steps.append(sum(vals) / len(vals))
+    return steps
+
+
+def _assert_matches_single(res):
+    truth = res["single"]
+    assert truth["losses"][-1] < truth["losses"][0]  # the data is learnable
+    assert max_rel_diff(_losses(res), truth["losses"]) < TOL
+    assert params_close(res["params"], truth["params"], rtol=TOL, atol=PARAM_ATOL) == []
+
+
+@pytest.mark.parametrize("name", [n for n in CASES_2 if n != "broken_f"])
+def test_world2_matches_single_process(group2, name):
+    _assert_matches_single(group2[name])
+
+
+@pytest.mark.parametrize("name", list(CASES_4))
+def test_world4_matches_single_process(group4, name):
+    _assert_matches_single(group4[name])
+
+
+def test_tp_pp_dp_world8_matches_single_process(group8):
+    _assert_matches_single(group8["tp2xpp2xdp2"])
+
+
+def test_broken_operator_is_caught(group2):
+    res = group2["broken_f"]
+    truth = res["single"]
+    bad_loss = max_rel_diff(_losses(res), truth["losses"]) >= TOL
+    bad_params = params_close(res["params"], truth["params"], rtol=TOL, atol=PARAM_ATOL) != []
+    assert bad_loss and bad_params
+
+
+def test_inprocess_truth_is_helpers_single_reference(group2):
+    ref = single_reference(CASES_2["tp2"], n_steps=N_STEPS)
+    assert max_rel_diff(group2["tp2"]["single"]["losses"], ref["losses"]) == 0
+    assert params_close(group2["tp2"]["single"]["params"], ref["params"], rtol=0, atol=0) == []
+
+
+# --- schedules ---------------------------------------------------------------------------------
+
+def textbook_order(schedule: str, stage: int, p: int, m: int) -> list[str]:
+    """Written from the papers, independently of reference_impls.pipeline."""
+    if schedule == "gpipe":  # Huang et al. 2019 Fig. 2c: all forwards, then all backwards
+        return [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
+    # Narayanan et al. 2021 Fig. 4 (PipeDream-Flush): fill the pipe to depth p - stage, then
+    # strictly alternate, taking the oldest micro-batch's backward; drain at the end.
+    order, next_f, next_b = [], 0, 0
+    while next_f < m and next_f < p - stage:
+        order.append(f"F{next_f}")
+        next_f += 1
+    while next_b < m:
+        order.append(f"B{next_b}")
+        next_b += 1
+        if next_f < m:
+            order.append(f"F{next_f}")
+            next_f += 1
+    return order
+
+
+def test_textbook_1f1b_by_hand():
+    assert textbook_order("1f1b", 0, 2, 4) == "F0 F1 B0 F2 B1 F3 B2 B3".split()
+    assert textbook_order("1f1b", 1, 2, 4) == "F0 B0 F1 B1 F2 B2 F3 B3".split()
+    assert textbook_order("1f1b", 0, 4, 4) == "F0 F1 F2 F3 B0 B1 B2 B3".split()
+    assert textbook_order("1f1b", 1, 4, 4) == "F0 F1 F2 B0 F3 B1 B2 B3".split()
+
+
+@pytest.mark.parametrize("name", ["gpipe_p2_m4", "1f1b_p2_m4", "gpipe_p2_m8", "1f1b_p2_m8",
+                                  "gpipe_p4_m4", "1f1b_p4_m4", "gpipe_p4_m8", "1f1b_p4_m8"])
+def test_schedule_executes_textbook_order(group2, group4, name):
+    res = (group2 if name in group2 else group4)[name]
+    sched, p, m = name.split("_")[0], int(name.split("_")[1][1:]), int(name.split("_")[2][1:])
+    for r in res["per_rank"]:
+        st = r["stats"]
+        stage = r["coords"][1]
+        assert (st["stages"], st["microbatches"], st["stage"]) == (p, m, stage)
+        assert st["order"] == textbook_order(sched, stage, p, m), (stage, st["order"])
+        assert st["peak_live_microbatches"] == (m if sched == "gpipe" else min(p - stage, m))
+        assert st["peak_live_microbatches"] == st["peak_live_microbatches_theory"]
+        assert st["bubble_fraction_theory"] == pytest.approx((p - 1) / (m + p - 1))
+        assert 0 <= st["bubble_fraction_measured"] < 1
+        assert st["compute_s"] > 0 and st["wait_s"] >= 0
+
+
+# --- communication vs theory -----------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(METERED))
+def test_measured_comm_equals_theory(group2, group4, group8, name):
+    cases = {**CASES_2, **CASES_4, **CASES_8}
+    res = {**group2, **group4, **group8}[name]
+    case = cases[name]
+    cfg = model_config(case.model, case.seq_len)
+    exp = expected(case, cfg, case.world_size // (case.options.get("tp", 1) * case.options.get("pp", 1)))
+    t, p = case.options.get("tp", 1), case.options.get("pp", 1)
+    for rank, r in enumerate(res["per_rank"]):
+        want = exp["comm_payload_bytes_per_rank"][rank]
+        got = {k: v["payload_bytes"] for k, v in r["comm"]["by_kind"].items()}
+        assert set(got) == set(want), (rank, got, want)
+        for kind in want:
+            assert got[kind] == pytest.approx(want[kind], rel=0.01), (rank, kind, got, want)
+    assert exp["comm_payload_bytes"] == exp["comm_payload_bytes_per_rank"][0]
+    if p > 1:
+        assert exp["pipeline"]["bubble_fraction"] == pytest.approx((p - 1) / (case.options.get("microbatches", 2 * p) + p - 1))
+    _ = t
+
+
+# --- validation ------------------------------------------------------------------------------
+
+def test_validate_rejects_microbatches_not_dividing_micro_batch():
+    with pytest.raises(SuiteError, match="micro-batches do not divide"):
+        validate_case(Case(model="tiny", strategy="ref.pp_1f1b", world_size=2, micro_batch=2, options={"pp": 2}))
+    with pytest.raises(SuiteError, match="micro-batches do not divide"):
+        validate_case(Case(model="tiny", strategy="ref.pp_gpipe", world_size=2, micro_batch=6,
+                           options={"pp": 2, "microbatches": 4}))
+    validate_case(Case(model="tiny", strategy="ref.pp_gpipe", world_size=2, micro_batch=8,
+                       options={"pp": 2, "microbatches": 4}))
+    with pytest.raises(SuiteError, match="sequence parallel"):
+        validate_case(Case(model="tiny", strategy="ref.tp_sp", world_size=4, seq_len=30, options={"tp": 4}))
