@@ -1,0 +1,132 @@
+"""Suite files: expansion, exclusion, hashing, and errors that name file, line and field."""
+
+import json
+import textwrap
+
+import pytest
+
+from parabench.results import SCHEMA_VERSION, SchemaError, load_json, write_json_atomic
+from parabench.suite import Case, SuiteError, list_suites, load_suite
+
+
+def write(tmp_path, body, name="s.toml"):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(body).lstrip())
+    return p
+
+
+def test_every_committed_suite_is_valid():
+    for name in list_suites():
+        load_suite(name)
+
+
+def test_matrix_expansion_and_exclude(tmp_path):
+    p = write(tmp_path, """
+        [suite]
+        name = "x"
+        steps = 3
+        [[matrix]]
+        model = "tiny"
+        strategy = ["torch.ddp", "torch.fsdp2"]
+        world_size = [2, 4]
+        precision = ["fp32", "bf16"]
+        [[matrix]]
+        model = "tiny"
+        strategy = "single"
+        world_size = 1
+        [[exclude]]
+        strategy = "torch.fsdp2"
+        world_size = 4
+        """)
+    suite = load_suite(str(p))
+    assert len(suite.cases) == 2 * 2 * 2 - 2 + 1
+    assert all(c.steps == 3 for c in suite.cases)
+    assert len({c.case_hash for c in suite.cases}) == len(suite.cases)
+
+
+def test_case_hash_ignores_timeout_but_not_what_is_measured():
+    a = Case(model="tiny", strategy="torch.ddp", world_size=2)
+    assert a.case_hash == Case(model="tiny", strategy="torch.ddp", world_size=2, timeout_s=5).case_hash
+    assert a.case_hash != Case(model="tiny", strategy="torch.ddp", world_size=2, micro_batch=3).case_hash
+    assert a.case_hash != Case(model="tiny", strategy="torch.ddp", world_size=2, options={"bucket_mb": 1}).case_hash
+
+
+@pytest.mark.parametrize("body, line, field, words", [
+    ("""
+     [suite]
+     name = "x"
+     [[matrix]]
+     model = "tiny"
+     strategy = "torch.dpp"
+     world_size = 2
+     """, 5, "strategy", "valid strategies: "),
+    ("""
+     [suite]
+     name = "x"
+     [[matrix]]
+     model = "tiny"
+     strategy = "torch.ddp"
+     world_size = "two"
+     """, 6, "world_size", "expected int"),
+    ("""
+     [suite]
+     name = "x"
+     stpes = 3
+     [[matrix]]
+     model = "tiny"
+     strategy = "torch.ddp"
+     world_size = 2
+     """, 3, "stpes", "unknown key"),
+    ("""
+     [suite]
+     name = "x"
+     [[matrix]]
+     model = "tiny"
+     strategy = "torch.ddp"
+     world_size = 2
+     [[matrix]]
+     model = "gpt-9t"
+     strategy = "torch.ddp"
+     world_size = 2
+     """, 8, "model", "valid models: "),
+    ("""
+     [suite]
+     [[matrix]]
+     model = "tiny"
+     strategy = "ref.tp"
+     world_size = 3
+     options = {tp = 2}
+     """, 4, "strategy", "not dp x pp x tp"),
+])
+def test_errors_name_file_line_and_field(tmp_path, body, line, field, words):
+    p = write(tmp_path, body)
+    with pytest.raises(SuiteError) as err:
+        load_suite(str(p))
+    msg = str(err.value)
+    assert f"{p}:{line}" in msg and f"'{field}'" in msg and words in msg, msg
+
+
+def test_malformed_toml_names_file_and_line(tmp_path):
+    p = write(tmp_path, """
+        [suite]
+        name = "x
+        """)
+    with pytest.raises(SuiteError) as err:
+        load_suite(str(p))
+    assert str(p) in str(err.value) and "line 2" in str(err.value)
+
+
+def test_unknown_suite_lists_valid_ones():
+    with pytest.raises(SuiteError) as err:
+        load_suite("no-such-suite")
+    assert "smoke" in str(err.value)
+
+
+def test_loading_refuses_another_schema_version(tmp_path):
+    path = tmp_path / "r.json"
+    write_json_atomic(path, {"schema_version": SCHEMA_VERSION + 1})
+    with pytest.raises(SchemaError, match=f"schema version {SCHEMA_VERSION + 1}"):
+        load_json(path)
+    write_json_atomic(path, {"schema_version": SCHEMA_VERSION, "x": 1})
+    assert load_json(path)["x"] == 1
+    assert not list(tmp_path.glob(".*tmp"))  # no temporary left behind
