@@ -215,11 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("compare", help="regression gate: compare a candidate run with a baseline")
-    p.add_argument("baseline")
-    p.add_argument("candidate")
-    p.add_argument("--threshold", type=float, default=0.05, help="relative change that counts (default 5%%)")
-    p.add_argument("--json", help="write the comparison as JSON here")
-    p.add_argument("--markdown", help="write the comparison as a Markdown table here")
+    from parabench.compare import add_arguments as _compare_arguments
+
+    _compare_arguments(p)  # baseline, candidate, --threshold, --mem-threshold, --alpha, --json, --markdown, --all
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("env", help="versions, devices and recorded environment variables")

@@ -1,0 +1,416 @@
+"""The regression gate: compare a candidate run with a baseline run, case by case.
+
+Cases are matched by ``case_hash`` (the hash of the case spec and the strategy's version): only
+like is compared with like (asv's rule). Cases present on one side only are listed, never
+dropped silently. Every compared metric has a direction and a decision rule (asv, pytest-benchmark):
+
+``timing``  tokens/s, tokens/s per device, MFU (higher is better) and the median step time
+            (lower is better). A regression needs BOTH a change beyond ``threshold`` (relative,
+            on the medians) AND a significant difference between the per-step samples
+            (``metrics.step_times_s``): a one-sided Mann-Whitney U test at level ``alpha``,
+            exact for small untied samples, normal approximation with tie correction otherwise.
+            The derived throughput figures are all functions of the median step time, so they
+            share its test. With 3 timed steps per side the smallest possible one-sided p is
+            0.05: run at least 4 timed steps for the gate to be able to flag anything.
+``exact``   model-state bytes, the CUDA allocator's peak (``peak_alloc_bytes``) and communication
+            payload bytes (rank 0's instrumented step, total and per kind): deterministic for a
+            given code path, so ANY growth is a regression and any shrink is reported.
+``noisy``   CPU peak RSS, the allocator's reserved peak and NVML's device-wide figure: a
+            regression is growth beyond ``mem_threshold``.
+``info``    the final loss: a change is reported, never gated on (GPU kernels are not bitwise
+            deterministic).
+
+A status change from ``ok`` to anything else (failed, oom, timeout, skipped) is a regression;
+the reverse is an improvement. Exit status (``main``): 1 on any regression, 0 otherwise, 2 on
+unreadable input.
+
+This module reads result files only (``parabench.results``); the report imports it to build
+its cross-run comparison table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from parabench.results import SchemaError, load_run
+
+# name, direction (+1 higher is better, -1 lower is better), rule, unit
+METRICS: list[tuple[str, int, str, str]] = [
+    ("tokens_per_s", +1, "timing", "tok/s"),
+    ("tokens_per_s_per_device", +1, "timing", "tok/s"),
+    ("step_time_s_median", -1, "timing", "s"),
+    ("mfu", +1, "timing", ""),
+    ("model_state_bytes_max", -1, "exact", "B"),
+    ("peak_alloc_bytes", -1, "exact", "B"),
+    ("comm_payload_bytes", -1, "exact", "B"),
+    ("peak_reserved_bytes", -1, "noisy", "B"),
+    ("device_used_bytes", -1, "noisy", "B"),
+    ("peak_rss_bytes", -1, "noisy", "B"),
+    ("final_loss", -1, "info", ""),
+]
+STATUS_OK = "ok"
+
+
+# --- statistics (no scipy: the gate must run wherever parabench does) ------------------------
+
+def _ranks(values: list[float]) -> tuple[list[float], list[int]]:
+    """Average ranks (1-based) of ``values`` and the sizes of the groups of ties."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    ties = []
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        ties.append(j - i + 1)
+        i = j + 1
+    return ranks, ties
+
+
+def _u_distribution(n1: int, n2: int) -> list[int]:
+    """Number of arrangements giving each value of U (0..n1*n2), for untied samples.
+
+    Recurrence (Mann & Whitney 1947): c(n1, n2, u) = c(n1-1, n2, u-n2) + c(n1, n2-1, u)."""
+    # table[j][u] for the current i, built up over i
+    prev = [[1] for _ in range(n2 + 1)]  # i = 0: U is always 0
+    for i in range(1, n1 + 1):
+        cur = [[1]]  # j = 0: U is 0
+        for j in range(1, n2 + 1):
+            size = i * j + 1
+            row = [0] * size
+            a = prev[j]  # (i-1, j): shifted by j
+            for u, c in enumerate(a):
+                row[u + j] += c
+            b = cur[j - 1]  # (i, j-1)
+            for u, c in enumerate(b):
+                row[u] += c
+            cur.append(row)
+        prev = cur
+    return prev[n2]
+
+
+def mann_whitney_greater(x: list[float], y: list[float]) -> float:
+    """One-sided p-value for "values of ``x`` tend to be larger than values of ``y``".
+
+    U counts the pairs (xi, yj) with xi > yj (ties count one half). Exact null distribution
+    when there are no ties and the samples are small; otherwise the normal approximation with
+    tie and continuity corrections."""
+    n1, n2 = len(x), len(y)
+    if n1 == 0 or n2 == 0:
+        return 1.0
+    ranks, ties = _ranks(list(x) + list(y))
+    r1 = sum(ranks[:n1])
+    u = r1 - n1 * (n1 + 1) / 2
+    if all(t == 1 for t in ties) and n1 * n2 <= 2500:
+        dist = _u_distribution(n1, n2)
+        total = sum(dist)
+        k = int(round(u))
+        return sum(dist[k:]) / total
+    n = n1 + n2
+    mu = n1 * n2 / 2
+    tie_term = sum(t ** 3 - t for t in ties) / (n * (n - 1)) if n > 1 else 0.0
+    var = n1 * n2 / 12 * ((n + 1) - tie_term)
+    if var <= 0:
+        return 1.0
+    z = (u - mu - 0.5) / math.sqrt(var)
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+# --- the comparison ---------------------------------------------------------------------------
+
+@dataclass
+class MetricDelta:
+    metric: str
+    rule: str
+    direction: int
+    baseline: float | None
+    candidate: float | None
+    rel_change: float | None  # (candidate - baseline) / baseline
+    verdict: str  # same | regression | improvement | changed | noise | n/a
+    p_value: float | None = None
+    note: str = ""
+
+
+@dataclass
+class CaseComparison:
+    case_hash: str
+    label: str
+    baseline_status: str | None
+    candidate_status: str | None
+    verdict: str  # regression | improvement | same | only-baseline | only-candidate
+    metrics: list[MetricDelta] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def metric_value(record: dict, name: str):
+    """A metric of a record by the gate's name (a few live outside ``metrics``)."""
+    m = record.get("metrics") or {}
+    if name == "comm_payload_bytes":
+        pr = record.get("per_rank") or []
+        comm = pr[0].get("comm") if pr else None
+        return comm.get("payload_bytes") if comm else None
+    if name.startswith("comm_bytes[") and name.endswith("]"):
+        pr = record.get("per_rank") or []
+        comm = pr[0].get("comm") if pr else None
+        if not comm:
+            return None
+        return (comm.get("by_kind", {}).get(name[11:-1]) or {}).get("payload_bytes", 0)
+    return m.get(name)
+
+
+def _comm_kinds(*records: dict) -> list[str]:
+    kinds: set[str] = set()
+    for r in records:
+        pr = r.get("per_rank") or []
+        if pr and pr[0].get("comm"):
+            kinds |= set(pr[0]["comm"].get("by_kind", {}))
+    return sorted(kinds)
+
+
+def _timing_p(base: dict, cand: dict) -> float | None:
+    """p-value of "the candidate is worse", from the per-step times (slower = worse for every
+    timing metric: they are all throughput or time derived from the step time)."""
+    b = (base.get("metrics") or {}).get("step_times_s") or []
+    c = (cand.get("metrics") or {}).get("step_times_s") or []
+    if not b or not c:
+        return None
+    return mann_whitney_greater(c, b)
+
+
+def _timing_p_better(base: dict, cand: dict) -> float | None:
+    b = (base.get("metrics") or {}).get("step_times_s") or []
+    c = (cand.get("metrics") or {}).get("step_times_s") or []
+    if not b or not c:
+        return None
+    return mann_whitney_greater(b, c)
+
+
+def compare_metric(name: str, direction: int, rule: str, base: dict, cand: dict, *, threshold: float,
+                   mem_threshold: float, alpha: float) -> MetricDelta:
+    bv, cv = metric_value(base, name), metric_value(cand, name)
+    if bv is None or cv is None:
+        return MetricDelta(name, rule, direction, bv, cv, None, "n/a" if bv is None and cv is None else "changed",
+                           note="" if bv is None and cv is None else "measured on one side only")
+    rel = (cv - bv) / abs(bv) if bv else (0.0 if cv == bv else math.copysign(math.inf, cv - bv))
+    worse = (cv - bv) * direction < 0
+    better = (cv - bv) * direction > 0
+    d = MetricDelta(name, rule, direction, bv, cv, rel, "same")
+    if rule == "exact":
+        if cv != bv:
+            d.verdict = "regression" if worse else "improvement"
+            d.note = f"{cv - bv:+,} bytes" if isinstance(cv, int) and isinstance(bv, int) else ""
+        return d
+    if rule == "noisy":
+        if worse and abs(rel) > mem_threshold:
+            d.verdict = "regression"
+        elif better and abs(rel) > mem_threshold:
+            d.verdict = "improvement"
+        return d
+    if rule == "info":
+        if cv != bv:
+            d.verdict = "changed"
+        return d
+    # timing: threshold AND significance
+    if abs(rel) <= threshold:
+        return d
+    p = _timing_p(base, cand) if worse else _timing_p_better(base, cand)
+    d.p_value = p
+    if p is None:
+        d.verdict = "regression" if worse else "improvement"
+        d.note = "no per-step samples: threshold only"
+    elif p < alpha:
+        d.verdict = "regression" if worse else "improvement"
+    else:
+        d.verdict = "noise"
+        d.note = f"beyond the threshold but not significant (p={p:.3g} >= {alpha})"
+    return d
+
+
+def compare_records(base: dict | None, cand: dict | None, *, threshold: float = 0.05, mem_threshold: float | None = None,
+                    alpha: float = 0.05) -> CaseComparison:
+    mem_threshold = threshold if mem_threshold is None else mem_threshold
+    ref = base or cand
+    out = CaseComparison(ref["case_hash"], ref.get("label", ""), base and base.get("status"),
+                         cand and cand.get("status"), "same")
+    if base is None:
+        out.verdict = "only-candidate"
+        return out
+    if cand is None:
+        out.verdict = "only-baseline"
+        return out
+    bs, cs = base.get("status"), cand.get("status")
+    if bs != cs:
+        out.notes.append(f"status {bs} -> {cs}")
+        if bs == STATUS_OK:
+            out.verdict = "regression"
+            return out
+        if cs == STATUS_OK:
+            out.verdict = "improvement"
+            return out
+    if bs != STATUS_OK or cs != STATUS_OK:
+        return out
+    bd, cd = (base.get("device") or {}).get("name"), (cand.get("device") or {}).get("name")
+    if bd != cd:
+        out.notes.append(f"different devices: {bd} vs {cd}; timings are not comparable")
+    names = [(n, d, r) for n, d, r, _ in METRICS]
+    names += [(f"comm_bytes[{k}]", -1, "exact") for k in _comm_kinds(base, cand)]
+    for name, direction, rule in names:
+        d = compare_metric(name, direction, rule, base, cand, threshold=threshold, mem_threshold=mem_threshold,
+                           alpha=alpha)
+        if d.verdict != "n/a":
+            out.metrics.append(d)
+    verdicts = {d.verdict for d in out.metrics}
+    out.verdict = "regression" if "regression" in verdicts else "improvement" if "improvement" in verdicts else "same"
+    return out
+
+
+def compare_runs(baseline: tuple[dict, list[dict]], candidate: tuple[dict, list[dict]], *, threshold: float = 0.05,
+                 mem_threshold: float | None = None, alpha: float = 0.05) -> dict:
+    """The whole comparison as plain data (what ``--json`` writes)."""
+    (bm, brecs), (cm, crecs) = baseline, candidate
+    bmap = {r["case_hash"]: r for r in brecs}
+    cmap = {r["case_hash"]: r for r in crecs}
+    hashes = sorted(set(bmap) | set(cmap), key=lambda h: ((bmap.get(h) or cmap.get(h)).get("label", ""), h))
+    cases = [compare_records(bmap.get(h), cmap.get(h), threshold=threshold, mem_threshold=mem_threshold, alpha=alpha)
+             for h in hashes]
+    counts: dict[str, int] = {}
+    for c in cases:
+        counts[c.verdict] = counts.get(c.verdict, 0) + 1
+    notes = []
+    bdev = [d.get("name") for d in bm.get("devices", [])]
+    cdev = [d.get("name") for d in cm.get("devices", [])]
+    if bdev != cdev:
+        notes.append(f"the runs used different devices ({bdev} vs {cdev})")
+    return {
+        "baseline": {"suite": bm.get("suite"), "run_id": bm.get("run_id"), "git": bm.get("git"), "devices": bdev},
+        "candidate": {"suite": cm.get("suite"), "run_id": cm.get("run_id"), "git": cm.get("git"), "devices": cdev},
+        "settings": {"threshold": threshold, "mem_threshold": threshold if mem_threshold is None else mem_threshold,
+                     "alpha": alpha, "test": "one-sided Mann-Whitney U on per-step times"},
+        "counts": counts,
+        "regression": counts.get("regression", 0) > 0,
+        "notes": notes,
+        "cases": [asdict(c) for c in cases],
+    }
+
+
+# --- output -----------------------------------------------------------------------------------
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if v != v:
+            return "nan"
+        if abs(v) >= 1e4:
+            return f"{v:,.0f}"
+        return f"{v:.4g}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def _rows(result: dict, everything: bool = False) -> list[list[str]]:
+    rows = []
+    for c in result["cases"]:
+        if c["verdict"] in ("only-baseline", "only-candidate"):
+            rows.append([c["label"], "", c["verdict"], "", "", "", "", c["case_hash"]])
+            continue
+        shown = [m for m in c["metrics"] if everything or m["verdict"] not in ("same",)]
+        if not shown:
+            rows.append([c["label"], "", c["verdict"], "", "", "", "", "; ".join(c["notes"])])
+        for m in shown:
+            rel = "" if m["rel_change"] is None else f"{m['rel_change'] * 100:+.2f}%"
+            p = "" if m["p_value"] is None else f"{m['p_value']:.3g}"
+            rows.append([c["label"], m["metric"], m["verdict"], _fmt(m["baseline"]), _fmt(m["candidate"]), rel, p,
+                         "; ".join(x for x in [m["note"], *c["notes"]] if x)])
+    return rows
+
+
+HEADER = ["case", "metric", "verdict", "baseline", "candidate", "change", "p", "note"]
+
+
+def format_table(result: dict, everything: bool = False) -> str:
+    rows = [HEADER] + _rows(result, everything)
+    widths = [min(max(len(r[i]) for r in rows), 60) for i in range(len(HEADER))]
+    lines = []
+    for k, r in enumerate(rows):
+        lines.append("  ".join(cell[:60].ljust(w) for cell, w in zip(r, widths)).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _summary(result: dict) -> str:
+    b, c = result["baseline"], result["candidate"]
+    counts = ", ".join(f"{v} {k}" for k, v in sorted(result["counts"].items()))
+    s = result["settings"]
+    return (f"baseline {b['suite']}/{b['run_id']} vs candidate {c['suite']}/{c['run_id']}: {counts} "
+            f"(threshold {s['threshold'] * 100:g}%, memory {s['mem_threshold'] * 100:g}%, alpha {s['alpha']})")
+
+
+def format_markdown(result: dict) -> str:
+    def esc(s: str) -> str:
+        return s.replace("|", "\\|").replace("\n", " ")
+
+    out = ["## parabench compare", "", esc(_summary(result)), ""]
+    out += [f"> {esc(n)}" for n in result["notes"]]
+    verdict = "**REGRESSION**" if result["regression"] else "no regression"
+    out += [f"Result: {verdict}", "", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    for r in _rows(result):
+        out.append("| " + " | ".join(esc(x) for x in r) + " |")
+    return "\n".join(out) + "\n"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("baseline", help="baseline run folder (with manifest.json)")
+    p.add_argument("candidate", help="candidate run folder")
+    p.add_argument("--threshold", type=float, default=0.05, help="relative change that counts for timings (default 5%%)")
+    p.add_argument("--mem-threshold", type=float, default=None,
+                   help="relative growth that counts for noisy memory figures (peak RSS, reserved, NVML); default: --threshold")
+    p.add_argument("--alpha", type=float, default=0.05, help="significance level of the timing test (default 0.05)")
+    p.add_argument("--json", help="write the comparison as JSON here")
+    p.add_argument("--markdown", help="write the comparison as a Markdown table here")
+    p.add_argument("--all", action="store_true", help="print unchanged metrics too")
+
+
+def main(args) -> int:
+    try:
+        base = load_run(args.baseline)
+        cand = load_run(args.candidate)
+    except (FileNotFoundError, SchemaError, json.JSONDecodeError, KeyError) as exc:
+        print(f"parabench compare: error: {exc}", file=sys.stderr)
+        return 2
+    result = compare_runs(base, cand, threshold=args.threshold, mem_threshold=getattr(args, "mem_threshold", None),
+                          alpha=getattr(args, "alpha", 0.05))
+    print(_summary(result))
+    for n in result["notes"]:
+        print(f"note: {n}")
+    print(format_table(result, everything=getattr(args, "all", False)))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(format_markdown(result))
+    print("parabench compare: REGRESSION" if result["regression"] else "parabench compare: no regression")
+    return 1 if result["regression"] else 0
+
+
+if __name__ == "__main__":
+    _p = argparse.ArgumentParser(prog="python -m parabench.compare", description="regression gate")
+    add_arguments(_p)
+    sys.exit(main(_p.parse_args()))
