@@ -114,6 +114,11 @@ def check_against_theory(theory: dict | None, per_rank: list[dict], allowance: f
         for k in sorted(kinds):
             exp = comm_exp.get(k, 0)
             meas = comm_meas["by_kind"].get(k, {}).get("payload_bytes", 0)
+            if isinstance(exp, (list, tuple)):  # a documented range [low, high]
+                lo, hi = exp
+                rows[k] = {"expected_bytes": [lo, hi], "measured_bytes": meas, "ratio": meas / hi if hi else None,
+                           "ok": lo * (1 - allowance) <= meas <= hi * (1 + allowance)}
+                continue
             ratio = meas / exp if exp else (None if meas == 0 else float("inf"))
             rows[k] = {"expected_bytes": exp, "measured_bytes": meas, "ratio": ratio,
                        "ok": (meas == 0) if not exp else abs(ratio - 1) <= allowance}

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from parabench.distributed import init_process_group, pick_device
 from parabench.hardware import device_name, measured_matmul_flops, peak_flops
-from parabench.meters import memory
+from parabench.meters import flight_recorder, memory
 from parabench.meters.comm import CommMeter
 from parabench.models import global_batch, model_config
 from parabench.results import write_json_atomic
@@ -135,6 +135,7 @@ def run_case(case: Case, device: torch.device) -> dict | None:
     _inject_fault(case, step)
     if hasattr(trainer, "measure_state"):
         trainer.measure_state = True
+    fr_start = flight_recorder.last_record_id() if flight_recorder.enabled() else None
     if case.comm_meter:
         with CommMeter() as meter:
             losses.append(trainer.train_step(*batches[step]))
@@ -143,6 +144,7 @@ def run_case(case: Case, device: torch.device) -> dict | None:
         losses.append(trainer.train_step(*batches[step]))
         comm = None
     _sync(device)
+    fr = flight_recorder.summary_since(fr_start) if fr_start is not None else None
     state = trainer.state_bytes()
     loss_values = [None if l is None else float(l) for l in losses]
 
@@ -154,6 +156,7 @@ def run_case(case: Case, device: torch.device) -> dict | None:
         "memory": peak,
         "state_bytes": state,
         "comm": comm,
+        "flight_recorder": fr,
         "setup_s": setup_s,
     }
     if hasattr(trainer, "pipeline_stats"):
