@@ -20,9 +20,11 @@ Loss-scaling seam (fp16, added later in ``mixed_precision.py``): every trainer t
 ``grad_scaler`` object or None. When given, the loss is multiplied by ``grad_scaler.scale``
 before backward and, just before the optimizer update, ``grad_scaler.unscale_and_check(grads,
 group)`` gets the fp32 gradients this rank owns, divides them by the scale in place and returns
-whether the step may be applied (it must agree across ``group``, i.e. all-reduce its inf flag
-when gradients are sharded); ``grad_scaler.update(applied)`` then adjusts the scale. With None
-(fp32, bf16) none of this runs.
+whether the step may be applied. ``group`` is the process group the gradients are sharded over
+(ZeRO, FSDP: the scaler must all-reduce its inf flag there so every rank decides alike), or None
+where every rank holds the same full, already-reduced gradient (DDP; the parameter server, which
+calls it on the server only). ``grad_scaler.update(applied)`` then adjusts the scale. With
+``grad_scaler=None`` (fp32, bf16) none of this runs and nothing syncs with the host.
 """
 
 from __future__ import annotations

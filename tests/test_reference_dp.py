@@ -90,6 +90,10 @@ def _run_group(cases: dict, n_steps: int) -> dict:
         trainer = get_strategy(case.strategy).build(spec)
         if "broken" in case.options:
             _break(trainer, case.options["broken"])
+        in_backward = []  # for each bucket collective: was it launched while backward was running?
+        if hasattr(trainer, "_launch"):
+            launch = trainer._launch
+            trainer._launch = lambda b: (in_backward.append(torch._C._current_graph_task_id() != -1), launch(b))
         losses = []
         for step, (x, y) in enumerate(local_batches(case, spec, n_steps)):
             if step == n_steps - 1:
@@ -103,7 +107,7 @@ def _run_group(cases: dict, n_steps: int) -> dict:
         state = trainer.state_bytes()
         params = trainer.full_parameters()
         trainer.close()
-        mine = {"losses": losses, "comm": comm, "dtypes": dtypes, "state": state}
+        mine = {"losses": losses, "comm": comm, "dtypes": dtypes, "state": state, "in_backward": in_backward}
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         out[name] = {"per_rank": everyone, "params": params if dist.get_rank() == 0 else None}
@@ -192,6 +196,13 @@ def test_world2(group2, name):
 @pytest.mark.parametrize("name", list(CASES_4))
 def test_world4(group4, name):
     _check(group4, CASES_4, name)
+
+
+@pytest.mark.parametrize("strategy", ["ref.ddp", "ref.zero1", "ref.zero2"])
+def test_bucket_collectives_overlap_backward(group2, strategy):
+    """Every bucket's all-reduce / reduce-scatter is launched from a gradient hook, inside backward."""
+    flags = group2[f"{strategy}-w2-fp32-ga2"]["per_rank"][0]["in_backward"]
+    assert len(flags) > 1 and all(flags)
 
 
 @pytest.mark.parametrize("name", [n for n in CASES_2 if "broken" in CASES_2[n].options])
