@@ -160,12 +160,18 @@ def group8():
 
 
 def _losses(res) -> list[float]:
-    """Per step, the mean over the ranks that see the loss (they must agree anyway)."""
+    """Per step, the mean over data-parallel replicas of the loss on the ranks that see it
+    (within a replica, every tensor-parallel rank of the last stage must report the same)."""
     steps = []
     for i in range(N_STEPS):
-        vals = [r["losses"][i] for r in res["per_rank"] if r["losses"][i] is not None]
-        assert vals and max(vals) - min(vals) <= 1e-6 * abs(vals[0]), vals
-        steps.append(sum(vals) / len(vals))
+        by_dp: dict[int, list[float]] = {}
+        for r in res["per_rank"]:
+            if r["losses"][i] is not None:
+                by_dp.setdefault(r["coords"][0], []).append(r["losses"][i])
+        assert by_dp
+        for vals in by_dp.values():
+            assert max(vals) - min(vals) <= 1e-6 * abs(vals[0]), vals
+        steps.append(sum(v[0] for v in by_dp.values()) / len(by_dp))
     return steps
 
 
