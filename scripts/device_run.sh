@@ -1,25 +1,35 @@
 #!/usr/bin/env bash
 # Runs parabench suites on an offline GPU machine and packs the results for the trip back.
 #
-#   bash scripts/device_run.sh OUT_DIR SUITE [SUITE ...]
+#   DEADLINE_S=560 bash scripts/device_run.sh OUT_DIR SUITE [SUITE ...]
 #
-# Installs the wheels that scripts/../.whl holds (DeepSpeed and its pure-Python needs, made by
+# Installs the wheels in .whl/ (DeepSpeed and its pure-Python needs, made by
 # ../shared/tools/gpu-wheels.sh), keeps NVLink multicast off in NCCL, PyTorch and NVSHMEM (the
-# shared host requires it; torchrun passes the environment to every rank), runs each suite and
-# writes OUT_DIR/results.tgz (results without logs), OUT_DIR/logs.tgz and OUT_DIR/console.txt.
+# shared host requires it; torchrun passes the environment to every rank), runs the suites in
+# order within DEADLINE_S seconds in all, and after each one rewrites OUT_DIR/results.tgz
+# (records, manifests, reports; no logs) and OUT_DIR/logs.tgz, so a suite cut off by the
+# deadline still leaves everything finished before it. Console output goes to OUT_DIR/console.txt.
 set -uo pipefail
 out=$1; shift
+start=$(date +%s)
+deadline=${DEADLINE_S:-560}
 cd "$(dirname "$0")/.."
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-20000}
 nvidia-smi -L
 mkdir -p "$out/res"
+pack() {
+  tar czf "$out/results.tgz" --exclude='logs' --exclude='.scratch' -C "$out/res" .
+  tar czf "$out/logs.tgz" --exclude='.scratch' -C "$out/res" .
+}
 for suite in "$@"; do
-  python3 -m parabench.cli run suite "$suite" --out "$out/res" ${PARABENCH_ARGS:-} 2>&1 | tee -a "$out/console.txt"
+  left=$(( deadline - ($(date +%s) - start) ))
+  if [ "$left" -lt 20 ]; then echo "device_run: no time left for $suite" | tee -a "$out/console.txt"; continue; fi
+  timeout -s INT "$left" python3 -m parabench.cli run suite "$suite" --out "$out/res" ${PARABENCH_ARGS:-} 2>&1 | tee -a "$out/console.txt"
+  pack
 done
-tar czf "$out/results.tgz" --exclude='logs' --exclude='.scratch' -C "$out/res" .
-tar czf "$out/logs.tgz" -C "$out/res" .
-rm -rf "$out/res"
+pack
