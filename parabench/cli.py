@@ -47,8 +47,12 @@ def _run_suite(suite: Suite, args) -> int:
             print(f"parabench: error: {exc}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
-            print(f"\nparabench: interrupted; finished cases are kept in {run_dir}; "
-                  f"continue with: parabench run suite {args.suite} --resume", file=sys.stderr)
+            print(f"\nparabench: interrupted; finished cases are kept in {run_dir}; continue with: "
+                  f"parabench run suite {getattr(args, 'suite', '...')} --resume", file=sys.stderr)
+            if not args.no_report and (run_dir / "manifest.json").exists():
+                from parabench.report import write_report
+
+                print(f"parabench: report of the finished cases: {write_report([run_dir], run_dir / 'report.html')}")
             return 130
         print("parabench: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v), flush=True)
     if not args.no_report:
