@@ -18,6 +18,8 @@ is still caught, see ``test_broken_operator_is_caught``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -56,7 +58,12 @@ CASES_2 = dict([
     mk("torch.tp_sp2", "torch.tp_sp", 2, tp=2),
     mk("torch.gpipe2", "torch.pp_gpipe", 2, pp=2),
     mk("torch.1f1b2", "torch.pp_1f1b", 2, pp=2),
+    mk("torch.interleaved2", "torch.pp_interleaved", 2, model="small", seq_len=32, pp=2),
+    mk("tp_sp2_bf16", "ref.tp_sp", 2, tp=2),
+    mk("1f1b_p2_bf16", "ref.pp_1f1b", 2, pp=2),
 ])
+for _name in ("tp_sp2_bf16", "1f1b_p2_bf16"):
+    CASES_2[_name] = dataclasses.replace(CASES_2[_name], precision="bf16")
 CASES_4 = dict([
     mk("tp4", "ref.tp", 4, model="small", seq_len=32, tp=4),
     mk("gpipe_p4_m4", "ref.pp_gpipe", 4, model="small", seq_len=32, pp=4, microbatches=4),
@@ -133,7 +140,7 @@ def _run_group(cases: dict, n_steps: int, metered: set) -> dict:
         truths = {}
         for name, cd in cases.items():
             case = Case.from_dict(cd)
-            key = (case.model, case.seq_len, case.global_batch, case.grad_accum)
+            key = (case.model, case.seq_len, case.global_batch, case.grad_accum, case.precision)
             if key not in truths:
                 truths[key] = _single_inprocess(case, n_steps)
             out[name]["single"] = truths[key]
@@ -182,9 +189,16 @@ def _assert_matches_single(res):
     assert params_close(res["params"], truth["params"], rtol=TOL, atol=PARAM_ATOL) == []
 
 
-@pytest.mark.parametrize("name", [n for n in CASES_2 if n != "broken_f"])
+@pytest.mark.parametrize("name", [n for n in CASES_2 if n != "broken_f" and "bf16" not in n])
 def test_world2_matches_single_process(group2, name):
     _assert_matches_single(group2[name])
+
+
+@pytest.mark.parametrize("name", ["tp_sp2_bf16", "1f1b_p2_bf16"])
+def test_bf16_runs_close_to_single_process_bf16(group2, name):
+    """bf16 autocast: same recipe as the single-process bf16 run, up to bf16 rounding."""
+    res = group2[name]
+    assert max_rel_diff(_losses(res), res["single"]["losses"]) < 1e-3
 
 
 @pytest.mark.parametrize("name", list(CASES_4))
