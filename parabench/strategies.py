@@ -165,6 +165,8 @@ _BUILTIN = (
                  "torch.distributed.pipelining PipelineStage + ScheduleGPipe"),
     StrategyInfo("torch.pp_1f1b", "parabench.peers.torch_pipeline:build_1f1b", "peer",
                  "torch.distributed.pipelining PipelineStage + Schedule1F1B"),
+    StrategyInfo("torch.pp_interleaved", "parabench.peers.torch_pipeline:build_interleaved", "peer",
+                 "torch.distributed.pipelining ScheduleInterleaved1F1B, virtual_stages (default 2) chunks per rank"),
 )
 for _info in _BUILTIN:
     register(_info)
