@@ -281,6 +281,10 @@ def validate_case(case: Case) -> None:
             raise SuiteError(f"{m} pipeline micro-batches do not divide micro_batch={case.micro_batch} "
                              f"(each pipeline micro-batch is micro_batch / microbatches samples; "
                              f"the default is 2*pp = {2 * pp})")
+    if case.strategy == "torch.pp_interleaved":
+        v = case.options.get("virtual_stages", 2)
+        if pp * v > cfg.n_layers:
+            raise SuiteError(f"pp={pp} x virtual_stages={v} chunks for a model of {cfg.n_layers} layers")
     if tp > 1 and cfg.vocab_size % tp:
         raise SuiteError(f"tp={tp} does not divide the vocabulary ({cfg.vocab_size}) of {case.model}")
     if case.strategy in ("ref.tp_sp", "torch.tp_sp") or case.options.get("sp"):
