@@ -1,191 +1,231 @@
 """One self-contained HTML file from one or more run folders.
 
-Figures are seaborn PNGs embedded as data URIs and tables are plain HTML with a few lines of
-inline script for sorting, so the file opens offline. Every string from a result file goes
-through Jinja's autoescaping: results are untrusted text.
+A pure function of result folders (``manifest.json``, ``cases/*.json``, ``collectives-w*.json``):
+it never imports training code. Figures are seaborn PNGs embedded as data URIs, tables are plain
+HTML with a few lines of inline script for sorting and filtering, so the file opens offline (no
+CDN). Every string from a result file goes through Jinja's autoescaping: results are untrusted text.
+
+Sections: overview (fastest strategy per model, device count and precision), figures, all cases,
+memory, communication vs theory, pipeline, collectives, cross-run comparison (same case hash,
+``parabench.compare``'s verdicts), failed and skipped cases, environment.
 """
 
 from __future__ import annotations
 
-import base64
-import io
 from pathlib import Path
 
 import jinja2
 
+from parabench.compare import compare_runs
+from parabench.report import frames
 from parabench.results import load_run
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 
-
-def _figure_png(fig) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def _frame(runs):
-    import pandas as pd
-
-    rows = []
-    for manifest, records in runs:
-        for r in records:
-            m = r.get("metrics") or {}
-            c = r["case"]
-            rows.append({
-                "run": manifest["run_id"], "suite": manifest["suite"], "label": r["label"], "status": r["status"],
-                "strategy": c["strategy"], "model": c["model"], "world_size": c["world_size"],
-                "precision": c["precision"], "micro_batch": c["micro_batch"], "grad_accum": c["grad_accum"],
-                "tokens_per_s_per_device": m.get("tokens_per_s_per_device"),
-                "tokens_per_s": m.get("tokens_per_s"),
-                "step_time_ms_median": (m["step_time_s_median"] * 1e3) if m.get("step_time_s_median") else None,
-                "step_time_ms_p10": (m["step_time_s_p10"] * 1e3) if m.get("step_time_s_p10") else None,
-                "step_time_ms_p90": (m["step_time_s_p90"] * 1e3) if m.get("step_time_s_p90") else None,
-                "mfu_pct": m["mfu"] * 100 if m.get("mfu") is not None else None,
-                "roofline_pct": m["roofline_fraction"] * 100 if m.get("roofline_fraction") is not None else None,
-                "peak_mem_MiB": ((m.get("peak_alloc_bytes") or m.get("peak_rss_bytes") or 0) / 2**20) or None,
-                "model_state_MiB": (m["model_state_bytes_max"] / 2**20) if m.get("model_state_bytes_max") else None,
-                "theory_state_MiB": _theory_state_mib(r),
-                "comm_MiB": _comm_mib(r),
-                "theory_comm_MiB": _theory_comm_mib(r),
-                "final_loss": m.get("final_loss"),
-                "error": (r.get("error") or {}).get("message"),
-                "losses": m.get("losses"),
-            })
-    return pd.DataFrame(rows)
+# column key -> (header, format): format "int", "f1", "f2", "f3", "g4", "pct", "str"
+CASE_COLUMNS = [
+    ("label", "case", "str"), ("status", "status", "str"),
+    ("tokens_per_s_per_device", "tok/s/device", "int"), ("tokens_per_s", "tok/s", "int"),
+    ("vs_1_device_pct", "% of 1 device", "f1"),
+    ("step_time_ms_median", "step ms", "f2"), ("step_time_ms_p10", "p10 ms", "f2"), ("step_time_ms_p90", "p90 ms", "f2"),
+    ("mfu_pct", "MFU %", "f2"), ("roofline_pct", "roofline %", "f2"),
+    ("peak_mem_MiB", "peak MiB", "f1"), ("model_state_MiB", "state MiB", "f2"),
+    ("theory_state_MiB", "analytic state MiB", "f2"), ("comm_MiB", "comm MiB", "f2"),
+    ("theory_comm_MiB", "analytic comm MiB", "f2"), ("final_loss", "final loss", "g4"),
+]
+MEMORY_COLUMNS = [
+    ("label", "case", "str"), ("peak_alloc_MiB", "alloc peak MiB", "f1"), ("peak_reserved_MiB", "reserved peak MiB", "f1"),
+    ("device_used_MiB", "NVML used MiB", "f1"), ("peak_rss_MiB", "RSS peak MiB", "f1"),
+    ("model_state_MiB", "state MiB", "f2"), ("theory_state_MiB", "analytic MiB", "f2"),
+    ("paper_state_MiB", "ZeRO paper MiB", "f2"), ("state_check", "state = analytic", "str"),
+]
+COMM_COLUMNS = [
+    ("label", "case", "str"), ("kind", "kind", "str"), ("measured_bytes", "measured B", "int"),
+    ("expected_bytes", "analytic B", "int"), ("ratio", "ratio", "g4"), ("ok", "within allowance", "str"),
+    ("calls", "calls", "int"), ("dtypes", "dtypes", "str"), ("wire_MiB", "wire MiB (est.)", "f2"),
+]
+OVERVIEW_COLUMNS = [
+    ("model", "model", "str"), ("params_M", "params (M)", "f1"), ("world_size", "devices", "int"),
+    ("precision", "precision", "str"), ("n", "strategies", "int"), ("best", "fastest", "str"),
+    ("tokens_per_s_per_device", "tok/s/device", "int"), ("step_time_ms", "step ms", "f2"),
+    ("peak_mem_MiB", "its peak MiB", "f1"), ("mfu_pct", "its MFU %", "f2"), ("roofline_pct", "its roofline %", "f2"),
+    ("runner_up", "runner-up", "str"), ("lead_pct", "lead %", "f1"), ("lightest", "least memory", "str"),
+    ("lightest_MiB", "its peak MiB", "f1"),
+]
+PIPE_COLUMNS = [("label", "case", "str"), ("stage", "stage", "int"), ("schedule", "schedule", "str"),
+                ("microbatches", "micro-batches", "int"), ("measured_pct", "bubble % measured", "f2"),
+                ("theory_pct", "bubble % theory", "f2")]
+COLL_COLUMNS = [("run", "run", "str"), ("world_size", "ranks", "int"), ("op", "op", "str"), ("algorithm", "algorithm", "str"),
+                ("peak_busbw", "peak busbw GB/s", "g4"), ("at_bytes", "at bytes", "int"),
+                ("largest_busbw", "busbw at largest GB/s", "g4"), ("largest_bytes", "largest bytes", "int"),
+                ("correct", "all correct", "str")]
 
 
-def _theory_state_mib(r):
-    t = r.get("theory") or {}
-    s = t.get("state_bytes")
-    if isinstance(s, dict) and all(v is not None for v in s.values()):
-        return sum(s.values()) / 2**20
-    p = t.get("paper_state_bytes")
-    return p / 2**20 if p else None
+def _fmt(v, kind: str) -> str:
+    if v is None or (isinstance(v, float) and v != v):
+        return "–"
+    if kind == "str" or isinstance(v, (bool, str)):
+        return str(v)
+    if kind == "int":
+        return f"{v:,.0f}"
+    if kind == "f1":
+        return f"{v:,.1f}"
+    if kind == "f2":
+        return f"{v:,.2f}"
+    if kind == "f3":
+        return f"{v:,.3f}"
+    return f"{v:.4g}"
 
 
-def _comm_mib(r):
-    pr = r.get("per_rank") or []
-    if pr and pr[0].get("comm"):
-        return pr[0]["comm"]["payload_bytes"] / 2**20
-    return None
+def _table(id_: str, title: str, columns, rows, note: str = "", row_class=None) -> dict:
+    """A table as plain cells: (text, sort key or None, css class)."""
+    body = []
+    for r in rows:
+        cells = []
+        for key, _, kind in columns:
+            v = r.get(key)
+            num = v if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else None
+            cls = ""
+            if key == "status":
+                cls = "ok" if v == "ok" else "bad"
+            elif v is False:
+                cls = "bad"
+            cells.append({"text": _fmt(v, kind), "sort": num, "cls": cls})
+        body.append({"cells": cells, "cls": row_class(r) if row_class else ""})
+    return {"id": id_, "title": title, "note": note, "headers": [h for _, h, _ in columns], "rows": body}
 
 
-def _theory_comm_mib(r):
-    c = (r.get("theory") or {}).get("comm_payload_bytes")
-    return sum(c.values()) / 2**20 if c is not None else None
+def _collectives_summary(coll_rows: list[dict]) -> list[dict]:
+    groups: dict = {}
+    for r in coll_rows:
+        groups.setdefault((r["run"], r["world_size"], r["op"], r["algorithm"]), []).append(r)
+    out = []
+    for (run, world, op, algo), rs in groups.items():
+        timed = [r for r in rs if r["busbw_GBps"]]
+        peak = max(timed, key=lambda r: r["busbw_GBps"]) if timed else None
+        largest = max(timed, key=lambda r: r["bytes"] or 0) if timed else None
+        out.append({"run": run, "world_size": world, "op": op, "algorithm": algo,
+                    "peak_busbw": peak and peak["busbw_GBps"], "at_bytes": peak and peak["bytes"],
+                    "largest_busbw": largest and largest["busbw_GBps"], "largest_bytes": largest and largest["bytes"],
+                    "correct": all(r["correct"] is not False for r in rs)})
+    return out
 
 
-def _figures(df) -> list[dict]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-
-    sns.set_theme(style="whitegrid", context="notebook")
-    ok = df[df.status == "ok"]
-    figs = []
-    if ok.empty:
-        return figs
-    order = sorted(ok.strategy.unique())
-    hue = "precision" if ok.precision.nunique() > 1 else None
-
-    def bar(y, title, xlabel):
-        height = max(2.5, 0.35 * len(order) * max(1, ok.model.nunique()))
-        fig, ax = plt.subplots(figsize=(9, height))
-        sns.barplot(data=ok, y="strategy", x=y, hue=hue, order=order, ax=ax, errorbar=None)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("")
-        ax.set_title(title)
-        return fig
-
-    for model in sorted(ok.model.unique()):
-        sub = ok[ok.model == model]
-        n = len(sorted(sub.strategy.unique()))
-        fig, axes = plt.subplots(1, 2, figsize=(12, max(2.5, 0.38 * n)), sharey=True)
-        sns.barplot(data=sub, y="strategy", x="tokens_per_s_per_device", hue=hue, ax=axes[0], errorbar=None,
-                    order=sorted(sub.strategy.unique()))
-        axes[0].set_title(f"{model}: tokens/s per device (higher is better)")
-        axes[0].set_xlabel("tokens/s per device")
-        axes[0].set_ylabel("")
-        sns.barplot(data=sub, y="strategy", x="peak_mem_MiB", hue=hue, ax=axes[1], errorbar=None,
-                    order=sorted(sub.strategy.unique()))
-        axes[1].set_title("peak memory per rank (MiB, lower is better)")
-        axes[1].set_xlabel("MiB")
-        if hue:
-            axes[1].get_legend().remove() if axes[1].get_legend() else None
-        figs.append({"id": f"throughput-memory-{model}", "title": f"Throughput and memory: {model}",
-                     "src": _figure_png(fig)})
-
-    eff = ok.dropna(subset=["mfu_pct"]) if ok.mfu_pct.notna().any() else ok.dropna(subset=["roofline_pct"])
-    if not eff.empty:
-        col = "mfu_pct" if ok.mfu_pct.notna().any() else "roofline_pct"
-        fig = bar(col, "MFU (% of dense peak)" if col == "mfu_pct" else
-                  "achieved model FLOP/s as % of a measured matmul rate (no peak known for this device)", "%")
-        figs.append({"id": "mfu", "title": "Model FLOPs utilisation", "src": _figure_png(fig)})
-
-    state = ok.dropna(subset=["model_state_MiB"])
-    if not state.empty:
-        fig, ax = plt.subplots(figsize=(9, max(2.5, 0.35 * len(order))))
-        melt = state.melt(id_vars=["strategy"], value_vars=["model_state_MiB", "theory_state_MiB"],
-                          var_name="kind", value_name="MiB").dropna()
-        sns.barplot(data=melt, y="strategy", x="MiB", hue="kind", ax=ax, errorbar=None, order=order)
-        ax.set_title("model-state bytes per rank: measured vs analytic")
-        ax.set_ylabel("")
-        figs.append({"id": "state-vs-theory", "title": "Model state vs theory", "src": _figure_png(fig)})
-
-    comm = ok.dropna(subset=["comm_MiB"])
-    if not comm.empty:
-        fig, ax = plt.subplots(figsize=(9, max(2.5, 0.35 * len(order))))
-        melt = comm.melt(id_vars=["strategy"], value_vars=["comm_MiB", "theory_comm_MiB"],
-                         var_name="kind", value_name="MiB").dropna()
-        sns.barplot(data=melt, y="strategy", x="MiB", hue="kind", ax=ax, errorbar=None, order=order)
-        ax.set_title("communication payload per step per rank: measured vs analytic")
-        ax.set_ylabel("")
-        figs.append({"id": "comm-vs-theory", "title": "Communication vs theory", "src": _figure_png(fig)})
-
-    curves = ok.dropna(subset=["losses"])
-    if not curves.empty:
-        for model in sorted(curves.model.unique()):
-            fig, ax = plt.subplots(figsize=(9, 4))
-            for _, row in curves[curves.model == model].iterrows():
-                ys = [v for v in row.losses if v is not None]
-                ax.plot(range(len(ys)), ys, label=f"{row.strategy} {row.precision} w{row.world_size}", lw=1.2)
-            ax.set_xlabel("step")
-            ax.set_ylabel("loss")
-            ax.set_title(f"loss curves: {model}")
-            ax.legend(fontsize=7, ncol=2)
-            figs.append({"id": f"loss-{model}", "title": f"Loss curves: {model}", "src": _figure_png(fig)})
-    return figs
+def _comparisons(runs, threshold: float) -> list[dict]:
+    """Run 0 as baseline against every later run: matching case hashes side by side."""
+    out = []
+    for cand in runs[1:]:
+        res = compare_runs(runs[0], cand, threshold=threshold)
+        rows = []
+        for c in res["cases"]:
+            if not c["metrics"]:
+                rows.append({"label": c["label"], "metric": "status", "baseline": c["baseline_status"],
+                             "candidate": c["candidate_status"], "change": "", "verdict": c["verdict"],
+                             "p": "", "note": "; ".join(c["notes"])})
+            for m in c["metrics"]:
+                rows.append({"label": c["label"], "metric": m["metric"],
+                             "baseline": _fmt(m["baseline"], "g4" if isinstance(m["baseline"], float) else "int"),
+                             "candidate": _fmt(m["candidate"], "g4" if isinstance(m["candidate"], float) else "int"),
+                             "change": "" if m["rel_change"] is None else f"{m['rel_change'] * 100:+.2f}%",
+                             "change_num": m["rel_change"], "verdict": m["verdict"],
+                             "p": "" if m["p_value"] is None else f"{m['p_value']:.3g}",
+                             "note": "; ".join(x for x in [m["note"], *c["notes"]] if x)})
+        out.append({"baseline": res["baseline"], "candidate": res["candidate"], "counts": res["counts"],
+                    "notes": res["notes"], "rows": rows, "regression": res["regression"],
+                    "settings": res["settings"]})
+    return out
 
 
-def render_report(run_dirs: list[Path]) -> str:
+def _env_summary(manifests: list[dict]) -> dict:
+    def dev(m):
+        ds = m.get("devices") or []
+        names = sorted({str(d.get("name")) for d in ds if isinstance(d, dict)})
+        return f"{', '.join(names)} ×{len(ds)}" if ds else "–"
+
+    keys = [
+        ("suite", lambda m: m.get("suite")), ("run id", lambda m: m.get("run_id")),
+        ("created", lambda m: m.get("created_at")),
+        ("git", lambda m: f"{(frames._get(m, 'git', 'commit') or '?')[:12]}" + (" (dirty)" if frames._get(m, "git", "dirty") else "")),
+        ("devices", dev), ("host", lambda m: frames._get(m, "host", "hostname")),
+        ("platform", lambda m: frames._get(m, "host", "platform")),
+        ("python", lambda m: frames._get(m, "versions", "python")), ("torch", lambda m: frames._get(m, "versions", "torch")),
+        ("CUDA", lambda m: frames._get(m, "versions", "cuda")), ("NCCL", lambda m: frames._get(m, "versions", "nccl")),
+        ("DeepSpeed", lambda m: frames._get(m, "versions", "deepspeed")),
+        ("parabench", lambda m: frames._get(m, "versions", "parabench")),
+        ("cases", lambda m: m.get("n_cases")),
+    ]
+    env_keys = sorted({k for m in manifests for k in (m.get("env") or {})})
+    rows = [{"key": k, "values": [str(f(m)) if f(m) is not None else "–" for m in manifests]} for k, f in keys]
+    rows += [{"key": k, "values": [str((m.get("env") or {}).get(k, "–")) for m in manifests]} for k in env_keys]
+    for r in rows:
+        r["differs"] = len(manifests) > 1 and len(set(r["values"])) > 1
+    return {"rows": rows}
+
+
+def render_report(run_dirs: list[Path], *, threshold: float = 0.05, with_figures: bool = True) -> str:
+    run_dirs = [Path(d) for d in run_dirs]
     runs = [load_run(d) for d in run_dirs]
-    df = _frame(runs)
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), autoescape=True)
-    columns = ["label", "status", "tokens_per_s_per_device", "tokens_per_s", "step_time_ms_median", "step_time_ms_p10",
-               "step_time_ms_p90", "mfu_pct", "roofline_pct", "peak_mem_MiB", "model_state_MiB", "theory_state_MiB",
-               "comm_MiB", "theory_comm_MiB", "final_loss"]
+    manifests = [m for m, _ in runs]
+    several = len(runs) > 1
+    rows = frames.case_rows(runs)
+    comm_rows = frames.comm_check_rows(runs)
+    coll_rows, coll_heads = frames.collectives_rows(run_dirs)
+    ok = [r for r in rows if r["status"] == "ok"]
+    bad = [r for r in rows if r["status"] != "ok"]
+
+    run_col = [("run", "run", "str")] if several else []
     tables = []
-    if not df.empty:
-        ok = df[df.status == "ok"]
-        for (model, world), sub in ok.groupby(["model", "world_size"]):
-            tables.append({"title": f"{model}, {world} rank(s)", "columns": columns,
-                           "rows": sub[columns].to_dict("records")})
-    failed = df[df.status != "ok"][["run", "label", "status", "error"]].to_dict("records") if not df.empty else []
+    overview = frames.overview_rows(rows)
+    if overview:
+        tables.append(_table("overview", "Overview: fastest strategy per model, device count and precision",
+                             run_col + OVERVIEW_COLUMNS, overview,
+                             "Fastest by median tokens/s per device; lead = its margin over the runner-up."))
+    if rows:
+        tables.append(_table("cases", "All cases", run_col + CASE_COLUMNS,
+                             sorted(rows, key=lambda r: (r["run_idx"], r["params"] or 0, r["model"], r["world_size"] or 0,
+                                                         r["label"])),
+                             "Step time is the slowest rank's, median over timed steps; memory the largest rank's peak; "
+                             "communication one rank's payload over one instrumented step. "
+                             "% of 1 device: tokens/s per device relative to the single-device run of the same model.",
+                             row_class=lambda r: "" if r["status"] == "ok" else "bad-row"))
+    if ok:
+        tables.append(_table("memory-table", "Memory per rank", run_col + MEMORY_COLUMNS, ok,
+                             "Allocator peaks and NVML on GPUs, resident set on CPUs; state = parameters, gradients "
+                             "and optimizer states actually held, beside their analytic layout and the ZeRO paper's "
+                             "16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N."))
+    if comm_rows:
+        tables.append(_table("comm-table", "Communication vs theory, by kind", run_col + COMM_COLUMNS, comm_rows,
+                             "Rank 0's payload per kind on the instrumented step against the analytic volume.",
+                             row_class=lambda r: "" if r["ok"] else "bad-row"))
+    pipe = [{"label": r["label"], "run": r["run"], **p, "measured_pct": p["measured"] * 100 if p["measured"] is not None else None,
+             "theory_pct": p["theory"] * 100 if p["theory"] is not None else None}
+            for r in ok for p in (r["pipeline"] or [])]
+    if pipe:
+        tables.append(_table("pipeline-table", "Pipeline bubbles", run_col + PIPE_COLUMNS, pipe))
+    if coll_rows:
+        tables.append(_table("collectives-table", "Collectives: bus bandwidth", COLL_COLUMNS,
+                             _collectives_summary(coll_rows)))
+
+    figures = []
+    if with_figures:
+        from parabench.report.figures import all_figures  # matplotlib only when drawing
+
+        figures = all_figures(rows, comm_rows, coll_rows, frames.loss_scale_points(rows))
+
+    failed = [{"run": r["run"], "label": r["label"], "status": r["status"], "error": r["error"],
+               "type": r["error_type"], "rank": r["first_failing_rank"], "detail": r["error_detail"]} for r in bad]
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), autoescape=True)
     return env.get_template("report.html.j2").render(
-        manifests=[m for m, _ in runs], tables=tables, failed=failed, figures=_figures(df) if not df.empty else [],
-        n_cases=len(df), n_ok=int((df.status == "ok").sum()) if not df.empty else 0,
+        manifests=manifests, env_summary=_env_summary(manifests), tables=tables, failed=failed, figures=figures,
+        comparisons=_comparisons(runs, threshold) if several else [], coll_heads=coll_heads,
+        n_cases=len(rows), n_ok=len(ok),
+        n_status={s: sum(1 for r in rows if r["status"] == s) for s in sorted({r["status"] for r in rows})},
     )
 
 
-def write_report(run_dirs: list[Path], output: Path) -> Path:
+def write_report(run_dirs: list[Path], output: Path, **kwargs) -> Path:
     output = Path(output)
-    html = render_report([Path(d) for d in run_dirs])
+    html = render_report([Path(d) for d in run_dirs], **kwargs)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_suffix(output.suffix + ".tmp")
     tmp.write_text(html)

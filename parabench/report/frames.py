@@ -1,0 +1,235 @@
+"""Result files -> pandas frames and plain rows for the report (reads results only).
+
+Everything here is defensive: records come from several versions of the worker, from failed
+cases without metrics, from other machines. A missing key gives None, never an exception.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MiB = 2**20
+
+
+def _get(d, *keys, default=None):
+    for k in keys:
+        if isinstance(d, dict):
+            d = d.get(k)
+        elif isinstance(d, list) and isinstance(k, int) and -len(d) <= k < len(d):
+            d = d[k]
+        else:
+            return default
+        if d is None:
+            return default
+    return d
+
+
+def _mib(v):
+    return v / MiB if isinstance(v, (int, float)) and v == v else None
+
+
+def _num(v):
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def short_case(r: dict) -> str:
+    c = r.get("case") or {}
+    return f"{c.get('strategy')} w{c.get('world_size')} {c.get('precision')}"
+
+
+def theory_state_bytes(r: dict):
+    s = _get(r, "theory", "state_bytes")
+    if isinstance(s, list):  # per rank: the largest
+        tot = [sum(v.values()) for v in s if isinstance(v, dict) and all(_num(x) is not None for x in v.values())]
+        return max(tot) if tot else None
+    if isinstance(s, dict) and s and all(_num(v) is not None for v in s.values()):
+        return sum(s.values())
+    return None
+
+
+def case_rows(runs) -> list[dict]:
+    rows = []
+    for idx, (manifest, records) in enumerate(runs):
+        for r in records:
+            m = r.get("metrics") or {}
+            c = r.get("case") or {}
+            comm_pb = _get(r, "per_rank", 0, "comm", "payload_bytes")
+            theory_comm = _get(r, "theory", "comm_payload_bytes")
+            peak = _num(m.get("peak_alloc_bytes")) or _num(m.get("peak_rss_bytes"))
+            mfu, roof = _num(m.get("mfu")), _num(m.get("roofline_fraction"))
+            err = r.get("error") or {}
+            rows.append({
+                "run": f"{manifest.get('suite')}/{manifest.get('run_id')}", "run_idx": idx,
+                "label": r.get("label", ""), "case_hash": r.get("case_hash", ""), "status": r.get("status", "?"),
+                "strategy": str(c.get("strategy")), "model": str(c.get("model")),
+                "params": _num(_get(r, "model", "params", "total")),
+                "world_size": c.get("world_size"), "precision": str(c.get("precision")),
+                "micro_batch": c.get("micro_batch"), "grad_accum": c.get("grad_accum"),
+                "device": _get(r, "device", "name"),
+                "short": short_case(r),
+                "tokens_per_s_per_device": _num(m.get("tokens_per_s_per_device")),
+                "tokens_per_s": _num(m.get("tokens_per_s")),
+                "tokens_per_step": _num(m.get("tokens_per_step")),
+                "step_time_ms_median": _num(m.get("step_time_s_median")) and m["step_time_s_median"] * 1e3,
+                "step_time_ms_p10": _num(m.get("step_time_s_p10")) and m["step_time_s_p10"] * 1e3,
+                "step_time_ms_p90": _num(m.get("step_time_s_p90")) and m["step_time_s_p90"] * 1e3,
+                "step_times_s": m.get("step_times_s") if isinstance(m.get("step_times_s"), list) else None,
+                "mfu_pct": mfu * 100 if mfu is not None else None,
+                "roofline_pct": roof * 100 if roof is not None else None,
+                "peak_mem_MiB": _mib(peak),
+                "peak_alloc_MiB": _mib(m.get("peak_alloc_bytes")),
+                "peak_reserved_MiB": _mib(m.get("peak_reserved_bytes")),
+                "device_used_MiB": _mib(m.get("device_used_bytes")),
+                "peak_rss_MiB": _mib(m.get("peak_rss_bytes")),
+                "model_state_MiB": _mib(m.get("model_state_bytes_max")),
+                "theory_state_MiB": _mib(theory_state_bytes(r)),
+                "paper_state_MiB": _mib(_get(r, "theory", "paper_state_bytes")),
+                "comm_MiB": _mib(comm_pb),
+                "theory_comm_MiB": _mib(sum(v for v in theory_comm.values() if _num(v) is not None))
+                if isinstance(theory_comm, dict) else None,
+                "comm_check": _get(r, "checks", "comm_ok"),
+                "state_check": _get(r, "checks", "state_ok"),
+                "final_loss": _num(m.get("final_loss")),
+                "losses": m.get("losses") if isinstance(m.get("losses"), list) else None,
+                "error": err.get("message") if isinstance(err, dict) else str(err),
+                "error_type": err.get("type") if isinstance(err, dict) else None,
+                "first_failing_rank": err.get("first_failing_rank") if isinstance(err, dict) else None,
+                "error_detail": (err.get("traceback_tail") or err.get("log_tail")) if isinstance(err, dict) else None,
+                "loss_scale": r.get("loss_scale") if isinstance(r.get("loss_scale"), list) else None,
+                "pipeline": pipeline_rows(r),
+            })
+    add_scaling_efficiency(rows)
+    return rows
+
+
+def add_scaling_efficiency(rows: list[dict]) -> None:
+    """Tokens/s per device as a fraction of one device's (same run, model, precision)."""
+    single = {}
+    for r in rows:
+        if r["status"] == "ok" and r["world_size"] == 1 and r["tokens_per_s_per_device"]:
+            key = (r["run_idx"], r["model"], r["precision"])
+            single[key] = max(single.get(key, 0), r["tokens_per_s_per_device"])
+    for r in rows:
+        base = single.get((r["run_idx"], r["model"], r["precision"]))
+        r["vs_1_device_pct"] = (r["tokens_per_s_per_device"] / base * 100
+                                if base and r["tokens_per_s_per_device"] else None)
+
+
+def pipeline_rows(r: dict) -> list[dict]:
+    """Per stage, measured vs theoretical bubble; from per_rank[i]["pipeline"] (or a record-level
+    "pipeline" dict or list). Key names vary: accept the likely spellings."""
+    out = []
+    cands = []
+    for pr in r.get("per_rank") or []:
+        if isinstance(pr, dict) and isinstance(pr.get("pipeline"), dict):
+            cands.append((pr.get("rank"), pr["pipeline"]))
+    top = r.get("pipeline")
+    if isinstance(top, dict):
+        cands.append((None, top))
+    elif isinstance(top, list):
+        cands += [(None, p) for p in top if isinstance(p, dict)]
+    theory_bubble = _num(_get(r, "theory", "pipeline", "bubble_fraction"))
+    for rank, p in cands:
+        meas = next((_num(p.get(k)) for k in ("bubble_fraction_measured", "bubble_measured", "measured_bubble",
+                                                "bubble_fraction", "bubble") if _num(p.get(k)) is not None), None)
+        theo = next((_num(p.get(k)) for k in ("bubble_fraction_theory", "bubble_theory", "theoretical_bubble",
+                                                "bubble_fraction_theoretical") if _num(p.get(k)) is not None),
+                    theory_bubble)
+        if meas is None and theo is None:
+            continue
+        out.append({"rank": rank, "stage": p.get("stage", rank), "stages": p.get("stages"),
+                    "schedule": p.get("schedule"), "microbatches": p.get("microbatches"),
+                    "measured": meas, "theory": theo})
+    return out
+
+
+def comm_check_rows(runs) -> list[dict]:
+    rows = []
+    for manifest, records in runs:
+        for r in records:
+            checks = _get(r, "checks", "comm")
+            by_kind = _get(r, "per_rank", 0, "comm", "by_kind") or {}
+            if not isinstance(checks, dict) or not checks:
+                continue
+            for kind, c in sorted(checks.items()):
+                if not isinstance(c, dict):
+                    continue
+                k = by_kind.get(kind) or {}
+                rows.append({"run": f"{manifest.get('suite')}/{manifest.get('run_id')}", "label": r.get("label", ""),
+                             "short": short_case(r), "model": _get(r, "case", "model"), "kind": kind,
+                             "expected_MiB": _mib(c.get("expected_bytes")), "measured_MiB": _mib(c.get("measured_bytes")),
+                             "expected_bytes": c.get("expected_bytes"), "measured_bytes": c.get("measured_bytes"),
+                             "ratio": _num(c.get("ratio")), "ok": c.get("ok"), "calls": k.get("calls"),
+                             "dtypes": ", ".join(map(str, k.get("dtypes") or [])),
+                             "wire_MiB": _mib(k.get("wire_bytes"))})
+    return rows
+
+
+def collectives_rows(run_dirs: list[Path]) -> tuple[list[dict], list[dict]]:
+    """Rows of every collectives-w*.json in the run folders, and their headers."""
+    rows, heads = [], []
+    for d in run_dirs:
+        for p in sorted(Path(d).glob("collectives-w*.json")):
+            if p.name.endswith(".config.json"):
+                continue
+            try:
+                data = json.loads(p.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if not isinstance(data, dict) or data.get("kind") != "collectives":
+                continue
+            world = data.get("world_size")
+            heads.append({"file": f"{Path(d).name}/{p.name}", "world_size": world, "backend": data.get("backend"),
+                          "device": _get(data, "device", "name"), "ok": data.get("ok"),
+                          "failures": data.get("failures") or [], "wall_s": data.get("wall_s")})
+            for row in data.get("rows") or []:
+                if not isinstance(row, dict):
+                    continue
+                rows.append({"run": Path(d).name, "world_size": world, "backend": data.get("backend"),
+                             "op": str(row.get("op")), "algorithm": str(row.get("algorithm")),
+                             "bytes": _num(row.get("bytes")), "time_us": (_num(row.get("time_s_median")) or 0) * 1e6 or None,
+                             "algbw_GBps": _num(row.get("algbw_GBps")), "busbw_GBps": _num(row.get("busbw_GBps")),
+                             "correct": row.get("correct"), "skipped": row.get("skipped")})
+    return rows, heads
+
+
+def overview_rows(rows: list[dict]) -> list[dict]:
+    """Per run, model, world size and precision: the fastest strategy by tokens/s per device,
+    the runner-up and the lightest in memory."""
+    groups: dict = {}
+    for r in rows:
+        if r["status"] == "ok" and r["tokens_per_s_per_device"]:
+            groups.setdefault((r["run_idx"], r["run"], r["model"], r["world_size"], r["precision"]), []).append(r)
+    out = []
+    for (idx, run, model, world, prec), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[1][0]["params"] or 0,
+                                                                                       kv[0][2], kv[0][3], kv[0][4])):
+        rs = sorted(rs, key=lambda r: -r["tokens_per_s_per_device"])
+        best = rs[0]
+        second = rs[1] if len(rs) > 1 else None
+        mem = [r for r in rs if r["peak_mem_MiB"]]
+        light = min(mem, key=lambda r: r["peak_mem_MiB"]) if mem else None
+        out.append({
+            "run": run, "model": model, "params_M": best["params"] / 1e6 if best["params"] else None,
+            "world_size": world, "precision": prec, "n": len(rs), "best": best["strategy"],
+            "tokens_per_s_per_device": best["tokens_per_s_per_device"], "step_time_ms": best["step_time_ms_median"],
+            "peak_mem_MiB": best["peak_mem_MiB"],
+            "mfu_pct": best["mfu_pct"], "roofline_pct": best["roofline_pct"],
+            "runner_up": second["strategy"] if second else None,
+            "lead_pct": (best["tokens_per_s_per_device"] / second["tokens_per_s_per_device"] - 1) * 100 if second else None,
+            "lightest": light["strategy"] if light else None,
+            "lightest_MiB": light["peak_mem_MiB"] if light else None,
+        })
+    return out
+
+
+def loss_scale_points(rows: list[dict]) -> list[dict]:
+    pts = []
+    for r in rows:
+        for step, e in enumerate(r.get("loss_scale") or []):
+            if isinstance(e, dict) and _num(e.get("scale")):
+                pts.append({"case": r["short"], "model": r["model"], "step": step, "scale": e["scale"],
+                            "skipped": bool(e.get("skipped"))})
+            elif _num(e):
+                pts.append({"case": r["short"], "model": r["model"], "step": step, "scale": e, "skipped": False})
+    return pts
