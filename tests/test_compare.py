@@ -1,0 +1,188 @@
+"""The regression gate (``parabench compare``) on real results and on edited copies of them."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+
+from parabench.cli import main as cli_main
+from parabench.compare import compare_runs, mann_whitney_greater
+from parabench.results import load_run
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU_RUN = ROOT / "results" / "gpu-spine" / "20261126-020214"
+NOISY_GPU_CASE = "deepspeed.zero3 "
+
+
+def _copy(tmp_path: Path, name: str) -> Path:
+    dst = tmp_path / name
+    shutil.copytree(GPU_RUN, dst, ignore=shutil.ignore_patterns("report.html", "logs"))
+    return dst
+
+
+def _edit_records(run: Path, fn) -> None:
+    for p in sorted((run / "cases").glob("*.json")):
+        rec = json.loads(p.read_text())
+        fn(rec)
+        p.write_text(json.dumps(rec))
+
+
+def _retime(rec: dict, factor_fn) -> None:
+    """Scale every timed step (per rank and the over-ranks series) and recompute what derives from it."""
+    m = rec.get("metrics")
+    if not m:
+        return
+    for r in rec["per_rank"]:
+        r["step_times_s"] = [factor_fn(i) * t for i, t in enumerate(r["step_times_s"])]
+    steps = [max(ts) for ts in zip(*(r["step_times_s"] for r in rec["per_rank"]))]
+    median = statistics.median(steps)
+    world = rec["case"]["world_size"]
+    m["step_times_s"] = steps
+    m["step_time_s_median"] = median
+    m["step_time_s_min"], m["step_time_s_max"] = min(steps), max(steps)
+    m["tokens_per_s"] = m["tokens_per_step"] / median
+    m["tokens_per_s_per_device"] = m["tokens_per_s"] / world
+    m["model_flops_per_s_per_device"] = m["tokens_per_s_per_device"] * m["model_flops_per_token"]
+    if m.get("peak_flops_per_device"):
+        m["mfu"] = m["model_flops_per_s_per_device"] / m["peak_flops_per_device"]
+
+
+def _compare(tmp_path, base, cand, *extra) -> tuple[int, dict, str]:
+    out = tmp_path / "cmp.json"
+    md = tmp_path / "cmp.md"
+    rc = cli_main(["compare", str(base), str(cand), "--json", str(out), "--markdown", str(md), *extra])
+    return rc, json.loads(out.read_text()), md.read_text()
+
+
+def test_mann_whitney_matches_known_values():
+    # exact: 4 vs 4 with complete separation -> 1 / C(8, 4)
+    assert mann_whitney_greater([5, 6, 7, 8], [1, 2, 3, 4]) == pytest.approx(1 / 70)
+    assert mann_whitney_greater([1, 2, 3, 4], [5, 6, 7, 8]) == pytest.approx(1.0)
+    # 3 vs 3 can never reach p < 0.05
+    assert mann_whitney_greater([4, 5, 6], [1, 2, 3]) == pytest.approx(0.05)
+    # ties: normal approximation, still in (0, 1]
+    assert 0 < mann_whitney_greater([1, 1, 2, 3], [1, 2, 2, 0]) <= 1
+
+
+def test_gpu_results_against_themselves_pass(tmp_path, capsys):
+    rc, res, md = _compare(tmp_path, GPU_RUN, GPU_RUN)
+    assert rc == 0
+    assert not res["regression"]
+    assert res["counts"] == {"same": 7}
+    assert "no regression" in md
+    assert "gpu-spine/20261126-020214" in capsys.readouterr().out
+
+
+def test_ten_percent_slower_is_a_regression(tmp_path):
+    cand = _copy(tmp_path, "slow")
+    _edit_records(cand, lambda rec: _retime(rec, lambda i: 1 / 0.9))
+    rc, res, md = _compare(tmp_path, GPU_RUN, cand)
+    assert rc == 1 and res["regression"]
+    for case in res["cases"]:
+        by = {m["metric"]: m for m in case["metrics"]}
+        assert by["tokens_per_s"]["rel_change"] == pytest.approx(-0.1)
+        assert by["comm_payload_bytes"]["verdict"] == "same"
+        if case["label"].startswith(NOISY_GPU_CASE):
+            # its own steps spread over 130..189 ms: a 10% shift is not significant at 10 samples
+            assert by["tokens_per_s"]["verdict"] == "noise" and by["tokens_per_s"]["p_value"] >= 0.05
+            continue
+        assert by["tokens_per_s"]["verdict"] == "regression", case["label"]
+        assert by["tokens_per_s"]["p_value"] < 0.05
+        assert by["step_time_s_median"]["verdict"] == "regression"
+    assert res["counts"] == {"regression": 6, "same": 1}
+    assert "REGRESSION" in md
+
+
+def test_ten_percent_faster_is_an_improvement_not_a_failure(tmp_path):
+    cand = _copy(tmp_path, "fast")
+    _edit_records(cand, lambda rec: _retime(rec, lambda i: 0.9))
+    rc, res, _ = _compare(tmp_path, GPU_RUN, cand)
+    assert rc == 0 and res["counts"] == {"improvement": 6, "same": 1}  # zero3: within its noise
+
+
+def test_one_more_byte_of_communication_is_a_regression(tmp_path):
+    cand = _copy(tmp_path, "bytes")
+    target = "torch.ddp gpt-125m w2 bf16 mb8"
+
+    def add_byte(rec):
+        if rec["label"] == target:
+            comm = rec["per_rank"][0]["comm"]
+            comm["payload_bytes"] += 1
+            comm["by_kind"]["all_reduce"]["payload_bytes"] += 1
+
+    _edit_records(cand, add_byte)
+    rc, res, _ = _compare(tmp_path, GPU_RUN, cand)
+    assert rc == 1
+    bad = [c for c in res["cases"] if c["verdict"] == "regression"]
+    assert [c["label"] for c in bad] == [target]
+    flagged = {m["metric"] for m in bad[0]["metrics"] if m["verdict"] == "regression"}
+    assert flagged == {"comm_payload_bytes", "comm_bytes[all_reduce]"}
+
+
+def test_jitter_within_noise_passes(tmp_path):
+    """Per-step times jittered by up to ±3% (a rerun on a quiet machine): no regression."""
+    rng = random.Random(7)
+    cand = _copy(tmp_path, "jitter")
+    _edit_records(cand, lambda rec: _retime(rec, lambda i: 1 + rng.uniform(-0.03, 0.03)))
+    rc, res, _ = _compare(tmp_path, GPU_RUN, cand)
+    assert rc == 0, res["counts"]
+
+
+def test_large_but_insignificant_change_is_noise(tmp_path):
+    """One slow outlier step moves nothing (median), a big shift on 3 samples cannot be significant."""
+    base = _copy(tmp_path, "base3")
+    cand = _copy(tmp_path, "cand3")
+    keep3 = lambda rec: [r.update(step_times_s=r["step_times_s"][:3]) for r in rec.get("per_rank") or []]  # noqa: E731
+    _edit_records(base, lambda rec: (keep3(rec), _retime(rec, lambda i: 1.0)))
+    _edit_records(cand, lambda rec: (keep3(rec), _retime(rec, lambda i: 1.3)))
+    rc, res, _ = _compare(tmp_path, base, cand)
+    assert rc == 0
+    verdicts = {m["verdict"] for c in res["cases"] for m in c["metrics"] if m["metric"] == "tokens_per_s"}
+    assert verdicts == {"noise"}
+
+
+def test_status_change_and_one_sided_cases(tmp_path):
+    cand = _copy(tmp_path, "status")
+    recs = sorted((cand / "cases").glob("*.json"))
+    # ok -> oom
+    rec = json.loads(recs[0].read_text())
+    label_failed = rec["label"]
+    rec.update(status="oom", metrics=None, per_rank=None, error={"message": "CUDA out of memory"})
+    recs[0].write_text(json.dumps(rec))
+    # a case only in the candidate and one only in the baseline
+    rec = json.loads(recs[1].read_text())
+    label_gone = rec["label"]
+    recs[1].unlink()
+    rec.update(case_hash="0" * 16, label="new case")
+    (cand / "cases" / ("0" * 16 + ".json")).write_text(json.dumps(rec))
+    rc, res, md = _compare(tmp_path, GPU_RUN, cand)
+    assert rc == 1
+    by = {c["label"]: c for c in res["cases"]}
+    assert by[label_failed]["verdict"] == "regression" and by[label_failed]["candidate_status"] == "oom"
+    assert by[label_gone]["verdict"] == "only-baseline"
+    assert by["new case"]["verdict"] == "only-candidate"
+    assert "only-baseline" in md and "only-candidate" in md
+
+
+def test_cpu_peak_rss_uses_the_threshold_model_state_is_exact():
+    man, recs = load_run(GPU_RUN)
+    base = json.loads(json.dumps(recs[0]))
+    base["metrics"].update(peak_rss_bytes=1000, peak_alloc_bytes=None)
+    cand = json.loads(json.dumps(base))
+    cand["metrics"]["peak_rss_bytes"] = 1040  # +4%: noise on CPU
+    res = compare_runs((man, [base]), (man, [cand]))
+    assert not res["regression"]
+    cand["metrics"]["peak_rss_bytes"] = 1200  # +20%
+    assert compare_runs((man, [base]), (man, [cand]))["regression"]
+    cand["metrics"]["peak_rss_bytes"] = 1000
+    cand["metrics"]["model_state_bytes_max"] += 1
+    assert compare_runs((man, [base]), (man, [cand]))["regression"]
+
+
+def test_unreadable_input_exits_2(tmp_path):
+    assert cli_main(["compare", str(tmp_path), str(GPU_RUN)]) == 2
