@@ -124,15 +124,17 @@ def _run_group(cases: dict, n_steps: int, metered: set) -> dict:
             params = trainer.full_parameters()
             comm = None
             if name in metered:
+                trainer.measure_state = True
                 with CommMeter() as meter:
                     trainer.train_step(*batches[n_steps])
                 comm = meter.summary()
             stats = trainer.pipeline_stats() if hasattr(trainer, "pipeline_stats") else None
+            state = trainer.state_bytes()
             trainer.close()
         finally:
             if undo:
                 undo()
-        mine = {"coords": spec.topology.coords, "losses": losses, "comm": comm, "stats": stats}
+        mine = {"coords": spec.topology.coords, "losses": losses, "comm": comm, "stats": stats, "state": state}
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         out[name] = {"per_rank": everyone, "params": params}
@@ -272,23 +274,23 @@ def test_schedule_executes_textbook_order(group2, group4, name):
 # --- communication vs theory -----------------------------------------------------------------
 
 @pytest.mark.parametrize("name", sorted(METERED))
-def test_measured_comm_equals_theory(group2, group4, group8, name):
+def test_measured_comm_and_state_equal_theory(group2, group4, group8, name):
     cases = {**CASES_2, **CASES_4, **CASES_8}
     res = {**group2, **group4, **group8}[name]
     case = cases[name]
     cfg = model_config(case.model, case.seq_len)
     exp = expected(case, cfg, case.world_size // (case.options.get("tp", 1) * case.options.get("pp", 1)))
-    t, p = case.options.get("tp", 1), case.options.get("pp", 1)
+    p = case.options.get("pp", 1)
     for rank, r in enumerate(res["per_rank"]):
         want = exp["comm_payload_bytes_per_rank"][rank]
         got = {k: v["payload_bytes"] for k, v in r["comm"]["by_kind"].items()}
         assert set(got) == set(want), (rank, got, want)
         for kind in want:
             assert got[kind] == pytest.approx(want[kind], rel=0.01), (rank, kind, got, want)
+        assert r["state"] == exp["state_bytes"][rank], (rank, r["state"], exp["state_bytes"][rank])
     assert exp["comm_payload_bytes"] == exp["comm_payload_bytes_per_rank"][0]
     if p > 1:
         assert exp["pipeline"]["bubble_fraction"] == pytest.approx((p - 1) / (case.options.get("microbatches", 2 * p) + p - 1))
-    _ = t
 
 
 # --- validation ------------------------------------------------------------------------------
