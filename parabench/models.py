@@ -29,10 +29,29 @@ class GPTConfig:
     vocab_size: int = 50304
     seq_len: int = 2048
     mlp_ratio: int = 4
+    # Mixture of experts (all defaults = the dense model). A block whose index i has
+    # (i + 1) % moe_every == 0 replaces its MLP with ``n_experts`` expert MLPs behind a top-k
+    # token-choice router (see :class:`MoE`); capacity_factor None = dropless.
+    n_experts: int = 0
+    top_k: int = 2
+    moe_every: int = 2
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 0.01
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.n_experts > 0 and (i + 1) % self.moe_every == 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -49,6 +68,11 @@ MODEL_LADDER: dict[str, GPTConfig] = {
     "gpt-2.7b": GPTConfig(n_layers=32, d_model=2560, n_heads=32),
     "gpt-6.7b": GPTConfig(n_layers=32, d_model=4096, n_heads=32),
     "gpt-13b": GPTConfig(n_layers=40, d_model=5120, n_heads=40),
+    # Mixture-of-experts variants (every second block an MoE of 4 / 8 experts, top-2, dropless).
+    "tiny-moe": GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64, n_experts=4, top_k=2),
+    "gpt-350m-moe": GPTConfig(n_layers=24, d_model=1024, n_heads=16, n_experts=8, top_k=2),
+    # Long sequence for context parallelism.
+    "gpt-125m-8k": GPTConfig(n_layers=12, d_model=768, n_heads=12, seq_len=8192),
 }
 
 
@@ -94,13 +118,97 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
-class Block(nn.Module):
+def route(logits: torch.Tensor, top_k: int, capacity_factor: float | None, n_samples: int):
+    """Top-k token-choice routing (Shazeer et al. 2017; GShard, Lepikhin et al. 2020; Switch,
+    Fedus et al. 2021) of ``T`` tokens (rows of ``logits`` [T, E], ``n_samples`` sequences of equal
+    length, sample-major).
+
+    Returns ``(experts [T, k], gates [T, k], keep [T, k] bool, aux)``: gates are the top-k softmax
+    probabilities renormalised to sum to 1; ``keep`` is False for assignments dropped by the
+    capacity ``ceil(capacity_factor * T * k / E)`` per expert (first come, first served in
+    token-major order), all True when dropless. ``aux`` is the Switch load-balancing loss
+    ``E * sum_e f_e * P_e`` (f_e: fraction of the k*T assignments that chose e, P_e: mean router
+    probability of e) computed per *sequence* and averaged over sequences (DeepSeek-V3's
+    sequence-wise form): it is then a mean over samples, so data-parallel splits of the batch
+    average to exactly the loss of the whole batch.
+    """
+    T, E = logits.shape
+    probs = torch.softmax(logits.float(), dim=-1)
+    top_p, experts = probs.topk(top_k, dim=-1)
+    gates = (top_p / top_p.sum(dim=-1, keepdim=True)).to(logits.dtype)
+    onehot = F.one_hot(experts, E)  # [T, k, E]
+    keep = torch.ones_like(experts, dtype=torch.bool)
+    if capacity_factor is not None:
+        capacity = math.ceil(capacity_factor * T * top_k / E)
+        position = onehot.reshape(T * top_k, E).cumsum(0).reshape(T, top_k, E)  # 1-based rank within its expert
+        keep = ((position * onehot).sum(-1) <= capacity)
+    f = onehot.float().sum(1).view(n_samples, -1, E).mean(1) / top_k  # [n, E]
+    p = probs.view(n_samples, -1, E).mean(1)
+    aux = (E * (f * p).sum(-1)).mean()
+    return experts, gates, keep, aux
+
+
+class _AuxLossInjector(torch.autograd.Function):
+    """Identity on ``x``; in backward, gives ``aux`` the gradient ``scale`` as if ``scale * aux`` had
+    been added to the loss (Megatron-core's MoEAuxLossAutoScaler). The auxiliary loss thus reaches
+    the router through any trainer that calls ``lm_loss(model(x), y).backward()``."""
+
+    @staticmethod
+    def forward(ctx, x, aux, scale):
+        ctx.scale = scale
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+
+
+class MoE(nn.Module):
+    """``n_experts`` expert MLPs behind a top-k router; the output of a token is the gate-weighted
+    sum of its (kept) experts' outputs, zero for a fully dropped token (the residual carries it).
+
+    The load-balancing loss, times ``aux_loss_coef * aux_grad_scale``, enters the gradient through
+    :class:`_AuxLossInjector`; the reported LM loss does not include it (``last_aux`` keeps the
+    value). Trainers that divide the loss by grad_accum set ``aux_grad_scale = 1 / grad_accum``.
+    """
+
     def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.n_experts))
+        self.aux_grad_scale = 1.0
+        self.last_aux: torch.Tensor | None = None
+        self.last_tokens_per_expert: torch.Tensor | None = None
+        self.last_dropped = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        flat = x.reshape(b * s, d)
+        experts, gates, keep, aux = route(self.router(flat), self.cfg.top_k, self.cfg.capacity_factor, b)
+        out = torch.zeros_like(flat)
+        tok = torch.arange(b * s, device=x.device).unsqueeze(1).expand_as(experts)
+        for e, expert in enumerate(self.experts):
+            sel = (experts == e) & keep
+            t_idx, g = tok[sel], gates[sel]
+            if t_idx.numel():
+                out = out.index_add(0, t_idx, expert(flat[t_idx]) * g.unsqueeze(1))
+        self.last_aux = aux.detach()
+        self.last_tokens_per_expert = torch.bincount(experts[keep], minlength=self.cfg.n_experts).cpu()
+        self.last_dropped = int((~keep).sum())
+        if torch.is_grad_enabled() and self.cfg.aux_loss_coef:
+            out = _AuxLossInjector.apply(out, aux, self.cfg.aux_loss_coef * self.aux_grad_scale)
+        return out.view(b, s, d)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer: int | None = None):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        # ``layer`` (its index) matters only for MoE configs: dense models build the same MLP as before.
+        self.mlp = MoE(cfg) if layer is not None and cfg.is_moe_layer(layer) else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -115,7 +223,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
@@ -171,13 +279,35 @@ def build_model(cfg: GPTConfig, seed: int, device: torch.device | str = "cpu") -
 
 
 def parameter_count(cfg: GPTConfig) -> dict[str, int]:
-    """Parameter counts by role, computed from the shapes (no model needed)."""
+    """Parameter counts by role, computed from the shapes (no model needed).
+
+    MoE configs add ``experts`` (all expert parameters), ``dense`` (everything else, routers
+    included: what expert parallelism replicates), ``active`` (parameters one token uses: top_k
+    experts per MoE layer) and count only the *active* matmul parameters under ``matmul``
+    (router + top_k expert MLPs per MoE layer), which is what FLOPs per token are made of.
+    """
     d, L, V = cfg.d_model, cfg.n_layers, cfg.vocab_size
     per_block = (3 * d * d + 2 * d) + (d * d + d) + 2 * (cfg.mlp_ratio * d * d) + cfg.mlp_ratio * d + d + 4 * d
     blocks = L * per_block
     embeddings = V * d + cfg.seq_len * d
     head = V * d
     final_ln = 2 * d
+    if cfg.is_moe:
+        r, E, k, M = cfg.mlp_ratio, cfg.n_experts, cfg.top_k, cfg.n_moe_layers
+        mlp = 2 * r * d * d + r * d + d
+        experts = M * E * mlp
+        blocks = L * per_block + M * ((E - 1) * mlp + d * E)  # E MLPs + router instead of one MLP
+        total = blocks + embeddings + head + final_ln
+        return {
+            "total": total,
+            "blocks": blocks,
+            "embeddings": embeddings,
+            "head": head,
+            "experts": experts,
+            "dense": total - experts,
+            "active": total - M * (E - k) * mlp,
+            "matmul": L * (4 * d * d + 2 * r * d * d) + M * ((k - 1) * 2 * r * d * d + d * E) + head,
+        }
     return {
         "total": blocks + embeddings + head + final_ln,
         "blocks": blocks,
@@ -191,6 +321,12 @@ def parameter_count(cfg: GPTConfig) -> dict[str, int]:
 FLOPS_CONVENTION = (
     "6*N + 12*L*s*d per token (PaLM appendix B); N = matmul parameters "
     "(block weights + untied output head, embeddings excluded); no causal-mask discount"
+)
+
+
+MOE_FLOPS_CONVENTION = (
+    FLOPS_CONVENTION + "; for MoE models N counts the active matmul parameters (router + top_k expert "
+    "MLPs per MoE layer, not all experts), the dropless top-k cost of one token"
 )
 
 

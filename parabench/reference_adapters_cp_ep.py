@@ -1,0 +1,90 @@
+"""parabench adapters for context parallelism and expert parallelism (``reference_impls/``).
+
+Strategies:
+
+* ``ref.cp_ring``: ring attention (option ``cp_split`` = "zigzag" (default) | "contiguous");
+* ``ref.cp_ulysses``: DeepSpeed-Ulysses all-to-all attention;
+* ``ref.ep``: expert parallelism for the MoE models (experts sharded, all-to-all dispatch/combine).
+
+The degree is ``spec.options["cp"]`` / ``spec.options["ep"]`` and must be the whole world for now
+(``parabench.suite.validate_case`` rejects anything else before launch). Both keep the worker's
+data layout: every rank is handed its data-parallel slice of the global batch. Context
+parallelism all-gathers the token ids of the group so that every rank sees every sample and keeps
+its part of each sequence; expert parallelism is data parallel for tokens anyway.
+
+Extra per-rank measurements of the last step: ``strategy_stats()`` (attention FLOPs and compute
+seconds per rank for the ring; tokens per expert, received tokens, dropped assignments for EP).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parabench.models import build_model
+from parabench.peers.common import adamw, autocast, optimizer_state_bytes, tensor_bytes
+from parabench.strategies import Trainer, TrainSpec
+
+
+def _check_degree(spec: TrainSpec, key: str) -> int:
+    world = dist.get_world_size()
+    n = int(spec.options.get(key, world))
+    if n != world:
+        raise ValueError(f"{key}={n}: only {key} = world size ({world}) is supported for now")
+    return n
+
+
+class _ReplicatedTrainer(Trainer):
+    """Shared plumbing: AdamW over local parameters, state bytes, full parameters on rank 0."""
+
+    measure_state = False
+    _grad_bytes = 0
+
+    def _step(self, loss):
+        if self.measure_state:
+            self._grad_bytes = tensor_bytes(p.grad for p in self.module.parameters())
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def state_bytes(self):
+        return {"params": tensor_bytes(self.module.parameters()), "grads": self._grad_bytes,
+                "optimizer": optimizer_state_bytes(self.optimizer)}
+
+    def close(self):
+        self.optimizer = None
+        self.module = None
+
+
+class CPTrainer(_ReplicatedTrainer):
+    def __init__(self, spec: TrainSpec, mode: str):
+        from reference_impls.context_parallel import ContextParallel
+
+        self.spec = spec
+        _check_degree(spec, "cp")
+        if spec.model.is_moe:
+            raise ValueError("context parallelism is implemented for dense models only")
+        self.module = build_model(spec.model, spec.seed, spec.device)
+        self.cp = ContextParallel(self.module, spec.topology.dp_group, mode,
+                                  split=spec.options.get("cp_split", "zigzag"), broken=spec.options.get("break"))
+        self.optimizer = adamw(self.module.parameters(), spec)
+
+    def train_step(self, inputs, targets):
+        loss = self.cp.forward_backward(inputs, targets, self.spec.grad_accum, autocast=lambda: autocast(self.spec))
+        return self._step(loss)
+
+    def full_parameters(self):
+        if dist.get_rank() != 0:
+            return None
+        return {n: p.detach().float().cpu().clone() for n, p in self.module.named_parameters()}
+
+    def strategy_stats(self) -> dict:
+        return {"cp": self.cp.cp, "mode": self.cp.mode, "split": self.cp.split, **self.cp.stats.as_dict()}
+
+
+def build_cp_ring(spec: TrainSpec) -> CPTrainer:
+    return CPTrainer(spec, "ring")
+
+
+def build_cp_ulysses(spec: TrainSpec) -> CPTrainer:
+    return CPTrainer(spec, "ulysses")
