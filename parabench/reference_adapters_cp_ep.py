@@ -88,3 +88,50 @@ def build_cp_ring(spec: TrainSpec) -> CPTrainer:
 
 def build_cp_ulysses(spec: TrainSpec) -> CPTrainer:
     return CPTrainer(spec, "ulysses")
+
+
+class EPTrainer(_ReplicatedTrainer):
+    def __init__(self, spec: TrainSpec):
+        from reference_impls.expert_parallel import ExpertParallel
+
+        self.spec = spec
+        _check_degree(spec, "ep")
+        if not spec.model.is_moe:
+            raise ValueError("expert parallelism needs an MoE model (n_experts > 0), e.g. tiny-moe")
+        self.module = build_model(spec.model, spec.seed, spec.device)
+        self.ep = ExpertParallel(self.module, spec.topology.dp_group)
+        self.optimizer = adamw(self.module.parameters(), spec)
+
+    def train_step(self, inputs, targets):
+        loss = self.ep.forward_backward(inputs, targets, self.spec.grad_accum, autocast=lambda: autocast(self.spec))
+        return self._step(loss)
+
+    def full_parameters(self):
+        """Rank 0 assembles the full MoE: dense parameters from itself, experts from their owners."""
+        mine = {self.ep.global_name(n): p.detach().float().cpu().clone() for n, p in self.module.named_parameters()
+                if any(p is q for q in self.ep.expert_params) or dist.get_rank() == 0}
+        everything = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, everything, dst=0)
+        if dist.get_rank() != 0:
+            return None
+        full = {}
+        for part in everything:
+            full.update(part)
+        order = [n for n, _ in build_model_names(self.spec)]
+        return {n: full[n] for n in order}
+
+    def strategy_stats(self) -> dict:
+        """Routing of the last micro-batch per MoE layer: tokens per expert (this rank's tokens),
+        rows received per local expert, rows sent/received, dropped assignments."""
+        return {"ep": self.ep.ep, "moe_layers": self.ep.routing_stats()}
+
+
+def build_model_names(spec: TrainSpec):
+    from parabench.models import GPT
+
+    with torch.device("meta"):
+        return list(GPT(spec.model).named_parameters())
+
+
+def build_ep(spec: TrainSpec) -> EPTrainer:
+    return EPTrainer(spec)

@@ -173,6 +173,9 @@ _BUILTIN = (
     StrategyInfo("ref.cp_ulysses", "parabench.reference_adapters_cp_ep:build_cp_ulysses", "reference",
                  "DeepSpeed-Ulysses context parallel: all-to-all sequence shards <-> head shards around attention",
                  min_world_size=2),
+    StrategyInfo("ref.ep", "parabench.reference_adapters_cp_ep:build_ep", "reference",
+                 "expert parallel MoE: experts sharded, tokens dispatched/combined with all-to-all (counts first), "
+                 "dense parameters all-reduced", min_world_size=2),
 )
 for _info in _BUILTIN:
     register(_info)

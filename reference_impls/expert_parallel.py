@@ -1,0 +1,182 @@
+"""Expert parallelism for the mixture-of-experts GPT (torch only).
+
+GShard (Lepikhin et al. 2020, Sec. 3.2) and Switch Transformer (Fedus et al. 2021, Sec. 2.2):
+the E experts of every MoE layer are sharded over the ``ep`` ranks (rank r owns experts
+``[r*E/ep, (r+1)*E/ep)``); everything else (attention, embeddings, LayerNorms, the routers) is
+replicated and data parallel. Each rank routes its own tokens and moves them to the experts'
+owners:
+
+1. **route** locally (top-k token choice, capacity per expert over the rank's own tokens when a
+   capacity factor is set: GShard's "local group dispatching"; dropless otherwise);
+2. **counts**: one small all-to-all of the per-expert token counts ``[ep, E/ep]``, so every rank
+   knows how many rows it will receive from each source and for which local expert;
+3. **dispatch**: ``all_to_all_single`` of the token rows sorted by expert, with split sizes;
+4. the owner runs each local expert on its rows (grouped by source rank, then local expert);
+5. **combine**: the reverse all-to-all brings every output row back to the rank of its token,
+   where it is scaled by its gate and summed into the token's output.
+
+The backward of an all-to-all is the all-to-all with the split sizes swapped, so backward moves
+the same volume: per MoE layer and micro-batch, forward ``A_r + R_r`` rows and backward the same,
+with ``A_r`` the (kept) assignments rank r routes and ``R_r`` the rows it receives; ``h`` elements
+per row. Dropless top-k with balanced routing gives ``A_r = R_r = b*s*k``.
+
+Gradients: the replicated ("dense") parameters see only local tokens and are all-reduced over the
+group (one flat buffer) and divided by ep; an expert's gradient already sums the contributions of
+every rank's tokens (they arrived through the backward all-to-all), so it is only divided by ep
+(each rank's loss is the mean over its own tokens). With ep = world there are no data-parallel
+replicas of an expert, hence no expert all-reduce; with ep < world it would be reduced over the
+ranks that hold the same experts.
+
+The load-balancing loss (``parabench.models.route``) is computed per sequence on the rank that
+owns the sequence, so it needs no communication and matches single-process training exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from parabench.models import MoE, _AuxLossInjector, route
+
+
+def _all_to_all_v(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty((sum(out_splits),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    return out
+
+
+class _AllToAllV(torch.autograd.Function):
+    """all_to_all_single with split sizes; backward = the same exchange with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _all_to_all_v(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all_v(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+class ExpertParallelMoE(nn.Module):
+    """This rank's shard of a :class:`parabench.models.MoE`: the router and ``E/ep`` experts."""
+
+    def __init__(self, full: MoE, group):
+        super().__init__()
+        self.cfg, self.group = full.cfg, group
+        self.ep, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        E = self.cfg.n_experts
+        if E % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide the {E} experts")
+        self.local = E // self.ep
+        self.first = self.rank * self.local
+        self.router = full.router
+        self.experts = nn.ModuleList(full.experts[self.first:self.first + self.local])
+        self.aux_grad_scale = 1.0
+        self.stats: dict = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        k, E, ep, local = self.cfg.top_k, self.cfg.n_experts, self.ep, self.local
+        flat = x.reshape(b * s, d)
+        experts, gates, keep, aux = route(self.router(flat), k, self.cfg.capacity_factor, b)
+
+        # 1. this rank's kept assignments, sorted by expert (= by destination rank, then local expert)
+        tok = torch.arange(b * s, device=x.device).repeat_interleave(k)
+        kept = keep.reshape(-1).nonzero().squeeze(1)
+        order = torch.argsort(experts.reshape(-1)[kept], stable=True)
+        idx = kept[order]
+        tok_sorted, exp_sorted, gate_sorted = tok[idx], experts.reshape(-1)[idx], gates.reshape(-1)[idx]
+        send_counts = torch.bincount(exp_sorted, minlength=E).view(ep, local)
+
+        # 2. counts first: recv_counts[src, e] = rows rank src sends for local expert e
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        in_splits = send_counts.sum(1).tolist()
+        out_splits = recv_counts.sum(1).tolist()
+
+        # 3. dispatch
+        recv = _AllToAllV.apply(flat[tok_sorted], out_splits, in_splits, self.group)
+
+        # 4. local experts; rows arrive grouped by source, then by local expert
+        starts = torch.cat([recv_counts.new_zeros(1), recv_counts.reshape(-1).cumsum(0)[:-1]]).view(ep, local)
+        out_rows = torch.zeros_like(recv)
+        for e, expert in enumerate(self.experts):
+            rows = [torch.arange(int(starts[src, e]), int(starts[src, e] + recv_counts[src, e]), device=x.device)
+                    for src in range(ep)]
+            rows = torch.cat(rows)
+            if rows.numel():
+                out_rows = out_rows.index_copy(0, rows, expert(recv[rows]))
+
+        # 5. combine: outputs back to the tokens' ranks, gate-weighted sum per token
+        back = _AllToAllV.apply(out_rows, in_splits, out_splits, self.group)
+        out = torch.zeros_like(flat).index_add(0, tok_sorted, back * gate_sorted.unsqueeze(1))
+
+        self.stats = {"tokens_per_expert": send_counts.reshape(-1).tolist(),  # this rank's routing
+                      "received_per_local_expert": recv_counts.sum(0).tolist(),
+                      "sent_rows": int(sum(in_splits)), "received_rows": int(sum(out_splits)),
+                      "dropped": int((~keep).sum())}
+        if torch.is_grad_enabled() and self.cfg.aux_loss_coef:
+            out = _AuxLossInjector.apply(out, aux, self.cfg.aux_loss_coef * self.aux_grad_scale)
+        return out.view(b, s, d)
+
+
+class ExpertParallel:
+    """A GPT whose MoE layers are :class:`ExpertParallelMoE` over ``group`` (ep = group size)."""
+
+    def __init__(self, model: nn.Module, group):
+        self.model, self.group = model, group
+        self.ep = dist.get_world_size(group)
+        self.moe_layers: dict[int, ExpertParallelMoE] = {}
+        for i, blk in enumerate(model.blocks):
+            if isinstance(blk.mlp, MoE):
+                blk.mlp = ExpertParallelMoE(blk.mlp, group)
+                self.moe_layers[i] = blk.mlp
+        expert_ids = {id(p) for m in self.moe_layers.values() for p in m.experts.parameters()}
+        self.dense = [p for p in model.parameters() if id(p) not in expert_ids]
+        self.expert_params = [p for p in model.parameters() if id(p) in expert_ids]
+
+    def global_name(self, name: str) -> str:
+        """``blocks.i.mlp.experts.<local>.…`` -> the full model's name (global expert index)."""
+        parts = name.split(".")
+        if len(parts) > 4 and parts[2] == "mlp" and parts[3] == "experts":
+            parts[4] = str(self.moe_layers[int(parts[1])].first + int(parts[4]))
+        return ".".join(parts)
+
+    def forward_backward(self, inputs, targets, grad_accum: int, autocast=None) -> torch.Tensor:
+        import contextlib
+
+        from parabench.models import lm_loss
+
+        for m in self.moe_layers.values():
+            m.aux_grad_scale = 1.0 / grad_accum
+        total = torch.zeros((), device=inputs.device)
+        for x, y in zip(inputs.chunk(grad_accum), targets.chunk(grad_accum)):
+            with autocast() if autocast else contextlib.nullcontext():
+                loss = lm_loss(self.model(x), y) / grad_accum
+            loss.backward()
+            total += loss.detach()
+        self.reduce_grads()
+        return total
+
+    def reduce_grads(self):
+        """Dense gradients: one flat all-reduce over the group, / ep. Expert gradients: / ep only."""
+        for p in self.dense:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in self.dense])
+        dist.all_reduce(flat, group=self.group)
+        flat.div_(self.ep)
+        off = 0
+        for p in self.dense:
+            p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+            off += p.numel()
+        for p in self.expert_params:
+            if p.grad is not None:  # an expert no token chose keeps no gradient, as in one process
+                p.grad.div_(self.ep)
+
+    def routing_stats(self) -> dict:
+        return {str(i): m.stats for i, m in self.moe_layers.items()}
