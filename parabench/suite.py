@@ -293,3 +293,41 @@ def validate_case(case: Case) -> None:
             raise SuiteError(f"sequence parallel: tp={tp} does not divide seq_len={seq}")
     if case.seq_len is not None and case.seq_len > 1 << 20:
         raise SuiteError("seq_len is unreasonably large")
+    _validate_cp_ep(case, cfg)
+
+
+CP_STRATEGIES = ("ref.cp_ring", "ref.cp_ulysses", "torch.cp", "deepspeed.ulysses")
+EP_STRATEGIES = ("ref.ep", "deepspeed.moe")
+
+
+def _validate_cp_ep(case: Case, cfg) -> None:
+    """Context / expert parallelism: for now the whole world is the cp (ep) group, alone."""
+    o = case.options
+    if case.strategy in CP_STRATEGIES + EP_STRATEGIES:
+        if o.get("tp", 1) != 1 or o.get("pp", 1) != 1:
+            raise SuiteError(f"{case.strategy} does not compose with tp/pp yet (got tp={o.get('tp', 1)}, "
+                             f"pp={o.get('pp', 1)})")
+    if case.strategy in CP_STRATEGIES:
+        cp = o.get("cp", case.world_size)
+        if cp != case.world_size:
+            raise SuiteError(f"{case.strategy}: cp={cp} must equal world_size={case.world_size} (no cp x dp yet)")
+        if cfg.n_experts:
+            raise SuiteError(f"{case.strategy}: context parallelism supports dense models only ({case.model} is MoE)")
+        seq = case.seq_len or cfg.seq_len
+        split = o.get("cp_split", "zigzag") if case.strategy == "ref.cp_ring" else "contiguous"
+        if split not in ("zigzag", "contiguous"):
+            raise SuiteError(f"cp_split must be 'zigzag' or 'contiguous' (got {split!r})")
+        chunks = 2 * cp if split == "zigzag" else cp
+        if seq % chunks:
+            raise SuiteError(f"{case.strategy}: seq_len={seq} does not split into {chunks} chunks "
+                             f"({split} split over cp={cp})")
+        if case.strategy in ("ref.cp_ulysses", "deepspeed.ulysses") and cfg.n_heads % cp:
+            raise SuiteError(f"{case.strategy}: cp={cp} does not divide the {cfg.n_heads} heads of {case.model}")
+    if case.strategy in EP_STRATEGIES:
+        ep = o.get("ep", case.world_size)
+        if not cfg.n_experts:
+            raise SuiteError(f"{case.strategy} needs an MoE model (n_experts > 0), got {case.model}")
+        if ep != case.world_size:
+            raise SuiteError(f"{case.strategy}: ep={ep} must equal world_size={case.world_size} (no ep x dp yet)")
+        if cfg.n_experts % ep:
+            raise SuiteError(f"{case.strategy}: ep={ep} does not divide the {cfg.n_experts} experts of {case.model}")

@@ -393,3 +393,108 @@ def _ref_sharded(variant: str):
 EXPECTATIONS["ref.zero3"] = _ref_sharded("zero3")
 EXPECTATIONS["ref.fsdp"] = _ref_sharded("fsdp")
 EXPECTATIONS["ref.hsdp"] = _ref_sharded("hsdp")
+
+
+# --- context parallelism (ring attention, Ulysses) and expert parallelism ------------------------
+# Conventions: c = cp (the whole world for now), B = micro_batch x grad_accum samples handed to a
+# rank per step; the group all-gathers its token ids, so each of the grad_accum micro-batches has
+# b = c x micro_batch samples of which a rank holds n = s/c positions; h = d_model.
+
+def cp_ops(cfg: GPTConfig, case, mode: str) -> list[tuple[str, int]]:
+    """Every communication op (kind, payload bytes) one rank issues in one training step.
+
+    Data: one all-gather of the token ids and targets, payload c x 2·B·s int64.
+    Ring attention, per layer per micro-batch: forward c-1 hops, each sending K and V blocks of
+    b·n·h elements to the next rank and receiving as many from the previous one (send 2·b·n·h,
+    recv 2·b·n·h per hop); backward (autograd through the ring) sends dK, dV back the same c-1
+    hops: per layer 4(c-1)·b·n·h elements sent and as many received.
+    Ulysses, per layer per micro-batch: 4 all-to-alls forward (q, k, v to head shards; the output
+    back to sequence shards) and 4 backward, each of b·n·h = b·s·h/c elements (input payload).
+    Gradients: one all-reduce of all Ψ parameters' fp32 gradients per step.
+    """
+    c = case.world_size
+    s, h, E = cfg.seq_len, cfg.d_model, BYTES[case.precision]
+    B = case.micro_batch * case.grad_accum
+    b = c * case.micro_batch
+    n = s // c
+    act = b * n * h * E
+    ops: list[tuple[str, int]] = [("all_gather", c * 2 * B * s * 8)]
+    for _ in range(case.grad_accum):
+        for _layer in range(cfg.n_layers):
+            if mode == "ring":
+                ops += [("send", 2 * act), ("recv", 2 * act)] * (2 * (c - 1))
+            else:
+                ops += [("all_to_all", act)] * 8
+    ops.append(("all_reduce", 4 * _counts(cfg)["total"]))
+    return ops
+
+
+def _cp(mode: str):
+    def fn(cfg, case, dp):
+        psi = _counts(cfg)["total"]
+        exact = case.precision == "fp32"
+        return Expectation(
+            state_bytes={"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi},
+            comm_payload_bytes=_sum_ops(cp_ops(cfg, case, mode)) if exact else None,
+            paper_state_bytes=zero_paper_state_bytes(0, psi, dp),
+            notes=("ring attention: per layer per micro-batch (c-1) hops of K and V (2·b·(s/c)·h elements sent and "
+                   "as many received per hop) forward and (c-1) hops of dK, dV backward (autograd through the ring); "
+                   if mode == "ring" else
+                   "Ulysses: per layer per micro-batch 4 all-to-alls of b·s·h/c elements forward (q, k, v, out) and 4 "
+                   "backward; ")
+                  + "b = cp x micro_batch samples (the group all-gathers its token ids: c·2·B·s int64 per step); one fp32 "
+                  "all-reduce of all gradients. Model state fully replicated: 16Ψ in fp32. Exact for fp32 only.",
+        )
+    return fn
+
+
+EXPECTATIONS["ref.cp_ring"] = _cp("ring")
+EXPECTATIONS["ref.cp_ulysses"] = _cp("ulysses")
+
+
+def ep_ops(cfg: GPTConfig, case, routing: list[tuple[int, int]] | None = None) -> list[tuple[str, int]]:
+    """Every communication op (kind, payload bytes) one rank issues in one training step.
+
+    Per MoE layer per micro-batch: forward one all-to-all of the per-expert counts (E int64) and two
+    of token rows, dispatch (input: the A_r assignments this rank routes) and combine (input: the
+    R_r rows it received); backward the same two row exchanges reversed (combine's backward sends
+    A_r rows, dispatch's R_r): 2(A_r + R_r)·h elements per MoE layer. ``routing`` lists the measured
+    (A_r, R_r) per MoE layer per micro-batch; without it, dropless top-k with balanced routing:
+    A_r = R_r = b·s·k (b = micro_batch), capped at E·capacity when a capacity factor is set.
+    Gradients: one fp32 all-reduce of the dense (replicated) parameters; with ep = world, none for
+    experts.
+    """
+    h, E, k, b, s = cfg.d_model, cfg.n_experts, cfg.top_k, case.micro_batch, cfg.seq_len
+    nb = BYTES[case.precision]
+    if routing is None:
+        a = b * s * k
+        if cfg.capacity_factor is not None:
+            import math
+
+            a = min(a, E * math.ceil(cfg.capacity_factor * b * s * k / E))
+        routing = [(a, a)] * (cfg.n_moe_layers * case.grad_accum)
+    ops: list[tuple[str, int]] = []
+    for sent, received in routing:
+        ops += [("all_to_all", E * 8), ("all_to_all", sent * h * nb), ("all_to_all", received * h * nb),
+                ("all_to_all", sent * h * nb), ("all_to_all", received * h * nb)]
+    ops.append(("all_reduce", 4 * _counts(cfg)["dense"]))
+    return ops
+
+
+@expectation("ref.ep")
+def _ref_ep(cfg, case, dp):
+    c = _counts(cfg)
+    if "experts" not in c:
+        return Expectation(state_bytes=None, comm_payload_bytes=None, paper_state_bytes=None,
+                           notes="ref.ep needs an MoE model")
+    ep = case.world_size
+    local = c["dense"] + c["experts"] // ep
+    return Expectation(
+        state_bytes={"params": 4 * local, "grads": 4 * local, "optimizer": 8 * local},
+        comm_payload_bytes=_sum_ops(ep_ops(cfg, case)) if case.precision == "fp32" else None,
+        paper_state_bytes=None,
+        notes="dense parameters replicated + E/ep experts per MoE layer: 16 bytes each in fp32 (an expert no token "
+              "chose has no gradient that step). Communication assumes dropless top-k with balanced routing "
+              "(A_r = R_r = b·s·k rows per MoE layer and direction); the real all-to-all sizes depend on the "
+              "routing: parabench.theory.ep_ops with the measured routing (trainer.strategy_stats) is exact.",
+    )
