@@ -70,6 +70,8 @@ MODEL_LADDER: dict[str, GPTConfig] = {
     "gpt-13b": GPTConfig(n_layers=40, d_model=5120, n_heads=40),
     # Mixture-of-experts variants (every second block an MoE of 4 / 8 experts, top-2, dropless).
     "tiny-moe": GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64, n_experts=4, top_k=2),
+    "tiny-moe-cap1": GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64, n_experts=4, top_k=2,
+                               capacity_factor=1.0),
     "gpt-350m-moe": GPTConfig(n_layers=24, d_model=1024, n_heads=16, n_experts=8, top_k=2),
     # Long sequence for context parallelism.
     "gpt-125m-8k": GPTConfig(n_layers=12, d_model=768, n_heads=12, seq_len=8192),

@@ -163,7 +163,8 @@ def _head_to_seq(x, group):
 
 @dataclass
 class RingStats:
-    """Per-rank attention work of the last step (forward): executed chunk pairs, FLOPs, seconds."""
+    """Per-rank attention work of the last step (forward, summed over layers and micro-batches):
+    executed chunk pairs, FLOPs (4·b·a·c²·d per pair of chunks of c positions), compute seconds."""
 
     pairs_full: int = 0
     pairs_diagonal: int = 0

@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from parabench.models import build_model, lm_loss
-from parabench.peers.common import adamw, optimizer_state_bytes, tensor_bytes
+from parabench.peers.common import adamw, autocast, optimizer_state_bytes, tensor_bytes
 from parabench.strategies import Trainer, TrainSpec
 
 
@@ -33,9 +33,10 @@ def _bounds(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
 class GPTStage(nn.Module):
     """Blocks ``[lo, hi)`` of a GPT (keyed by their global index, so names match the GPT's)."""
 
-    def __init__(self, model, lo: int, hi: int, first: bool, last: bool):
+    def __init__(self, model, lo: int, hi: int, first: bool, last: bool, spec: TrainSpec):
         super().__init__()
         self.first, self.last = first, last
+        self.spec = spec
         if first:
             self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(lo, hi)})
@@ -43,11 +44,14 @@ class GPTStage(nn.Module):
             self.ln_f, self.head = model.ln_f, model.head
 
     def forward(self, x):
-        if self.first:
-            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
-        for block in self.blocks.values():
-            x = block(x)
-        return self.head(self.ln_f(x)) if self.last else x
+        # The schedule calls forward itself, so mixed precision goes here (fp32 parameters
+        # as master weights, bf16/fp16 compute), as for the other torch peers.
+        with autocast(self.spec):
+            if self.first:
+                x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+            for block in self.blocks.values():
+                x = block(x)
+            return self.head(self.ln_f(x)) if self.last else x
 
 
 class TorchPipelineTrainer(Trainer):
@@ -61,7 +65,7 @@ class TorchPipelineTrainer(Trainer):
         bounds = _bounds(spec.model.n_layers, n_chunks)
         # Interleaved: rank r holds chunks r, r + pp, r + 2pp, ... (Narayanan et al. 2021, Sec. 2.2.2).
         self.stage_ids = [self.pp_rank + k * pp for k in range(v)]
-        self.modules = [GPTStage(model, *bounds[s], s == 0, s == n_chunks - 1) for s in self.stage_ids]
+        self.modules = [GPTStage(model, *bounds[s], s == 0, s == n_chunks - 1, spec) for s in self.stage_ids]
         del model
         self.stages = [PipelineStage(m, s, n_chunks, spec.device, group=topo.pp_group)
                        for m, s in zip(self.modules, self.stage_ids)]

@@ -1,0 +1,233 @@
+"""Context parallelism (ring attention zig-zag / contiguous, Ulysses) and expert parallelism train
+the same model to the same losses and parameters as one process, move exactly the bytes the
+theory says, balance the ring's work with the zig-zag split, and a broken ring or Ulysses is
+caught. CPU, gloo, fp32, tiny shapes.
+
+Cases of one world size share one spawned process group; the single-process ground truth is
+computed on rank 0 in-process (as ``helpers.single_reference`` would: same model, data and global
+batch of micro_batch x world samples). Tolerances as in test_reference_mp: losses 1e-5 relative,
+parameters rtol 1e-5 / atol 1e-5 with Adam eps 1e-6.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers import max_rel_diff, params_close
+from parabench.distributed import run_on_gloo
+from parabench.meters.comm import CommMeter
+from parabench.models import (GPT, build_model, global_batch, model_config, model_flops_per_token,
+                              parameter_count)
+from parabench.strategies import OptimConfig, TrainSpec, get_strategy
+from parabench.suite import Case, SuiteError, validate_case
+from parabench.theory import _sum_ops, cp_ops, ep_ops, expected
+from parabench.topology import Topology
+from parabench.worker import local_batches, make_spec
+
+N_STEPS = 5
+OPTIM = {"eps": 1e-6}
+TOL = 1e-5
+PARAM_ATOL = 1e-5
+
+
+def mk(name, strategy, world, model="tiny", micro_batch=2, grad_accum=1, **options):
+    return name, Case(model=model, strategy=strategy, world_size=world, micro_batch=micro_batch,
+                      grad_accum=grad_accum, lr=1e-3, options={"optim": OPTIM, **options})
+
+
+CASES_2 = dict([
+    mk("ring_zz2", "ref.cp_ring", 2, cp_split="zigzag"),
+    mk("ring_ct2", "ref.cp_ring", 2, cp_split="contiguous"),
+    mk("uly2", "ref.cp_ulysses", 2),
+    mk("ring_zz2_ga2", "ref.cp_ring", 2, micro_batch=1, grad_accum=2),
+    mk("ep2", "ref.ep", 2, model="tiny-moe"),
+    mk("ep2_cap", "ref.ep", 2, model="tiny-moe-cap1"),
+    mk("broken_ring", "ref.cp_ring", 2, **{"break": "no_lse"}),
+    mk("broken_uly", "ref.cp_ulysses", 2, **{"break": "no_reverse"}),
+])
+CASES_4 = dict([
+    mk("ring_zz4", "ref.cp_ring", 4, micro_batch=1, cp_split="zigzag"),
+    mk("ring_ct4", "ref.cp_ring", 4, micro_batch=1, cp_split="contiguous"),
+    mk("uly4", "ref.cp_ulysses", 4, micro_batch=1),
+    mk("ep4", "ref.ep", 4, model="tiny-moe", micro_batch=1),
+])
+EQUIVALENT = [n for n in {**CASES_2, **CASES_4} if not n.startswith("broken") and n != "ep2_cap"]
+
+
+def _single_inprocess(case: Case, n_steps: int) -> dict:
+    cfg = model_config(case.model, case.seq_len)
+    spec = TrainSpec(model=cfg, seed=case.seed, device=torch.device("cpu"), precision=case.precision,
+                     topology=Topology(world_size=1, rank=0), micro_batch=case.global_batch // case.grad_accum,
+                     grad_accum=case.grad_accum, optim=OptimConfig(lr=case.lr, **case.options.get("optim", {})))
+    trainer = get_strategy("single").build(spec)
+    losses = []
+    for step in range(n_steps):
+        x, y = global_batch(step, case.global_batch, cfg, case.seed)
+        losses.append(float(trainer.train_step(x, y)))
+    return {"losses": losses, "params": trainer.full_parameters()}
+
+
+def _run_group(cases: dict, n_steps: int) -> dict:
+    out = {}
+    for name, cd in cases.items():
+        case = Case.from_dict(cd)
+        spec = make_spec(case, torch.device("cpu"))
+        trainer = get_strategy(case.strategy).build(spec)
+        batches = local_batches(case, spec, n_steps + 1)
+        losses = [float(trainer.train_step(*batches[i])) for i in range(n_steps)]
+        params = trainer.full_parameters()
+        with CommMeter() as meter:
+            trainer.train_step(*batches[n_steps])
+        mine = {"losses": losses, "comm": meter.summary(), "stats": trainer.strategy_stats()}
+        trainer.close()
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        out[name] = {"per_rank": everyone, "params": params}
+    if dist.get_rank() == 0:
+        truths = {}
+        for name, cd in cases.items():
+            case = Case.from_dict(cd)
+            key = (case.model, case.global_batch, case.grad_accum)
+            if key not in truths:
+                truths[key] = _single_inprocess(case, n_steps)
+            out[name]["single"] = truths[key]
+    return out
+
+
+@pytest.fixture(scope="module")
+def group2():
+    return run_on_gloo(_run_group, 2, {n: c.to_dict() for n, c in CASES_2.items()}, N_STEPS)[0]
+
+
+@pytest.fixture(scope="module")
+def group4():
+    return run_on_gloo(_run_group, 4, {n: c.to_dict() for n, c in CASES_4.items()}, N_STEPS)[0]
+
+
+@pytest.fixture(scope="module")
+def results(group2, group4):
+    return {**group2, **group4}
+
+
+def _losses(res) -> list[float]:
+    """Mean over ranks of each rank's mean loss (equal token counts per rank)."""
+    return [sum(r["losses"][i] for r in res["per_rank"]) / len(res["per_rank"]) for i in range(N_STEPS)]
+
+
+@pytest.mark.parametrize("name", EQUIVALENT)
+def test_matches_single_process(results, name):
+    res = results[name]
+    truth = res["single"]
+    assert truth["losses"][-1] < truth["losses"][0]
+    assert max_rel_diff(_losses(res), truth["losses"]) < TOL
+    assert params_close(res["params"], truth["params"], rtol=TOL, atol=PARAM_ATOL) == []
+
+
+@pytest.mark.parametrize("name", ["broken_ring", "broken_uly"])
+def test_broken_variant_is_caught(group2, name):
+    res = group2[name]
+    # the equivalence check that passes the correct implementations fails on both counts
+    assert max_rel_diff(_losses(res), res["single"]["losses"]) > 10 * TOL
+    assert len(params_close(res["params"], res["single"]["params"], rtol=TOL, atol=PARAM_ATOL)) > 5
+
+
+@pytest.mark.parametrize("name", [n for n in {**CASES_2, **CASES_4} if not n.startswith("broken")])
+def test_measured_comm_equals_theory(results, name):
+    case = {**CASES_2, **CASES_4}[name]
+    cfg = model_config(case.model, case.seq_len)
+    for rank, r in enumerate(results[name]["per_rank"]):
+        if case.strategy == "ref.ep":
+            layers = r["stats"]["moe_layers"]
+            routing = [(layers[k]["sent_rows"], layers[k]["received_rows"]) for k in sorted(layers, key=int)]
+            want = _sum_ops(ep_ops(cfg, case, routing))
+        else:
+            want = _sum_ops(cp_ops(cfg, case, "ring" if case.strategy == "ref.cp_ring" else "ulysses"))
+        got = {k: v["payload_bytes"] for k, v in r["comm"]["by_kind"].items()}
+        assert set(got) == set(want), (rank, got, want)
+        for kind in want:
+            assert got[kind] == pytest.approx(want[kind], rel=0.01), (rank, kind, got, want)
+    if case.strategy != "ref.ep":  # the record's expectation is the same for every rank
+        exp = expected(case, cfg, case.world_size)["comm_payload_bytes"]
+        assert exp == _sum_ops(cp_ops(cfg, case, "ring" if case.strategy == "ref.cp_ring" else "ulysses"))
+
+
+def test_ep_balanced_expectation_is_the_mean_over_ranks(results):
+    """Routing moves rows between ranks unevenly, but sent rows sum to received rows over the group,
+    so the balanced expectation equals the mean over ranks of the measured all-to-all payload."""
+    for name in ("ep2", "ep4"):
+        case = CASES_2.get(name) or CASES_4[name]
+        cfg = model_config(case.model)
+        per_rank = [r["comm"]["by_kind"]["all_to_all"]["payload_bytes"] for r in results[name]["per_rank"]]
+        assert sum(per_rank) / len(per_rank) == pytest.approx(expected(case, cfg, 1)["comm_payload_bytes"]["all_to_all"])
+
+
+def test_ep_records_routing_and_drops(group2):
+    cap = group2["ep2_cap"]["per_rank"]
+    drop = group2["ep2"]["per_rank"]
+    cfg = model_config("tiny-moe-cap1")
+    for r in drop:
+        for layer in r["stats"]["moe_layers"].values():
+            assert layer["dropped"] == 0
+            assert sum(layer["tokens_per_expert"]) == 2 * cfg.seq_len * cfg.top_k
+    dropped = [layer["dropped"] for r in cap for layer in r["stats"]["moe_layers"].values()]
+    assert sum(dropped) > 0
+    for r in cap:
+        for layer in r["stats"]["moe_layers"].values():
+            capacity = -(-1.0 * 2 * cfg.seq_len * cfg.top_k // cfg.n_experts)
+            assert max(layer["tokens_per_expert"]) <= capacity
+            assert sum(layer["tokens_per_expert"]) + layer["dropped"] == 2 * cfg.seq_len * cfg.top_k
+
+
+def test_zigzag_balances_ring_work(group4):
+    zz = [r["stats"]["attn_flops_fwd"] for r in group4["ring_zz4"]["per_rank"]]
+    ct = [r["stats"]["attn_flops_fwd"] for r in group4["ring_ct4"]["per_rank"]]
+    assert len(set(zz)) == 1
+    assert ct == sorted(ct) and ct[-1] > ct[0]
+    # contiguous: rank r computes r full blocks + its diagonal; the last rank paces the step
+    pairs = [r["stats"]["attn_pairs_full"] + r["stats"]["attn_pairs_diagonal"] for r in group4["ring_ct4"]["per_rank"]]
+    assert pairs == [model_config("tiny").n_layers * (r + 1) for r in range(4)]  # summed over layers
+    assert max(ct) / (sum(ct) / 4) == pytest.approx(1.6)
+    # zig-zag: chunks of s/8, 3 pairs on its own block + 2 per foreign block = 9 pairs of (s/8)^2;
+    # contiguous rank 0: one pair of (s/4)^2 = 4 of (s/8)^2
+    assert zz[0] * 4 == ct[0] * 9
+
+
+def test_moe_parameter_counts_and_flops():
+    for name in ("tiny", "tiny-moe", "tiny-moe-cap1"):
+        cfg = model_config(name)
+        with torch.device("meta"):
+            m = GPT(cfg)
+        counts = parameter_count(cfg)
+        assert counts["total"] == sum(p.numel() for p in m.parameters())
+        if cfg.is_moe:
+            experts = sum(p.numel() for n, p in m.named_parameters() if ".experts." in n)
+            assert counts["experts"] == experts and counts["dense"] == counts["total"] - experts
+            per_expert = experts // (cfg.n_experts * cfg.n_moe_layers)
+            assert counts["active"] == counts["total"] - cfg.n_moe_layers * (cfg.n_experts - cfg.top_k) * per_expert
+            dense = model_config("tiny")
+            assert model_flops_per_token(cfg) > model_flops_per_token(dense)
+    assert parameter_count(model_config("tiny")) == {"total": 136832, "blocks": 99840, "embeddings": 20480,
+                                                     "head": 16384, "matmul": 114688}
+
+
+def test_dense_model_unchanged_by_moe_fields():
+    cfg = model_config("tiny")
+    m = build_model(cfg, 1)
+    assert not any("router" in n or "experts" in n for n, _ in m.named_parameters())
+    assert model_config("gpt-125m-8k").seq_len == 8192
+
+
+@pytest.mark.parametrize("case,msg", [
+    (Case(model="tiny", strategy="ref.cp_ulysses", world_size=8), "heads"),
+    (Case(model="tiny-moe", strategy="ref.cp_ring", world_size=2), "dense models only"),
+    (Case(model="tiny", strategy="ref.ep", world_size=2), "MoE model"),
+    (Case(model="tiny", strategy="ref.cp_ring", world_size=2, seq_len=30), "chunks"),
+    (Case(model="tiny", strategy="ref.cp_ring", world_size=4, options={"cp": 2}), "must equal"),
+    (Case(model="tiny", strategy="ref.cp_ring", world_size=4, options={"tp": 2}), "tp/pp"),
+    (Case(model="tiny-moe", strategy="ref.ep", world_size=8), "experts"),
+])
+def test_unsupported_cases_rejected_before_launch(case, msg):
+    with pytest.raises(SuiteError, match=msg):
+        validate_case(case)
