@@ -489,12 +489,27 @@ def _ref_ep(cfg, case, dp):
                            notes="ref.ep needs an MoE model")
     ep = case.world_size
     local = c["dense"] + c["experts"] // ep
+    balanced = _sum_ops(ep_ops(cfg, case)) if case.precision == "fp32" else None
+    comm = None
+    if balanced is not None:
+        # What one rank moves depends on the routing: rows it routes A_r <= b·s·k (= when dropless),
+        # rows it receives 0 <= R_r <= ep·b·s·min(k, E/ep). The record's check uses that range.
+        h, nb, k, E = cfg.d_model, BYTES[case.precision], cfg.top_k, cfg.n_experts
+        a_max = case.micro_batch * cfg.seq_len * k
+        r_max = ep * case.micro_batch * cfg.seq_len * min(k, E // ep)
+        a_min = a_max if cfg.capacity_factor is None else 0
+        n = cfg.n_moe_layers * case.grad_accum
+        counts = n * E * 8 if E * 8 > 64 else 0
+        comm = {**balanced, "all_to_all": [counts + n * 2 * a_min * h * nb, counts + n * 2 * (a_max + r_max) * h * nb]}
     return Expectation(
         state_bytes={"params": 4 * local, "grads": 4 * local, "optimizer": 8 * local},
-        comm_payload_bytes=_sum_ops(ep_ops(cfg, case)) if case.precision == "fp32" else None,
+        comm_payload_bytes=comm,
+        comm_payload_bytes_balanced=balanced,
         paper_state_bytes=None,
         notes="dense parameters replicated + E/ep experts per MoE layer: 16 bytes each in fp32 (an expert no token "
-              "chose has no gradient that step). Communication assumes dropless top-k with balanced routing "
-              "(A_r = R_r = b·s·k rows per MoE layer and direction); the real all-to-all sizes depend on the "
-              "routing: parabench.theory.ep_ops with the measured routing (trainer.strategy_stats) is exact.",
+              "chose has no gradient that step). The all-to-all volume of one rank depends on the routing: the "
+              "expectation is the range [2·A_min, 2·(A_max + R_max)]·h per MoE layer (A: rows routed, b·s·k when "
+              "dropless; R: rows received, at most ep·b·s·min(k, E/ep)); comm_payload_bytes_balanced gives dropless "
+              "balanced routing (A = R = b·s·k), which is the mean over ranks; parabench.theory.ep_ops with the "
+              "measured routing (trainer.strategy_stats) is exact.",
     )
