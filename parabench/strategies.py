@@ -176,6 +176,26 @@ _BUILTIN = (
     StrategyInfo("ref.ep", "parabench.reference_adapters_cp_ep:build_ep", "reference",
                  "expert parallel MoE: experts sharded, tokens dispatched/combined with all-to-all (counts first), "
                  "dense parameters all-reduced", min_world_size=2),
+    StrategyInfo("ref.ddp_fp16_compress", "parabench.reference_adapters_compression:build_ddp_fp16_compress",
+                 "reference", "reference DDP with fp16 gradients on the wire (cast, all-reduce, cast back)"),
+    StrategyInfo("ref.ddp_onebit", "parabench.reference_adapters_compression:build_ddp_onebit", "reference",
+                 "reference DDP, 1-bit sign compression + per-tensor scale, error feedback; all-gather of packed "
+                 "signs (option error_feedback)"),
+    StrategyInfo("ref.ddp_topk", "parabench.reference_adapters_compression:build_ddp_topk", "reference",
+                 "reference DDP, top-k sparsification with residual accumulation; all-gather of values + int32 "
+                 "indices (options topk_ratio, error_feedback)"),
+    StrategyInfo("ref.ddp_powersgd", "parabench.reference_adapters_compression:build_ddp_powersgd", "reference",
+                 "reference DDP, PowerSGD rank-r (P = MQ, all-reduce, orthogonalise, Q = M^T P, all-reduce), "
+                 "warm start, error feedback (options powersgd_rank, error_feedback)"),
+    StrategyInfo("ref.local_sgd", "parabench.reference_adapters_compression:build_local_sgd", "reference",
+                 "local SGD: ranks step alone, parameters + optimizer states averaged every sync_every steps "
+                 "(options sync_every, average_optimizer_state, local_optimizer)"),
+    StrategyInfo("torch.ddp_fp16_hook", "parabench.peers.torch_ddp_hooks:build_fp16", "peer",
+                 "PyTorch DDP + default_hooks.fp16_compress_hook"),
+    StrategyInfo("torch.ddp_powersgd_hook", "parabench.peers.torch_ddp_hooks:build_powersgd", "peer",
+                 "PyTorch DDP + powerSGD_hook (rank powersgd_rank, start_powerSGD_iter 2, min_compression_rate 1)"),
+    StrategyInfo("deepspeed.onebit_adam", "parabench.peers.torch_ddp_hooks:build_deepspeed_onebit_adam", "peer",
+                 "DeepSpeed 1-bit Adam (\"OneBitAdam\" optimizer); needs a DeepSpeed that ships it (not 0.19.x)"),
 )
 for _info in _BUILTIN:
     register(_info)

@@ -513,3 +513,167 @@ def _ref_ep(cfg, case, dp):
               "balanced routing (A = R = b·s·k), which is the mean over ranks; parabench.theory.ep_ops with the "
               "measured routing (trainer.strategy_stats) is exact.",
     )
+
+
+# --- communication-reducing data parallelism: reference_impls/compression.py, torch DDP hooks ----
+# Ψ parameters in buckets planned as ref.ddp plans them (25 MiB default: the small models fit in one);
+# N = data-parallel degree. Per bucket b with numel_b elements and S_b tensors:
+#   fp16:     all-reduce 2·numel_b                                  (2Ψ in all)
+#   onebit:   all-gather N·(4·S_b + ⌈numel_b/8⌉)  [fp32 scale per tensor | signs 8 per byte]
+#   topk:     all-gather N·4·k_b (fp32 values) + all-gather N·4·k_b (int32 indices), k_b = max(1, ⌈ratio·numel_b⌉)
+#   powersgd: all-reduce 4·Σ n·r (P) + all-reduce 4·Σ m·r (Q) over the bucket's 2-D n×m tensors, r = min(rank, n, m),
+#             + all-reduce 4·Σ numel of its 1-D tensors (uncompressed)
+#   local SGD: nothing on a local step; at a sync step (every H-th) all-reduce 4Ψ (fp32 master) + 8Ψ (AdamW
+#             moments) or 4Ψ (SGD momentum) when optimizer states are averaged: (4Ψ + 8Ψ)/H per step on average.
+# Each op is checked against the meter's scalar cut-off (ops ≤ 64 bytes are listed apart) one by one.
+
+import math  # noqa: E402  (kept with the section that uses it)
+
+def _ref_bucket_shapes(cfg: GPTConfig, elem: int, bucket_mb: float) -> list[list[tuple[int, ...]]]:
+    """Parameter shapes per bucket, as reference_impls/dp_common.py:plan_buckets groups them (no padding)."""
+    import torch
+
+    from parabench.models import GPT
+
+    with torch.device("meta"):
+        shapes = [tuple(p.shape) for p in GPT(cfg).parameters()]
+    out, cur, used = [], [], 0
+    for shape in reversed(shapes):
+        cur.append(shape)
+        used += math.prod(shape)
+        if used * elem >= bucket_mb * (1 << 20):
+            out.append(cur)
+            cur, used = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def compression_ops(cfg: GPTConfig, case, dp: int, method: str, buckets=None) -> list[tuple[str, int]]:
+    """Every (kind, payload bytes) op of one compressed-DDP step (see the table above)."""
+    o = case.options
+    if buckets is None:
+        b = BYTES[case.precision]
+        buckets = _ref_bucket_shapes(cfg, b, float(o.get("bucket_mb", 25)))
+    ops: list[tuple[str, int]] = []
+    for shapes in buckets:
+        numel = sum(math.prod(s) for s in shapes)
+        if method == "fp16":
+            ops.append(("all_reduce", 2 * numel))
+        elif method == "onebit":
+            ops.append(("all_gather", dp * (4 * len(shapes) + -(-numel // 8))))
+        elif method == "topk":
+            k = max(1, math.ceil(float(o.get("topk_ratio", 0.01)) * numel))
+            ops += [("all_gather", dp * 4 * k), ("all_gather", dp * 4 * k)]
+        elif method in ("powersgd", "torch_powersgd"):
+            rank = int(o.get("powersgd_rank", 2))
+            vec = ps = qs = 0
+            for s in shapes:
+                if len(s) == 2:
+                    n, m = s
+                    r = min(rank, n, m)
+                    if method == "torch_powersgd" and not (n + m) * r * 1.0 < n * m:  # min_compression_rate = 1
+                        vec += n * m
+                        continue
+                    ps, qs = ps + n * r, qs + m * r
+                else:
+                    vec += math.prod(s)
+            ops += [("all_reduce", 4 * x) for x in (vec, ps, qs) if x]
+        else:
+            raise ValueError(method)
+    return ops
+
+
+def _compressed_state(cfg, case, dp, extra_grads: int):
+    base = EXPECTATIONS["ref.ddp"](cfg, case, dp)["state_bytes"]
+    return {**base, "grads": base["grads"] + extra_grads}
+
+
+def _compressed(method: str):
+    def fn(cfg, case, dp):
+        psi = _counts(cfg)["total"]
+        o = case.options
+        ef = bool(o.get("error_feedback", True)) and method != "fp16"
+        extra = 4 * psi if ef else 0
+        if method == "powersgd":  # warm-start Q (m x r) per 2-D tensor
+            rank = int(o.get("powersgd_rank", 2))
+            for shapes in _ref_bucket_shapes(cfg, BYTES[case.precision], float(o.get("bucket_mb", 25))):
+                extra += sum(4 * s[1] * min(rank, *s) for s in shapes if len(s) == 2)
+        return Expectation(
+            state_bytes=_compressed_state(cfg, case, dp, extra),
+            comm_payload_bytes=_sum_ops(compression_ops(cfg, case, dp, method)),
+            paper_state_bytes=zero_paper_state_bytes(0, psi, dp),
+            notes={"fp16": "ref.ddp with every bucket cast to fp16, all-reduced, cast back: 2Ψ bytes per step.",
+                   "onebit": "per bucket an all-gather of N x (4 bytes per tensor scale + ⌈numel/8⌉ bytes of packed "
+                             "signs) (≈ NΨ/8); + 4Ψ fp32 error-feedback residual under grads.",
+                   "topk": "per bucket two all-gathers (fp32 values, int32 indices) of N·k elements, "
+                           "k = ⌈topk_ratio·numel⌉ (≈ 8·N·ratio·Ψ bytes); + 4Ψ residual under grads.",
+                   "powersgd": "per bucket all-reduces of P (4·Σ n·r), Q (4·Σ m·r) and the uncompressed 1-D tensors "
+                               "(4·Σ numel); + 4Ψ residual and the warm-start Qs (4·Σ m·r) under grads.",
+                   }[method] + (" Without error feedback, no residual." if method != "fp16" and not ef else ""),
+        )
+    return fn
+
+
+for _m in ("fp16", "onebit", "topk", "powersgd"):
+    EXPECTATIONS[f"ref.ddp_{_m}" if _m != "fp16" else "ref.ddp_fp16_compress"] = _compressed(_m)
+
+
+def local_sgd_synced(case, step_index: int) -> bool:
+    """Whether the step with 0-based index ``step_index`` ends with an average (every H-th step)."""
+    return (step_index + 1) % int(case.options.get("sync_every", 4)) == 0
+
+
+@expectation("ref.local_sgd")
+def _ref_local_sgd(cfg, case, dp):
+    psi = _counts(cfg)["total"]
+    o = case.options
+    H = int(o.get("sync_every", 4))
+    sgd = o.get("local_optimizer", "adamw") == "sgd"
+    states = (4 * psi if sgd else 8 * psi) if bool(o.get("average_optimizer_state", True)) else 0
+    per_sync = [4 * psi] + ([4 * psi] if states and sgd else [4 * psi, 4 * psi] if states else [])
+    instrumented = case.warmup + case.steps  # the worker's metered step (0-based)
+    synced = local_sgd_synced(case, instrumented)
+    state = EXPECTATIONS["ref.ddp"](cfg, case, dp)["state_bytes"]
+    if sgd:
+        state = {**state, "optimizer": state["optimizer"] - 4 * psi}
+    return Expectation(
+        state_bytes=state,
+        comm_payload_bytes={"all_reduce": sum(per_sync)} if synced else {},
+        comm_payload_bytes_avg_per_step={"all_reduce": sum(per_sync) / H},
+        paper_state_bytes=zero_paper_state_bytes(0, psi, dp),
+        notes=f"no gradient communication; every {H} steps an all-reduce of the fp32 parameters (4Ψ)"
+              + (f" and of the optimizer states ({'4Ψ SGD momentum' if sgd else '8Ψ AdamW moments'})" if states else "")
+              + f". The metered step (index {instrumented}) {'is' if synced else 'is not'} a sync step; on average "
+              f"{sum(per_sync) / H:.0f} bytes per step.",
+    )
+
+
+@expectation("torch.ddp_fp16_hook")
+def _torch_fp16_hook(cfg, case, dp):
+    psi = _counts(cfg)["total"]
+    return Expectation(
+        state_bytes={"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi},
+        comm_payload_bytes={"all_reduce": 2 * psi},
+        paper_state_bytes=zero_paper_state_bytes(0, psi, dp),
+        notes="torch DDP buckets cast to fp16 by fp16_compress_hook: 2Ψ bytes per step.",
+    )
+
+
+@expectation("torch.ddp_powersgd_hook")
+def _torch_powersgd_hook(cfg, case, dp):
+    psi = _counts(cfg)["total"]
+    import torch
+
+    from parabench.models import GPT
+
+    with torch.device("meta"):
+        shapes = [tuple(p.shape) for p in GPT(cfg).parameters()]
+    return Expectation(
+        state_bytes=None,  # torch keeps its residual and P/Q memories inside the hook state
+        comm_payload_bytes=_sum_ops(compression_ops(cfg, case, dp, "torch_powersgd", buckets=[shapes])),
+        paper_state_bytes=zero_paper_state_bytes(0, psi, dp),
+        notes="powerSGD_hook after start_powerSGD_iter (2): per bucket all-reduces of the uncompressed tensors "
+              "(1-D, and 2-D with (n+m)·r ≥ n·m), of P and of Q; computed as if all gradients were in one bucket "
+              "(true for models under DDP's 1 MiB first bucket; otherwise exact unless an op falls under 64 bytes).",
+    )
