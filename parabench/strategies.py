@@ -18,6 +18,8 @@ from parabench.models import GPTConfig
 from parabench.topology import Topology
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+# Data-parallel strategies also train in fp16 (fp32 master weights + dynamic loss scaling).
+DP_PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -120,34 +122,44 @@ def get_strategy(name: str) -> StrategyInfo:
 # parabench/reference_adapters.py). Add a strategy by appending one line here.
 _BUILTIN = (
     StrategyInfo("single", "parabench.peers.single:build", "reference",
-                 "one process, no parallelism: the ground truth the others are checked against"),
+                 "one process, no parallelism: the ground truth the others are checked against", precisions=DP_PRECISIONS),
     StrategyInfo("torch.ddp", "parabench.peers.torch_ddp:build", "peer",
-                 "PyTorch DistributedDataParallel (bucketed all-reduce overlapped with backward)"),
+                 "PyTorch DistributedDataParallel (bucketed all-reduce overlapped with backward)", precisions=DP_PRECISIONS),
     StrategyInfo("torch.fsdp2", "parabench.peers.torch_fsdp2:build", "peer",
-                 "PyTorch FSDP2 fully_shard per transformer block + root (ZeRO-3 style)"),
+                 "PyTorch FSDP2 fully_shard per transformer block + root (ZeRO-3 style)", precisions=DP_PRECISIONS),
     StrategyInfo("deepspeed.zero0", "parabench.peers.deepspeed_zero:build_zero0", "peer",
-                 "DeepSpeed engine, ZeRO disabled (plain data parallel)"),
+                 "DeepSpeed engine, ZeRO disabled (plain data parallel)", precisions=DP_PRECISIONS),
     StrategyInfo("deepspeed.zero1", "parabench.peers.deepspeed_zero:build_zero1", "peer",
-                 "DeepSpeed ZeRO stage 1 (optimizer states partitioned)"),
+                 "DeepSpeed ZeRO stage 1 (optimizer states partitioned)", precisions=DP_PRECISIONS),
     StrategyInfo("deepspeed.zero2", "parabench.peers.deepspeed_zero:build_zero2", "peer",
-                 "DeepSpeed ZeRO stage 2 (+ gradients partitioned)"),
+                 "DeepSpeed ZeRO stage 2 (+ gradients partitioned)", precisions=DP_PRECISIONS),
     StrategyInfo("deepspeed.zero3", "parabench.peers.deepspeed_zero:build_zero3", "peer",
-                 "DeepSpeed ZeRO stage 3 (+ parameters partitioned)"),
+                 "DeepSpeed ZeRO stage 3 (+ parameters partitioned)", precisions=DP_PRECISIONS),
     StrategyInfo("ref.ps", "parabench.reference_adapters:build_ps", "reference",
-                 "reference parameter server: gradients sent to rank 0, AdamW there, parameters broadcast"),
+                 "reference parameter server: gradients sent to rank 0, AdamW there, parameters broadcast", precisions=DP_PRECISIONS),
     StrategyInfo("ref.ddp", "parabench.reference_adapters:build_ddp", "reference",
-                 "reference DDP: bucketed all-reduce from grad hooks, overlapped with backward (option bucket_mb)"),
+                 "reference DDP: bucketed all-reduce from grad hooks, overlapped with backward (option bucket_mb)", precisions=DP_PRECISIONS),
     StrategyInfo("ref.zero1", "parabench.reference_adapters:build_zero1", "reference",
-                 "reference ZeRO-1: optimizer states + fp32 master sharded per bucket; reduce-scatter, all-gather"),
+                 "reference ZeRO-1: optimizer states + fp32 master sharded per bucket; reduce-scatter, all-gather", precisions=DP_PRECISIONS),
     StrategyInfo("ref.zero2", "parabench.reference_adapters:build_zero2", "reference",
-                 "reference ZeRO-2: + gradients reduce-scattered in buckets during backward and freed"),
+                 "reference ZeRO-2: + gradients reduce-scattered in buckets during backward and freed", precisions=DP_PRECISIONS),
     StrategyInfo("ref.zero3", "parabench.reference_adapters:build_zero3", "reference",
-                 "reference ZeRO-3: per-block flat parameters gathered for forward and backward, every unit resharded"),
+                 "reference ZeRO-3: per-block flat parameters gathered for forward and backward, every unit resharded", precisions=DP_PRECISIONS),
     StrategyInfo("ref.fsdp", "parabench.reference_adapters:build_fsdp", "reference",
-                 "reference FSDP full shard: as ref.zero3 but the root unit stays gathered from forward to backward"),
+                 "reference FSDP full shard: as ref.zero3 but the root unit stays gathered from forward to backward", precisions=DP_PRECISIONS),
     StrategyInfo("ref.hsdp", "parabench.reference_adapters:build_hsdp", "reference",
                  "reference hybrid shard: FSDP within shard groups (option shard_size), all-reduce across replicas",
-                 min_world_size=4),
+                 min_world_size=4, precisions=DP_PRECISIONS),
+    StrategyInfo("ref.zero2_offload", "parabench.reference_adapters:build_zero2_offload", "reference",
+                 "reference ZeRO-Offload: ZeRO-2 with fp32 master, Adam states and the AdamW update on the CPU",
+                 precisions=DP_PRECISIONS),
+    StrategyInfo("deepspeed.zero2_offload", "parabench.peers.deepspeed_zero:build_zero2_offload", "peer",
+                 "DeepSpeed ZeRO-2 + offload_optimizer to CPU (ZeRO-Offload)", precisions=DP_PRECISIONS),
+    StrategyInfo("deepspeed.zero3_offload", "parabench.peers.deepspeed_zero:build_zero3_offload", "peer",
+                 "DeepSpeed ZeRO-3 + offload_optimizer to CPU", precisions=DP_PRECISIONS),
+    StrategyInfo("torch.fsdp2_offload", "parabench.peers.torch_fsdp2:build_offload", "peer",
+                 "PyTorch FSDP2 with CPUOffloadPolicy (sharded params, grads and AdamW on the CPU)",
+                 precisions=DP_PRECISIONS),
     StrategyInfo("ref.tp", "parabench.reference_adapters_mp:build_tp", "reference",
                  "Megatron tensor parallel: f/g operators, column/row-parallel layers, vocab-parallel "
                  "embedding and cross-entropy (options tp, pp; x dp)"),
@@ -176,6 +188,12 @@ _BUILTIN = (
     StrategyInfo("ref.ep", "parabench.reference_adapters_cp_ep:build_ep", "reference",
                  "expert parallel MoE: experts sharded, tokens dispatched/combined with all-to-all (counts first), "
                  "dense parameters all-reduced", min_world_size=2),
+    StrategyInfo("deepspeed.ulysses", "parabench.peers.cp_ep_peers:build_deepspeed_ulysses", "peer",
+                 "DeepSpeed-Ulysses DistributedAttention (deepspeed.sequence.layer) around SDPA; gradients "
+                 "all-reduced over the cp group", min_world_size=2),
+    StrategyInfo("torch.cp", "parabench.peers.cp_ep_peers:build_torch_cp", "peer",
+                 "torch.distributed.tensor.experimental.context_parallel (ring attention); CUDA only",
+                 min_world_size=2),
     StrategyInfo("ref.ddp_fp16_compress", "parabench.reference_adapters_compression:build_ddp_fp16_compress",
                  "reference", "reference DDP with fp16 gradients on the wire (cast, all-reduce, cast back)"),
     StrategyInfo("ref.ddp_onebit", "parabench.reference_adapters_compression:build_ddp_onebit", "reference",

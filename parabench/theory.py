@@ -514,6 +514,10 @@ def _ref_ep(cfg, case, dp):
               "measured routing (trainer.strategy_stats) is exact.",
     )
 
+# deepspeed.ulysses: DeepSpeed's DistributedAttention issues the same 4 + 4 all-to-alls per layer;
+# the rest of the step is ref.cp_ulysses's (token all-gather, one gradient all-reduce).
+EXPECTATIONS["deepspeed.ulysses"] = _cp("ulysses")
+
 
 # --- communication-reducing data parallelism: reference_impls/compression.py, torch DDP hooks ----
 # Ψ parameters in buckets planned as ref.ddp plans them (25 MiB default: the small models fit in one);

@@ -46,6 +46,7 @@ CASES_2 = dict([
     mk("ep2_cap", "ref.ep", 2, model="tiny-moe-cap1"),
     mk("broken_ring", "ref.cp_ring", 2, **{"break": "no_lse"}),
     mk("broken_uly", "ref.cp_ulysses", 2, **{"break": "no_reverse"}),
+    mk("ds_uly2", "deepspeed.ulysses", 2),
 ])
 CASES_4 = dict([
     mk("ring_zz4", "ref.cp_ring", 4, micro_batch=1, cp_split="zigzag"),
@@ -70,6 +71,9 @@ def _single_inprocess(case: Case, n_steps: int) -> dict:
 
 
 def _run_group(cases: dict, n_steps: int) -> dict:
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported (deepspeed.ulysses)
     out = {}
     for name, cd in cases.items():
         case = Case.from_dict(cd)
@@ -234,3 +238,11 @@ def test_dense_model_unchanged_by_moe_fields():
 def test_unsupported_cases_rejected_before_launch(case, msg):
     with pytest.raises(SuiteError, match=msg):
         validate_case(case)
+
+
+def test_torch_cp_refuses_cpu_with_the_reason():
+    cfg = model_config("tiny")
+    spec = TrainSpec(model=cfg, seed=1, device=torch.device("cpu"), precision="fp32",
+                     topology=Topology(world_size=2, rank=0), micro_batch=2)
+    with pytest.raises(NotImplementedError, match="sharding strategy"):
+        get_strategy("torch.cp").build(spec)
