@@ -184,7 +184,8 @@ def communication(comm_rows: list[dict]) -> list[dict]:
         return []
     long = []
     for r in rows:
-        y = f"{r['short']} · {r['kind']}" + ("" if r["ok"] else "  [≠ theory]")
+        y = f"{r['short']} · {r['kind']}" + ("  [range]" if r.get("expected_range") else "") + \
+            ("" if r["ok"] in (True, None) else "  [≠ theory]")
         for src, key in (("measured", "measured_MiB"), ("theory", "expected_MiB")):
             if r[key] is not None:
                 long.append({"model": r["model"], "case": y, "source": src, "MiB": r[key]})
@@ -201,7 +202,8 @@ def communication(comm_rows: list[dict]) -> list[dict]:
         ax.set_xlabel("payload MiB per step, rank 0")
     return [_fig("comm", "Communication per step: measured vs theory, by kind",
                  "Payload bytes seen at the c10d dispatcher on one instrumented step, against the analytic "
-                 "volume. [≠ theory] marks kinds off by more than the check's allowance.", fig)]
+                 "volume. [≠ theory] marks kinds off by more than the check's allowance; [range]: theory allows a "
+                 "range, the bar shows its upper end.", fig)]
 
 
 def losses(ok: pd.DataFrame) -> list[dict]:

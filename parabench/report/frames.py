@@ -26,11 +26,26 @@ def _get(d, *keys, default=None):
 
 
 def _mib(v):
-    return v / MiB if isinstance(v, (int, float)) and v == v else None
+    return v / MiB if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else None
 
 
 def _num(v):
     return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _hi(v):
+    """A byte figure that may be a number or a [low, high] range (theory gives ranges where the
+    implementation may legitimately do either): the high end, or None."""
+    if isinstance(v, (list, tuple)):
+        nums = [x for x in v if _num(x) is not None]
+        return max(nums) if nums else None
+    return _num(v)
+
+
+def _bytes_text(v):
+    if isinstance(v, (list, tuple)):
+        return " – ".join(f"{x:,}" if _num(x) is not None else "?" for x in v)
+    return v
 
 
 def short_case(r: dict) -> str:
@@ -41,10 +56,11 @@ def short_case(r: dict) -> str:
 def theory_state_bytes(r: dict):
     s = _get(r, "theory", "state_bytes")
     if isinstance(s, list):  # per rank: the largest
-        tot = [sum(v.values()) for v in s if isinstance(v, dict) and all(_num(x) is not None for x in v.values())]
+        tot = [sum(_hi(x) for x in v.values()) for v in s
+               if isinstance(v, dict) and all(_hi(x) is not None for x in v.values())]
         return max(tot) if tot else None
-    if isinstance(s, dict) and s and all(_num(v) is not None for v in s.values()):
-        return sum(s.values())
+    if isinstance(s, dict) and s and all(_hi(v) is not None for v in s.values()):
+        return sum(_hi(v) for v in s.values())
     return None
 
 
@@ -86,7 +102,7 @@ def case_rows(runs) -> list[dict]:
                 "theory_state_MiB": _mib(theory_state_bytes(r)),
                 "paper_state_MiB": _mib(_get(r, "theory", "paper_state_bytes")),
                 "comm_MiB": _mib(comm_pb),
-                "theory_comm_MiB": _mib(sum(v for v in theory_comm.values() if _num(v) is not None))
+                "theory_comm_MiB": _mib(sum(_hi(v) or 0 for v in theory_comm.values()))
                 if isinstance(theory_comm, dict) else None,
                 "comm_check": _get(r, "checks", "comm_ok"),
                 "state_check": _get(r, "checks", "state_ok"),
@@ -158,8 +174,11 @@ def comm_check_rows(runs) -> list[dict]:
                 k = by_kind.get(kind) or {}
                 rows.append({"run": f"{manifest.get('suite')}/{manifest.get('run_id')}", "label": r.get("label", ""),
                              "short": short_case(r), "model": _get(r, "case", "model"), "kind": kind,
-                             "expected_MiB": _mib(c.get("expected_bytes")), "measured_MiB": _mib(c.get("measured_bytes")),
-                             "expected_bytes": c.get("expected_bytes"), "measured_bytes": c.get("measured_bytes"),
+                             "expected_MiB": _mib(_hi(c.get("expected_bytes"))),
+                             "measured_MiB": _mib(_hi(c.get("measured_bytes"))),
+                             "expected_range": isinstance(c.get("expected_bytes"), (list, tuple)),
+                             "expected_bytes": _bytes_text(c.get("expected_bytes")),
+                             "measured_bytes": _bytes_text(c.get("measured_bytes")),
                              "ratio": _num(c.get("ratio")), "ok": c.get("ok"), "calls": k.get("calls"),
                              "dtypes": ", ".join(map(str, k.get("dtypes") or [])),
                              "wire_MiB": _mib(k.get("wire_bytes"))})

@@ -41,7 +41,7 @@ MEMORY_COLUMNS = [
 ]
 COMM_COLUMNS = [
     ("label", "case", "str"), ("kind", "kind", "str"), ("measured_bytes", "measured B", "int"),
-    ("expected_bytes", "analytic B", "int"), ("ratio", "ratio", "g4"), ("ok", "within allowance", "str"),
+    ("expected_bytes", "analytic B (range: low – high)", "int"), ("ratio", "ratio", "g4"), ("ok", "within allowance", "str"),
     ("calls", "calls", "int"), ("dtypes", "dtypes", "str"), ("wire_MiB", "wire MiB (est.)", "f2"),
 ]
 OVERVIEW_COLUMNS = [
@@ -64,7 +64,7 @@ COLL_COLUMNS = [("run", "run", "str"), ("world_size", "ranks", "int"), ("op", "o
 def _fmt(v, kind: str) -> str:
     if v is None or (isinstance(v, float) and v != v):
         return "–"
-    if kind == "str" or isinstance(v, (bool, str)):
+    if kind == "str" or not isinstance(v, (int, float)) or isinstance(v, bool):
         return str(v)
     if kind == "int":
         return f"{v:,.0f}"
@@ -111,28 +111,44 @@ def _collectives_summary(coll_rows: list[dict]) -> list[dict]:
     return out
 
 
+CMP_METRICS = [("tokens_per_s_per_device", "tok/s/device"), ("step_time_s_median", "step s"), ("mfu", "MFU"),
+               ("peak_alloc_bytes", "alloc peak B"), ("peak_rss_bytes", "RSS peak B"),
+               ("model_state_bytes_max", "state B"), ("comm_payload_bytes", "comm B"), ("final_loss", "final loss")]
+
+
 def _comparisons(runs, threshold: float) -> list[dict]:
-    """Run 0 as baseline against every later run: matching case hashes side by side."""
+    """Run 0 as baseline against every later run: one row per case hash, the main metrics as
+    "baseline → candidate (change)" cells coloured by ``parabench.compare``'s verdict."""
     out = []
     for cand in runs[1:]:
         res = compare_runs(runs[0], cand, threshold=threshold)
+        present = {m["metric"] for c in res["cases"] for m in c["metrics"]}
+        cols = [(k, h) for k, h in CMP_METRICS if k in present]
         rows = []
         for c in res["cases"]:
-            if not c["metrics"]:
-                rows.append({"label": c["label"], "metric": "status", "baseline": c["baseline_status"],
-                             "candidate": c["candidate_status"], "change": "", "verdict": c["verdict"],
-                             "p": "", "note": "; ".join(c["notes"])})
-            for m in c["metrics"]:
-                rows.append({"label": c["label"], "metric": m["metric"],
-                             "baseline": _fmt(m["baseline"], "g4" if isinstance(m["baseline"], float) else "int"),
-                             "candidate": _fmt(m["candidate"], "g4" if isinstance(m["candidate"], float) else "int"),
-                             "change": "" if m["rel_change"] is None else f"{m['rel_change'] * 100:+.2f}%",
-                             "change_num": m["rel_change"], "verdict": m["verdict"],
-                             "p": "" if m["p_value"] is None else f"{m['p_value']:.3g}",
-                             "note": "; ".join(x for x in [m["note"], *c["notes"]] if x)})
+            by = {m["metric"]: m for m in c["metrics"]}
+            cells = []
+            for key, _ in cols:
+                m = by.get(key)
+                if m is None:
+                    cells.append({"text": "–", "cls": "", "sort": None})
+                    continue
+                kind = "g4" if isinstance(m["baseline"], float) or isinstance(m["candidate"], float) else "int"
+                text = f"{_fmt(m['baseline'], kind)} → {_fmt(m['candidate'], kind)}"
+                if m["rel_change"] is not None and m["baseline"] != m["candidate"]:
+                    text += f" ({m['rel_change'] * 100:+.2f}%)"
+                if m["p_value"] is not None:
+                    text += f" p={m['p_value']:.2g}"
+                cells.append({"text": text, "cls": m["verdict"], "sort": m["rel_change"]})
+            others = [f"{m['metric']}: {m['verdict']}" + (f" ({m['rel_change'] * 100:+.2f}%)" if m["rel_change"] else "")
+                      for m in c["metrics"] if m["verdict"] not in ("same", "n/a") and m["metric"] not in dict(cols)]
+            status = c["baseline_status"] if c["baseline_status"] == c["candidate_status"] else \
+                f"{c['baseline_status'] or '–'} → {c['candidate_status'] or '–'}"
+            rows.append({"label": c["label"], "status": status, "verdict": c["verdict"], "cells": cells,
+                         "note": "; ".join(c["notes"] + [m["note"] for m in c["metrics"] if m["note"]] + others)})
         out.append({"baseline": res["baseline"], "candidate": res["candidate"], "counts": res["counts"],
-                    "notes": res["notes"], "rows": rows, "regression": res["regression"],
-                    "settings": res["settings"]})
+                    "notes": res["notes"], "headers": [h for _, h in cols], "rows": rows,
+                    "regression": res["regression"], "settings": res["settings"]})
     return out
 
 

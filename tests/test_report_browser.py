@@ -1,0 +1,174 @@
+"""The HTML report in a real browser (headless Chromium): every figure decodes, every table is
+there, sorting works, nothing from a result file executes, and the page opens offline.
+
+Needs the Debian packages ``chromium`` and ``chromium-driver`` (``.ci/run`` installs them when
+/usr/bin/chromium is missing). Without a browser the tests skip, except under CI (``CI`` set),
+where they fail. Screenshots land in ``tests/artifacts/`` (ignored by git);
+``PARABENCH_UPDATE_SCREENSHOT=1`` also refreshes ``docs/report-screenshot.png`` from the GPU report.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parabench.report import write_report
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU_RUN = ROOT / "results" / "gpu-spine" / "20261126-020214"
+ARTIFACTS = ROOT / "tests" / "artifacts"
+SMOKE_FILTERS = ["fp32"]  # a real smoke run: its 7 fp32 cases (repeated --filter means AND)
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--hide-scrollbars", "--virtual-time-budget=15000"]
+
+PROBE = """
+<script>
+window.addEventListener("load", function () {
+  var imgs = Array.from(document.querySelectorAll("img"));
+  var out = {
+    n_imgs: imgs.length,
+    figure_ids: Array.from(document.querySelectorAll("figure")).map(function (f) { return f.id; }),
+    broken: imgs.filter(function (i) { return !(i.complete && i.naturalWidth > 0); }).map(function (i) { return i.alt; }),
+    widths: imgs.map(function (i) { return i.naturalWidth; }),
+    tables: Array.from(document.querySelectorAll("table")).map(function (t) {
+      return {id: t.id, rows: t.tBodies.length ? t.tBodies[0].rows.length : 0}; }),
+    height: document.documentElement.scrollHeight,
+    external: Array.from(document.querySelectorAll("[src],link[href]")).map(function (e) {
+      return e.getAttribute("src") || e.getAttribute("href"); }).filter(function (u) { return !/^data:/.test(u); }),
+    pwned: document.body.dataset.pwned || null
+  };
+  var t = document.getElementById("tbl-cases");
+  if (t) {
+    var idx = Array.from(t.tHead.rows[0].cells).findIndex(function (c) { return c.textContent === "tok/s/device"; });
+    var th = t.tHead.rows[0].cells[idx];
+    th.click(); th.click();  // second click: descending
+    out.sorted_desc = Array.from(t.tBodies[0].rows).map(function (r) {
+      var v = r.cells[idx].dataset.v; return v === undefined ? null : parseFloat(v); });
+  }
+  var pre = document.createElement("pre");
+  pre.id = "pb-probe";
+  pre.textContent = JSON.stringify(out);
+  document.body.appendChild(pre);
+});
+</script>
+"""
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+@pytest.fixture(scope="module")
+def browser():
+    path = _chromium()
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("no chromium on this CI machine (.ci/run installs the Debian packages chromium chromium-driver)")
+        pytest.skip("no chromium: apt-get install -y chromium chromium-driver")
+    return path
+
+
+def _run_chromium(browser: str, tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    profile = tmp / "chromium-profile"
+    profile.mkdir(parents=True, exist_ok=True)
+    return subprocess.run([browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args], capture_output=True,
+                          text=True, timeout=180)
+
+
+def probe(browser: str, report: Path, tmp: Path) -> dict:
+    """Open a copy of the report with the probe script appended; return what the probe saw."""
+    probed = tmp / (report.stem + ".probed.html")
+    probed.write_text(report.read_text().replace("</body>", PROBE + "</body>"))
+    res = _run_chromium(browser, tmp, "--dump-dom", probed.as_uri())
+    m = re.search(r'<pre id="pb-probe">(.*?)</pre>', res.stdout, re.S)
+    assert m, f"no probe output; chromium rc={res.returncode}\n{res.stderr[-2000:]}"
+    return json.loads(html.unescape(m.group(1)))
+
+
+def screenshot(browser: str, report: Path, tmp: Path, out: Path, width: int = 1400, height: int = 3000) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res = _run_chromium(browser, tmp, f"--screenshot={out}", f"--window-size={width},{height}", report.as_uri())
+    assert out.exists() and out.stat().st_size > 10_000, f"no screenshot: rc={res.returncode}\n{res.stderr[-2000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("smoke-results")
+    cmd = [sys.executable, "-m", "parabench.cli", "run", "suite", "smoke", "--out", str(out), "--run-id", "browser",
+           "--no-report"]
+    for f in SMOKE_FILTERS:
+        cmd += ["--filter", f]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return out / "smoke" / "browser"
+
+
+def _check_common(seen: dict, expect_figures: set[str], expect_tables: set[str]):
+    assert seen["n_imgs"] >= len(expect_figures) and seen["n_imgs"] > 0
+    assert seen["broken"] == [], f"figures that did not load: {seen['broken']}"
+    assert all(w > 200 for w in seen["widths"]), seen["widths"]
+    assert expect_figures <= set(seen["figure_ids"]), seen["figure_ids"]
+    tables = {t["id"]: t["rows"] for t in seen["tables"]}
+    assert expect_tables <= set(tables), sorted(tables)
+    assert all(tables[t] > 0 for t in expect_tables), tables
+    assert seen["external"] == [], f"the report loads something from outside: {seen['external']}"
+    assert seen["pwned"] is None
+    vals = [v for v in seen.get("sorted_desc", []) if v is not None]
+    assert vals and vals == sorted(vals, reverse=True), "clicking a header twice sorts descending"
+
+
+CORE_FIGURES = {"fig-throughput", "fig-memory", "fig-mfu", "fig-comm", "fig-losses"}
+CORE_TABLES = {"tbl-overview", "tbl-cases", "tbl-memory-table", "tbl-comm-table", "tbl-environment"}
+
+
+def test_gpu_report_in_browser(browser, tmp_path):
+    report = write_report([GPU_RUN], tmp_path / "gpu-report.html")
+    seen = probe(browser, report, tmp_path)
+    _check_common(seen, CORE_FIGURES, CORE_TABLES)
+    shot = screenshot(browser, report, tmp_path, ARTIFACTS / "gpu-report.png", height=min(seen["height"], 12000))
+    if os.environ.get("PARABENCH_UPDATE_SCREENSHOT"):
+        screenshot(browser, report, tmp_path, ROOT / "docs" / "report-screenshot.png", width=1280, height=2300)
+    assert shot.exists()
+
+
+def test_smoke_report_in_browser(browser, smoke_run, tmp_path):
+    report = write_report([smoke_run], tmp_path / "smoke-report.html")
+    assert report.stat().st_size < 3_000_000
+    seen = probe(browser, report, tmp_path)
+    _check_common(seen, CORE_FIGURES, CORE_TABLES)
+    screenshot(browser, report, tmp_path, ARTIFACTS / "smoke-report.png", height=min(seen["height"], 12000))
+
+
+def test_multi_run_report_compares_and_stays_inert(browser, smoke_run, tmp_path):
+    """Two GPU runs (one edited) and the smoke run: the comparison table is there; a crafted
+    label and error message are shown as text, never executed."""
+    other = tmp_path / "gpu-copy"
+    shutil.copytree(GPU_RUN, other, ignore=shutil.ignore_patterns("report.html", "logs"))
+    recs = sorted((other / "cases").glob("*.json"))
+    rec = json.loads(recs[0].read_text())
+    rec["label"] = '<img src=x onerror="document.body.dataset.pwned=1">'
+    rec.update(status="crashed", error={"message": "<script>document.body.dataset.pwned=2</script>", "type": "X"})
+    recs[0].write_text(json.dumps(rec))
+    man = json.loads((other / "manifest.json").read_text())
+    man["run_id"] = "copy"
+    (other / "manifest.json").write_text(json.dumps(man))
+    report = write_report([GPU_RUN, other, smoke_run], tmp_path / "multi.html")
+    text = report.read_text()
+    assert "<script>document.body" not in text and "<img src=x" not in text
+    seen = probe(browser, report, tmp_path)
+    _check_common(seen, CORE_FIGURES, CORE_TABLES | {"tbl-cmp-1", "tbl-cmp-2", "tbl-failed"})
+    screenshot(browser, report, tmp_path, ARTIFACTS / "multi-report.png", height=min(seen["height"], 12000))
