@@ -80,10 +80,38 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def loss_scale_steps(per_rank: list[dict]) -> list[dict] | None:
+    """Rank 0's per-step loss-scale entries, each with the step's loss (mean over ranks) and the
+    ranks that skipped it (they differ only under a local overflow check); None for non-fp16 cases."""
+    mine = per_rank[0].get("loss_scale")
+    if mine is None:
+        return None
+    out = []
+    for step, entry in enumerate(mine):
+        seen = [r["losses"][step] for r in per_rank if r["losses"][step] is not None]
+        ranks = [r.get("loss_scale") or [] for r in per_rank]
+        skipped_on = [i for i, r in enumerate(ranks) if step < len(r) and r[step] and r[step].get("skipped")]
+        out.append({"step": step, "loss": sum(seen) / len(seen) if seen else None,
+                    **(entry or {"scale": None, "overflow": None, "skipped": None}), "skipped_on_ranks": skipped_on})
+    return out
+
+
+_TOPOLOGIES: dict = {}
+
+
+def _topology(device: torch.device, pp: int, tp: int):
+    """The rank grid for (pp, tp), built once per launch: cases that share a launch reuse its
+    process groups instead of creating new communicators (seconds each on NCCL)."""
+    key = (device.type, pp, tp)
+    if key not in _TOPOLOGIES:
+        _TOPOLOGIES[key] = build_topology(device.type, pp, tp)
+    return _TOPOLOGIES[key]
+
+
 def make_spec(case: Case, device: torch.device) -> TrainSpec:
     """The strategy's view of ``case`` on this rank (builds the rank grid: a collective)."""
     cfg = model_config(case.model, case.seq_len)
-    topo = build_topology(device.type, case.options.get("pp", 1), case.options.get("tp", 1))
+    topo = _topology(device, case.options.get("pp", 1), case.options.get("tp", 1))
     return TrainSpec(model=cfg, seed=case.seed, device=device, precision=case.precision, topology=topo,
                      micro_batch=case.micro_batch, grad_accum=case.grad_accum,
                      optim=OptimConfig(lr=case.lr, **case.options.get("optim", {})), options=case.options)
@@ -114,9 +142,14 @@ def run_case(case: Case, device: torch.device) -> dict | None:
     batches = local_batches(case, spec, n_steps)
 
     losses: list = []
+    # fp16 only: the loss scaler's outcome after every step (warm-up, timed, instrumented). Reading
+    # it may sync the host with the device (GradScaler keeps its scale on the GPU): a small cost on
+    # the timed steps of fp16 cases, and none at all on other cases, which never call it.
+    scales: list | None = [] if case.precision == "fp16" else None
     for step in range(case.warmup):
         _inject_fault(case, step)
         losses.append(trainer.train_step(*batches[step]))
+        scales is not None and scales.append(trainer.loss_scale())
 
     _sync(device)
     dist.barrier()
@@ -126,6 +159,7 @@ def run_case(case: Case, device: torch.device) -> dict | None:
     for step in range(case.warmup, case.warmup + case.steps):
         _inject_fault(case, step)
         losses.append(trainer.train_step(*batches[step]))
+        scales is not None and scales.append(trainer.loss_scale())
         clock.mark()
     step_times = clock.durations_s()
     peak = memory.read_peak(device)
@@ -143,6 +177,7 @@ def run_case(case: Case, device: torch.device) -> dict | None:
     else:
         losses.append(trainer.train_step(*batches[step]))
         comm = None
+    scales is not None and scales.append(trainer.loss_scale())
     _sync(device)
     fr = flight_recorder.summary_since(fr_start) if fr_start is not None else None
     state = trainer.state_bytes()
@@ -158,6 +193,7 @@ def run_case(case: Case, device: torch.device) -> dict | None:
         "comm": comm,
         "flight_recorder": fr,
         "setup_s": setup_s,
+        "loss_scale": scales,
     }
     if hasattr(trainer, "pipeline_stats"):
         mine["pipeline"] = trainer.pipeline_stats()
@@ -176,6 +212,7 @@ def run_case(case: Case, device: torch.device) -> dict | None:
         "peak_flops_per_device": peak_flops(device, case.precision),
         "matmul_roofline_flops": measured_matmul_flops(device, case.precision) if case.options.get("roofline", device.type != "cuda") else None,
         "topology": {"dp": topo.dp, "pp": topo.pp, "tp": topo.tp},
+        "loss_scale": loss_scale_steps(gathered),
     }
 
 
