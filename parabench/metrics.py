@@ -8,14 +8,19 @@ Names carry their units. Conventions:
 - ``mfu``: model FLOPs (``parabench.models.FLOPS_CONVENTION``) per second per device over the
   device's dense peak; None where the peak is unknown (CPUs), where ``roofline_fraction``
   (over a matmul rate measured on the spot) is given instead.
+- ``hfu``: as ``mfu`` but over hardware FLOPs, which count the recomputation of activation
+  checkpointing (``parabench.models.HFU_CONVENTION``); equal to ``mfu`` without it.
 - Memory: the maximum over ranks of each rank's peak during the timed steps.
+- ``loss_scale`` (fp16 only, else None): see :func:`loss_scale_summary`; the fp16-vs-fp32 loss
+  deviation of two records of the same case is :func:`loss_deviation` (for the report).
 """
 
 from __future__ import annotations
 
 import statistics
 
-from parabench.models import FLOPS_CONVENTION, model_config, model_flops_per_token, parameter_count
+from parabench.models import (FLOPS_CONVENTION, HFU_CONVENTION, hardware_flops_per_token, model_config,
+                              model_flops_per_token, parameter_count)
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -61,6 +66,8 @@ def summarize(case, raw: dict) -> dict:
 
     state_total = [sum(v for v in r["state_bytes"].values() if v is not None) for r in per_rank]
     losses = losses_over_ranks(per_rank)
+    hw_flops_per_token = hardware_flops_per_token(cfg, bool(case.options.get("activation_checkpointing")))
+    hw_achieved = tokens_per_step / median * hw_flops_per_token / world
     return {
         "step_time_s_median": median,
         "step_time_s_p10": _quantile(steps, 0.1),
@@ -75,6 +82,10 @@ def summarize(case, raw: dict) -> dict:
         "model_flops_per_s_per_device": achieved,
         "peak_flops_per_device": peak,
         "mfu": achieved / peak if peak else None,
+        "hardware_flops_per_token": hw_flops_per_token,
+        "hardware_flops_per_s_per_device": hw_achieved,
+        "hfu": hw_achieved / peak if peak else None,
+        "hfu_convention": HFU_CONVENTION,
         "matmul_roofline_flops": roof,
         "roofline_fraction": achieved / roof if roof else None,
         "peak_alloc_bytes": mem("peak_alloc_bytes"),
@@ -85,7 +96,63 @@ def summarize(case, raw: dict) -> dict:
         "losses": losses,
         "final_loss": next((l for l in reversed(losses) if l is not None), None),
         "setup_s_max": max(r["setup_s"] for r in per_rank),
+        "loss_scale": loss_scale_summary(raw.get("loss_scale")),
     }
+
+
+def loss_scale_summary(steps: list[dict] | None) -> dict | None:
+    """Per-case summary of the per-step loss-scale entries (``{scale, scale_used, overflow, skipped}``
+    per step, as the worker records them for fp16 cases); None for other cases.
+
+    ``steps_to_recover``: for each overflow episode (a run of consecutive skipped steps), how many
+    steps passed before an update was applied again (the episode's length). ``steps_to_regain_scale``:
+    for each episode, steps from its first skip until the scale is back at the scale used just
+    before it, None if the run ended first (growth takes ``growth_interval`` clean steps per doubling).
+    """
+    if not steps or not any(isinstance(e, dict) and e.get("scale") is not None for e in steps):
+        return None
+    entries = [e for e in steps if isinstance(e, dict) and e.get("scale") is not None]
+    scales = [e["scale"] for e in entries]
+    skipped = [bool(e.get("skipped")) for e in entries]
+    episodes, regain, i = [], [], 0
+    while i < len(entries):
+        if not skipped[i]:
+            i += 1
+            continue
+        j = i
+        while j < len(entries) and skipped[j]:
+            j += 1
+        episodes.append(j - i if j < len(entries) else None)  # None: never recovered within the run
+        before = entries[i].get("scale_used", scales[i])
+        back = next((k for k in range(i, len(entries)) if scales[k] >= before and not skipped[k]), None)
+        regain.append(None if back is None else back - i + 1)
+        i = j
+    return {
+        "steps": len(entries),
+        "skipped_steps": sum(skipped),
+        "overflow_steps": sum(bool(e.get("overflow")) for e in entries),
+        "scale_min": min(scales),
+        "scale_max": max(scales),
+        "scale_initial": entries[0].get("scale_used", scales[0]),
+        "scale_final": scales[-1],
+        "steps_to_recover": episodes,
+        "steps_to_regain_scale": regain,
+    }
+
+
+def loss_deviation(record: dict, reference: dict) -> dict | None:
+    """Loss deviation of ``record`` (e.g. an fp16 run) from ``reference`` (the fp32 run of the same
+    case), step by step over the steps both have: ``per_step_rel`` |a - b| / |b|, ``max_rel``,
+    ``final_rel``, ``mean_rel``. None when either has no losses. For the report, with two records."""
+    a = ((record or {}).get("metrics") or {}).get("losses") or []
+    b = ((reference or {}).get("metrics") or {}).get("losses") or []
+    pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None and y != 0]
+    if not pairs:
+        return None
+    rel = [abs(x - y) / abs(y) for x, y in pairs]
+    return {"per_step_rel": rel, "max_rel": max(rel), "final_rel": rel[-1], "mean_rel": sum(rel) / len(rel),
+            "precision": ((record or {}).get("case") or {}).get("precision"),
+            "reference_precision": ((reference or {}).get("case") or {}).get("precision")}
 
 
 def model_section(case) -> dict:

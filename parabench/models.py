@@ -337,6 +337,25 @@ def model_flops_per_token(cfg: GPTConfig) -> int:
     return 6 * n + 12 * cfg.n_layers * cfg.seq_len * cfg.d_model
 
 
+HFU_CONVENTION = (
+    "hardware FLOPs per token = model FLOPs (FLOPS_CONVENTION) + the recomputation actually run: with "
+    "activation checkpointing of every transformer block, one extra forward of the blocks, "
+    "2*N_blocks + 4*L*s*d (N_blocks = matmul parameters inside the blocks, active ones for MoE; the "
+    "head is not recomputed); HFU = achieved hardware FLOP/s per device / peak (Korthikanti et al. 2022)"
+)
+
+
+def hardware_flops_per_token(cfg: GPTConfig, activation_checkpointing: bool = False) -> int:
+    """FLOPs a device actually executes per token (see HFU_CONVENTION); equals the model FLOPs
+    without recomputation."""
+    flops = model_flops_per_token(cfg)
+    if activation_checkpointing:
+        c = parameter_count(cfg)
+        n_blocks = c["matmul"] - c["head"]
+        flops += 2 * n_blocks + 4 * cfg.n_layers * cfg.seq_len * cfg.d_model
+    return flops
+
+
 # --- synthetic, learnable data ------------------------------------------------------------
 
 MARKOV_OFFSETS = (1, 2, 3, 5, 8, 13)

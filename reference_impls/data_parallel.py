@@ -88,6 +88,10 @@ class _FlatReplica:
         self.flat_grad.zero_()
         return applied
 
+    def loss_scale(self) -> dict | None:
+        """The loss scaler's outcome of the last step (fp16), else None."""
+        return getattr(self.grad_scaler, "last", None)
+
     def state_bytes(self) -> dict:
         master = self.master.numel() * 4 if self.master is not self.flat_param else 0
         return {"params": tensor_bytes([self.flat_param]), "grads": self._grad_bytes,
@@ -181,11 +185,22 @@ class ParameterServer(_FlatReplica):
                     main_grad.add_(self.recv_buf)
             self._update(main_grad, held=(self.recv_buf,))
         else:
+            if self.grad_scaler is not None:  # fault injection only: workers never unscale
+                self.grad_scaler.maybe_inject([self.flat_grad])
             dist.send(self.flat_grad, dst=self.server, group=self.group)
             if self.measure_state:
                 self._grad_bytes = tensor_bytes([self.flat_grad])
             self.flat_grad.zero_()
         dist.broadcast(self.flat_param, src=self.server, group=self.group)  # new parameters to every worker
+        if self.grad_scaler is not None:
+            # fp16: only the server decides; workers must scale the next loss by the server's new
+            # scale, or the server would add up gradients scaled differently (one scalar broadcast).
+            last = self.grad_scaler.last if self.is_server else None
+            flag = torch.tensor([last["scale"], float(last["skipped"])] if last else [0.0, 0.0],
+                                dtype=torch.float64, device=self.flat_param.device)
+            dist.broadcast(flag, src=self.server, group=self.group)
+            if not self.is_server:
+                self.grad_scaler.follow(float(flag[0]), not bool(flag[1]))
         return loss
 
     def state_bytes(self):

@@ -197,6 +197,10 @@ class FSDP:
             self.lp_flat.copy_(self.master_flat)  # fp32 master -> bf16 shard that the next step gathers
         return total / self.grad_accum
 
+    def loss_scale(self) -> dict | None:
+        """The loss scaler's outcome of the last step (fp16), else None."""
+        return getattr(self.grad_scaler, "last", None)
+
     def state_bytes(self):
         gathered = sum(u.full.untyped_storage().nbytes() for u in self.units)  # 0 between steps
         params = gathered + tensor_bytes([self.lp_flat if self.lp_flat is not None else self.master_flat])

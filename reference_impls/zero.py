@@ -161,6 +161,10 @@ class ZeRO:
         if self.flat_grad is not None:
             self.flat_grad.zero_()
 
+    def loss_scale(self) -> dict | None:
+        """The loss scaler's outcome of the last step (fp16), else None."""
+        return getattr(self.grad_scaler, "last", None)
+
     def state_bytes(self):
         master = tensor_bytes([self.master_flat]) if self.master_flat is not None else 0
         return {"params": tensor_bytes([self.flat_param]), "grads": self._grad_bytes,

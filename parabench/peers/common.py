@@ -10,6 +10,12 @@ from parabench.models import lm_loss
 from parabench.strategies import Trainer, TrainSpec
 
 
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The part of ``t`` this rank stores (a DTensor's local shard, else ``t`` itself)."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -38,12 +44,43 @@ def autocast(spec: TrainSpec):
     return torch.autocast(device_type=spec.device.type, dtype=spec.compute_dtype)
 
 
+def checkpoint_blocks(model: torch.nn.Module, spec: TrainSpec) -> None:
+    """Option ``activation_checkpointing``: recompute every transformer block in backward. Applied
+    before DDP / fully_shard / deepspeed.initialize (the same function the references use; see
+    ``reference_impls/activation_checkpointing.py`` for why the forward, not the module, is wrapped)."""
+    if spec.options.get("activation_checkpointing"):
+        from reference_impls.activation_checkpointing import checkpoint_blocks as _ckpt
+
+        _ckpt(model.blocks)
+
+
+def grad_scaler(spec: TrainSpec):
+    """fp16: ``torch.amp.GradScaler`` (keywords: ShardedGradScaler orders the factors differently);
+    options ``init_scale`` (2**16) and ``growth_interval`` (2000). None for fp32/bf16."""
+    if spec.precision != "fp16":
+        return None
+    o = spec.options
+    return torch.amp.GradScaler(spec.device.type, init_scale=float(o.get("init_scale", 2.0 ** 16)),
+                                growth_factor=2.0, backoff_factor=0.5,
+                                growth_interval=int(o.get("growth_interval", 2000)))
+
+
 class TorchTrainer(Trainer):
     """Forward/backward over ``grad_accum`` micro-batches, then one optimizer step.
 
     ``no_sync`` (DDP) suppresses gradient communication on all but the last micro-batch.
     Gradient bytes are sampled just before the optimizer step (when gradients are largest)
     but only when ``measure_state`` is set, which the runner does on an untimed step.
+
+    fp16: the loss goes through ``torch.amp.GradScaler`` (scale, ``step`` unscales and skips the
+    update on inf/NaN, ``update`` backs off or grows). GradScaler decides from the gradients this
+    rank holds: with DDP those are already all-reduced (an inf anywhere in backward reaches every
+    rank through the sum); with FSDP2 they are DTensor shards and GradScaler's unscale all-reduces
+    its found-inf flag over the mesh. Fault injection (``inject_inf = {rank, step, where}``):
+    ``where = "shard"`` (default) writes the inf into this rank's (local shard of the) first
+    parameter's gradient after communication, just before unscale, as the references do;
+    ``where = "backward"`` writes it from a gradient hook during backward, before communication.
+    ``lr_spike = {step, factor}`` multiplies that step's learning rate.
     """
 
     def __init__(self, spec: TrainSpec, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -53,23 +90,79 @@ class TorchTrainer(Trainer):
         self.autocast_enabled = autocast_enabled
         self.measure_state = False
         self._grad_bytes = 0
+        self.scaler = grad_scaler(spec)
+        self._step = 0
+        self._prev_scale = self.scaler.get_scale() if self.scaler is not None else None
+        self._inject = spec.options.get("inject_inf")
+        self._hook = None
+        if self._inject and self._inject.get("where", "shard") == "backward":
+            first = next(p for p in self.module.parameters() if p.requires_grad)
+            self._hook = first.register_hook(self._inject_hook)
+
+    def _inject_now(self) -> bool:
+        f = self._inject
+        return bool(f) and int(f.get("step", 0)) == self._step and int(f.get("rank", 0)) == _global_rank()
+
+    def _inject_hook(self, grad):
+        if not self._inject_now():
+            return grad
+        grad = grad.clone()
+        grad.view(-1)[0] = float("inf")
+        return grad
 
     def train_step(self, inputs, targets):
         accum = self.spec.grad_accum
         total = torch.zeros((), device=inputs.device)
+        spike = self.spec.options.get("lr_spike")
+        saved = None
+        if spike and int(spike.get("step", 0)) == self._step:
+            saved = [g["lr"] for g in self.optimizer.param_groups]
+            for g in self.optimizer.param_groups:
+                g["lr"] *= float(spike.get("factor", 10.0))
         for i, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
             last = i == accum - 1
             sync = contextlib.nullcontext() if last or self.no_sync is None else self.no_sync()
             with sync:
                 with autocast(self.spec) if self.autocast_enabled else contextlib.nullcontext():
                     loss = lm_loss(self.module(x), y) / accum
-                loss.backward()
+                (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             total += loss.detach()
         if self.measure_state:
             self._grad_bytes = tensor_bytes(p.grad for p in self.module.parameters())
-        self.optimizer.step()
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
+            if self._inject_now() and self._inject.get("where", "shard") == "shard":
+                g = next(p.grad for p in self.module.parameters() if p.grad is not None)
+                local_tensor(g).view(-1)[0] = float("inf")
+            self.scaler.step(self.optimizer)  # unscale, skip on inf/NaN (no host sync)
+            self.scaler.update()
+        if saved is not None:
+            for g, lr in zip(self.optimizer.param_groups, saved):
+                g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
+        self._step += 1
         return total
+
+    def loss_scale(self):
+        """fp16: the scale after the last step and whether that step was skipped.
+
+        GradScaler keeps its scale on the device: ``get_scale()`` is a host sync (cheap on CPU, a
+        stall of the pipeline on a GPU), which is why the worker calls this for fp16 cases only.
+        A skipped step is read as a scale that went down (FACTS: compare before and after
+        ``update()``; backoff always lowers it), so call this after every step."""
+        if self.scaler is None:
+            return None
+        new = self.scaler.get_scale()
+        skipped = new < self._prev_scale
+        out = {"scale_used": self._prev_scale, "scale": new, "overflow": skipped, "skipped": skipped}
+        self._prev_scale = new
+        return out
+
+    def close(self):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     def state_bytes(self):
         return {

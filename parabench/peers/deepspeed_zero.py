@@ -11,16 +11,19 @@ does this).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import math
 import os
 
 import torch
 
 from parabench.models import build_model, lm_loss
-from parabench.peers.common import adamw, optimizer_state_bytes, tensor_bytes
+from parabench.peers.common import adamw, checkpoint_blocks, optimizer_state_bytes, tensor_bytes
 from parabench.strategies import Trainer, TrainSpec
 
 
-def ds_config(spec: TrainSpec, stage: int) -> dict:
+def ds_config(spec: TrainSpec, stage: int, offload: bool = False) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
         "gradient_accumulation_steps": spec.grad_accum,
@@ -41,40 +44,118 @@ def ds_config(spec: TrainSpec, stage: int) -> dict:
     if spec.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif spec.precision == "fp16":
-        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+        # Dynamic scaling (loss_scale 0) with the same rule as GradScaler and the references: halve
+        # on every overflow (DeepSpeed's default hysteresis 2 would skip the first overflow without
+        # backing off), double after ``growth_interval`` clean steps. Stage 0 with a client (non-
+        # FusedAdam) optimizer gets DeepSpeed's FP16_UnfusedOptimizer, which ignores
+        # initial_scale_power (it starts at 2**16) and initialises Adam's state with one AdamW step
+        # on zero gradients (weight decay applied once, step counter advanced): as DeepSpeed behaves.
+        o = spec.options
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0,
+                       "initial_scale_power": int(math.log2(float(o.get("init_scale", 2.0 ** 16)))),
+                       "loss_scale_window": int(o.get("growth_interval", 2000)),
+                       "hysteresis": 1, "consecutive_hysteresis": False, "min_loss_scale": 1}
+    if offload:
+        # ZeRO-Offload (Ren et al. 2021): fp32 master, Adam moments and the update on the CPU. The
+        # client torch AdamW runs there (DeepSpeedCPUAdam would need a JIT-built op); DeepSpeed
+        # refuses a client optimizer with offload unless told not to force its own.
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": spec.device.type == "cuda"}
+        cfg["zero_force_ds_cpu_optimizer"] = False
     if "bucket_mb" in spec.options:
         size = int(spec.options["bucket_mb"] * 2**20)
         cfg["zero_optimization"].update(reduce_bucket_size=size, allgather_bucket_size=size)
     return cfg
 
 
+def _allow_fp16_on_cpu(spec: TrainSpec) -> None:
+    """DeepSpeed refuses fp16 when the accelerator says it has no fp16 (engine.py checks
+    ``get_accelerator().is_fp16_supported()``); its CPU accelerator says so unless oneDNN reports
+    fp16 support, which most CPUs do not. torch computes fp16 on any CPU (slowly), so on a CPU
+    device only, and only for fp16 cases, the check is overridden on the accelerator instance.
+    Nothing changes on GPUs."""
+    if spec.device.type != "cpu" or spec.precision != "fp16":
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if not acc.is_fp16_supported():
+        acc.is_fp16_supported = lambda: True  # CPU only: see the docstring
+
+
 class DeepSpeedTrainer(Trainer):
-    def __init__(self, spec: TrainSpec, stage: int):
+    """fp16: DeepSpeed's own dynamic loss scaler (``engine.backward`` scales the loss; the optimizer
+    wrapper unscales, checks for overflow — all-reducing the flag over the data-parallel group —
+    skips the step and backs off). Fault injection ``inject_inf = {rank, step}``: a gradient hook on
+    the first parameter writes an inf into that rank's gradient during backward of that step (the
+    only place a client can reach: DeepSpeed keeps reduced gradients in private buffers), so it
+    enters DeepSpeed's reduction like a real overflow. ``lr_spike = {step, factor}`` multiplies the
+    learning rate of the wrapped optimizer's param groups for that step."""
+
+    def __init__(self, spec: TrainSpec, stage: int, offload: bool = False):
         import deepspeed
 
         self.spec, self.stage = spec, stage
+        _allow_fp16_on_cpu(spec)
         model = build_model(spec.model, spec.seed, spec.device)
-        config = ds_config(spec, stage)
+        checkpoint_blocks(model, spec)  # a model-level option: the blocks recompute inside the engine
+        config = ds_config(spec, stage, offload)
+        opt_spec = replace(spec, device=torch.device("cpu")) if offload else spec  # AdamW runs on the CPU
         self.engine, *_ = deepspeed.initialize(
-            model=model, optimizer=adamw(model.parameters(), spec), config=config,
+            model=model, optimizer=adamw(model.parameters(), opt_spec), config=config,
             dist_init_required=False, mpu=None,
         )
         self.measure_state = False
+        self._step = 0
+        self._prev_scale = self._scale() if spec.precision == "fp16" else None
+        self._inject = spec.options.get("inject_inf")
+        self._hook = None
+        if self._inject:
+            first = next(p for p in self.engine.module.parameters() if p.requires_grad)
+            self._hook = first.register_hook(self._inject_hook)
+
+    def _inject_hook(self, grad):
+        f = self._inject
+        import torch.distributed as dist
+
+        if int(f.get("step", 0)) != self._step or int(f.get("rank", 0)) != dist.get_rank():
+            return grad
+        grad = grad.clone()
+        grad.view(-1)[0] = float("inf")
+        return grad
+
+    def _scale(self) -> float:
+        opt = self.engine.optimizer
+        return float(getattr(opt, "loss_scale", None) or opt.cur_scale)
 
     def train_step(self, inputs, targets):
         total = torch.zeros((), device=inputs.device)
         accum = self.spec.grad_accum
+        spike = self.spec.options.get("lr_spike")
+        groups, saved = self.engine.optimizer.param_groups, None
+        if spike and int(spike.get("step", 0)) == self._step:
+            saved = [g["lr"] for g in groups]
+            for g in groups:
+                g["lr"] *= float(spike.get("factor", 10.0))
         for x, y in zip(inputs.chunk(accum), targets.chunk(accum)):
             loss = lm_loss(self.engine(x), y)
             self.engine.backward(loss)
             self.engine.step()
             total += loss.detach() / accum
+        if saved is not None:
+            for g, lr in zip(groups, saved):
+                g["lr"] = lr
+        self._step += 1
         return total
 
     def loss_scale(self):
         if self.spec.precision != "fp16":
             return None
-        return {"scale": float(self.engine.optimizer.loss_scale), "skipped": not self.engine.was_step_applied()}
+        new = self._scale()
+        skipped = not self.engine.was_step_applied()
+        out = {"scale_used": self._prev_scale, "scale": new, "overflow": bool(getattr(self.engine.optimizer, "overflow", skipped)),
+               "skipped": skipped}
+        self._prev_scale = new
+        return out
 
     def state_bytes(self):
         """What the engine holds, read from its documented optimizer attributes.
@@ -109,15 +190,18 @@ class DeepSpeedTrainer(Trainer):
         return {n: p.detach().float().cpu() for n, p in params.items()}
 
     def close(self):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         self.engine.destroy() if hasattr(self.engine, "destroy") else None
         del self.engine
 
 
-def _builder(stage: int):
+def _builder(stage: int, offload: bool = False):
     def build(spec: TrainSpec) -> DeepSpeedTrainer:
         if spec.device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        return DeepSpeedTrainer(spec, stage)
+        return DeepSpeedTrainer(spec, stage, offload)
     return build
 
 
@@ -125,3 +209,7 @@ build_zero0 = _builder(0)
 build_zero1 = _builder(1)
 build_zero2 = _builder(2)
 build_zero3 = _builder(3)
+# ZeRO-Offload: optimizer states, fp32 master and the update on the CPU. On a CPU-only machine the
+# "device" is the CPU already: the offload is a copy within the same memory (a no-op in effect).
+build_zero2_offload = _builder(2, offload=True)
+build_zero3_offload = _builder(3, offload=True)

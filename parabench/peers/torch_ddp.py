@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parabench.models import build_model
-from parabench.peers.common import TorchTrainer, adamw
+from parabench.peers.common import TorchTrainer, adamw, checkpoint_blocks
 from parabench.strategies import TrainSpec
 
 
@@ -16,6 +16,7 @@ class DDPTrainer(TorchTrainer):
 
 def build(spec: TrainSpec) -> DDPTrainer:
     model = build_model(spec.model, spec.seed, spec.device)
+    checkpoint_blocks(model, spec)  # before DDP: DDP wraps whatever forward the blocks have
     ddp = DDP(
         model,
         device_ids=[spec.device.index] if spec.device.type == "cuda" else None,
