@@ -11,10 +11,13 @@
   (flash, efficient, cuDNN); on CPU the SDPA op ``_scaled_dot_product_flash_attention_for_cpu``
   has no sharding strategy and raises NotImplementedError, so the builder refuses CPU runs
   with that reason. The GPU path is written but has NOT been run yet.
-* ``deepspeed.moe`` is not registered: see the notes in ``parabench/reference_adapters_cp_ep.py``'s
-  module docstring (its top-2 gate samples the second expert with Gumbel noise by default, uses a
-  capacity and a batch-level aux loss: it does not train the same model, so no equivalence check is
-  possible; registering it is future work).
+* ``deepspeed.moe`` is not registered. Probed with deepspeed 0.19.8 on CPU/gloo, 2 ranks, ep_size=2:
+  ``deepspeed.moe.layer.MoE(..., k=2, drop_tokens=True, capacity_factor=2.0)`` runs forward and
+  backward; dropless (``drop_tokens=False``) aborts the process in gloo ("Received data size doesn't
+  match expected size", a collective-size mismatch between ranks). Its gate differs from
+  ``parabench.models.MoE`` anyway (own gate weights, capacity-based dispatch, batch-level aux loss,
+  optional Gumbel sampling of the second expert), so it would not train the same model and no
+  equivalence check is possible; an adapter with a capacity-based comparison is future work.
 """
 
 from __future__ import annotations
