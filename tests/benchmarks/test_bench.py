@@ -1,0 +1,69 @@
+"""What a 2-core CI machine can time stably: suite parsing, the comm meter's cost on a small op
+sequence, one training step of the tiny model on one process, building a report and a comparison
+from the committed GPU results. Gated against results/benchmarks/baseline.json (gate.sh)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU_RUN = ROOT / "results" / "gpu-spine" / "20261126-020214"
+
+
+def test_suite_parse(benchmark):
+    from parabench.suite import load_suite
+
+    suite = benchmark.pedantic(load_suite, args=("smoke",), rounds=50, warmup_rounds=2)
+    assert len(suite.cases) >= 14
+
+
+def test_comm_meter_small_ops(benchmark, world_of_one):
+    """20 all-reduces of 4 KiB and 20 broadcasts under the dispatcher meter."""
+    from parabench.meters.comm import CommMeter
+
+    t = torch.ones(1024)
+
+    def ops():
+        with CommMeter() as meter:
+            for _ in range(20):
+                dist.all_reduce(t)
+                dist.broadcast(t, 0)
+        return meter.summary()
+
+    s = benchmark.pedantic(ops, rounds=30, warmup_rounds=3)
+    assert s["payload_bytes"] == 40 * 4096
+
+
+def test_train_step_tiny_single(benchmark, world_of_one):
+    from parabench.strategies import get_strategy
+    from parabench.suite import Case
+    from parabench.worker import local_batches, make_spec
+
+    case = Case(model="tiny", strategy="single", world_size=1, micro_batch=8, precision="fp32", steps=4, warmup=1,
+                device="cpu")
+    spec = make_spec(case, torch.device("cpu"))
+    trainer = get_strategy("single").build(spec)
+    (x, y), = local_batches(case, spec, 1)
+    loss = benchmark.pedantic(trainer.train_step, args=(x, y), rounds=20, warmup_rounds=3)
+    trainer.close()
+    assert float(loss) > 0
+
+
+def test_report_tables_gpu_run(benchmark):
+    from parabench.report.html import render_report
+
+    html = benchmark.pedantic(render_report, args=([GPU_RUN],), kwargs={"with_figures": False}, rounds=10,
+                              warmup_rounds=1)
+    assert "tbl-overview" in html
+
+
+def test_compare_gpu_run(benchmark):
+    from parabench.compare import compare_runs
+    from parabench.results import load_run
+
+    run = load_run(GPU_RUN)
+    res = benchmark.pedantic(compare_runs, args=(run, run), rounds=100, warmup_rounds=5)
+    assert not res["regression"]
