@@ -13,9 +13,18 @@ Options read from ``spec.options`` (validated in parabench.suite.validate_case):
 
 from __future__ import annotations
 
-from parabench.reference_adapters import _common, _model, _register
 from parabench.models import lm_loss
+from parabench.reference_adapters import _model, _register
 from parabench.strategies import TrainSpec
+
+
+def _common(spec: TrainSpec) -> dict:
+    """fp32 or bf16 (no loss scaler: fp16 training with compressed gradients is not covered)."""
+    if spec.precision not in ("fp32", "bf16"):
+        raise ValueError(f"compression references support fp32 and bf16, not {spec.precision!r}")
+    o = spec.optim
+    return dict(grad_accum=spec.grad_accum, compute_dtype=spec.compute_dtype,
+                adam=dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay))
 
 
 def _compressed(spec: TrainSpec, compressor):

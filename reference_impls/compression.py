@@ -342,3 +342,6 @@ class LocalSGD(_FlatReplica):
     def full_parameters(self):
         """This rank's parameters (they differ between ranks except right after a sync)."""
         return self._full_parameters_from(self.master)
+
+    def close(self):
+        pass
