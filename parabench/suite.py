@@ -294,6 +294,7 @@ def validate_case(case: Case) -> None:
     if case.seq_len is not None and case.seq_len > 1 << 20:
         raise SuiteError("seq_len is unreasonably large")
     _validate_cp_ep(case, cfg)
+    _validate_compression(case)
 
 
 CP_STRATEGIES = ("ref.cp_ring", "ref.cp_ulysses", "torch.cp", "deepspeed.ulysses")
@@ -331,3 +332,25 @@ def _validate_cp_ep(case: Case, cfg) -> None:
             raise SuiteError(f"{case.strategy}: ep={ep} must equal world_size={case.world_size} (no ep x dp yet)")
         if cfg.n_experts % ep:
             raise SuiteError(f"{case.strategy}: ep={ep} does not divide the {cfg.n_experts} experts of {case.model}")
+
+
+COMPRESSION_STRATEGIES = ("ref.ddp_fp16_compress", "ref.ddp_onebit", "ref.ddp_topk", "ref.ddp_powersgd",
+                          "ref.local_sgd", "torch.ddp_fp16_hook", "torch.ddp_powersgd_hook", "deepspeed.onebit_adam")
+
+
+def _validate_compression(case: Case) -> None:
+    """Gradient compression and local SGD: plain data parallel only, options in range."""
+    o = case.options
+    if case.strategy not in COMPRESSION_STRATEGIES:
+        return
+    if o.get("tp", 1) != 1 or o.get("pp", 1) != 1:
+        raise SuiteError(f"{case.strategy} is data parallel only (got tp={o.get('tp', 1)}, pp={o.get('pp', 1)})")
+    ratio = o.get("topk_ratio", 0.01)
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio <= 1:
+        raise SuiteError(f"topk_ratio must be a number in (0, 1] (got {ratio!r})")
+    for key, default in (("powersgd_rank", 2), ("sync_every", 4)):
+        v = o.get(key, default)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise SuiteError(f"{key} must be a positive integer (got {v!r})")
+    if o.get("local_optimizer", "adamw") not in ("adamw", "sgd"):
+        raise SuiteError(f"local_optimizer must be 'adamw' or 'sgd' (got {o.get('local_optimizer')!r})")
