@@ -681,3 +681,62 @@ def _torch_powersgd_hook(cfg, case, dp):
               "(1-D, and 2-D with (n+m)·r ≥ n·m), of P and of Q; computed as if all gradients were in one bucket "
               "(true for models under DDP's 1 MiB first bucket; otherwise exact unless an op falls under 64 bytes).",
     )
+
+
+# --- CPU offload: device-resident model state -------------------------------------------------
+# What stays on the device when the optimizer (and for FSDP2 the sharded parameters) live in CPU
+# memory. On a CPU-only machine "device" and "CPU" are the same memory: the offload is then a copy
+# within it, and these figures describe the layout, not a saving.
+
+@expectation("ref.zero2_offload")
+def _ref_zero2_offload(cfg, case, dp):
+    base = EXPECTATIONS["ref.zero2"](cfg, case, dp)
+    psi, b = _counts(cfg)["total"], BYTES[case.precision]
+    buckets = _ref_bucket_sizes(cfg, b, float(case.options.get("bucket_mb", 25)), dp)
+    psi_p, shard = sum(buckets), sum(buckets) // dp
+    return Expectation(
+        state_bytes={"params": b * psi_p, "grads": 4 * shard, "optimizer": 0},
+        comm_payload_bytes=base["comm_payload_bytes"],
+        paper_state_bytes=2 * psi,  # ZeRO-Offload, Sec. 4: only the 16-bit parameters stay (2Ψ)
+        cpu_state_bytes={"master": 4 * shard, "grads": 4 * shard, "optimizer": 8 * shard},
+        notes="ZeRO-2 on the device: bΨp compute parameters + the fp32 main-gradient shard 4Ψp/N (reduce-scattered "
+              "there, then copied out); on the CPU: fp32 master 4Ψp/N, Adam 8Ψp/N and a 4Ψp/N gradient copy. The "
+              "paper's 2Ψ counts 16-bit parameters only (its gradients stream to the CPU bucket by bucket). Same "
+              "collectives as ref.zero2.",
+    )
+
+
+def _deepspeed_offload(stage: int):
+    def fn(cfg, case, dp):
+        base = _deepspeed(stage)(cfg, case, dp)
+        psi, b = _counts(cfg)["total"], BYTES[case.precision]
+        device_params = b * psi if stage == 2 else b * _shard(psi, dp)
+        return Expectation(
+            state_bytes=None,  # read from the engine (its "optimizer" figure includes the CPU-resident part)
+            comm_payload_bytes=base["comm_payload_bytes"],
+            paper_state_bytes=device_params,
+            device_state_bytes={"params": device_params, "grads": None, "optimizer": 0},
+            notes=f"DeepSpeed ZeRO-{stage} with offload_optimizer=cpu: fp32 master partitions, Adam moments and the "
+                  "update on the CPU; the device keeps the "
+                  + ("16-bit parameters (bΨ)" if stage == 2 else "16-bit parameter partition (bΨ/N)")
+                  + " plus gradient buckets in flight. Client torch AdamW runs on the CPU.",
+        )
+    return fn
+
+
+EXPECTATIONS["deepspeed.zero2_offload"] = _deepspeed_offload(2)
+EXPECTATIONS["deepspeed.zero3_offload"] = _deepspeed_offload(3)
+
+
+@expectation("torch.fsdp2_offload")
+def _torch_fsdp2_offload(cfg, case, dp):
+    base = _torch_fsdp2(cfg, case, dp)
+    return Expectation(
+        state_bytes=None,
+        comm_payload_bytes=base["comm_payload_bytes"],
+        paper_state_bytes=0,
+        device_state_bytes={"params": 0, "grads": 0, "optimizer": 0},
+        notes="FSDP2 CPUOffloadPolicy: sharded fp32 parameters, their gradients and the AdamW step stay in CPU memory; "
+              "the device holds only the gathered block being computed (transient, not model state). Same "
+              "collectives as torch.fsdp2.",
+    )

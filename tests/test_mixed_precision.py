@@ -1,0 +1,275 @@
+"""fp16 with dynamic loss scaling, activation checkpointing and gradient accumulation on every
+data-parallel strategy (references and peers), CPU, gloo, 2 ranks, tiny model.
+
+All 2-rank cases share one spawned process group (spawning costs far more than the tiny model);
+the single-process truths run in this process. Adam eps is 1e-6 as in test_reference_dp.py.
+
+Inf injection (``inject_inf = {rank: 1, step: K}``): an inf is written into rank 1's gradient (its
+shard, after communication, just before unscale) at step K. A strategy whose overflow check is
+global then skips step K on *every* rank, halves its scale, and ends with the same parameters on
+every rank. The single-process run with the same injection (``single``, GradScaler) skips the same
+step; the comparison with it is within fp16 tolerance (below), not bitwise: one process on 4
+samples and two ranks on 2 each round their fp16 matmuls and sums differently.
+
+Tolerances, and why:
+* ``LOSS_RTOL = 1e-3`` (clean fp16 and bf16 vs the fp32 truth, every step of 5). fp16 has a
+  10-bit mantissa (unit roundoff 4.9e-4), bf16 a 7-bit one (3.9e-3); the loss is a mean over 256
+  tokens of a cross-entropy computed in fp32 from 16-bit logits, so rounding errors average out:
+  measured max deviations are <= 7e-6 (fp16) and <= 5.3e-5 (bf16) for every strategy but DeepSpeed
+  stage 0 (2.3e-3 in bf16; its fp16 is asserted separately). The loss falls by 4e-3..7e-3 relative
+  per step here, so 1e-3 still catches one skipped or doubled step, or a wrong learning rate.
+* Parameters vs single process after an injected inf: Adam moves each element by ~lr (1e-3) per
+  step, nearly independent of the gradient's size, so a step applied on some shards but skipped on
+  others (the local check) shifts ~half of all elements by ~lr; fp16 rounding differences shift an
+  element by a small fraction of lr except where its gradient is ~0 (sign flips). The check counts
+  elements off by more than ``lr / 4``: under 1% for a global check, over 10% for a local one.
+* Activation checkpointing and gradient accumulation in fp32: 1e-5 relative on the losses (the
+  recomputation is the same arithmetic; accumulation only regroups sums).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parabench.distributed import run_on_gloo
+from parabench.metrics import loss_deviation, loss_scale_summary
+from parabench.models import global_batch, model_config
+from parabench.strategies import OptimConfig, TrainSpec, get_strategy
+from parabench.suite import Case
+from parabench.topology import Topology, build_topology
+from parabench.worker import local_batches
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+N_STEPS = 5
+K = 2  # the step whose gradient gets the inf
+LR = 1e-3
+OPTIM = {"eps": 1e-6}
+LOSS_RTOL = 1e-3
+REFS = ("ref.ps", "ref.ddp", "ref.zero1", "ref.zero2", "ref.zero3", "ref.fsdp", "ref.zero2_offload")
+PEERS = ("torch.ddp", "torch.fsdp2", "torch.fsdp2_offload", "deepspeed.zero0", "deepspeed.zero1", "deepspeed.zero2",
+         "deepspeed.zero3", "deepspeed.zero2_offload", "deepspeed.zero3_offload")
+ALL = REFS + PEERS
+INJECT = {"rank": 1, "step": K}
+
+
+def mk(strategy, precision="fp32", grad_accum=1, micro_batch=2, **options):
+    opts = {"optim": OPTIM, "bucket_mb": 0.05, **options}
+    return Case(model="tiny", strategy=strategy, world_size=2, precision=precision, micro_batch=micro_batch,
+                grad_accum=grad_accum, lr=LR, device="cpu", options=opts)
+
+
+CASES: dict[str, tuple[Case, bool]] = {}  # name -> (case, want per-rank parameters)
+for s in ALL:
+    # torch.ddp: the inf enters in backward (where a real overflow arises) and reaches every rank
+    # through DDP's all-reduce; the shard-level variant is below.
+    where = {"where": "backward"} if s == "torch.ddp" else {}
+    CASES[f"{s}-inf"] = (mk(s, "fp16", inject_inf={**INJECT, **where}), True)
+    CASES[f"{s}-fp16"] = (mk(s, "fp16"), False)
+    CASES[f"{s}-bf16"] = (mk(s, "bf16"), False)
+    CASES[f"{s}-fp32"] = (mk(s), False)
+    CASES[f"{s}-fp32-ac"] = (mk(s, activation_checkpointing=True), False)
+    CASES[f"{s}-fp32-ga2"] = (mk(s, grad_accum=2, micro_batch=1), False)
+for s in ("ref.ddp", "ref.zero2", "ref.fsdp"):
+    CASES[f"{s}-inf-local"] = (mk(s, "fp16", inject_inf=INJECT, scaler_check="local"), True)
+# torch.ddp with the inf written after the all-reduce into one rank's gradient: GradScaler's check
+# is per rank, so only that rank skips (what the library does; DDP relies on the all-reduce).
+CASES["torch.ddp-inf-shard"] = (mk("torch.ddp", "fp16", inject_inf=INJECT), True)
+# fp16 + accumulation: the same inf skips the whole (accumulated) step.
+for s in ("ref.ddp", "ref.zero1", "ref.zero2", "ref.fsdp", "torch.ddp", "torch.fsdp2", "deepspeed.zero2"):
+    CASES[f"{s}-fp16-ga2"] = (mk(s, "fp16", grad_accum=2, micro_batch=1), False)
+    where = {"where": "backward"} if s == "torch.ddp" else {}
+    CASES[f"{s}-inf-ga2"] = (mk(s, "fp16", grad_accum=2, micro_batch=1, inject_inf={**INJECT, **where}), True)
+
+
+def _run_group(cases: dict, n_steps: int) -> dict:
+    topo = build_topology("cpu")
+    out = {}
+    for name, (cd, want_params) in cases.items():
+        case = Case.from_dict(cd)
+        spec = TrainSpec(model=model_config(case.model), seed=case.seed, device=torch.device("cpu"),
+                         precision=case.precision, topology=topo, micro_batch=case.micro_batch,
+                         grad_accum=case.grad_accum, optim=OptimConfig(lr=case.lr, **OPTIM), options=case.options)
+        trainer = get_strategy(case.strategy).build(spec)
+        losses, scales = [], []
+        for x, y in local_batches(case, spec, n_steps):
+            losses.append(float(trainer.train_step(x, y)))
+            scales.append(trainer.loss_scale() if case.precision == "fp16" else None)
+        params = trainer.full_parameters() if want_params else None
+        # Every rank's own view: DDP-like strategies hold their own replica (DeepSpeed 0-2: the fp16
+        # module copy); sharded ones gather the masters.
+        own = None
+        if want_params and case.strategy in ("ref.ddp", "torch.ddp", "deepspeed.zero0", "deepspeed.zero1",
+                                             "deepspeed.zero2", "deepspeed.zero2_offload", "ref.ps"):
+            own = params
+        trainer.close()
+        mine = {"losses": losses, "scales": scales, "own": own}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        out[name] = {"per_rank": everyone, "params": params if dist.get_rank() == 0 else None}
+    return out
+
+
+@pytest.fixture(scope="module")
+def group():
+    cases = {n: (c.to_dict(), p) for n, (c, p) in CASES.items()}
+    return run_on_gloo(_run_group, 2, cases, N_STEPS)[0]
+
+
+_TRUTHS: dict = {}
+
+
+def _single(precision: str, grad_accum: int = 1, inject: bool = False) -> dict:
+    key = (precision, grad_accum, inject)
+    if key not in _TRUTHS:
+        cfg = model_config("tiny")
+        opts = {"inject_inf": {"rank": 0, "step": K}} if inject else {}
+        spec = TrainSpec(model=cfg, seed=1234, device=torch.device("cpu"), precision=precision,
+                         topology=Topology(world_size=1, rank=0), micro_batch=4 // grad_accum, grad_accum=grad_accum,
+                         optim=OptimConfig(lr=LR, **OPTIM), options=opts)
+        trainer = get_strategy("single").build(spec)
+        losses, scales = [], []
+        for step in range(N_STEPS):
+            losses.append(float(trainer.train_step(*global_batch(step, 4, cfg, 1234))))
+            scales.append(trainer.loss_scale())
+        _TRUTHS[key] = {"losses": losses, "scales": scales, "params": trainer.full_parameters()}
+    return _TRUTHS[key]
+
+
+def _losses(res) -> list[float]:
+    return [sum(r["losses"][i] for r in res["per_rank"]) / len(res["per_rank"]) for i in range(N_STEPS)]
+
+
+def _rel(a, b) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def _far_fraction(a: dict, b: dict, thresh: float = LR / 4) -> float:
+    far = sum(int(((a[n] - b[n]).abs() > thresh).sum()) for n in a)
+    return far / sum(t.numel() for t in a.values())
+
+
+def _skipped_steps(res) -> list[list[int]]:
+    """Per rank, the steps it skipped."""
+    return [[i for i, s in enumerate(r["scales"]) if s["skipped"]] for r in res["per_rank"]]
+
+
+def _ranks_identical(res, fp16_view: bool = False) -> bool:
+    """Every rank's own parameters are bit-identical. ``fp16_view``: compare what the ranks compute
+    with (ref.ps: the server reports its fp32 master, a worker the fp16 copy the server broadcast)."""
+    owns = [r["own"] for r in res["per_rank"]]
+    if owns[0] is None:
+        return True  # sharded: one gathered copy of the masters, identical by construction
+    cast = (lambda t: t.half()) if fp16_view else (lambda t: t)
+    return all(torch.equal(cast(owns[0][n]), cast(o[n])) for o in owns[1:] for n in owns[0])
+
+
+# --- the injected inf -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_injected_inf_skips_everywhere(group, strategy):
+    res = group[f"{strategy}-inf"]
+    assert _skipped_steps(res) == [[K], [K]], _skipped_steps(res)
+    for r in res["per_rank"]:
+        s = r["scales"]
+        if strategy != "deepspeed.zero0":  # FP16_UnfusedOptimizer starts at 2**16 whatever it is told
+            assert s[0]["scale_used"] == 2.0 ** 16
+        assert s[K]["scale"] == s[K]["scale_used"] / 2  # halved
+        assert all(e["scale"] == s[K]["scale"] for e in s[K:])  # and not grown back (interval 2000)
+    assert _ranks_identical(res, fp16_view=strategy == "ref.ps")
+    truth = _single("fp16", inject=True)
+    assert [s["skipped"] for s in truth["scales"]] == [i == K for i in range(N_STEPS)]
+    if strategy == "deepspeed.zero0":
+        return  # skips, halves and stays identical, but trains differently in fp16 (see below)
+    far = _far_fraction(res["params"], truth["params"])
+    assert far < 0.01, far
+    # ... and the skip mattered: without the injection the parameters would be far off.
+    assert _far_fraction(res["params"], _single("fp16")["params"]) > 0.1
+
+
+@pytest.mark.parametrize("strategy", ["ref.ddp", "ref.zero2", "ref.fsdp"])
+def test_local_overflow_check_diverges(group, strategy):
+    """FSDP paper's failure: each rank decides from its own shard. Rank 1 skips and halves; rank 0
+    applies its update and keeps its scale; the model ends up far from the single-process run."""
+    res = group[f"{strategy}-inf-local"]
+    assert _skipped_steps(res) == [[], [K]]
+    s0, s1 = res["per_rank"][0]["scales"], res["per_rank"][1]["scales"]
+    assert s0[-1]["scale"] == 2 * s1[-1]["scale"]  # the ranks no longer agree on the scale
+    truth = _single("fp16", inject=True)
+    assert _far_fraction(res["params"], truth["params"]) > 0.1
+    if strategy == "ref.ddp":  # replicas: rank 0 applied step K, rank 1 did not
+        assert not _ranks_identical(res)
+
+
+def test_torch_ddp_gradscaler_is_per_rank(group):
+    """torch.ddp + GradScaler: an inf that appears on one rank *after* the all-reduce is seen by that
+    rank only (GradScaler has no cross-rank check; DDP relies on the all-reduce spreading infs), so
+    the replicas diverge. Documented library behaviour, not a parabench bug."""
+    res = group["torch.ddp-inf-shard"]
+    assert _skipped_steps(res) == [[], [K]]
+    assert not _ranks_identical(res)
+
+
+# --- clean runs track fp32 ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("strategy", ALL)
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_low_precision_tracks_fp32(group, strategy, precision):
+    fp32 = _single("fp32")["losses"]
+    assert fp32[-1] < fp32[0]
+    res = group[f"{strategy}-{precision}"]
+    losses = _losses(res)
+    if strategy == "deepspeed.zero0" and precision == "fp16":
+        # DeepSpeed stage 0 fp16 with a client optimizer gets FP16_UnfusedOptimizer, which first runs
+        # one AdamW step on zero gradients to create the state (weight decay once, Adam's step count
+        # + 1). On CPU/gloo its loss does not follow fp32 at all (measured: 1.8e-2 off, the mean loss
+        # flat over 5 steps, ranks' losses drifting apart); cause not pinned down. Assert what it does.
+        assert _rel(losses, fp32) > LOSS_RTOL
+        return
+    tol = 5e-3 if strategy == "deepspeed.zero0" else LOSS_RTOL  # DeepSpeed stage 0 bf16: measured 2.3e-3
+    assert _rel(losses, fp32) < tol, (losses, fp32)
+    if precision == "fp16":
+        assert not any(e["skipped"] for r in res["per_rank"] for e in r["scales"])
+        summary = loss_scale_summary(res["per_rank"][0]["scales"])
+        assert summary["skipped_steps"] == 0 and summary["scale_final"] == 2.0 ** 16
+
+
+# --- activation checkpointing and accumulation: the same numbers ------------------------------
+
+@pytest.mark.parametrize("strategy", ALL)
+@pytest.mark.parametrize("variant", ["ac", "ga2"])
+def test_checkpointing_and_accumulation_equal_plain(group, strategy, variant):
+    plain = _losses(group[f"{strategy}-fp32"])
+    other = _losses(group[f"{strategy}-fp32-{variant}"])
+    assert _rel(other, plain) < 1e-5, (other, plain)
+
+
+@pytest.mark.parametrize("strategy", ["ref.ddp", "ref.zero1", "ref.zero2", "ref.fsdp", "torch.ddp", "torch.fsdp2",
+                                      "deepspeed.zero2"])
+def test_fp16_with_accumulation(group, strategy):
+    clean = _losses(group[f"{strategy}-fp16-ga2"])
+    assert _rel(clean, _single("fp32")["losses"]) < LOSS_RTOL
+    assert _rel(clean, _losses(group[f"{strategy}-fp16"])) < LOSS_RTOL
+    res = group[f"{strategy}-inf-ga2"]
+    assert _skipped_steps(res) == [[K], [K]]  # one optimizer step skipped, not one micro-step
+    assert _ranks_identical(res)
+    assert _far_fraction(res["params"], _single("fp16", inject=True)["params"]) < 0.01
+
+
+def test_loss_scale_summary_and_deviation():
+    steps = [{"step": i, "loss": 5.0 - i * 0.1, "scale": s, "scale_used": u, "overflow": o, "skipped": o}
+             for i, (u, s, o) in enumerate([(8.0, 4.0, True), (4.0, 2.0, True), (2.0, 2.0, False), (2.0, 4.0, False),
+                                            (4.0, 4.0, False)])]
+    s = loss_scale_summary(steps)
+    assert s["skipped_steps"] == 2 and s["scale_min"] == 2.0 and s["scale_max"] == 4.0 and s["scale_final"] == 4.0
+    assert s["steps_to_recover"] == [2]  # skipped steps 0 and 1, applied again at step 2
+    assert s["steps_to_regain_scale"] == [None]  # 8 was used at step 0; 4 at the end: not regained
+
+    a = {"metrics": {"losses": [5.0, 4.0]}, "case": {"precision": "fp16"}}
+    b = {"metrics": {"losses": [5.0, 4.4]}, "case": {"precision": "fp32"}}
+    d = loss_deviation(a, b)
+    assert d["max_rel"] == pytest.approx(0.4 / 4.4) and d["final_rel"] == pytest.approx(0.4 / 4.4)
