@@ -163,7 +163,7 @@ def model_section(case) -> dict:
         "params": parameter_count(cfg),
         "tied_head": False,
         "flops_per_token": model_flops_per_token(cfg),
-        "flops_convention": FLOPS_CONVENTION,
+        "flops_convention": MOE_FLOPS_CONVENTION if getattr(cfg, "n_experts", 0) else FLOPS_CONVENTION,
     }
 
 
@@ -173,24 +173,18 @@ def check_against_theory(theory: dict | None, per_rank: list[dict], allowance: f
     if not theory:
         return {"available": False}
     out: dict = {"available": True, "allowance": allowance}
-    comm_exp = theory.get("comm_payload_bytes")
-    comm_meas = per_rank[0].get("comm")
-    if comm_exp is not None and comm_meas is not None:
-        rows = {}
-        kinds = set(comm_exp) | set(comm_meas["by_kind"])
-        for k in sorted(kinds):
-            exp = comm_exp.get(k, 0)
-            meas = comm_meas["by_kind"].get(k, {}).get("payload_bytes", 0)
-            if isinstance(exp, (list, tuple)):  # a documented range [low, high]
-                lo, hi = exp
-                rows[k] = {"expected_bytes": [lo, hi], "measured_bytes": meas, "ratio": meas / hi if hi else None,
-                           "ok": lo * (1 - allowance) <= meas <= hi * (1 + allowance)}
-                continue
-            ratio = meas / exp if exp else (None if meas == 0 else float("inf"))
-            rows[k] = {"expected_bytes": exp, "measured_bytes": meas, "ratio": ratio,
-                       "ok": (meas == 0) if not exp else abs(ratio - 1) <= allowance}
-        out["comm"] = rows
-        out["comm_ok"] = all(r["ok"] for r in rows.values())
+    # Pipeline stages and expert-parallel ranks move different volumes: where the theory gives
+    # one expectation per rank, every rank is checked against its own; else rank 0 stands for all.
+    per_rank_exp = theory.get("comm_payload_bytes_per_rank")
+    if (per_rank_exp is not None and all(e is not None for e in per_rank_exp)
+            and all(r.get("comm") is not None for r in per_rank)):
+        ranks = [_comm_rows(per_rank_exp[r["rank"]], r["comm"], allowance) for r in per_rank]
+        out["comm"] = ranks[0]
+        out["comm_per_rank"] = ranks
+        out["comm_ok"] = all(row["ok"] for rows in ranks for row in rows.values())
+    elif theory.get("comm_payload_bytes") is not None and per_rank[0].get("comm") is not None:
+        out["comm"] = _comm_rows(theory["comm_payload_bytes"], per_rank[0]["comm"], allowance)
+        out["comm_ok"] = all(r["ok"] for r in out["comm"].values())
     state_exp = theory.get("state_bytes")
     if state_exp is not None:
         rows = []
@@ -205,3 +199,20 @@ def check_against_theory(theory: dict | None, per_rank: list[dict], allowance: f
         out["state_ok"] = all(v["ok"] for row in rows for v in row.values())
     out["ok"] = out.get("comm_ok", True) and out.get("state_ok", True)
     return out
+
+
+def _comm_rows(comm_exp: dict, comm_meas: dict, allowance: float) -> dict:
+    """Per kind: expected (a number, or a documented [low, high] range) and measured payload."""
+    rows = {}
+    for k in sorted(set(comm_exp) | set(comm_meas["by_kind"])):
+        exp = comm_exp.get(k, 0)
+        meas = comm_meas["by_kind"].get(k, {}).get("payload_bytes", 0)
+        if isinstance(exp, (list, tuple)):
+            lo, hi = exp
+            rows[k] = {"expected_bytes": [lo, hi], "measured_bytes": meas, "ratio": meas / hi if hi else None,
+                       "ok": lo * (1 - allowance) <= meas <= hi * (1 + allowance)}
+            continue
+        ratio = meas / exp if exp else (None if meas == 0 else float("inf"))
+        rows[k] = {"expected_bytes": exp, "measured_bytes": meas, "ratio": ratio,
+                   "ok": (meas == 0) if not exp else abs(ratio - 1) <= allowance}
+    return rows

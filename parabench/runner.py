@@ -34,6 +34,7 @@ from parabench.metrics import check_against_theory, model_section, summarize
 from parabench.models import model_config
 from parabench.results import (SCHEMA_VERSION, case_record_path, load_json, make_manifest, new_run_id,
                                write_json_atomic)
+from parabench.strategies import get_strategy
 from parabench.suite import Case, Suite
 from parabench import theory
 
@@ -250,13 +251,19 @@ class Runner:
         return self.counts
 
     def _next_batch(self, pending: list[Case]) -> list[Case]:
+        def shareable(c: Case) -> bool:
+            return not c.options.get("inject_fault") and get_strategy(c.strategy).shares_launch
+
         first = pending.pop(0)
         batch = [first]
-        if self.launch.batch and not first.options.get("inject_fault"):
-            while (pending and len(batch) < self.launch.max_batch and pending[0].world_size == first.world_size
-                   and resolve_device(pending[0]) == resolve_device(first)
-                   and not pending[0].options.get("inject_fault")):
-                batch.append(pending.pop(0))
+        if self.launch.batch and shareable(first):
+            # take the next cases that can share this launch, in suite order
+            for c in list(pending):
+                if len(batch) >= self.launch.max_batch:
+                    break
+                if c.world_size == first.world_size and resolve_device(c) == resolve_device(first) and shareable(c):
+                    batch.append(c)
+                    pending.remove(c)
         return batch
 
     def _env(self, device: str) -> dict:

@@ -97,6 +97,10 @@ class StrategyInfo:
     precisions: tuple[str, ...] = ("fp32", "bf16")
     min_world_size: int = 1
     version: str = "1"  # bump when the implementation changes what it measures
+    # False for strategies that leave state behind in the process (device memory, global hooks)
+    # after close(): the runner then gives each of their cases a launch of its own, so the
+    # next case is not measured on a contaminated process.
+    shares_launch: bool = True
 
     def build(self, spec: TrainSpec) -> Trainer:
         module, func = self.builder.split(":")
@@ -134,7 +138,8 @@ _BUILTIN = (
     StrategyInfo("deepspeed.zero2", "parabench.peers.deepspeed_zero:build_zero2", "peer",
                  "DeepSpeed ZeRO stage 2 (+ gradients partitioned)", precisions=DP_PRECISIONS),
     StrategyInfo("deepspeed.zero3", "parabench.peers.deepspeed_zero:build_zero3", "peer",
-                 "DeepSpeed ZeRO stage 3 (+ parameters partitioned)", precisions=DP_PRECISIONS),
+                 "DeepSpeed ZeRO stage 3 (+ parameters partitioned)", precisions=DP_PRECISIONS,
+                 shares_launch=False),
     StrategyInfo("ref.ps", "parabench.reference_adapters:build_ps", "reference",
                  "reference parameter server: gradients sent to rank 0, AdamW there, parameters broadcast", precisions=DP_PRECISIONS),
     StrategyInfo("ref.ddp", "parabench.reference_adapters:build_ddp", "reference",

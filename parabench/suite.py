@@ -293,6 +293,10 @@ def validate_case(case: Case) -> None:
             raise SuiteError(f"sequence parallel: tp={tp} does not divide seq_len={seq}")
     if case.seq_len is not None and case.seq_len > 1 << 20:
         raise SuiteError("seq_len is unreasonably large")
+    if case.strategy in ("ref.tp", "ref.tp_sp", "torch.tp", "torch.tp_sp") and tp < 2:
+        raise SuiteError(f"{case.strategy} needs options.tp >= 2 (got tp={tp})")
+    if case.strategy.startswith(("ref.pp_", "torch.pp_")) and pp < 2:
+        raise SuiteError(f"{case.strategy} needs options.pp >= 2 (got pp={pp})")
     _validate_cp_ep(case, cfg)
     _validate_compression(case)
 

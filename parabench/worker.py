@@ -16,6 +16,7 @@ and exits non-zero; the runner picks the earliest such file as the first failure
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -131,6 +132,11 @@ def local_batches(case: Case, spec: TrainSpec, n_steps: int) -> list[tuple[torch
 def run_case(case: Case, device: torch.device) -> dict | None:
     """Train ``case`` on this rank; return the gathered measurements on rank 0, None elsewhere."""
     rank = dist.get_rank()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    # What an earlier case of the same launch left allocated (should be ~0; recorded, not hidden).
+    leftover = int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
     spec = make_spec(case, device)
     topo = spec.topology
     t_setup = time.perf_counter()
@@ -193,14 +199,18 @@ def run_case(case: Case, device: torch.device) -> dict | None:
         "comm": comm,
         "flight_recorder": fr,
         "setup_s": setup_s,
+        "allocated_at_start_bytes": leftover,
         "loss_scale": scales,
     }
     if hasattr(trainer, "pipeline_stats"):
         mine["pipeline"] = trainer.pipeline_stats()
+    if hasattr(trainer, "strategy_stats"):  # e.g. attention work per rank, expert routing
+        mine["strategy_stats"] = trainer.strategy_stats()
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     trainer.close()
     del trainer, batches
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if rank != 0:
