@@ -29,7 +29,22 @@ def _setup():
     plt.rcParams["axes.titlesize"] = "medium"
 
 
+def _plain_number(v, _pos=None) -> str:
+    """Tick text without TeX (parse_math is off): 1024 -> '1K', 3e9 -> '3G'."""
+    for div, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if abs(v) >= div:
+            return f"{v / div:g}{unit}"
+    return f"{v:g}"
+
+
 def _png(fig) -> str:
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    for ax in fig.axes:  # log axes default to TeX tick labels, which parse_math=False prints raw
+        for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
+            if scale == "log":
+                axis.set_major_formatter(FuncFormatter(_plain_number))
+                axis.set_minor_formatter(NullFormatter())
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
     plt.close(fig)
