@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = run_sub.add_parser(name)
         if name == "suite":
             p.add_argument("suite", help="suite name (see `parabench list`) or path to a .toml file")
-            p.add_argument("--filter", action="append", help="run only cases whose label contains this (repeatable)")
+            p.add_argument("--filter", action="append", help="run only cases whose label contains this text (repeatable; a case must contain every one)")
             p.set_defaults(func=cmd_run_suite)
         else:
             p.add_argument("--model", required=True)
