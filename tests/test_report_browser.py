@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,6 @@ from parabench.report import write_report
 ROOT = Path(__file__).resolve().parent.parent
 GPU_RUN = ROOT / "results" / "gpu-spine" / "20261126-020214"
 ARTIFACTS = ROOT / "tests" / "artifacts"
-SMOKE_FILTERS = ["fp32"]  # a real smoke run: its 7 fp32 cases (repeated --filter means AND)
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--hide-scrollbars", "--virtual-time-budget=15000"]
@@ -105,16 +103,7 @@ def screenshot(browser: str, report: Path, tmp: Path, out: Path, width: int = 14
     return out
 
 
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("smoke-results")
-    cmd = [sys.executable, "-m", "parabench.cli", "run", "suite", "smoke", "--out", str(out), "--run-id", "browser",
-           "--no-report"]
-    for f in SMOKE_FILTERS:
-        cmd += ["--filter", f]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return out / "smoke" / "browser"
+# smoke_run: the session fixture in conftest.py (the whole smoke suite, run once for all tests).
 
 
 def _check_common(seen: dict, expect_figures: set[str], expect_tables: set[str]):
