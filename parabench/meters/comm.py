@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-# op name (without namespace and trailing underscore) -> (kind, how to find the payload tensor(s))
-_OPS = {
-    # c10d (eager torch.distributed)
+# namespace -> op name (without trailing underscore) -> (kind, where the payload tensor(s) are).
+# The two namespaces reuse names with different argument orders, so they are kept apart.
+_OPS = {"c10d": {
+    # eager torch.distributed: ops take (outputs, inputs, ...) or work in place
     "allreduce": ("all_reduce", "in0"),
     "allreduce_coalesced": ("all_reduce", "in0"),
     "allgather": ("all_gather", "out0"),
@@ -47,7 +48,8 @@ _OPS = {
     "send": ("send", "in0"),
     "recv": ("recv", "in0"),
     "recv_any_source": ("recv", "in0"),
-    # _c10d_functional (DTensor, compiled code, FSDP2 on some paths)
+}, "_c10d_functional": {
+    # functional collectives (DTensor, compiled code): ops take (inputs, ...) and return outputs
     "all_reduce": ("all_reduce", "in0"),
     "all_reduce_coalesced": ("all_reduce", "in0"),
     "all_gather_into_tensor": ("all_gather", "allgather_fn"),
@@ -55,7 +57,7 @@ _OPS = {
     "reduce_scatter_tensor": ("reduce_scatter", "in0"),
     "reduce_scatter_tensor_coalesced": ("reduce_scatter", "in0"),
     "all_to_all_single": ("all_to_all", "in0"),
-}
+}}
 _WIRE_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
@@ -110,15 +112,15 @@ class CommMeter(TorchDispatchMode):
         kwargs = kwargs or {}
         if any(is_traceable_wrapper_subclass(t) for t in _tensors(args)):
             return NotImplemented  # let DTensor decompose into plain collectives first
-        ns = func.namespace
-        if ns in ("c10d", "_c10d_functional"):
+        ops = _OPS.get(func.namespace)
+        if ops is not None:
             name = func._schema.name.split("::")[-1].rstrip("_")
-            if name in _OPS:
-                self._record(name, args, kwargs)
+            if name in ops:
+                self._record(ops[name], args, kwargs)
         return func(*args, **kwargs)
 
-    def _record(self, name: str, args, kwargs) -> None:
-        kind, where = _OPS[name]
+    def _record(self, op: tuple[str, str], args, kwargs) -> None:
+        kind, where = op
         n = _group_size(args, kwargs)
         if where == "allgather_fn":  # functional all-gather: output is input x group size
             tensors = _tensors(args[0])
