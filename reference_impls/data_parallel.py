@@ -23,6 +23,9 @@ Precision. fp32: parameters, gradients and Adam state in fp32; the flat paramete
 itself the optimizer's parameter. bf16 (the ZeRO paper's mixed-precision layout, Sec. 3.1):
 bf16 parameters and gradients for compute, an fp32 master copy and fp32 Adam moments; the
 gradients cross the wire in **bf16** and are upcast to an fp32 main gradient for the update.
+fp16: the same layout with fp16 in place of bf16, plus dynamic loss scaling through the
+``grad_scaler`` seam (``mixed_precision.DynamicLossScaler``), which unscales the fp32 main gradient
+and skips the update on inf/NaN.
 """
 
 from __future__ import annotations

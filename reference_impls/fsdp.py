@@ -37,6 +37,9 @@ updates. bf16 (the ZeRO paper's layout): a bf16 shard is gathered (**bf16 on the
 all-gather and reduce-scatter), the fp32 master shard and Adam moments live in the optimizer,
 and gradient shards are accumulated in fp32. HSDP's all-reduce across replicas runs once per
 step on the **fp32** main-gradient shard.
+fp16: the same layout with fp16 in place of bf16, plus dynamic loss scaling through the
+``grad_scaler`` seam (``mixed_precision.DynamicLossScaler``), which unscales the fp32 main gradient
+and skips the update on inf/NaN.
 
 Averaging: the loss is multiplied by 1/(grad_accum x N_total) before backward.
 """
@@ -68,11 +71,13 @@ class _Unit:
             start += p.numel()
         self.nbytes = self.full.untyped_storage().nbytes()
         self.gathered, self.work, self.ready = True, None, 0
+        self.grad_buf, self.main_grad = None, None  # per step: gradient bucket, view of the fp32 main gradient
 
 
 class FSDP:
     def __init__(self, model, loss_fn, blocks, group=None, *, replicate_group=None, reshard_root=False,
-                 prefetch=True, grad_accum=1, compute_dtype=torch.float32, adam: dict, grad_scaler=None):
+                 prefetch=True, grad_accum=1, compute_dtype=torch.float32, adam: dict, grad_scaler=None,
+                 in_flight: int = 2):
         self.model, self.loss_fn, self.group, self.replicate_group = model, loss_fn, group, replicate_group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.dp_total = self.world * (dist.get_world_size(replicate_group) if replicate_group is not None else 1)
@@ -89,21 +94,27 @@ class FSDP:
         sizes = [u.shard_numel for u in self.units]
         self.master_flat = torch.cat([u.values32.chunk(self.world)[self.rank] for u in self.units])
         self.lp_flat = None if compute_dtype == torch.float32 else self.master_flat.to(compute_dtype)
-        self.main_grad = torch.zeros_like(self.master_flat)
-        for u, shard, grad in zip(self.units, (self.lp_flat if self.lp_flat is not None else self.master_flat).split(sizes),
-                                  self.main_grad.split(sizes)):
-            u.shard, u.main_grad = shard, grad
+        for u, shard in zip(self.units, (self.lp_flat if self.lp_flat is not None else self.master_flat).split(sizes)):
+            u.shard = shard
             del u.values32
             self._free(u)
-        self.master_flat.grad = self.main_grad
+        # fp32 main-gradient shard: allocated when the first reduce-scatter of a step is launched or
+        # lands, dropped after the update, so it is not held through forward (where activations peak).
+        self.main_grad, self._sizes = None, sizes
         self.optimizer = adamw([self.master_flat], **adam)
+        # A unit's gradients go straight into one flat buffer (allocated when its first gradient
+        # arrives, every ``p.grad`` a view of it), which is the reduce-scatter input; at most
+        # ``in_flight`` reduce-scatters are outstanding, the oldest waited for (on NCCL by the compute
+        # stream, not the host) and its buffers freed before another is launched.
+        self.in_flight = max(1, int(in_flight))
 
         self._hooks = []
         for u in self.units:
             self._hooks.append(u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u)))
             self._hooks.append(u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out)))
             self._hooks += [p.register_post_accumulate_grad_hook(lambda p, u=u: self._grad_ready(u)) for p in u.params]
-        self._pending, self._first = [], True
+        self._pending = []  # (work, output shard, unit), oldest first
+        self._written = [False] * len(self.units)  # this step: has unit i's shard been written?
 
     # --- gather and free ----------------------------------------------------------------------
 
@@ -144,29 +155,56 @@ class FSDP:
         if self.prefetch and nxt > 0:
             self._gather(self.units[nxt])
 
+    def _grad_buffer(self, u):
+        """Unit ``u``'s gradient buffer, allocated (zero, padding included) when its first gradient
+        arrives: every ``p.grad`` becomes a view of it, so autograd accumulates the rest in place."""
+        if u.grad_buf is None:
+            u.grad_buf = torch.zeros(u.padded, dtype=u.full.dtype, device=u.full.device)
+            start = 0
+            for p in u.params:
+                view = u.grad_buf[start:start + p.numel()].view(p.shape)
+                if p.grad is not None:  # the parameter that just arrived
+                    view.copy_(p.grad)
+                p.grad = view
+                start += p.numel()
+        return u.grad_buf
+
+    def _main_shard(self, u):
+        if self.main_grad is None:
+            self.main_grad = torch.empty_like(self.master_flat)
+            self.master_flat.grad = self.main_grad
+            for unit, grad in zip(self.units, self.main_grad.split(self._sizes)):
+                unit.main_grad = grad
+        return u.main_grad
+
     def _grad_ready(self, u):
+        flat = self._grad_buffer(u)
         u.ready += 1
         if u.ready < len(u.params):
             return
         u.ready = 0
-        grads = [p.grad.reshape(-1) for p in u.params]
-        if u.padded > u.numel:
-            grads.append(grads[0].new_zeros(u.padded - u.numel))
-        flat = torch.cat(grads)
+        self._free(u)  # every use of these parameters in backward is done
+        direct = not self._written[u.index] and flat.dtype == torch.float32
+        out = self._main_shard(u) if direct else flat.new_empty(u.shard_numel)
+        work = reduce_scatter_into(out, flat, group=self.group, async_op=True)
+        self._pending.append((work, out, u))
+        while len(self._pending) > self.in_flight:
+            self._retire(*self._pending.pop(0))
+
+    def _retire(self, work, out, u):
+        """Wait for unit ``u``'s reduce-scatter, fold it into the main-gradient shard, free its buffers."""
+        work.wait()
+        dst = self._main_shard(u)
+        if out is not dst:
+            dst.copy_(out) if not self._written[u.index] else dst.add_(out)
+        self._written[u.index] = True
         for p in u.params:
             p.grad = None
-        self._free(u)  # every use of these parameters in backward is done
-        direct = self._first and flat.dtype == u.main_grad.dtype
-        out = u.main_grad if direct else flat.new_empty(u.shard_numel)
-        work = reduce_scatter_into(out, flat, group=self.group, async_op=True)
-        self._pending.append((work, out, u.main_grad, flat))
+        u.grad_buf = None
 
     def _drain(self):
-        for work, out, dst, _ in self._pending:
-            work.wait()
-            if out is not dst:
-                dst.copy_(out) if self._first else dst.add_(out)
-        self._pending = []
+        while self._pending:
+            self._retire(*self._pending.pop(0))
 
     # --- training step ------------------------------------------------------------------------
 
@@ -174,8 +212,8 @@ class FSDP:
         total = torch.zeros((), device=inputs.device)
         scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
         mult = scale / (self.grad_accum * self.dp_total)
+        self._written = [False] * len(self.units)
         for i, (x, y) in enumerate(zip(inputs.chunk(self.grad_accum), targets.chunk(self.grad_accum))):
-            self._first = i == 0
             loss = self.loss_fn(self.model(x), y)
             (loss * mult).backward()
             total += loss.detach()
@@ -183,6 +221,9 @@ class FSDP:
             for u in self.units:  # a unit whose parameters got no gradient is still gathered
                 if u.gathered:
                     self._free(u)
+        for u in self.units:  # a unit none of whose parameters got a gradient: zero gradient
+            if not self._written[u.index]:
+                self._main_shard(u).zero_()
         if self.replicate_group is not None:  # HSDP: average the shard across replicas, once per step
             dist.all_reduce(self.main_grad, group=self.replicate_group)
         if self.measure_state:
@@ -195,6 +236,9 @@ class FSDP:
             self.optimizer.step()
         if self.lp_flat is not None:
             self.lp_flat.copy_(self.master_flat)  # fp32 master -> bf16 shard that the next step gathers
+        self.master_flat.grad = self.main_grad = None  # released until the next step's first reduce-scatter
+        for u in self.units:
+            u.main_grad = None
         return total / self.grad_accum
 
     def loss_scale(self) -> dict | None:

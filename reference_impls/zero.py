@@ -25,6 +25,9 @@ updates it in place, then the in-place all-gather sends it out). bf16 (the paper
 precision layout, Sec. 3.1): bf16 parameters and gradients; gradients cross the wire in **bf16**
 (reduce-scatter) and are accumulated into an fp32 main-gradient shard; the fp32 master shard
 is cast into the bf16 buffer and **bf16** parameters are all-gathered.
+fp16: the same layout with fp16 in place of bf16, plus dynamic loss scaling through the
+``grad_scaler`` seam (``mixed_precision.DynamicLossScaler``), which unscales the fp32 main gradient
+and skips the update on inf/NaN.
 
 Averaging: the loss is multiplied by 1/(grad_accum x N) before backward, so the sum that
 reduce-scatter computes is the mean.
@@ -42,7 +45,7 @@ from reference_impls.dp_common import (MiB, adamw, bind_grads, bind_params, flat
 
 class ZeRO:
     def __init__(self, model, loss_fn, group=None, *, stage: int, grad_accum=1, compute_dtype=torch.float32,
-                 bucket_mb=25.0, adam: dict, grad_scaler=None):
+                 bucket_mb=25.0, adam: dict, grad_scaler=None, in_flight: int = 2):
         assert stage in (1, 2)
         self.model, self.loss_fn, self.group, self.stage = model, loss_fn, group, stage
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -61,21 +64,25 @@ class ZeRO:
             self.master_flat = torch.cat([self._mine(full32, b) for b in self.buckets])
             self.master = list(self.master_flat.split([b.numel // self.world for b in self.buckets]))
         del full32
-        self.main_grad = torch.zeros(sum(m.numel() for m in self.master), device=self.flat_param.device)
-        self.main_grads = list(self.main_grad.split([m.numel() for m in self.master]))
-        for m, g in zip(self.master, self.main_grads):
-            m.grad = g  # fp32 averaged gradient of the owned shard, written by reduce-scatter
-        self.optimizer = adamw(self.master, **adam)
+        # fp32 main-gradient shard: allocated when the first reduce-scatter of a step lands, dropped
+        # after the update, so it is not held through forward (where activations peak).
+        self.main_grad, self.main_grads = None, None
+        self._written = [False] * len(self.buckets)  # this step: has bucket i's shard been written?
+        # bf16: one flat fp32 master (one multi-tensor group, one step counter); fp32: the owned views.
+        self.optimizer = adamw([self.master_flat] if self.master_flat is not None else self.master, **adam)
 
-        self.flat_grad = None
-        if stage == 1:  # full gradient buffer, autograd accumulates into it (p.grad are views)
-            self.flat_grad = torch.zeros_like(self.flat_param)
-            bind_grads(self.buckets, self.flat_grad)
+        # Gradient buckets (compute dtype): allocated when the bucket's first gradient arrives, every
+        # ``p.grad`` of the bucket then a view of it (autograd accumulates in place), freed as soon as
+        # its reduce-scatter completed (ZeRO-2: every micro-batch; ZeRO-1: the last one). At most
+        # ``in_flight`` reduce-scatters are outstanding: launching one more waits for the oldest (on
+        # NCCL the compute stream waits, the host does not), so the buckets alive are bounded by
+        # in_flight + the one being filled, never the whole gradient.
+        self.in_flight = max(1, int(in_flight))
+        self._gbuf = [None] * len(self.buckets)
         self._hooks = [p.register_post_accumulate_grad_hook(lambda p, b=b, s=s: self._grad_ready(p, b, s))
                        for b in self.buckets for p, s in zip(b.params, b.starts)]
-        self._staging = {}  # stage 2: bucket index -> gradient bucket being filled
-        self._pending = []  # (work, output, main-grad shard, input kept alive)
-        self._sync, self._first = False, True
+        self._pending = []  # (work, output shard, bucket), oldest first
+        self._sync = False
 
     def _mine(self, flat, b):
         """This rank's shard of bucket ``b`` in ``flat`` (a view)."""
@@ -84,48 +91,79 @@ class ZeRO:
 
     # --- backward: gradients into buckets, buckets reduce-scattered in order -------------------
 
+    def _bucket(self, b, arrived=None):
+        """Bucket ``b``'s gradient buffer, allocated (zero) on first use: every parameter's ``.grad``
+        becomes a view of it; ``arrived`` (whose gradient autograd already made) is copied in."""
+        buf = self._gbuf[b.index]
+        if buf is None:
+            ref = b.params[0]
+            buf = self._gbuf[b.index] = torch.zeros(b.numel, dtype=self.flat_param.dtype, device=ref.device)
+            for q, start in zip(b.params, b.starts):
+                view = buf[start - b.offset: start - b.offset + q.numel()].view(q.shape)
+                if q.grad is not None:  # the parameter that just arrived
+                    view.copy_(q.grad)
+                q.grad = view
+        return buf
+
+    def _release(self, b):
+        """Bucket ``b``'s reduce-scatter is complete: drop its gradient buffer."""
+        for q in b.params:
+            q.grad = None
+        self._gbuf[b.index] = None
+
     def _grad_ready(self, p, b, start):
-        if not self._sync:  # ZeRO-1, earlier micro-batch: only accumulate into flat_grad
+        self._bucket(b, p)
+        if not self._sync:  # ZeRO-1, earlier micro-batch: only accumulate into the bucket
             return
-        if self.stage == 2:
-            staging = self._staging.get(b.index)
-            if staging is None:
-                staging = self._staging[b.index] = torch.empty(b.numel, dtype=p.dtype, device=p.device)
-                staging[b.used:].zero_()  # padding
-            staging[start - b.offset: start - b.offset + p.numel()].copy_(p.grad.view(-1))
-            p.grad = None  # the full gradient of this parameter is gone at once
         self._ready[b.index] += 1
         while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].params):
             self._launch(self.buckets[self._next])
             self._next += 1
 
+    def _main_shard(self, b):
+        if self.main_grad is None:
+            self.main_grad = torch.empty(sum(bb.numel for bb in self.buckets) // self.world, dtype=torch.float32,
+                                         device=self.flat_param.device)
+            self.main_grads = list(self.main_grad.split([bb.numel // self.world for bb in self.buckets]))
+            if self.master_flat is not None:
+                self.master_flat.grad = self.main_grad  # fp32 averaged gradient of the owned shards
+            elif self.master is not None:
+                for m, g in zip(self.master, self.main_grads):
+                    m.grad = g
+        return self.main_grads[b.index]
+
     def _launch(self, b):
-        if self.stage == 1:
-            full = self.flat_grad[b.offset:b.offset + b.numel]
-        else:
-            full = self._staging.pop(b.index)
-        dst = self.main_grads[b.index]
-        direct = self._first and full.dtype == dst.dtype  # fp32, first contribution: straight into the shard
-        out = dst if direct else torch.empty(b.numel // self.world, dtype=full.dtype, device=full.device)
+        full = self._bucket(b)  # a bucket with unused parameters may have none yet
+        first = not self._written[b.index]
+        direct = first and full.dtype == torch.float32  # fp32, first contribution: straight into the shard
+        out = self._main_shard(b) if direct else torch.empty(b.numel // self.world, dtype=full.dtype, device=full.device)
         work = reduce_scatter_into(out, full, group=self.group, async_op=True)
-        self._pending.append((work, out, dst, full))
+        self._pending.append((work, out, b))
+        while len(self._pending) > self.in_flight:
+            self._retire(*self._pending.pop(0))
+
+    def _retire(self, work, out, b):
+        """Wait for bucket ``b``'s reduce-scatter, fold it into the fp32 main-gradient shard, free the bucket."""
+        work.wait()  # on NCCL the compute stream waits, the host does not
+        dst = self._main_shard(b)
+        if out is not dst:
+            dst.copy_(out) if not self._written[b.index] else dst.add_(out)
+        self._written[b.index] = True
+        self._release(b)
 
     def _drain(self):
-        """Wait for this micro-batch's reduce-scatters; fold each result into the fp32 main-gradient shard."""
-        for work, out, dst, _ in self._pending:
-            work.wait()  # on NCCL the compute stream waits, the host does not
-            if out is not dst:
-                dst.copy_(out) if self._first else dst.add_(out)
-        self._pending = []  # ZeRO-2: the gradient buckets are released here
+        """Wait for the rest of this micro-batch's reduce-scatters."""
+        while self._pending:
+            self._retire(*self._pending.pop(0))
 
     def train_step(self, inputs, targets):
         total = torch.zeros((), device=inputs.device)
         scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
         mult = scale / (self.grad_accum * self.world)
+        self._written = [False] * len(self.buckets)
         for i, (x, y) in enumerate(zip(inputs.chunk(self.grad_accum), targets.chunk(self.grad_accum))):
             last = i == self.grad_accum - 1
             self._sync = last or self.stage == 2
-            self._first = self.stage == 1 or i == 0
             self._ready, self._next = [0] * len(self.buckets), 0
             loss = self.loss_fn(self.model(x), y)
             (loss * mult).backward()
@@ -141,8 +179,9 @@ class ZeRO:
     # --- update: each rank its shard, then all-gather the parameters ---------------------------
 
     def _step(self):
-        if self.measure_state:
-            self._grad_bytes = tensor_bytes([self.main_grad, self.flat_grad])
+        if self.measure_state:  # stage 1: the full gradient, bucket by bucket (each freed once reduced)
+            full = sum(b.numel for b in self.buckets) * self.flat_param.element_size() if self.stage == 1 else 0
+            self._grad_bytes = tensor_bytes([self.main_grad]) + full
         applied = True
         if self.grad_scaler is not None:  # seam: unscale the owned shard, agree on inf across the group
             applied = self.grad_scaler.unscale_and_check([self.main_grad], self.group)
@@ -158,8 +197,10 @@ class ZeRO:
             works.append(all_gather_into(full, mine, group=self.group, async_op=True))  # in place
         for w in works:
             w.wait()
-        if self.flat_grad is not None:
-            self.flat_grad.zero_()
+        for m in [self.master_flat] + self.master:
+            if m is not None:
+                m.grad = None
+        self.main_grad = self.main_grads = None  # released until the next step's first reduce-scatter
 
     def loss_scale(self) -> dict | None:
         """The loss scaler's outcome of the last step (fp16), else None."""
