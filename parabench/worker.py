@@ -145,7 +145,8 @@ def run_case(case: Case, device: torch.device) -> dict | None:
     setup_s = time.perf_counter() - t_setup
 
     n_steps = case.warmup + case.steps + 1  # + the instrumented step
-    batches = local_batches(case, spec, n_steps)
+    breakdown_on = bool(case.options.get("memory_breakdown"))
+    batches = local_batches(case, spec, n_steps + breakdown_on)  # + the memory-breakdown step
 
     losses: list = []
     # fp16 only: the loss scaler's outcome after every step (warm-up, timed, instrumented). Reading
@@ -187,6 +188,11 @@ def run_case(case: Case, device: torch.device) -> dict | None:
     _sync(device)
     fr = flight_recorder.summary_since(fr_start) if fr_start is not None else None
     state = trainer.state_bytes()
+    breakdown = None
+    if breakdown_on:  # one more untimed step under the memory-breakdown meter (its loss is not recorded)
+        from parabench.meters.memory_breakdown import measure_step
+
+        _, breakdown = measure_step(trainer, *batches[n_steps])
     loss_values = [None if l is None else float(l) for l in losses]
 
     mine = {
@@ -202,6 +208,8 @@ def run_case(case: Case, device: torch.device) -> dict | None:
         "allocated_at_start_bytes": leftover,
         "loss_scale": scales,
     }
+    if breakdown is not None:
+        mine["memory_breakdown"] = breakdown
     if hasattr(trainer, "pipeline_stats"):
         mine["pipeline"] = trainer.pipeline_stats()
     if hasattr(trainer, "strategy_stats"):  # e.g. attention work per rank, expert routing
