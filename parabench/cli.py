@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from parabench.suite import CASE_FIELDS, Case, SuiteError, Suite, load_suite, validate_case, list_suites
+from parabench.suite import Case, Suite, SuiteError, list_suites, load_suite, validate_case
 
 DEFAULT_OUT = Path("results")
 
@@ -99,7 +99,34 @@ def cmd_run_suite(args) -> int:
         return 2
     if args.filter:
         suite.cases = [c for c in suite.cases if all(f in c.label for f in args.filter)]
+    if args.proxy_model:
+        suite = _cpu_proxy(suite, args.proxy_model)
     return _run_suite(suite, args)
+
+
+def _cpu_proxy(suite: Suite, model: str) -> Suite:
+    """The suite's code paths on CPU processes: every case with ``model`` at its own sequence
+    length on gloo. Cases that then coincide run once; cases the small model cannot take (more
+    stages than layers...) are dropped with a note. Results go to ``<suite>-cpu-proxy``."""
+    from dataclasses import replace
+
+    from parabench.models import model_config
+
+    model_config(model)
+    seen, dropped = {}, []
+    for c in suite.cases:
+        p = replace(c, model=model, seq_len=None, device="cpu", timeout_s=min(c.timeout_s, 600),
+                    micro_batch=min(c.micro_batch, 8) if not c.options.get("pp") else c.micro_batch)
+        try:
+            validate_case(p)
+        except (SuiteError, ValueError) as exc:
+            dropped.append(f"{c.label}: {exc}")
+            continue
+        seen.setdefault(p.case_hash, p)
+    for d in dropped:
+        print(f"parabench: proxy: dropped {d}")
+    return Suite(name=f"{suite.name}-cpu-proxy", path=suite.path, description=f"CPU proxy ({model}) of: {suite.description}",
+                 cases=list(seen.values()), kind=suite.kind, raw=suite.raw)
 
 
 def cmd_run_case(args) -> int:
@@ -183,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = run_sub.add_parser(name)
         if name == "suite":
             p.add_argument("suite", help="suite name (see `parabench list`) or path to a .toml file")
+            p.add_argument("--proxy-model", help="run the suite's cases on CPU processes with this small model "
+                           "(e.g. tiny-deep), to prove a GPU suite's code paths without GPUs")
             p.add_argument("--filter", action="append", help="run only cases whose label contains this text (repeatable; a case must contain every one)")
             p.set_defaults(func=cmd_run_suite)
         else:

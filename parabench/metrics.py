@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 
-from parabench.models import (FLOPS_CONVENTION, HFU_CONVENTION, hardware_flops_per_token, model_config,
+from parabench.models import (FLOPS_CONVENTION, HFU_CONVENTION, MOE_FLOPS_CONVENTION, hardware_flops_per_token, model_config,
                               model_flops_per_token, parameter_count)
 
 

@@ -60,6 +60,8 @@ class GPTConfig:
 # GPT-3 paper Table 2.1 with consistent shapes (see FACTS.md), plus CPU-sized models for tests.
 MODEL_LADDER: dict[str, GPTConfig] = {
     "tiny": GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64),
+    # CPU stand-in for GPU suites (`--proxy-model`): deep and wide enough in heads for 8 stages or tp=8.
+    "tiny-deep": GPTConfig(n_layers=8, d_model=64, n_heads=8, vocab_size=256, seq_len=64),
     "small": GPTConfig(n_layers=4, d_model=128, n_heads=4, vocab_size=512, seq_len=128),
     "gpt-125m": GPTConfig(n_layers=12, d_model=768, n_heads=12),
     "gpt-350m": GPTConfig(n_layers=24, d_model=1024, n_heads=16),

@@ -91,6 +91,24 @@ def _torch_fsdp2(cfg, case, dp):
     )
 
 
+@expectation("torch.hsdp")
+def _torch_hsdp(cfg, case, dp):
+    psi = _counts(cfg)["total"]
+    shard = int(case.options.get("shard_size", 2))
+    accum = case.grad_accum
+    return Expectation(
+        state_bytes=None,  # per-parameter dim-0 sharding within the shard group: see the measurement
+        comm_payload_bytes={
+            "all_gather": accum * 2 * psi * BYTES[case.precision],  # within the shard group
+            "reduce_scatter": accum * psi * 4,                      # within the shard group, fp32
+            "all_reduce": accum * psi * 4 // shard,                 # the shard, across replicas
+        },
+        paper_state_bytes=zero_paper_state_bytes(3, psi, shard),
+        notes="FSDP2 on a (replicate, shard) mesh: forward and backward gathers inside the shard group, "
+              "gradient reduce-scatter inside it, then an all-reduce of each shard across replicas.",
+    )
+
+
 def _deepspeed(stage: int):
     """DeepSpeed 0.19 as it behaves (read from its source, confirmed by the meter): gradients
     travel in the parameter dtype; stages 1 and 2 all-reduce each gradient bucket and then
@@ -323,10 +341,15 @@ def _ref_ddp(cfg, case, dp):
 @expectation("ref.ps")
 def _ref_ps(cfg, case, dp):
     psi, b, mixed = _counts(cfg)["total"], BYTES[case.precision], case.precision != "fp32"
+    server_state = {"params": b * psi, "grads": 2 * b * psi + (4 * psi if mixed else 0),
+                    "optimizer": 8 * psi + (4 * psi if mixed else 0)}
+    worker_state = {"params": b * psi, "grads": b * psi, "optimizer": 0}
+    server_comm = {**({"recv": (dp - 1) * b * psi} if dp > 1 else {}), "broadcast": b * psi}
+    worker_comm = {"send": b * psi, "broadcast": b * psi}
     return Expectation(
-        state_bytes={"params": b * psi, "grads": 2 * b * psi + (4 * psi if mixed else 0),
-                     "optimizer": 8 * psi + (4 * psi if mixed else 0)},
-        comm_payload_bytes={**({"recv": (dp - 1) * b * psi} if dp > 1 else {}), "broadcast": b * psi},
+        state_bytes=[server_state] + [worker_state] * (dp - 1),
+        comm_payload_bytes=server_comm,
+        comm_payload_bytes_per_rank=[server_comm] + [worker_comm] * (dp - 1),
         paper_state_bytes=zero_paper_state_bytes(0, psi, dp),
         notes="figures for the server (rank 0), the busiest rank: own gradient + one receive buffer (+ the fp32 "
               "main gradient in bf16), master and Adam moments; it receives (N-1) gradients per step. A worker "

@@ -30,10 +30,10 @@ class FSDP2Trainer(TorchTrainer):
         return {n: p.full_tensor().detach().float().cpu() for n, p in self.module.named_parameters()}
 
 
-def build(spec: TrainSpec, offload: bool = False) -> FSDP2Trainer:
+def build(spec: TrainSpec, offload: bool = False, mesh=None) -> FSDP2Trainer:
     model = build_model(spec.model, spec.seed, spec.device)
     checkpoint_blocks(model, spec)  # before fully_shard: its hooks stay outside the recomputed region
-    mesh = spec.topology.mesh["dp"]
+    mesh = mesh if mesh is not None else spec.topology.mesh["dp"]
     mp = MixedPrecisionPolicy(param_dtype=spec.compute_dtype, reduce_dtype=torch.float32)
     reshard = bool(spec.options.get("reshard_after_forward", True))
     extra = {"offload_policy": CPUOffloadPolicy(pin_memory=spec.device.type == "cuda")} if offload else {}
@@ -48,3 +48,19 @@ def build(spec: TrainSpec, offload: bool = False) -> FSDP2Trainer:
 
 def build_offload(spec: TrainSpec) -> FSDP2Trainer:
     return build(spec, offload=True)
+
+
+def build_hsdp(spec: TrainSpec) -> FSDP2Trainer:
+    """FSDP2 hybrid shard: a 2-D (replicate, shard) mesh over the data-parallel ranks; parameters
+    are sharded within groups of ``shard_size`` consecutive ranks and replicated across groups
+    (gradients reduce-scattered in the group, then all-reduced across replicas)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    topo = spec.topology
+    if topo.tp != 1 or topo.pp != 1:
+        raise ValueError("torch.hsdp composes with neither tp nor pp here")
+    shard = int(spec.options.get("shard_size", 2))
+    if topo.dp % shard:
+        raise ValueError(f"shard_size={shard} does not divide the data-parallel degree {topo.dp}")
+    mesh = init_device_mesh(spec.device.type, (topo.dp // shard, shard), mesh_dim_names=("replicate", "shard"))
+    return build(spec, mesh=mesh)
