@@ -164,7 +164,7 @@ _BUILTIN = (
     StrategyInfo("deepspeed.zero2_offload", "parabench.peers.deepspeed_zero:build_zero2_offload", "peer",
                  "DeepSpeed ZeRO-2 + offload_optimizer to CPU (ZeRO-Offload)", precisions=DP_PRECISIONS),
     StrategyInfo("deepspeed.zero3_offload", "parabench.peers.deepspeed_zero:build_zero3_offload", "peer",
-                 "DeepSpeed ZeRO-3 + offload_optimizer to CPU", precisions=DP_PRECISIONS),
+                 "DeepSpeed ZeRO-3 + offload_optimizer to CPU", precisions=DP_PRECISIONS, shares_launch=False),
     StrategyInfo("torch.fsdp2_offload", "parabench.peers.torch_fsdp2:build_offload", "peer",
                  "PyTorch FSDP2 with CPUOffloadPolicy (sharded params, grads and AdamW on the CPU)",
                  precisions=DP_PRECISIONS),
