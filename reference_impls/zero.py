@@ -68,8 +68,7 @@ class ZeRO:
         # after the update, so it is not held through forward (where activations peak).
         self.main_grad, self.main_grads = None, None
         self._written = [False] * len(self.buckets)  # this step: has bucket i's shard been written?
-        # bf16: one flat fp32 master (one multi-tensor group, one step counter); fp32: the owned views.
-        self.optimizer = adamw([self.master_flat] if self.master_flat is not None else self.master, **adam)
+        self.optimizer = adamw(self.master, **adam)
 
         # Gradient buckets (compute dtype): allocated when the bucket's first gradient arrives, every
         # ``p.grad`` of the bucket then a view of it (autograd accumulates in place), freed as soon as
@@ -121,15 +120,22 @@ class ZeRO:
             self._next += 1
 
     def _main_shard(self, b):
-        if self.main_grad is None:
-            self.main_grad = torch.empty(sum(bb.numel for bb in self.buckets) // self.world, dtype=torch.float32,
-                                         device=self.flat_param.device)
-            self.main_grads = list(self.main_grad.split([bb.numel // self.world for bb in self.buckets]))
-            if self.master_flat is not None:
-                self.master_flat.grad = self.main_grad  # fp32 averaged gradient of the owned shards
-            elif self.master is not None:
-                for m, g in zip(self.master, self.main_grads):
-                    m.grad = g
+        """Bucket ``b``'s fp32 main-gradient shard. Each is allocated when its bucket's first reduce-scatter
+        is launched or lands, so the shard grows bucket by bucket while backward frees activations (one
+        flat allocation at the first bucket would add 4Ψp/N at once, early in backward). A subclass that
+        keeps its optimizer elsewhere (``self.master`` None: ZeRO-Offload) reads one flat ``main_grad``."""
+        if self.master is None:
+            if self.main_grad is None:
+                self.main_grad = torch.empty(sum(bb.numel for bb in self.buckets) // self.world,
+                                             dtype=torch.float32, device=self.flat_param.device)
+                self.main_grads = list(self.main_grad.split([bb.numel // self.world for bb in self.buckets]))
+            return self.main_grads[b.index]
+        if self.main_grads is None:
+            self.main_grads = [None] * len(self.buckets)
+        if self.main_grads[b.index] is None:
+            g = self.main_grads[b.index] = torch.empty(b.numel // self.world, dtype=torch.float32,
+                                                       device=self.flat_param.device)
+            self.master[b.index].grad = g  # fp32 averaged gradient of the owned shard
         return self.main_grads[b.index]
 
     def _launch(self, b):
@@ -181,10 +187,10 @@ class ZeRO:
     def _step(self):
         if self.measure_state:  # stage 1: the full gradient, bucket by bucket (each freed once reduced)
             full = sum(b.numel for b in self.buckets) * self.flat_param.element_size() if self.stage == 1 else 0
-            self._grad_bytes = tensor_bytes([self.main_grad]) + full
+            self._grad_bytes = tensor_bytes(self.main_grads or []) + full
         applied = True
         if self.grad_scaler is not None:  # seam: unscale the owned shard, agree on inf across the group
-            applied = self.grad_scaler.unscale_and_check([self.main_grad], self.group)
+            applied = self.grad_scaler.unscale_and_check(self.main_grads, self.group)
             self.grad_scaler.update(applied)
         if applied:
             self.optimizer.step()
@@ -197,9 +203,8 @@ class ZeRO:
             works.append(all_gather_into(full, mine, group=self.group, async_op=True))  # in place
         for w in works:
             w.wait()
-        for m in [self.master_flat] + self.master:
-            if m is not None:
-                m.grad = None
+        for m in self.master:
+            m.grad = None
         self.main_grad = self.main_grads = None  # released until the next step's first reduce-scatter
 
     def loss_scale(self) -> dict | None:
