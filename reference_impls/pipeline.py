@@ -207,8 +207,12 @@ class PipelineEngine:
             "step_s": step_s,
             "compute_s": compute_s,
             "wait_s": wait_s,
-            # idle share of this stage's step; the embedding's forward (first stage) counts as compute
-            "bubble_fraction_measured": wait_s / step_s if step_s > 0 else None,
+            # idle share of this stage's step; the embedding's forward (first stage) counts as compute.
+            # On a GPU the host clock only sees kernel launches unless the timeline synchronises
+            # (record_timeline): then there is no measurement, never a misleading one.
+            "bubble_fraction_measured": (wait_s / step_s if step_s > 0 else None)
+            if (self.record_timeline or device.type != "cuda") else None,
+            "bubble_fraction_host_clock": wait_s / step_s if step_s > 0 else None,
             "bubble_fraction_theory": bubble_fraction_theory(p, m),
             "peak_live_microbatches": peak_live,
             "peak_live_microbatches_theory": m if self.schedule == "gpipe" else min(p - self.stage, m),

@@ -146,7 +146,10 @@ def pipeline_rows(r: dict) -> list[dict]:
     elif isinstance(top, list):
         cands += [(None, p) for p in top if isinstance(p, dict)]
     theory_bubble = _num(_get(r, "theory", "pipeline", "bubble_fraction"))
+    on_gpu = (_get(r, "device", "type") or "") == "cuda"
     for rank, p in cands:
+        if on_gpu and p.get("timeline_synchronized") is False:
+            p = {k: v for k, v in p.items() if k != "bubble_fraction_measured"}  # host clock saw launches only
         meas = next((_num(p.get(k)) for k in ("bubble_fraction_measured", "bubble_measured", "measured_bubble",
                                                 "bubble_fraction", "bubble") if _num(p.get(k)) is not None), None)
         theo = next((_num(p.get(k)) for k in ("bubble_fraction_theory", "bubble_theory", "theoretical_bubble",
