@@ -18,16 +18,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from parabench.models import build_model, lm_loss
 from parabench.peers.common import adamw, autocast, optimizer_state_bytes, tensor_bytes
 from parabench.strategies import Trainer, TrainSpec
-
-
-def _bounds(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
-    base, extra = divmod(n_layers, n_stages)
-    out, lo = [], 0
-    for s in range(n_stages):
-        hi = lo + base + (1 if s < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
+from reference_impls.pipeline import partition_layers
 
 
 class GPTStage(nn.Module):
@@ -62,7 +53,7 @@ class TorchPipelineTrainer(Trainer):
         model = build_model(spec.model, spec.seed, spec.device)
         v = int(spec.options.get("virtual_stages", 2)) if schedule == "interleaved" else 1
         n_chunks = pp * v
-        bounds = _bounds(spec.model.n_layers, n_chunks)
+        bounds = partition_layers(spec.model.n_layers, n_chunks)  # the same split as the reference
         # Interleaved: rank r holds chunks r, r + pp, r + 2pp, ... (Narayanan et al. 2021, Sec. 2.2.2).
         self.stage_ids = [self.pp_rank + k * pp for k in range(v)]
         self.modules = [GPTStage(model, *bounds[s], s == 0, s == n_chunks - 1, spec) for s in self.stage_ids]
