@@ -301,7 +301,7 @@ def time_calls(cell: Cell, n: int, device: torch.device) -> list[float]:
 
 def run_bench(cfg: dict, device: torch.device) -> dict:
     """Every (op, algorithm, size) cell on every rank; returns the result document (all ranks)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     dtype = DTYPES[cfg["dtype"]]
     itemsize = torch.empty((), dtype=dtype).element_size()
     rows, failures = [], []

@@ -26,7 +26,6 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from reference_impls._compat import all_gather_into, reduce_scatter_into
-from reference_impls.dp_common import (MiB, adamw, bind_grads, bind_params, flatten, optimizer_state_bytes,
+from reference_impls.dp_common import (MiB, adamw, bind_params, flatten, optimizer_state_bytes,
                                        plan_buckets, tensor_bytes)
 
 

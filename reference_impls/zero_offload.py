@@ -27,7 +27,6 @@ parameter update by one step, DPU); this reference does them in sequence, which 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from reference_impls._compat import all_gather_into
 from reference_impls.dp_common import adamw, optimizer_state_bytes, tensor_bytes

@@ -1,6 +1,5 @@
 """Suite files: expansion, exclusion, hashing, and errors that name file, line and field."""
 
-import json
 import textwrap
 
 import pytest
