@@ -52,3 +52,30 @@ def test_meter_sees_every_op_kind_with_payload_conventions():
     # Wire level: gloo logs reduce-scatter as all-reduce and omits point-to-point (FACTS.md);
     # the all-gathers agree byte for byte.
     assert fr["all_gather"]["payload_bytes"] >= 8000
+
+
+def test_bf16_tensor_and_pipeline_parallel_traffic_matches_theory(tmp_path):
+    """Under autocast, g's forward all-reduces travel in bf16 while f's backward, the embedding,
+    the cross-entropy and the pipeline's residual-stream activations stay fp32; theory says so."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from parabench.results import load_run
+
+    suite = tmp_path / "mp16.toml"
+    suite.write_text(
+        '[suite]\nname = "mp16"\ndevice = "cpu"\nprecision = "bf16"\nsteps = 1\nwarmup = 0\n'
+        '[[matrix]]\nmodel = "tiny"\nstrategy = "ref.tp"\nworld_size = 2\nmicro_batch = 8\noptions = {tp = 2}\n'
+        '[[matrix]]\nmodel = "tiny"\nstrategy = "ref.pp_1f1b"\nworld_size = 2\nmicro_batch = 8\n'
+        'options = {pp = 2, microbatches = 4}\n')
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-m", "parabench.cli", "run", "suite", str(suite), "--out", str(tmp_path),
+                           "--run-id", "r", "--no-report"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    _, records = load_run(tmp_path / "mp16" / "r")
+    assert len(records) == 2
+    for r in records:
+        assert r["status"] == "ok" and r["checks"]["comm_ok"] is True, (r["label"], r["checks"].get("comm_per_rank"))
+    tp = next(r for r in records if r["case"]["strategy"] == "ref.tp")
+    assert tp["per_rank"][0]["comm"]["by_kind"]["all_reduce"]["dtypes"] == ["torch.bfloat16", "torch.float32"]
