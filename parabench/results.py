@@ -120,7 +120,9 @@ def make_manifest(suite, run_id: str, argv: list[str] | None = None) -> dict:
         "suite_description": suite.description,
         "run_id": run_id,
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git": {"commit": _git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None},
+        # A copy of the tree without .git (an offline GPU machine) names its commit in PARABENCH_GIT_COMMIT.
+        "git": {"commit": _git("rev-parse", "HEAD") or os.environ.get("PARABENCH_GIT_COMMIT"),
+                "dirty": bool(status) if status is not None else None},
         "versions": _versions(),
         "devices": _devices(),
         "host": {"hostname": socket.gethostname(), "platform": platform.platform(), "cpu_count": os.cpu_count()},

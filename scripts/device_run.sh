@@ -20,6 +20,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-20000}
+# The copy of the tree has no .git: the commit comes along in a file written before the call
+# (git rev-parse HEAD > .parabench-commit) and lands in every manifest.
+[ -f .parabench-commit ] && export PARABENCH_GIT_COMMIT=$(cat .parabench-commit)
 nvidia-smi -L
 mkdir -p "$out/res"
 pack() {
