@@ -175,7 +175,7 @@ def _mp_sp_params(cfg: GPTConfig, lo: int, hi: int, first: bool, last: bool) -> 
 def model_parallel_ops(cfg: GPTConfig, case, coords: tuple[int, int, int], sequence_parallel: bool,
                        microbatches: int | None = None) -> list[tuple[str, int]]:
     """Every communication op (kind, payload bytes) one rank issues in one training step
-    (fp32, or bf16/fp16 under autocast without sequence parallelism).
+    (fp32, or bf16/fp16 under autocast: what travels in the compute dtype is said below).
 
     Tensor parallel (Megatron, per layer per micro-batch): forward 2 all-reduces (``g`` after the
     attention and MLP row-parallel layers), backward 2 (``f`` before q/k/v and before the MLP fc),
@@ -211,14 +211,18 @@ def model_parallel_ops(cfg: GPTConfig, case, coords: tuple[int, int, int], seque
     for _ in range(n):
         if t > 1 or sequence_parallel:
             if sequence_parallel:
-                per = ["all_gather", "reduce_scatter"] * 4
                 emb = ["reduce_scatter", "all_gather"]
                 head = ["all_gather", "reduce_scatter"]
             else:
-                per, emb, head = ["all_reduce"] * 4, ["all_reduce"], ["all_reduce"]
+                emb, head = ["all_reduce"], ["all_reduce"]
             for _layer in range(hi - lo):
                 if sequence_parallel:
-                    ops += [(k, act) for k in per]
+                    # forward: all-gather of the fp32 LayerNorm output, reduce-scatter of the
+                    # row-parallel output (compute dtype); backward: their conjugates, in the
+                    # dtypes of the gradients flowing back (fp32 through autocast's cast, compute
+                    # dtype out of the row-parallel matmul)
+                    ops += [("all_gather", act), ("reduce_scatter", act_g)] * 2
+                    ops += [("reduce_scatter", act), ("all_gather", act_g)] * 2
                 else:  # two g (forward, compute dtype), two f (backward, fp32)
                     ops += [("all_reduce", act_g)] * 2 + [("all_reduce", act)] * 2
             if first:
@@ -257,9 +261,7 @@ def _model_parallel(sequence_parallel: bool | None, schedule: str | None):
         m = o.get("microbatches", 2 * p)
         world = case.world_size
         grid = [(r // (t * p), (r // t) % p, r % t) for r in range(world)]
-        # bf16/fp16 dtypes are modelled for TP and PP (measured on CPU with autocast), not yet for SP
-        exact = case.precision == "fp32" or not sp
-        per_rank = [_sum_ops(model_parallel_ops(cfg, case, c, sp)) for c in grid] if exact else None
+        per_rank = [_sum_ops(model_parallel_ops(cfg, case, c, sp)) for c in grid]
         state = []
         for _, pp_rank, _ in grid:
             lo, hi = partition_layers(cfg.n_layers, p)[pp_rank]
@@ -267,13 +269,13 @@ def _model_parallel(sequence_parallel: bool | None, schedule: str | None):
             state.append({"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n})
         out = Expectation(
             state_bytes=state,
-            comm_payload_bytes=per_rank[0] if per_rank else None,
+            comm_payload_bytes=per_rank[0],
             comm_payload_bytes_per_rank=per_rank,
             paper_state_bytes=None,
             notes="fp32 parameters, gradients and Adam moments of this rank's TP shard of its pipeline stage "
-                  "(bf16 autocasts compute only). Communication: see parabench.theory.model_parallel_ops; "
-                  "exact for fp32, and for bf16/fp16 without sequence parallelism (g's forward all-reduces in the "
-                  "compute dtype); bf16 with SP is not modelled.",
+                  "(bf16 autocasts compute only). Communication: see parabench.theory.model_parallel_ops; under "
+                  "bf16/fp16 the row-parallel outputs (g's forward all-reduce, or SP's forward reduce-scatter and "
+                  "its backward all-gather) travel in the compute dtype, everything else in fp32.",
         )
         if p > 1:
             n_micro = m * case.grad_accum
@@ -552,6 +554,73 @@ def _ref_ep(cfg, case, dp):
 # deepspeed.ulysses: DeepSpeed's DistributedAttention issues the same 4 + 4 all-to-alls per layer;
 # the rest of the step is ref.cp_ulysses's (token all-gather, one gradient all-reduce).
 EXPECTATIONS["deepspeed.ulysses"] = _cp("ulysses")
+
+
+def deepspeed_moe_capacity(tokens: int, n_experts: int, top_k: int, capacity_factor: float,
+                           min_capacity: int = 0) -> int:
+    """Slots per expert in DeepSpeed 0.19's ``top2gating`` for ``tokens`` tokens of one rank and
+    micro-batch: ``ceil(tokens / E * (capacity_factor * 2))`` evaluated as DeepSpeed does (the
+    factor is a float32 tensor), at least ``min_capacity``. With ``min_capacity = 0`` it equals
+    parabench's ``ceil(capacity_factor * tokens * k / E)`` for k = 2."""
+    import torch
+
+    if top_k != 2:
+        raise ValueError("deepspeed_moe_capacity models DeepSpeed's top-2 gate only")
+    capacity = int(torch.ceil((tokens / n_experts) * torch.tensor(capacity_factor * 2)).item())
+    return max(capacity, min_capacity)
+
+
+def deepspeed_moe_ops(cfg: GPTConfig, case) -> list[tuple[str, int]]:
+    """Every communication op (kind, payload bytes) one rank issues in one step of ``deepspeed.moe``
+    (DeepSpeed-MoE ``MOELayer`` in capacity mode under the ZeRO-0 engine, ep = world).
+
+    Per MoE layer per micro-batch: the gate dispatches into a dense [E, C, h] buffer (C =
+    :func:`deepspeed_moe_capacity` of the rank's b·s tokens, empty slots zero) and all-to-alls it;
+    the experts' [E, C, h] output goes back by a second all-to-all; backward repeats both: 4
+    all-to-alls of E·C·h elements in the compute dtype, whatever the routing. The gate needs no
+    collective in capacity mode (only dropless all-reduces its capacity).
+    Gradients (engine, at the accumulation boundary, parameter dtype): non-expert parameters
+    (attention, embeddings, norms, head and the gates) in one all-reduce over the data-parallel
+    group (the world); the local experts' E/ep per MoE layer in one all-reduce over the
+    expert-data-parallel group, which has world/ep = 1 rank here (a call the meter sees, no wire
+    traffic). DeepSpeed flushes a bucket only past 5e8 elements: one call each for these models.
+    """
+    c = _counts(cfg)
+    h, E = cfg.d_model, cfg.n_experts
+    capacity = deepspeed_moe_capacity(case.micro_batch * cfg.seq_len, E, cfg.top_k, cfg.capacity_factor,
+                                      int(case.options.get("min_capacity", 0)))
+    nb = BYTES[case.precision]
+    ops: list[tuple[str, int]] = []
+    for _ in range(cfg.n_moe_layers * case.grad_accum):
+        ops += [("all_to_all", E * capacity * h * nb)] * 4
+    ep = case.world_size
+    ops += [("all_reduce", nb * c["dense"]), ("all_reduce", nb * c["experts"] // ep)]
+    return ops
+
+
+@expectation("deepspeed.moe")
+def _deepspeed_moe(cfg, case, dp):
+    c = _counts(cfg)
+    if "experts" not in c or cfg.capacity_factor is None:
+        return Expectation(state_bytes=None, comm_payload_bytes=None, paper_state_bytes=None,
+                           notes="deepspeed.moe needs an MoE model with a capacity factor")
+    local = c["dense"] + c["experts"] // case.world_size
+    nb = BYTES[case.precision]
+    state = {"params": 4 * local, "grads": None, "optimizer": 8 * local} if case.precision == "fp32" else None
+    return Expectation(
+        state_bytes=state,
+        comm_payload_bytes=_sum_ops(deepspeed_moe_ops(cfg, case)),
+        comm_payload_bytes_dense_grads=nb * c["dense"],
+        comm_payload_bytes_expert_grads=nb * c["experts"] // case.world_size,
+        paper_state_bytes=None,
+        notes="DeepSpeed-MoE, capacity mode: per MoE layer per micro-batch 4 all-to-alls (dispatch, combine, and "
+              "their backward) of the dense [E, C, h] buffer, C = ceil(b·s/E · 2·capacity_factor) slots per "
+              "expert, padding included, so the volume does not depend on the routing (ref.ep sends only the kept "
+              "rows: summed over ranks its volume is DeepSpeed's minus 4·h per padding slot). Gradients in the "
+              "parameter dtype: non-expert all-reduced over the world, the E/ep local experts over the "
+              "expert-data-parallel group of one rank (payload counted, nothing on the wire). State: dense + "
+              "local experts, 16 bytes each in fp32 (gradients sit in DeepSpeed's buffers, not counted).",
+    )
 
 
 # --- communication-reducing data parallelism: reference_impls/compression.py, torch DDP hooks ----
