@@ -18,7 +18,7 @@ pace. The *zig-zag* (head-tail) split cuts the sequence into 2cp chunks and give
 r and 2cp-1-r, so every rank computes exactly the same number of chunk pairs (2 per foreign
 block + 3 on its own; Brandon et al. 2023 "Striped Attention" and Llama 3's CP use the same idea).
 ``split`` = "zigzag" | "contiguous"; :class:`RingStats` records per-rank executed attention
-FLOPs and compute time so the imbalance can be measured.
+FLOPs and compute time (CUDA events on GPUs) so the imbalance can be measured.
 
 Backward: *autograd through the blockwise computation*. The partials and merges are plain
 differentiable torch ops, and the rotation is an autograd function whose backward sends the
@@ -164,24 +164,60 @@ def _head_to_seq(x, group):
 @dataclass
 class RingStats:
     """Per-rank attention work of the last step (forward, summed over layers and micro-batches):
-    executed chunk pairs, FLOPs (4·b·a·c²·d per pair of chunks of c positions), compute seconds."""
+    executed chunk pairs, FLOPs (4·b·a·c²·d per pair of chunks of c positions, a diagonal pair
+    counted whole: its masked half is computed too), compute seconds.
+
+    Compute time is taken around each hop's block computations. On CUDA those calls only queue
+    kernels, so a host clock would measure launches: there a pair of CUDA events goes round each
+    hop's compute instead, and their elapsed times are read (``as_dict``) only once the step is
+    over, so timing adds no synchronisation inside the step. On CPU the work is synchronous and
+    ``time.perf_counter`` is exact. ``clock`` says which ("cuda_event" | "host") in the record.
+    """
 
     pairs_full: int = 0
     pairs_diagonal: int = 0
     flops: int = 0
-    compute_s: float = 0.0
     hops: int = 0
-    history: list = field(default_factory=list)
+    clock: str | None = None  # None: nothing timed (Ulysses)
+    host_compute_s: float = 0.0
+    event_pairs: list = field(default_factory=list)  # (start, end) torch.cuda.Event per timed hop
 
     def reset(self):
-        if self.pairs_full or self.pairs_diagonal:
-            self.history.append(self.as_dict())
         self.pairs_full = self.pairs_diagonal = self.flops = self.hops = 0
-        self.compute_s = 0.0
+        self.host_compute_s = 0.0
+        self.event_pairs = []
+
+    def compute_started(self, device: torch.device):
+        """Mark the start of one hop's compute; pass what it returns to :meth:`compute_ended`."""
+        if device.type == "cuda":
+            self.clock = "cuda_event"
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            return start
+        self.clock = "host"
+        return time.perf_counter()
+
+    def compute_ended(self, start) -> None:
+        if self.clock == "cuda_event":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.event_pairs.append((start, end))
+        else:
+            self.host_compute_s += time.perf_counter() - start
+
+    @property
+    def compute_s(self) -> float:
+        """Summed compute seconds. With CUDA events: device time between each start and end event
+        (the kernels, plus any gap in which the GPU waited for the host to launch them)."""
+        if not self.event_pairs:
+            return self.host_compute_s
+        self.event_pairs[-1][1].synchronize()  # a no-op once the step has synchronised (the worker does)
+        return sum(start.elapsed_time(end) for start, end in self.event_pairs) / 1e3
 
     def as_dict(self) -> dict:
         return {"attn_pairs_full": self.pairs_full, "attn_pairs_diagonal": self.pairs_diagonal,
-                "attn_flops_fwd": self.flops, "attn_compute_s_fwd": self.compute_s, "ring_hops": self.hops}
+                "attn_flops_fwd": self.flops, "attn_compute_s_fwd": self.compute_s,
+                "attn_compute_clock": self.clock, "ring_hops": self.hops}
 
 
 def block_attention(q, k, v, diagonal: bool, scale: float):
@@ -221,7 +257,7 @@ def ring_attention(q, k, v, group, split: str, stats: RingStats | None = None, l
         src = (r - step) % cp
         ks, vs = k.split(c, dim=-2), v.split(c, dim=-2)
         used = False
-        t0 = time.perf_counter()
+        started = stats.compute_started(q.device) if stats is not None else None
         for qi, qc in enumerate(my_chunks):
             for ki, kc in enumerate(chunks_of(src, cp, split)):
                 if kc > qc:
@@ -237,7 +273,7 @@ def ring_attention(q, k, v, group, split: str, stats: RingStats | None = None, l
                     else:
                         stats.pairs_full += 1
         if stats is not None:
-            stats.compute_s += time.perf_counter() - t0
+            stats.compute_ended(started)
         if not used:
             unused.append((k, v))
         if step < cp - 1:

@@ -6,8 +6,9 @@ HTML with a few lines of inline script for sorting and filtering, so the file op
 CDN). Every string from a result file goes through Jinja's autoescaping: results are untrusted text.
 
 Sections: overview (fastest strategy per model, device count and precision), figures, all cases,
-memory, communication vs theory, pipeline, collectives, cross-run comparison (same case hash,
-``parabench.compare``'s verdicts), failed and skipped cases, environment.
+memory, communication vs theory, pipeline, ring-attention balance (``cp_balance``), collectives,
+cross-run comparison (same case hash, ``parabench.compare``'s verdicts), failed and skipped
+cases, environment.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import jinja2
 
 from parabench.compare import compare_runs
-from parabench.report import frames
+from parabench.report import cp_balance, frames
 from parabench.results import load_run
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
@@ -218,6 +219,8 @@ def render_report(run_dirs: list[Path], *, threshold: float = 0.05, with_figures
             for r in ok for p in (r["pipeline"] or [])]
     if pipe:
         tables.append(_table("pipeline-table", "Pipeline bubbles", run_col + PIPE_COLUMNS, pipe))
+    for spec in cp_balance.table_specs(runs, run_col):  # ring attention: contiguous vs zig-zag balance
+        tables.append(_table(**spec))
     if coll_rows:
         tables.append(_table("collectives-table", "Collectives: bus bandwidth", COLL_COLUMNS,
                              _collectives_summary(coll_rows)))
