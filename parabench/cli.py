@@ -185,6 +185,23 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_recheck(args) -> int:
+    from parabench.recheck import recheck_run
+    from parabench.results import SchemaError
+
+    for run in args.runs:
+        try:
+            changes = recheck_run(Path(run), args.strategy)
+        except (FileNotFoundError, SchemaError) as exc:
+            print(f"parabench: error: {exc}", file=sys.stderr)
+            return 2
+        verdict = {True: "comm=theory", False: "comm!=theory", None: "no comm verdict"}
+        for label, before, after in changes:
+            mark = "" if before == after else f"  (was: {verdict[before]})"
+            print(f"{run}: {label}: {verdict[after]}{mark}")
+    return 0
+
+
 def cmd_compare(args) -> int:
     from parabench.compare import main as compare_main
 
@@ -246,6 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="+")
     p.add_argument("-o", "--output", default="report.html")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("recheck", help="recompute theory and checks of recorded runs with this parabench "
+                                       "(measurements untouched; rerun `parabench report` afterwards)")
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--strategy", action="append", metavar="NAME",
+                   help="only these strategies (repeatable; 'ref.tp*' matches a prefix)")
+    p.set_defaults(func=cmd_recheck)
 
     p = sub.add_parser("compare", help="regression gate: compare a candidate run with a baseline")
     from parabench.compare import add_arguments as _compare_arguments

@@ -99,31 +99,42 @@ def _base_record(case: Case) -> dict:
     }
 
 
+def theory_for(case: Case) -> dict | None:
+    """The analytic expectation of a case (``parabench.theory``), as the record stores it."""
+    dp = case.global_batch // (case.micro_batch * case.grad_accum)
+    expect = theory.expected(case, model_config(case.model, case.seq_len), dp)
+    return dict(expect) if expect is not None else None
+
+
+def checks_for(expect: dict | None, per_rank: list[dict], loss_scale_steps: list | None) -> dict:
+    """Measured per-rank figures against the expectation (``metrics.check_against_theory``)."""
+    checks = check_against_theory(expect, per_rank)
+    steps = loss_scale_steps or []
+    if steps and steps[-1].get("skipped_on_ranks") and checks.get("comm_ok") is False:
+        # An fp16 overflow on the instrumented step skips the update, and with it the parameter
+        # all-gathers of the ZeRO stages: the theory describes an applied step, so no verdict.
+        checks["comm_ok"] = None
+        checks["comm_note"] = ("instrumented step skipped on ranks "
+                               f"{steps[-1]['skipped_on_ranks']} (fp16 overflow): theory not applicable")
+        checks["ok"] = checks.get("state_ok", True)
+    return checks
+
+
 def build_record(case: Case, status: str, raw: dict | None = None, error: dict | None = None,
                  started_at: float | None = None, duration_s: float | None = None, launch: dict | None = None) -> dict:
     rec = _base_record(case)
     rec.update(status=status, error=error, started_at=started_at, duration_s=duration_s, launch=launch or {})
     rec["model"] = model_section(case)
-    dp = case.global_batch // (case.micro_batch * case.grad_accum)
-    expect = theory.expected(case, model_config(case.model, case.seq_len), dp)
-    rec["theory"] = dict(expect) if expect is not None else None
+    rec["theory"] = theory_for(case)
     if raw is not None:
         rec["device"] = {"name": raw["device_name"], "type": raw["device_type"]}
         rec["topology"] = raw["topology"]
         rec["metrics"] = summarize(case, raw)
         rec["per_rank"] = raw["per_rank"]
-        rec["checks"] = check_against_theory(rec["theory"], raw["per_rank"])
         for key in ("pipeline", "loss_scale"):
             if key in raw:
                 rec[key] = raw[key]
-        steps = raw.get("loss_scale") or []
-        if steps and steps[-1].get("skipped_on_ranks") and rec["checks"].get("comm_ok") is False:
-            # An fp16 overflow on the instrumented step skips the update, and with it the parameter
-            # all-gathers of the ZeRO stages: the theory describes an applied step, so no verdict.
-            rec["checks"]["comm_ok"] = None
-            rec["checks"]["comm_note"] = ("instrumented step skipped on ranks "
-                                          f"{steps[-1]['skipped_on_ranks']} (fp16 overflow): theory not applicable")
-            rec["checks"]["ok"] = rec["checks"].get("state_ok", True)
+        rec["checks"] = checks_for(rec["theory"], rec["per_rank"], rec.get("loss_scale"))
     return rec
 
 

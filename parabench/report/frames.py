@@ -184,8 +184,15 @@ def comm_check_rows(runs) -> list[dict]:
                              "measured_bytes": _bytes_text(c.get("measured_bytes")),
                              "ratio": _num(c.get("ratio")), "ok": c.get("ok"), "calls": k.get("calls"),
                              "dtypes": ", ".join(map(str, k.get("dtypes") or [])),
-                             "wire_MiB": _mib(k.get("wire_bytes"))})
+                             "wire_MiB": _mib(k.get("wire_bytes")), "theory_source": theory_source(r)})
     return rows
+
+
+def theory_source(r: dict) -> str:
+    recheck = r.get("theory_recheck")
+    if not isinstance(recheck, dict):
+        return "run"
+    return f"recheck {str(recheck.get('at', ''))[:10]} {str(recheck.get('parabench_commit') or '')[:8]}".rstrip()
 
 
 def collectives_rows(run_dirs: list[Path]) -> tuple[list[dict], list[dict]]:

@@ -44,6 +44,7 @@ COMM_COLUMNS = [
     ("label", "case", "str"), ("kind", "kind", "str"), ("measured_bytes", "measured B", "int"),
     ("expected_bytes", "analytic B (range: low – high)", "int"), ("ratio", "ratio", "g4"), ("ok", "within allowance", "str"),
     ("calls", "calls", "int"), ("dtypes", "dtypes", "str"), ("wire_MiB", "wire MiB (est.)", "f2"),
+    ("theory_source", "analytic from", "str"),
 ]
 OVERVIEW_COLUMNS = [
     ("model", "model", "str"), ("params_M", "params (M)", "f1"), ("world_size", "devices", "int"),
@@ -212,7 +213,9 @@ def render_report(run_dirs: list[Path], *, threshold: float = 0.05, with_figures
                              "16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N."))
     if comm_rows:
         tables.append(_table("comm-table", "Communication vs theory, by kind", run_col + COMM_COLUMNS, comm_rows,
-                             "Rank 0's payload per kind on the instrumented step against the analytic volume.",
+                             "Rank 0's payload per kind on the instrumented step against the analytic volume. 'analytic from': "
+                             "'run' when the expectation was computed when the case ran; 'recheck <date> <commit>' "
+                             "when `parabench recheck` later set the same measurement beside a newer theory.",
                              row_class=lambda r: "" if r["ok"] else "bad-row"))
     pipe = [{"label": r["label"], "run": r["run"], **p, "measured_pct": p["measured"] * 100 if p["measured"] is not None else None,
              "theory_pct": p["theory"] * 100 if p["theory"] is not None else None}
