@@ -86,3 +86,16 @@ def test_bf16_tensor_and_pipeline_parallel_traffic_matches_theory(tmp_path):
     sp = next(r for r in records if r["case"]["strategy"] == "ref.tp_sp")
     for kind in ("all_gather", "reduce_scatter"):
         assert sp["per_rank"][0]["comm"]["by_kind"][kind]["dtypes"] == ["torch.bfloat16", "torch.float32"]
+
+
+def _subgroup_ops():
+    mine = [dist.new_group([0]), dist.new_group([1])][dist.get_rank()]  # every rank creates every group
+    with CommMeter() as meter:
+        dist.all_reduce(torch.ones(1000), group=mine)
+        dist.all_reduce(torch.ones(1000))
+    return [(e.group_size, e.wire_bytes) for e in meter.events]
+
+
+def test_meter_reads_the_group_of_eager_ops():
+    """Eager c10d ops carry their group as a boxed ScriptObject; a one-rank group moves nothing on the wire."""
+    assert run_on_gloo(_subgroup_ops, 2)[0] == [(1, 0.0), (2, 4000.0)]

@@ -79,6 +79,10 @@ def _group_size(args, kwargs) -> int:
     for a in list(args) + list(kwargs.values()):
         if isinstance(a, dist.ProcessGroup):
             return a.size()
+        # Eager c10d ops receive the group boxed as a TorchScript object, not a ProcessGroup:
+        # without unboxing, every subgroup (TP, PP, expert-data-parallel) read as the world.
+        if isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith("c10d.ProcessGroup"):
+            return dist.ProcessGroup.unbox(a).size()
         if isinstance(a, str):  # functional collectives name the group
             try:
                 from torch._C._distributed_c10d import _resolve_process_group
