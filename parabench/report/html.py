@@ -6,7 +6,8 @@ HTML with a few lines of inline script for sorting and filtering, so the file op
 CDN). Every string from a result file goes through Jinja's autoescaping: results are untrusted text.
 
 Sections: overview (fastest strategy per model, device count and precision), figures, all cases,
-memory, communication vs theory, pipeline, ring-attention balance (``cp_balance``), collectives,
+memory, communication vs theory, pipeline, ring-attention balance (``cp_balance``), run-to-run
+spread of repeated cases (``spread``), collectives,
 cross-run comparison (same case hash, ``parabench.compare``'s verdicts), failed and skipped
 cases, environment.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 import jinja2
 
 from parabench.compare import compare_runs
-from parabench.report import cp_balance, frames
+from parabench.report import cp_balance, frames, spread
 from parabench.results import load_run
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
@@ -223,6 +224,8 @@ def render_report(run_dirs: list[Path], *, threshold: float = 0.05, with_figures
     if pipe:
         tables.append(_table("pipeline-table", "Pipeline bubbles", run_col + PIPE_COLUMNS, pipe))
     for spec in cp_balance.table_specs(runs, run_col):  # ring attention: contiguous vs zig-zag balance
+        tables.append(_table(**spec))
+    for spec in spread.table_specs(runs):  # repeated cases: the noise every comparison is held against
         tables.append(_table(**spec))
     if coll_rows:
         tables.append(_table("collectives-table", "Collectives: bus bandwidth", COLL_COLUMNS,
