@@ -75,6 +75,11 @@ MODEL_LADDER: dict[str, GPTConfig] = {
     "tiny-moe-cap1": GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64, n_experts=4, top_k=2,
                                capacity_factor=1.0),
     "gpt-350m-moe": GPTConfig(n_layers=24, d_model=1024, n_heads=16, n_experts=8, top_k=2),
+    # Capacity variants (ref.ep and deepspeed.moe compared in capacity mode; the models above are dropless).
+    # capacity_factor 2.0 = E/k with 4 experts: capacity = all of a rank's tokens, so nothing is ever dropped.
+    "tiny-moe-cap2": GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64, n_experts=4, top_k=2,
+                               capacity_factor=2.0),
+    "gpt-350m-moe-cap1": GPTConfig(n_layers=24, d_model=1024, n_heads=16, n_experts=8, top_k=2, capacity_factor=1.0),
     # Long sequence for context parallelism.
     "gpt-125m-8k": GPTConfig(n_layers=12, d_model=768, n_heads=12, seq_len=8192),
 }

@@ -199,6 +199,10 @@ _BUILTIN = (
     StrategyInfo("deepspeed.ulysses", "parabench.peers.cp_ep_peers:build_deepspeed_ulysses", "peer",
                  "DeepSpeed-Ulysses DistributedAttention (deepspeed.sequence.layer) around SDPA; gradients "
                  "all-reduced over the cp group", min_world_size=2),
+    StrategyInfo("deepspeed.moe", "parabench.peers.cp_ep_peers:build_deepspeed_moe", "peer",
+                 "DeepSpeed-MoE (deepspeed.moe.layer.MoE, top-2, deterministic gate; capacity mode for models with a "
+                 "capacity factor, else dropless) in the MoE blocks; ZeRO-0 engine reduces expert / non-expert gradients",
+                 min_world_size=2),
     StrategyInfo("torch.cp", "parabench.peers.cp_ep_peers:build_torch_cp", "peer",
                  "torch.distributed.tensor.experimental.context_parallel (ring attention); CUDA only",
                  min_world_size=2),

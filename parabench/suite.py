@@ -336,6 +336,8 @@ def _validate_cp_ep(case: Case, cfg) -> None:
             raise SuiteError(f"{case.strategy}: ep={ep} must equal world_size={case.world_size} (no ep x dp yet)")
         if cfg.n_experts % ep:
             raise SuiteError(f"{case.strategy}: ep={ep} does not divide the {cfg.n_experts} experts of {case.model}")
+        if case.strategy == "deepspeed.moe" and cfg.top_k != 2:
+            raise SuiteError(f"deepspeed.moe wires DeepSpeed's top-2 gate only ({case.model} has top_k={cfg.top_k})")
 
 
 COMPRESSION_STRATEGIES = ("ref.ddp_fp16_compress", "ref.ddp_onebit", "ref.ddp_topk", "ref.ddp_powersgd",

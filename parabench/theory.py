@@ -570,15 +570,17 @@ def deepspeed_moe_capacity(tokens: int, n_experts: int, top_k: int, capacity_fac
     return max(capacity, min_capacity)
 
 
-def deepspeed_moe_ops(cfg: GPTConfig, case) -> list[tuple[str, int]]:
+def deepspeed_moe_ops(cfg: GPTConfig, case, capacities: list[int] | None = None) -> list[tuple[str, int]]:
     """Every communication op (kind, payload bytes) one rank issues in one step of ``deepspeed.moe``
-    (DeepSpeed-MoE ``MOELayer`` in capacity mode under the ZeRO-0 engine, ep = world).
+    (DeepSpeed-MoE ``MOELayer`` under the ZeRO-0 engine, ep = world).
 
-    Per MoE layer per micro-batch: the gate dispatches into a dense [E, C, h] buffer (C =
-    :func:`deepspeed_moe_capacity` of the rank's b·s tokens, empty slots zero) and all-to-alls it;
-    the experts' [E, C, h] output goes back by a second all-to-all; backward repeats both: 4
-    all-to-alls of E·C·h elements in the compute dtype, whatever the routing. The gate needs no
-    collective in capacity mode (only dropless all-reduces its capacity).
+    Per MoE layer per micro-batch: the gate dispatches into a dense [E, C, h] buffer (empty slots
+    zero) and all-to-alls it; the experts' [E, C, h] output goes back by a second all-to-all;
+    backward repeats both: 4 all-to-alls of E·C·h elements in the compute dtype. Capacity mode:
+    C = :func:`deepspeed_moe_capacity` of the rank's b·s tokens, whatever the routing, and the gate
+    needs no collective. Dropless: C = the largest expert demand over the ep group, found by an
+    all-reduce (MAX) of one int64 in forward; ``capacities`` lists the measured C per MoE layer per
+    micro-batch (``strategy_stats``), which dropless needs.
     Gradients (engine, at the accumulation boundary, parameter dtype): non-expert parameters
     (attention, embeddings, norms, head and the gates) in one all-reduce over the data-parallel
     group (the world); the local experts' E/ep per MoE layer in one all-reduce over the
@@ -587,39 +589,74 @@ def deepspeed_moe_ops(cfg: GPTConfig, case) -> list[tuple[str, int]]:
     """
     c = _counts(cfg)
     h, E = cfg.d_model, cfg.n_experts
-    capacity = deepspeed_moe_capacity(case.micro_batch * cfg.seq_len, E, cfg.top_k, cfg.capacity_factor,
-                                      int(case.options.get("min_capacity", 0)))
+    dropless = cfg.capacity_factor is None
+    if capacities is None:
+        if dropless:
+            raise ValueError("dropless deepspeed.moe: the capacity depends on the routing; pass the measured ones")
+        capacities = [deepspeed_moe_capacity(case.micro_batch * cfg.seq_len, E, cfg.top_k, cfg.capacity_factor,
+                                             int(case.options.get("min_capacity", 0)))
+                      ] * (cfg.n_moe_layers * case.grad_accum)
     nb = BYTES[case.precision]
     ops: list[tuple[str, int]] = []
-    for _ in range(cfg.n_moe_layers * case.grad_accum):
+    for capacity in capacities:
+        if dropless:
+            ops.append(("all_reduce", 8))
         ops += [("all_to_all", E * capacity * h * nb)] * 4
     ep = case.world_size
     ops += [("all_reduce", nb * c["dense"]), ("all_reduce", nb * c["experts"] // ep)]
     return ops
 
 
+def deepspeed_moe_scalar_ops(cfg: GPTConfig, case) -> dict:
+    """Collectives of at most 64 bytes (the meter lists them apart), measured on CPU: per MoE layer
+    per micro-batch the dropless capacity all-reduce (8 bytes); in bf16 once per step the engine's
+    overflow check, a 1-byte flag all-reduced (MAX) over the largest expert-parallel group."""
+    calls = cfg.n_moe_layers * case.grad_accum if cfg.capacity_factor is None else 0
+    nbytes = 8 * calls
+    if case.precision != "fp32":
+        calls, nbytes = calls + 1, nbytes + 1
+    return {"all_reduce": {"calls": calls, "payload_bytes": nbytes}} if calls else {}
+
+
 @expectation("deepspeed.moe")
 def _deepspeed_moe(cfg, case, dp):
+    import math
+
     c = _counts(cfg)
-    if "experts" not in c or cfg.capacity_factor is None:
+    if "experts" not in c:
         return Expectation(state_bytes=None, comm_payload_bytes=None, paper_state_bytes=None,
-                           notes="deepspeed.moe needs an MoE model with a capacity factor")
+                           notes="deepspeed.moe needs an MoE model")
     local = c["dense"] + c["experts"] // case.world_size
     nb = BYTES[case.precision]
     state = {"params": 4 * local, "grads": None, "optimizer": 8 * local} if case.precision == "fp32" else None
+    n = cfg.n_moe_layers * case.grad_accum
+    tokens, E = case.micro_batch * cfg.seq_len, cfg.n_experts
+    balanced = math.ceil(tokens * cfg.top_k / E)  # every expert equally loaded
+    if cfg.capacity_factor is not None:
+        comm = _sum_ops(deepspeed_moe_ops(cfg, case))
+        balanced_comm = None
+    else:
+        # C lies between the balanced load and b·s (every token chose the same expert)
+        balanced_comm = _sum_ops(deepspeed_moe_ops(cfg, case, [balanced] * n))
+        lo, hi = (_sum_ops(deepspeed_moe_ops(cfg, case, [cap] * n))["all_to_all"] for cap in (balanced, tokens))
+        comm = {**balanced_comm, "all_to_all": [lo, hi]}
     return Expectation(
         state_bytes=state,
-        comm_payload_bytes=_sum_ops(deepspeed_moe_ops(cfg, case)),
+        comm_payload_bytes=comm,
+        comm_payload_bytes_balanced=balanced_comm,
         comm_payload_bytes_dense_grads=nb * c["dense"],
         comm_payload_bytes_expert_grads=nb * c["experts"] // case.world_size,
+        comm_scalar_ops=deepspeed_moe_scalar_ops(cfg, case),
         paper_state_bytes=None,
-        notes="DeepSpeed-MoE, capacity mode: per MoE layer per micro-batch 4 all-to-alls (dispatch, combine, and "
-              "their backward) of the dense [E, C, h] buffer, C = ceil(b·s/E · 2·capacity_factor) slots per "
-              "expert, padding included, so the volume does not depend on the routing (ref.ep sends only the kept "
-              "rows: summed over ranks its volume is DeepSpeed's minus 4·h per padding slot). Gradients in the "
-              "parameter dtype: non-expert all-reduced over the world, the E/ep local experts over the "
-              "expert-data-parallel group of one rank (payload counted, nothing on the wire). State: dense + "
-              "local experts, 16 bytes each in fp32 (gradients sit in DeepSpeed's buffers, not counted).",
+        notes="DeepSpeed-MoE: per MoE layer per micro-batch 4 all-to-alls (dispatch, combine, and their backward) of "
+              "the dense [E, C, h] buffer, padding included. Capacity mode: C = ceil(b·s/E · 2·capacity_factor), "
+              "so the volume does not depend on the routing; dropless: C = the largest expert demand over the ep "
+              "group (one int64 all-reduce per layer), the range [ceil(b·s·k/E), b·s] and the balanced value are "
+              "given, parabench.theory.deepspeed_moe_ops with the measured capacities is exact. ref.ep sends only "
+              "the kept rows: summed over ranks its volume is DeepSpeed's minus 4·h per padding slot. Gradients in "
+              "the parameter dtype: non-expert all-reduced over the world, the E/ep local experts over the "
+              "expert-data-parallel group of one rank (payload counted, nothing on the wire). State: dense + local "
+              "experts, 16 bytes each in fp32 (gradients sit in DeepSpeed's buffers, not counted).",
     )
 
 

@@ -1,4 +1,5 @@
-"""Peers for context parallelism: DeepSpeed-Ulysses and PyTorch's experimental context_parallel.
+"""Peers for context parallelism (DeepSpeed-Ulysses, PyTorch's experimental context_parallel) and
+expert parallelism (DeepSpeed-MoE).
 
 * ``deepspeed.ulysses``: DeepSpeed's ``DistributedAttention`` (``deepspeed.sequence.layer``) wraps
   the causal SDPA of every block; its all-to-alls (q, k, v to head shards, the output back) are
@@ -11,13 +12,32 @@
   (flash, efficient, cuDNN); on CPU the SDPA op ``_scaled_dot_product_flash_attention_for_cpu``
   has no sharding strategy and raises NotImplementedError, so the builder refuses CPU runs
   with that reason. The GPU path is written but has NOT been run yet.
-* ``deepspeed.moe`` is not registered. Probed with deepspeed 0.19.8 on CPU/gloo, 2 ranks, ep_size=2:
-  ``deepspeed.moe.layer.MoE(..., k=2, drop_tokens=True, capacity_factor=2.0)`` runs forward and
-  backward; dropless (``drop_tokens=False``) aborts the process in gloo ("Received data size doesn't
-  match expected size", a collective-size mismatch between ranks). Its gate differs from
-  ``parabench.models.MoE`` anyway (own gate weights, capacity-based dispatch, batch-level aux loss,
-  optional Gumbel sampling of the second expert), so it would not train the same model and no
-  equivalence check is possible; an adapter with a capacity-based comparison is future work.
+* ``deepspeed.moe``: DeepSpeed-MoE (``deepspeed.moe.layer.MoE``) in the MoE blocks, trained by the
+  DeepSpeed engine with ZeRO-0, as a performance / communication peer of ``ref.ep``: same model
+  shape, data, AdamW and global batch. Top-2 with a deterministic gate (``use_rts=False``,
+  ``noisy_gate_policy=None``, ``top2_2nd_expert_sampling=False``). Models with a
+  ``capacity_factor`` (``tiny-moe-cap1``, ``gpt-350m-moe-cap1``) run in capacity mode
+  (``drop_tokens=True``, ``min_capacity=0``, option ``min_capacity``): its capacity
+  ``ceil(b*s/E * 2*cf)`` is parabench's ``ceil(cf*b*s*k/E)``. Dropless models (``tiny-moe``,
+  ``gpt-350m-moe``) run with ``drop_tokens=False``: the capacity is the largest expert demand,
+  all-reduced (MAX) over the ep group. The gate takes the router's weights and each rank's experts
+  the global experts it owns: both strategies start from the same weights (``full_parameters``
+  maps the names back), and with nothing dropped the first step's loss equals ref.ep's. They still
+  train different models: DeepSpeed's gate fills an expert's slots with first choices before
+  second choices (parabench: token order; the *number* kept per expert, min(demand, C), is the
+  same), renormalises a token's gates over its kept experts, and its aux loss is the batch-level
+  ``E^2 * mean(me * ce)`` over first choices (added with ``aux_loss_coef`` through the same
+  injector, so the reported loss is the LM loss). Nothing is checked for equivalence beyond the
+  first step. Communication: 4 dense all-to-alls of [E, C, h] per MoE layer per micro-batch
+  (padding included); the engine all-reduces non-expert gradients over the world and expert
+  gradients over the expert-data-parallel group (one rank when ep = world). ``strategy_stats``
+  reports DeepSpeed's ``exp_counts`` (demand per expert before the capacity cut), the capacity its
+  gate returned, and the kept loads and drops derived from them.
+  An earlier probe (deepspeed 0.19.8, CPU/gloo, 2 ranks, ep_size=2) saw dropless abort in gloo
+  ("Received data size doesn't match expected size"): that happens when the layer is used without
+  ``MoE.set_deepspeed_parallelism()`` (which ``deepspeed.initialize`` calls): the gate's ep group
+  is then None, so each rank sizes its buffer by its own largest demand and the all-to-all sizes
+  differ (reproduced: 4480 vs 4352 bytes). Through the engine, dropless trains on gloo.
 """
 
 from __future__ import annotations
@@ -25,9 +45,12 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 
-from parabench.reference_adapters_cp_ep import CPTrainer
+from parabench.peers.deepspeed_zero import DeepSpeedTrainer
+from parabench.reference_adapters_cp_ep import CPTrainer, build_model_names
 from parabench.strategies import TrainSpec
 
 
@@ -106,3 +129,167 @@ def build_torch_cp(spec: TrainSpec):
             f"{torch.__version__}) handles only the CUDA SDPA kernels (flash/efficient/cuDNN); on CPU "
             "aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy. Run it on GPUs.")
     return _TorchCPTrainer(spec)
+
+
+class _DeepSpeedMoESlot(nn.Module):
+    """The MLP slot of one MoE block, filled with ``deepspeed.moe.layer.MoE``.
+
+    DeepSpeed's gate weight ``wg`` has the router's shape and takes its values; the rank's
+    ``E/ep`` local experts take the values of the global experts it owns (``[r*E/ep, (r+1)*E/ep)``,
+    as ref.ep shards them), so both start from the same weights. The layer returns
+    ``(out, l_aux, exp_counts)``; the block wants ``out`` alone, so ``l_aux`` enters the gradient
+    through the same injector parabench's MoE uses (the reported loss stays the LM loss) and
+    ``exp_counts`` is kept for ``stats`` without a host sync.
+    """
+
+    def __init__(self, full, ep: int, rank: int, min_capacity: int):
+        super().__init__()
+        from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+        from parabench.models import MLP
+
+        cfg = full.cfg
+        self.cfg = cfg
+        device = full.router.weight.device
+        dropless = cfg.capacity_factor is None
+        with torch.device(device):
+            # Deterministic gate: no random token selection, no noise, no Gumbel sampling of the
+            # second expert. Capacity mode when the model has a capacity factor, else dropless
+            # (DeepSpeed then sizes the buffer by the largest expert demand over the ep group).
+            self.moe = DeepSpeedMoE(hidden_size=cfg.d_model, expert=MLP(cfg), num_experts=cfg.n_experts, ep_size=ep,
+                                    k=cfg.top_k, capacity_factor=1.0 if dropless else cfg.capacity_factor,
+                                    eval_capacity_factor=1.0 if dropless else cfg.capacity_factor,
+                                    min_capacity=min_capacity, use_residual=False, noisy_gate_policy=None,
+                                    drop_tokens=not dropless, use_rts=False, top2_2nd_expert_sampling=False)
+        # The capacity C the layer used is a local of MOELayer.forward; the gate returns it, so a
+        # hook keeps it (a tensor: reading it waits until strategy_stats, after the step).
+        self._capacity: torch.Tensor | None = None
+        self.moe.deepspeed_moe.gate.register_forward_hook(self._keep_capacity)
+        local = cfg.n_experts // ep
+        self.first = rank * local
+        with torch.no_grad():
+            self.moe.deepspeed_moe.gate.wg.weight.copy_(full.router.weight)
+            for j, expert in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
+                expert.load_state_dict(full.experts[self.first + j].state_dict())
+        self.aux_grad_scale = 1.0
+        self._exp_counts: torch.Tensor | None = None
+
+    def _keep_capacity(self, gate, inputs, output):
+        self._capacity = output[1]  # (l_aux, capacity, E, indices, locations, gates, exp_counts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from parabench.models import _AuxLossInjector
+
+        out, l_aux, exp_counts = self.moe(x)
+        self._exp_counts = exp_counts
+        if torch.is_grad_enabled() and self.cfg.aux_loss_coef:
+            out = _AuxLossInjector.apply(out, l_aux, self.cfg.aux_loss_coef * self.aux_grad_scale)
+        return out
+
+    def stats(self) -> dict:
+        """Routing of the last micro-batch, in ref.ep's terms. DeepSpeed's ``exp_counts[e]`` is the
+        number of this rank's tokens whose first or second choice is e, counted *before* the
+        capacity cut. top2gating places all first choices of an expert before its second choices
+        and keeps slots ``< capacity``, so the kept assignments are ``min(exp_counts[e], capacity)``
+        whatever the order (dropless: capacity = the largest demand over the ep group, nothing
+        dropped). The all-to-alls are dense: E x capacity rows each way, empty slots (padding)
+        included. ``capacity`` is the one DeepSpeed's gate returned."""
+        if self._exp_counts is None:
+            return {}
+        cfg = self.cfg
+        capacity = int(self._capacity)
+        routed = [int(c) for c in self._exp_counts.tolist()]
+        kept = [min(c, capacity) for c in routed]
+        rows = cfg.n_experts * capacity
+        return {"tokens_per_expert": kept, "routed_per_expert": routed, "capacity": capacity,
+                "dropped": sum(routed) - sum(kept), "sent_rows": rows, "received_rows": rows,
+                "padding_rows": rows - sum(kept)}
+
+
+class _DeepSpeedMoETrainer(DeepSpeedTrainer):
+    """GPT whose MoE blocks hold DeepSpeed's MoE layer, trained by the DeepSpeed engine (ZeRO-0).
+
+    The engine reduces gradients as DeepSpeed-MoE does: parameters DeepSpeed marks as experts
+    (``allreduce=False``) are all-reduced over the expert-data-parallel group (here one rank per
+    group, since ep = world: a no-op call that still shows in the meter), everything else over the
+    data-parallel group (the world); both are averaged over the data-parallel size, as ref.ep
+    divides by ep. The optimizer gets DeepSpeed's expert / non-expert parameter groups
+    (``split_params_into_different_moe_groups_for_optimizer``), with identical AdamW settings.
+    """
+
+    def __init__(self, spec: TrainSpec):
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        from parabench.models import MoE, build_model
+
+        cfg = spec.model
+        ep = dist.get_world_size()
+        model = build_model(cfg, spec.seed, spec.device)
+        self.slots: dict[int, _DeepSpeedMoESlot] = {}
+        min_capacity = int(spec.options.get("min_capacity", 0))
+        for i, blk in enumerate(model.blocks):
+            if isinstance(blk.mlp, MoE):
+                blk.mlp = _DeepSpeedMoESlot(blk.mlp, ep, dist.get_rank(), min_capacity)
+                self.slots[i] = blk.mlp
+        groups = split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(model.parameters()), "name": "non_expert"})
+        super().__init__(spec, stage=0, model=model, param_groups=groups)
+        self.ep = ep
+
+    def train_step(self, inputs, targets):
+        # The engine divides the loss by the accumulation steps; the injected l_aux gradient must follow.
+        for slot in self.slots.values():
+            slot.aux_grad_scale = 1.0 / self.spec.grad_accum
+        return super().train_step(inputs, targets)
+
+    def _parabench_name(self, name: str) -> str:
+        """``blocks.i.mlp.moe.deepspeed_moe.gate.wg.weight`` -> ``blocks.i.mlp.router.weight``;
+        ``...experts.deepspeed_experts.j.fc.weight`` -> ``blocks.i.mlp.experts.<first + j>.fc.weight``."""
+        parts = name.split(".")
+        if len(parts) > 4 and parts[2] == "mlp" and parts[3] == "moe":
+            i, rest = int(parts[1]), parts[5:]
+            if rest[:2] == ["gate", "wg"]:
+                return f"blocks.{i}.mlp.router.{rest[-1]}"
+            if rest[:2] == ["experts", "deepspeed_experts"]:
+                j = self.slots[i].first + int(rest[2])
+                return ".".join(["blocks", str(i), "mlp", "experts", str(j)] + rest[3:])
+        return name
+
+    def full_parameters(self):
+        """Rank 0 assembles the full model under the GPT's names (experts from their owners)."""
+        from deepspeed.moe.utils import is_moe_param
+
+        mine = {self._parabench_name(n): p.detach().float().cpu().clone()
+                for n, p in self.engine.module.named_parameters() if is_moe_param(p) or dist.get_rank() == 0}
+        everything = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, everything, dst=0)
+        if dist.get_rank() != 0:
+            return None
+        full = {}
+        for part in everything:
+            full.update(part)
+        return {n: full[n] for n, _ in build_model_names(self.spec)}
+
+    def strategy_stats(self) -> dict:
+        """Per MoE layer, the last micro-batch: kept assignments per expert (``tokens_per_expert``,
+        this rank's tokens, as ref.ep), DeepSpeed's ``exp_counts`` before the capacity cut
+        (``routed_per_expert``), ``dropped`` = routed - kept, capacity, and the dense all-to-all's
+        rows (``sent_rows`` = ``received_rows`` = E x capacity, ``padding_rows`` of them empty)."""
+        return {"ep": self.ep, "moe_layers": {str(i): s.stats() for i, s in self.slots.items()}}
+
+
+def build_deepspeed_moe(spec: TrainSpec):
+    cfg = spec.model
+    if not cfg.is_moe:
+        raise ValueError("deepspeed.moe needs an MoE model (n_experts > 0), e.g. tiny-moe or tiny-moe-cap1")
+    if cfg.top_k != 2:
+        raise ValueError(f"deepspeed.moe: top_k={cfg.top_k}; only top-2 is wired (DeepSpeed's top2gating "
+                         "capacity and gate normalisation are the ones matched to parabench's router)")
+    if spec.options.get("activation_checkpointing"):
+        raise ValueError("deepspeed.moe: activation_checkpointing is not supported (nor by ref.ep)")
+    ep = int(spec.options.get("ep", dist.get_world_size()))
+    if ep != dist.get_world_size():
+        raise ValueError(f"ep={ep}: only ep = world size ({dist.get_world_size()}) is supported for now")
+    if spec.device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return _DeepSpeedMoETrainer(spec)

@@ -91,18 +91,22 @@ class DeepSpeedTrainer(Trainer):
     enters DeepSpeed's reduction like a real overflow. ``lr_spike = {step, factor}`` multiplies the
     learning rate of the wrapped optimizer's param groups for that step."""
 
-    def __init__(self, spec: TrainSpec, stage: int, offload: bool = False):
+    def __init__(self, spec: TrainSpec, stage: int, offload: bool = False,
+                 model: torch.nn.Module | None = None, param_groups: list[dict] | None = None):
+        """``model`` / ``param_groups``: a prepared module and optimizer groups (deepspeed.moe passes
+        its MoE model and DeepSpeed's expert / non-expert groups); by default the GPT, one group."""
         import deepspeed
 
         self.spec, self.stage = spec, stage
         _allow_fp16_on_cpu(spec)
-        model = build_model(spec.model, spec.seed, spec.device)
-        checkpoint_blocks(model, spec)  # a model-level option: the blocks recompute inside the engine
+        if model is None:
+            model = build_model(spec.model, spec.seed, spec.device)
+            checkpoint_blocks(model, spec)  # a model-level option: the blocks recompute inside the engine
         config = ds_config(spec, stage, offload)
         opt_spec = replace(spec, device=torch.device("cpu")) if offload else spec  # AdamW runs on the CPU
         self.engine, *_ = deepspeed.initialize(
-            model=model, optimizer=adamw(model.parameters(), opt_spec), config=config,
-            dist_init_required=False, mpu=None,
+            model=model, optimizer=adamw(param_groups if param_groups is not None else model.parameters(), opt_spec),
+            config=config, dist_init_required=False, mpu=None,
         )
         self.measure_state = False
         self._step = 0
