@@ -270,7 +270,11 @@ class Runner:
 
     def _next_batch(self, pending: list[Case]) -> list[Case]:
         def shareable(c: Case) -> bool:
-            return not c.options.get("inject_fault") and get_strategy(c.strategy).shares_launch
+            # A CUDA profiler may leave CUPTI attached after it stops (kineto without TEARDOWN_CUPTI:
+            # pytorch/pytorch#144455, 10-20 % slower kernels), so a profiled GPU case runs alone and
+            # cannot slow the timed steps of the cases after it.
+            profiled_on_gpu = bool(c.options.get("step_breakdown")) and resolve_device(c) == "cuda"
+            return not c.options.get("inject_fault") and not profiled_on_gpu and get_strategy(c.strategy).shares_launch
 
         first = pending.pop(0)
         batch = [first]

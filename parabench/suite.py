@@ -297,6 +297,9 @@ def validate_case(case: Case) -> None:
         raise SuiteError(f"{case.strategy} needs options.tp >= 2 (got tp={tp})")
     if case.strategy.startswith(("ref.pp_", "torch.pp_")) and pp < 2:
         raise SuiteError(f"{case.strategy} needs options.pp >= 2 (got pp={pp})")
+    for flag in ("memory_breakdown", "step_breakdown"):  # extra untimed meter steps after the timed ones
+        if flag in case.options and not isinstance(case.options[flag], bool):
+            raise SuiteError(f"options.{flag} must be true or false (got {case.options[flag]!r})")
     _validate_cp_ep(case, cfg)
     _validate_compression(case)
 

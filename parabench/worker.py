@@ -6,7 +6,9 @@ start-up of torch, NCCL and the rendezvous for each. Per case, every rank:
 1. builds the rank grid and the strategy's trainer from the shared model and seed;
 2. runs ``warmup`` untimed steps, then ``steps`` timed steps with nothing else on them
    (device events on GPU, the host clock on CPU; peak memory reset just before);
-3. runs one more, instrumented step: communication meter on, model-state bytes sampled;
+3. runs one more, instrumented step: communication meter on, model-state bytes sampled; then,
+   when the case asks, one more step under the memory-breakdown meter (``memory_breakdown``) and
+   one under ``torch.profiler`` (``step_breakdown``: compute, communication, exposed communication);
 4. sends its measurements to rank 0, which writes ``<case_hash>.json`` in the scratch folder.
 
 A rank that fails writes ``<case_hash>.rank<r>.error.json`` (type, message, traceback, time)
@@ -146,7 +148,9 @@ def run_case(case: Case, device: torch.device) -> dict | None:
 
     n_steps = case.warmup + case.steps + 1  # + the instrumented step
     breakdown_on = bool(case.options.get("memory_breakdown"))
-    batches = local_batches(case, spec, n_steps + breakdown_on)  # + the memory-breakdown step
+    step_breakdown_on = bool(case.options.get("step_breakdown"))
+    # + the memory-breakdown step and the profiled step, each when asked for
+    batches = local_batches(case, spec, n_steps + breakdown_on + step_breakdown_on)
 
     losses: list = []
     # fp16 only: the loss scaler's outcome after every step (warm-up, timed, instrumented). Reading
@@ -188,11 +192,21 @@ def run_case(case: Case, device: torch.device) -> dict | None:
     _sync(device)
     fr = flight_recorder.summary_since(fr_start) if fr_start is not None else None
     state = trainer.state_bytes()
+    # Per-step statistics describe the last step run: read them before any extra meter step.
+    pipeline = trainer.pipeline_stats() if hasattr(trainer, "pipeline_stats") else None
+    strategy_stats = trainer.strategy_stats() if hasattr(trainer, "strategy_stats") else None  # attention work, routing
     breakdown = None
     if breakdown_on:  # one more untimed step under the memory-breakdown meter (its loss is not recorded)
         from parabench.meters.memory_breakdown import measure_step
 
         _, breakdown = measure_step(trainer, *batches[n_steps])
+    step_breakdown = None
+    if step_breakdown_on:  # one more untimed step under torch.profiler (its loss is not recorded)
+        from parabench.meters import step_breakdown as step_meter
+
+        if hasattr(trainer, "measure_state"):
+            trainer.measure_state = False  # state bytes are read: profile a step like the timed ones
+        _, step_breakdown = step_meter.measure_step(trainer, *batches[n_steps + breakdown_on])
     loss_values = [None if l is None else float(l) for l in losses]
 
     mine = {
@@ -210,10 +224,12 @@ def run_case(case: Case, device: torch.device) -> dict | None:
     }
     if breakdown is not None:
         mine["memory_breakdown"] = breakdown
+    if step_breakdown is not None:
+        mine["step_breakdown"] = step_breakdown
     if hasattr(trainer, "pipeline_stats"):
-        mine["pipeline"] = trainer.pipeline_stats()
-    if hasattr(trainer, "strategy_stats"):  # e.g. attention work per rank, expert routing
-        mine["strategy_stats"] = trainer.strategy_stats()
+        mine["pipeline"] = pipeline
+    if hasattr(trainer, "strategy_stats"):
+        mine["strategy_stats"] = strategy_stats
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     trainer.close()

@@ -20,6 +20,7 @@ import jinja2
 
 from parabench.compare import compare_runs
 from parabench.report import cp_balance, frames, spread
+from parabench.report import step_breakdown as step_breakdown_section
 from parabench.results import load_run
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
@@ -225,6 +226,8 @@ def render_report(run_dirs: list[Path], *, threshold: float = 0.05, with_figures
         tables.append(_table("pipeline-table", "Pipeline bubbles", run_col + PIPE_COLUMNS, pipe))
     for spec in cp_balance.table_specs(runs, run_col):  # ring attention: contiguous vs zig-zag balance
         tables.append(_table(**spec))
+    for spec in step_breakdown_section.table_specs(runs, run_col):  # compute vs exposed communication
+        tables.append(_table(**spec))
     for spec in spread.table_specs(runs):  # repeated cases: the noise every comparison is held against
         tables.append(_table(**spec))
     if coll_rows:
@@ -236,6 +239,7 @@ def render_report(run_dirs: list[Path], *, threshold: float = 0.05, with_figures
         from parabench.report.figures import all_figures  # matplotlib only when drawing
 
         figures = all_figures(rows, comm_rows, coll_rows, frames.loss_scale_points(rows))
+        figures += step_breakdown_section.figures(runs)  # compute, exposed communication, the rest
 
     failed = [{"run": r["run"], "label": r["label"], "status": r["status"], "error": r["error"],
                "type": r["error_type"], "rank": r["first_failing_rank"], "detail": r["error_detail"]} for r in bad]
