@@ -23,6 +23,12 @@ new high-water mark records what is live, by category:
 * ``other``: storages alive before the step that nothing above names (the step's inputs, and
   tensors first seen as an op's argument).
 
+The result also gives ``peak_by_phase``: the same snapshot at the high-water mark of each phase
+(``forward``: from a module's forward on; ``backward``: inside autograd's engine; ``step``: after a
+backward until the next forward, i.e. the reduction's tail and the optimizer update), since the phase
+that holds the step's peak can differ by device (on a CPU, foreach AdamW's scratch copies of the
+moments; on CUDA the fused kernel makes none).
+
 Categories are tested in that order, so a gradient bucket that a collective also touches counts
 as a gradient. The trainer's buffers are found by walking its attributes (and those of
 DeepSpeed's engine and optimizer) and reading the attribute names: a heuristic, documented so
@@ -96,7 +102,15 @@ class MemoryBreakdown(TorchDispatchMode):
         self._live: dict[int, _Storage] = {}
         self.current = self.peak = self.baseline = 0
         self._watch: dict[int, _Storage] = {}
-        self.n_ops, self._peak_info, self._phase_seen_backward = 0, None, False
+        self.n_ops, self._peak_info = 0, None
+        # Phase of the op being run: "forward" from any module's forward (a global pre-hook: so the
+        # gathers in a unit's pre-forward hook are forward too), "backward" inside autograd's engine,
+        # "step" for what runs after a backward outside it (reduction tail, optimizer update).
+        self._phase, self._module_hook = "forward", None
+        # The same snapshot at each phase's own high-water mark: the step's peak can sit in a phase that
+        # differs by device (CPU's foreach AdamW makes scratch copies of its moments, CUDA's fused one not).
+        self._phase_peak: dict[str, int] = {}
+        self._phase_info: dict[str, dict] = {}
 
     # --- what the trainer holds --------------------------------------------------------------
 
@@ -121,38 +135,40 @@ class MemoryBreakdown(TorchDispatchMode):
 
     def _named_buffers(self):
         """(attribute path, tensor) for every tensor reachable from the trainer's own attributes."""
-        out, seen = [], set()
-
-        def walk(x, path, depth):
-            if isinstance(x, torch.Tensor):
-                out.append((path, x))
-                if x.grad is not None:
-                    out.append((path + ".grad", x.grad))
-                return
-            if depth > 5 or id(x) in seen or isinstance(x, (str, bytes, int, float, bool, type(None))):
-                return
-            seen.add(id(x))
-            if isinstance(x, (list, tuple, set)):
-                for i, y in enumerate(x):
-                    walk(y, path, depth + 1)
-            elif isinstance(x, dict):
-                for k, y in x.items():
-                    walk(y, f"{path}.{k}" if isinstance(k, str) else path, depth + 1)
-            elif isinstance(x, torch.nn.Module) or isinstance(x, torch.optim.Optimizer):
-                if type(x).__module__.startswith(_WALK_MODULES) and not isinstance(x, torch.nn.Module):
-                    for k, y in vars(x).items():
-                        if k not in ("state", "param_groups"):
-                            walk(y, f"{path}.{k}", depth + 1)
-                elif isinstance(x, torch.nn.Module) and type(x).__module__.startswith(_WALK_MODULES):
-                    for k, y in vars(x).items():
-                        if not k.startswith("_"):
-                            walk(y, f"{path}.{k}", depth + 1)
-            elif hasattr(x, "__dict__") and type(x).__module__.startswith(_WALK_MODULES):
-                for k, y in vars(x).items():
-                    walk(y, f"{path}.{k}", depth + 1)
-
-        walk(self.trainer, "trainer", 0)
+        out = []
+        # A method, not a nested function: a recursive closure refers to itself through its cell, a
+        # cycle that would keep ``out`` (and every buffer named in it, e.g. gradient buckets the trainer
+        # has since dropped) alive until the next garbage collection, inflating the rest of the step.
+        self._walk(self.trainer, "trainer", 0, out, set())
         return out
+
+    def _walk(self, x, path, depth, out, seen):
+        if isinstance(x, torch.Tensor):
+            out.append((path, x))
+            if x.grad is not None:
+                out.append((path + ".grad", x.grad))
+            return
+        if depth > 5 or id(x) in seen or isinstance(x, (str, bytes, int, float, bool, type(None))):
+            return
+        seen.add(id(x))
+        if isinstance(x, (list, tuple, set)):
+            for y in x:
+                self._walk(y, path, depth + 1, out, seen)
+        elif isinstance(x, dict):
+            for k, y in x.items():
+                self._walk(y, f"{path}.{k}" if isinstance(k, str) else path, depth + 1, out, seen)
+        elif isinstance(x, torch.nn.Module) or isinstance(x, torch.optim.Optimizer):
+            if type(x).__module__.startswith(_WALK_MODULES) and not isinstance(x, torch.nn.Module):
+                for k, y in vars(x).items():
+                    if k not in ("state", "param_groups"):
+                        self._walk(y, f"{path}.{k}", depth + 1, out, seen)
+            elif isinstance(x, torch.nn.Module) and type(x).__module__.startswith(_WALK_MODULES):
+                for k, y in vars(x).items():
+                    if not k.startswith("_"):
+                        self._walk(y, f"{path}.{k}", depth + 1, out, seen)
+        elif hasattr(x, "__dict__") and type(x).__module__.startswith(_WALK_MODULES):
+            for k, y in vars(x).items():
+                self._walk(y, f"{path}.{k}", depth + 1, out, seen)
 
     def _key(self, t):
         try:
@@ -281,7 +297,19 @@ class MemoryBreakdown(TorchDispatchMode):
                         self._watch[q.untyped_storage()._cdata] = s
         self.baseline = self.peak = self.current
         self._peak_info = None
+        self._phase_peak, self._phase_info = {}, {}
+        self._phase = "forward"
+        self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._enter_forward)
         return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._module_hook is not None:
+            self._module_hook.remove()
+            self._module_hook = None
+        return super().__exit__(*exc)
+
+    def _enter_forward(self, module, args):
+        self._phase = "forward"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -290,7 +318,10 @@ class MemoryBreakdown(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.n_ops += 1
         in_backward = torch._C._current_graph_task_id() != -1
-        self._phase_seen_backward |= in_backward
+        if in_backward:
+            self._phase = "backward"
+        elif self._phase == "backward":
+            self._phase = "step"
         created = "backward" if in_backward else ("forward" if torch.is_grad_enabled() else "no_grad")
         name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
         comm = func.namespace in _COMM_NAMESPACES
@@ -303,12 +334,19 @@ class MemoryBreakdown(TorchDispatchMode):
             if s is not None and comm:
                 s.comm = True
         self._refresh_watched()
-        if self.current > self.peak:
-            self.peak = self.current
-            self._snapshot(name, created)
+        phase = self._phase
+        if self.current > self._phase_peak.get(phase, self.baseline):
+            self._phase_peak[phase] = self.current  # what the next snapshot of this phase must exceed
+            info = self._snapshot(name, phase)
+            # Report what the snapshot holds (taking it can release a few storages the op left behind).
+            info["peak_bytes"] = self.current
+            self._phase_info[phase] = info
+            if self.current > self.peak:
+                self.peak = self.current
+                self._peak_info = info
         return out
 
-    def _snapshot(self, op, created):
+    def _snapshot(self, op, phase):
         known = self._classify_known()
         by_cat = defaultdict(int)
         items = []
@@ -326,12 +364,10 @@ class MemoryBreakdown(TorchDispatchMode):
             by_cat[c] += s.nbytes
             items.append((s.nbytes, c, s.op, s.created))
         items.sort(reverse=True)
-        phase = "backward" if created == "backward" else (
-            "step" if self._phase_seen_backward and created != "forward" else "forward")
-        self._peak_info = {"op_index": self.n_ops, "op": op, "phase": phase,
-                           "by_category": {c: int(by_cat.get(c, 0)) for c in CATEGORIES},
-                           "largest": [{"bytes": int(b), "category": c, "op": o, "created": w}
-                                       for b, c, o, w in items[:self.top]]}
+        return {"op_index": self.n_ops, "op": op, "phase": phase,
+                "by_category": {c: int(by_cat.get(c, 0)) for c in CATEGORIES},
+                "largest": [{"bytes": int(b), "category": c, "op": o, "created": w}
+                            for b, c, o, w in items[:self.top]]}
 
     def result(self) -> dict:
         info = self._peak_info or {"op_index": 0, "op": None, "phase": None,
@@ -341,9 +377,13 @@ class MemoryBreakdown(TorchDispatchMode):
             info["by_category"] = {c: 0 for c in CATEGORIES}
             for key, s in self._live.items():
                 info["by_category"][known.get(key, "other")] += s.nbytes
+        info = {k: v for k, v in info.items() if k != "peak_bytes"}
+        by_phase = {ph: {"peak_bytes": int(i["peak_bytes"]), "op_index": i["op_index"], "op": i["op"],
+                         "by_category": i["by_category"]} for ph, i in self._phase_info.items()}
         return {"peak_bytes": int(self.peak), "baseline_bytes": int(self.baseline),
                 "end_bytes": int(self.current), "n_ops": self.n_ops, "device": str(self.device),
-                "peak_total_bytes": int(sum(info["by_category"].values())), **info}
+                "peak_total_bytes": int(sum(info["by_category"].values())), **info,
+                "peak_by_phase": by_phase}
 
 
 def measure_step(trainer, inputs, targets) -> tuple[object, dict]:
