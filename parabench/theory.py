@@ -409,19 +409,31 @@ def _ref_sharded(variant: str):
         regathered = units[1:] + ([root] if variant == "zero3" else [])
         comm = {"all_gather": case.grad_accum * _big(b * u for u in units + regathered),
                 "reduce_scatter": case.grad_accum * _big(b * u for u in units)}
-        if variant == "hsdp":
-            comm["all_reduce"] = _big([4 * shard])
+        if variant == "hsdp":  # one all-reduce per unit's fp32 gradient shard
+            comm["all_reduce"] = _big(4 * u // n for u in units)
+        in_flight = int(case.options.get("in_flight", 2))
         return Expectation(
-            state_bytes={"params": b * shard, "grads": 4 * shard, "optimizer": 8 * shard + (4 * shard if mixed else 0)},
+            state_bytes={"params": 4 * shard, "grads": 4 * shard, "optimizer": 8 * shard},
             comm_payload_bytes=comm,
             paper_state_bytes=zero_paper_state_bytes(3, psi, n),
+            # Transient, on top of the model state, in the compute dtype: the gathered units alive at
+            # once (the root and up to three blocks: in backward the block whose last gradients are
+            # landing, the one computing, the one prefetched) and the gradients before their
+            # reduce-scatter: the root's (autograd's own tensors, then for a moment also its flat
+            # buffer) and the flat buffers of up to in_flight + 1 blocks; in 16-bit each of the
+            # in_flight outstanding reduce-scatters has a receive shard too.
+            working_set_bytes={"gathered_params": b * (root + 3 * block),
+                               "grad_buffers": b * (2 * root + (in_flight + 1) * block)
+                               + (b * in_flight * max(root, block) // n if mixed else 0)},
             notes=f"units (root + one per block) padded to a multiple of {'S' if variant == 'hsdp' else 'N'} "
-                  f"(Ψp = {psi_p}); shard bΨp/n (fp32: the master itself), fp32 main-gradient shard 4Ψp/n, Adam 8Ψp/n "
-                  "(+ fp32 master 4Ψp/n in bf16): 16Ψp/n in fp32, 18Ψp/n in bf16 (paper 16Ψ/N). Per micro-batch: "
+                  f"(Ψp = {psi_p}); in every precision the fp32 shard 4Ψp/n is the only persistent copy of the "
+                  "parameters (the master weights; cast into the all-gather buffer before each gather), fp32 "
+                  "main-gradient shard 4Ψp/n (allocated unit by unit in backward, freed after the update), Adam "
+                  "8Ψp/n: 16Ψp/n (paper 16Ψ/N). Per micro-batch: "
                   "all-gather of every unit for forward and of every block again for backward"
                   + (" and of the root too" if variant == "zero3" else " (the root stays gathered)")
                   + ", reduce-scatter of every unit, in the compute dtype"
-                  + ("; once per step an fp32 all-reduce of the gradient shard across the N/S replicas"
+                  + ("; once per step an fp32 all-reduce of each unit's gradient shard across the N/S replicas"
                      if variant == "hsdp" else "") + ".",
         )
     return fn

@@ -17,7 +17,9 @@
 ``ref.zero3`` and ``ref.fsdp`` are this class with one option apart: ZeRO-3 frees *every* unit
 after its forward (``reshard_root=True``: the root is gathered again for backward, exactly 3Ψ
 of traffic), FSDP keeps the root unit gathered from its forward to the end of its backward
-(FSDP2's behaviour for the root: the head and embeddings are not gathered twice).
+(FSDP2's behaviour for the root with its default ``reshard_after_forward=None``: the head and
+embeddings are not gathered twice, at the cost of the root's bytes at the loss; ``torch.fsdp2``
+here passes ``True``, which reshards the root too, like ``ref.zero3``).
 
 Mechanics. A unit's gathered buffer ``full`` exists for the whole run, and its parameters are
 permanent views of it; freeing it means shrinking its *storage* to zero bytes
@@ -29,17 +31,31 @@ the re-gathered values without any re-binding.
 * post-forward hook: free the unit (unless it is the root and ``reshard_root`` is False);
   register a hook on its output, which fires when backward reaches the unit (pre-backward):
   wait for its all-gather and prefetch the unit backward visits next;
-* post-accumulate-grad hooks: when every parameter of a unit has its gradient, flatten them,
-  drop the per-parameter gradients, free the unit, and reduce-scatter asynchronously.
+* post-accumulate-grad hooks: every ``p.grad`` of a block is a view of one flat gradient buffer
+  (made at its first gradient; the root's at its last, see ``_grad_ready``); when all of them
+  arrived, free the unit and reduce-scatter the buffer asynchronously.
 
-Precision. fp32: the fp32 shard is both the all-gather source and the master the optimizer
-updates. bf16 (the ZeRO paper's layout): a bf16 shard is gathered (**bf16 on the wire** for
-all-gather and reduce-scatter), the fp32 master shard and Adam moments live in the optimizer,
-and gradient shards are accumulated in fp32. HSDP's all-reduce across replicas runs once per
-step on the **fp32** main-gradient shard.
+Precision. Every rank keeps one **fp32 shard** per unit, the only persistent copy of the
+parameters: the master weights the optimizer updates. Before each all-gather it is **cast into
+this rank's slot of the gathered buffer** (compute dtype), which is then all-gathered in place
+(cast-on-gather, as FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16)``): no 16-bit shard lives
+between steps and no separate all-gather input is allocated. bf16: **bf16 on the wire** for
+all-gather and reduce-scatter (the ZeRO paper's layout), gradient shards accumulated in fp32.
+HSDP's all-reduce across replicas runs once per step on the **fp32** main-gradient shards.
 fp16: the same layout with fp16 in place of bf16, plus dynamic loss scaling through the
 ``grad_scaler`` seam (``mixed_precision.DynamicLossScaler``), which unscales the fp32 main gradient
 and skips the update on inf/NaN.
+
+Memory per rank (Ψp = parameters padded per unit, N = shard-group size, b = compute-dtype bytes):
+model state 16Ψp/N in every precision, the ZeRO paper's stage-3 figure: fp32 shard 4Ψp/N, Adam
+moments 8Ψp/N, and the fp32 main-gradient shard 4Ψp/N, which exists only from its unit's first
+reduce-scatter of a step to the update (allocated unit by unit as backward frees activations,
+like FSDP2's sharded gradients). Working set on top, b bytes an element: gathered units — the one
+computing, at most one prefetched, and the root while its forward or backward runs — and the
+gradients before their reduce-scatter: the root's, and the flat buffers of at most ``in_flight`` + 1
+blocks, each outstanding one with a unit/N receive shard in 16-bit (``parabench.theory`` states the
+bound). ZeRO-3 (Rajbhandari et al. 2020, Sec. 5.3) counts the model state only; FSDP (Zhao et al.
+2023, Sec. 3.2) the same layout: the peak is the model state plus this working set plus activations.
 
 Averaging: the loss is multiplied by 1/(grad_accum x N_total) before backward.
 """
@@ -54,24 +70,29 @@ from reference_impls.dp_common import adamw, optimizer_state_bytes, round_up, te
 
 
 class _Unit:
-    """One flat parameter: the parameters of one module, their shard and their gathered buffer."""
+    """One flat parameter: the parameters of one module, this rank's fp32 shard of them, and the
+    gathered buffer they are views of."""
 
-    def __init__(self, index, module, params, world, compute_dtype, reshard_after_forward):
+    def __init__(self, index, module, params, world, rank, compute_dtype, reshard_after_forward):
         self.index, self.module, self.params = index, module, params
         self.reshard_after_forward = reshard_after_forward
         self.numel = sum(p.numel() for p in params)
         self.padded = round_up(self.numel, world)
         self.shard_numel = self.padded // world
         values = torch.cat([p.detach().reshape(-1).float() for p in params])
-        self.values32 = torch.nn.functional.pad(values, (0, self.padded - self.numel))  # dropped after set-up
-        self.full = self.values32.to(compute_dtype)
+        values = torch.nn.functional.pad(values, (0, self.padded - self.numel))
+        # fp32 shard: master weights and all-gather source (its own storage: ``full`` gets freed).
+        self.master = values[rank * self.shard_numel:(rank + 1) * self.shard_numel].clone()
+        self.full = values.to(compute_dtype)
         start = 0
         for p in params:  # parameters become permanent views of the gathered buffer
             p.data = self.full[start:start + p.numel()].view(p.shape)
             start += p.numel()
+        # This rank's slot of the gathered buffer: the cast shard goes here, then the in-place all-gather.
+        self.slot = self.full[rank * self.shard_numel:(rank + 1) * self.shard_numel]
         self.nbytes = self.full.untyped_storage().nbytes()
         self.gathered, self.work, self.ready = True, None, 0
-        self.grad_buf, self.main_grad = None, None  # per step: gradient bucket, view of the fp32 main gradient
+        self.grad_buf = None  # per micro-batch: the flat gradient buffer that is reduce-scattered
 
 
 class FSDP:
@@ -86,22 +107,15 @@ class FSDP:
 
         in_blocks = {id(p) for blk in blocks for p in blk.parameters()}
         root_params = [p for p in model.parameters() if id(p) not in in_blocks]
-        self.units = [_Unit(0, model, root_params, self.world, compute_dtype, reshard_root)]
-        self.units += [_Unit(i + 1, blk, list(blk.parameters()), self.world, compute_dtype, True)
+        self.units = [_Unit(0, model, root_params, self.world, self.rank, compute_dtype, reshard_root)]
+        self.units += [_Unit(i + 1, blk, list(blk.parameters()), self.world, self.rank, compute_dtype, True)
                        for i, blk in enumerate(blocks)]
-
-        # Shards of every unit back to back: fp32 master (+ bf16 copy to gather), fp32 main gradient.
-        sizes = [u.shard_numel for u in self.units]
-        self.master_flat = torch.cat([u.values32.chunk(self.world)[self.rank] for u in self.units])
-        self.lp_flat = None if compute_dtype == torch.float32 else self.master_flat.to(compute_dtype)
-        for u, shard in zip(self.units, (self.lp_flat if self.lp_flat is not None else self.master_flat).split(sizes)):
-            u.shard = shard
-            del u.values32
+        for u in self.units:
             self._free(u)
-        # fp32 main-gradient shard: allocated when the first reduce-scatter of a step is launched or
-        # lands, dropped after the update, so it is not held through forward (where activations peak).
-        self.main_grad, self._sizes = None, sizes
-        self.optimizer = adamw([self.master_flat], **adam)
+        # The optimizer owns the fp32 shards. Each one's ``.grad`` is its unit's fp32 main-gradient shard,
+        # allocated when the unit's first reduce-scatter of a step is launched (fp32) or lands (16-bit)
+        # and dropped after the update: it grows unit by unit while backward frees activations.
+        self.optimizer = adamw([u.master for u in self.units], **adam)
         # A unit's gradients go straight into one flat buffer (allocated when its first gradient
         # arrives, every ``p.grad`` a view of it), which is the reduce-scatter input; at most
         # ``in_flight`` reduce-scatters are outstanding, the oldest waited for (on NCCL by the compute
@@ -119,11 +133,13 @@ class FSDP:
     # --- gather and free ----------------------------------------------------------------------
 
     def _gather(self, u):
-        """Issue the all-gather of unit ``u`` (asynchronous; no-op if it is gathered or on its way)."""
+        """Issue the all-gather of unit ``u`` (asynchronous; no-op if it is gathered or on its way):
+        cast the fp32 shard into this rank's slot of the gathered buffer, all-gather in place."""
         if u.gathered or u.work is not None:
             return
         u.full.untyped_storage().resize_(u.nbytes)
-        u.work = all_gather_into(u.full, u.shard, group=self.group, async_op=True)
+        u.slot.copy_(u.master)
+        u.work = all_gather_into(u.full, u.slot, group=self.group, async_op=True)
 
     def _wait(self, u):
         self._gather(u)
@@ -156,34 +172,41 @@ class FSDP:
             self._gather(self.units[nxt])
 
     def _grad_buffer(self, u):
-        """Unit ``u``'s gradient buffer, allocated (zero, padding included) when its first gradient
-        arrives: every ``p.grad`` becomes a view of it, so autograd accumulates the rest in place."""
+        """Unit ``u``'s flat gradient buffer (zero, padding included): every ``p.grad`` becomes a view of
+        it, the gradients that already arrived are copied in (their own tensors then dropped), and
+        autograd accumulates the rest in place."""
         if u.grad_buf is None:
             u.grad_buf = torch.zeros(u.padded, dtype=u.full.dtype, device=u.full.device)
             start = 0
             for p in u.params:
                 view = u.grad_buf[start:start + p.numel()].view(p.shape)
-                if p.grad is not None:  # the parameter that just arrived
+                if p.grad is not None:  # arrived before the buffer existed
                     view.copy_(p.grad)
                 p.grad = view
                 start += p.numel()
         return u.grad_buf
 
     def _main_shard(self, u):
-        if self.main_grad is None:
-            self.main_grad = torch.empty_like(self.master_flat)
-            self.master_flat.grad = self.main_grad
-            for unit, grad in zip(self.units, self.main_grad.split(self._sizes)):
-                unit.main_grad = grad
-        return u.main_grad
+        """Unit ``u``'s fp32 main-gradient shard (the ``.grad`` of its fp32 shard), allocated on first use
+        in a step: when its first reduce-scatter is launched (fp32, written straight into it) or lands."""
+        if u.master.grad is None:
+            u.master.grad = torch.empty_like(u.master)
+        return u.master.grad
 
     def _grad_ready(self, u):
-        flat = self._grad_buffer(u)
+        # A block's gradients all arrive within its backward: its flat buffer is made at the first one
+        # and the rest accumulate in place (no copy). The root's arrive at both ends of backward (head
+        # first, embeddings last): it keeps autograd's own gradients until the last one, so the buffer
+        # does not hold the embeddings' part through all of backward (FSDP2 makes its reduce-scatter
+        # input at the same point); the copy is the root's size once per micro-batch.
+        if u.index > 0:
+            self._grad_buffer(u)
         u.ready += 1
         if u.ready < len(u.params):
             return
         u.ready = 0
-        self._free(u)  # every use of these parameters in backward is done
+        self._free(u)  # every use of these parameters in backward is done: free before the root's buffer
+        flat = self._grad_buffer(u)
         direct = not self._written[u.index] and flat.dtype == torch.float32
         out = self._main_shard(u) if direct else flat.new_empty(u.shard_numel)
         work = reduce_scatter_into(out, flat, group=self.group, async_op=True)
@@ -224,21 +247,21 @@ class FSDP:
         for u in self.units:  # a unit none of whose parameters got a gradient: zero gradient
             if not self._written[u.index]:
                 self._main_shard(u).zero_()
-        if self.replicate_group is not None:  # HSDP: average the shard across replicas, once per step
-            dist.all_reduce(self.main_grad, group=self.replicate_group)
+        grads = [u.master.grad for u in self.units]
+        if self.replicate_group is not None:  # HSDP: average the shards across replicas, once per step
+            works = [dist.all_reduce(g, group=self.replicate_group, async_op=True) for g in grads]
+            for w in works:
+                w.wait()
         if self.measure_state:
-            self._grad_bytes = tensor_bytes([self.main_grad])
+            self._grad_bytes = tensor_bytes(grads)
         applied = True
-        if self.grad_scaler is not None:  # seam: unscale the owned shard, agree on inf over all ranks
-            applied = self.grad_scaler.unscale_and_check([self.main_grad], self.group)
+        if self.grad_scaler is not None:  # seam: unscale the owned shards, agree on inf over all ranks
+            applied = self.grad_scaler.unscale_and_check(grads, self.group)
             self.grad_scaler.update(applied)
         if applied:
-            self.optimizer.step()
-        if self.lp_flat is not None:
-            self.lp_flat.copy_(self.master_flat)  # fp32 master -> bf16 shard that the next step gathers
-        self.master_flat.grad = self.main_grad = None  # released until the next step's first reduce-scatter
+            self.optimizer.step()  # the next gathers cast the updated fp32 shards: nothing to copy here
         for u in self.units:
-            u.main_grad = None
+            u.master.grad = None  # released until the next step's first reduce-scatter
         return total / self.grad_accum
 
     def loss_scale(self) -> dict | None:
@@ -247,19 +270,16 @@ class FSDP:
 
     def state_bytes(self):
         gathered = sum(u.full.untyped_storage().nbytes() for u in self.units)  # 0 between steps
-        params = gathered + tensor_bytes([self.lp_flat if self.lp_flat is not None else self.master_flat])
-        master = tensor_bytes([self.master_flat]) if self.lp_flat is not None else 0
-        return {"params": params, "grads": self._grad_bytes,
-                "optimizer": master + optimizer_state_bytes(self.optimizer)}
+        return {"params": gathered + tensor_bytes(u.master for u in self.units), "grads": self._grad_bytes,
+                "optimizer": optimizer_state_bytes(self.optimizer)}
 
     def full_parameters(self):
         """All-gather the fp32 master shards of every unit (within the shard group)."""
         names = {id(p): n for n, p in self.model.named_parameters()}
-        out, offset = {}, 0
+        out = {}
         for u in self.units:
-            full = self.master_flat.new_empty(u.padded)
-            all_gather_into(full, self.master_flat[offset:offset + u.shard_numel], group=self.group)
-            offset += u.shard_numel
+            full = u.master.new_empty(u.padded)
+            all_gather_into(full, u.master, group=self.group)
             start = 0
             for p in u.params:
                 out[names[id(p)]] = full[start:start + p.numel()].view(p.shape).cpu().clone()

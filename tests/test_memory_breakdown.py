@@ -79,3 +79,78 @@ def test_memory_breakdown_zero():
         assert z2["live"]["buckets"] <= bound_buckets, z2["live"]
         assert z2["live"]["bytes"] <= bound - z2["main_shard_bytes"], (z2["live"], bound)
         assert z2["peak_bytes"] <= rank["ref.zero1"]["peak_bytes"], (z2["peak_bytes"], rank["ref.zero1"]["peak_bytes"])
+
+
+# --- ZeRO-3 / FSDP beside torch FSDP2 ------------------------------------------------------------
+# ``small`` in bf16 at two shapes that keep the ratios of the 2x H100 cases (root unit to blocks,
+# activations per block to model state per block, logits to model state): seq 128 x mb 4 ~ gpt-1.3b
+# mb 4 (the peak at the start of backward, on the logits' gradient), seq 64 x mb 1 ~ gpt-6.7b mb 1
+# (activations small beside the model state: the peak at the end of backward or in the update); and
+# one in between, seq 64 x mb 4, where the peak falls inside the last block's backward.
+FSDP_SHAPES = {"like-1.3b": (128, 4), "like-6.7b": (64, 1), "between": (64, 4)}
+
+
+def _fsdp_case(strategy, shape):
+    seq_len, micro_batch = FSDP_SHAPES[shape]
+    return Case(model="small", strategy=strategy, world_size=2, precision="bf16", micro_batch=micro_batch,
+                seq_len=seq_len, device="cpu")
+
+
+def _measure_plain(named_cases):
+    """Per case: one warm-up step, then one step under the meter; the reference's unit sizes beside it."""
+    from parabench.meters.memory_breakdown import measure_step
+    from parabench.strategies import get_strategy
+    from parabench.worker import local_batches, make_spec
+
+    out = {}
+    for name, cd in named_cases.items():
+        case = Case.from_dict(cd)
+        spec = make_spec(case, torch.device("cpu"))
+        trainer = get_strategy(case.strategy).build(spec)
+        (x0, y0), (x1, y1) = local_batches(case, spec, 2)
+        trainer.train_step(x0, y0)
+        _, res = measure_step(trainer, x1, y1)
+        if hasattr(trainer, "units"):
+            res["root_bytes"], res["block_bytes"] = trainer.units[0].nbytes, trainer.units[1].nbytes
+            trainer.close()
+        out[name] = res
+    return out
+
+
+def test_memory_breakdown_zero3_not_above_fsdp2():
+    """ref.zero3 in bf16 keeps only its fp32 shards between steps (cast-on-gather, no 16-bit copy) and grows
+    its fp32 gradient shard unit by unit in backward. Against torch.fsdp2 (same resharding: every unit, the
+    root included, after forward), in forward, in backward and over the whole step:
+
+    * at the GPU-proportioned shapes it peaks no higher;
+    * in between it may exceed it by at most one block's 16-bit gradient buffer (allocated whole at the
+      block's first gradient so that the rest accumulate in place, where FSDP2 holds the gradients made
+      so far and copies them into its reduce-scatter input at the block's end);
+    * ref.fsdp keeps the root gathered from forward to backward: at most the root's bytes above ref.zero3;
+    * the transient working set stays inside what parabench.theory states.
+
+    torch.fsdp2 runs in processes of its own (FSDP2 patches torch functions)."""
+    from parabench.models import model_config
+    from parabench.theory import expected
+
+    refs = run_on_gloo(_measure_plain, 2, {**{f"ref.zero3 {k}": _fsdp_case("ref.zero3", k).to_dict() for k in FSDP_SHAPES},
+                                           "ref.fsdp between": _fsdp_case("ref.fsdp", "between").to_dict()})
+    peers = run_on_gloo(_measure_plain, 2, {f"torch.fsdp2 {k}": _fsdp_case("torch.fsdp2", k).to_dict() for k in FSDP_SHAPES})
+    for rank, peer in zip(refs, peers):
+        for shape, (seq_len, _) in FSDP_SHAPES.items():
+            exp = expected(_fsdp_case("ref.zero3", shape), model_config("small", seq_len=seq_len), 2)
+            shard = exp["state_bytes"]["params"] // 4  # fp32 elements of this rank's shards
+            z3, fsdp2 = rank[f"ref.zero3 {shape}"], peer[f"torch.fsdp2 {shape}"]
+            slack = z3["block_bytes"] if shape == "between" else 0
+            assert z3["peak_bytes"] <= fsdp2["peak_bytes"] + slack, (shape, z3["peak_bytes"], fsdp2["peak_bytes"])
+            for phase in ("forward", "backward", "step"):
+                mine, theirs = z3["peak_by_phase"][phase], fsdp2["peak_by_phase"][phase]
+                assert mine["peak_bytes"] <= theirs["peak_bytes"] + slack, (shape, phase, mine, theirs)
+                cats = mine["by_category"]
+                # fp32 shards (the optimizer's parameters) and Adam's moments, 12 bytes per shard element,
+                # plus 0-d step counters: nothing else persistent, no 16-bit shard.
+                assert 12 * shard <= cats["optimizer"] <= 12 * shard + 64, (shape, phase, cats, shard)
+                assert cats["parameters"] <= exp["working_set_bytes"]["gathered_params"], (shape, phase, cats)
+                assert cats["gradients"] <= 4 * shard + exp["working_set_bytes"]["grad_buffers"], (shape, phase, cats)
+        fsdp, z3 = rank["ref.fsdp between"], rank["ref.zero3 between"]
+        assert fsdp["peak_bytes"] <= z3["peak_bytes"] + fsdp["root_bytes"], (fsdp["peak_bytes"], z3["peak_bytes"])
