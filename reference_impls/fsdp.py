@@ -217,13 +217,13 @@ class FSDP:
     def _retire(self, work, out, u):
         """Wait for unit ``u``'s reduce-scatter, fold it into the main-gradient shard, free its buffers."""
         work.wait()
+        for p in u.params:  # the reduce-scatter's input is done with: free it before the fp32 shard is made
+            p.grad = None
+        u.grad_buf = None
         dst = self._main_shard(u)
         if out is not dst:
             dst.copy_(out) if not self._written[u.index] else dst.add_(out)
         self._written[u.index] = True
-        for p in u.params:
-            p.grad = None
-        u.grad_buf = None
 
     def _drain(self):
         while self._pending:
