@@ -201,7 +201,9 @@ class MoE(nn.Module):
             sel = (experts == e) & keep
             t_idx, g = tok[sel], gates[sel]
             if t_idx.numel():
-                out = out.index_add(0, t_idx, expert(flat[t_idx]) * g.unsqueeze(1))
+                # under autocast the expert's output and the gates are 16-bit: the weighted sum
+                # accumulates in the residual stream's dtype, as expert parallelism's combine does
+                out = out.index_add(0, t_idx, expert(flat[t_idx]).to(out.dtype) * g.unsqueeze(1).to(out.dtype))
         self.last_aux = aux.detach()
         self.last_tokens_per_expert = torch.bincount(experts[keep], minlength=self.cfg.n_experts).cpu()
         self.last_dropped = int((~keep).sum())

@@ -510,7 +510,8 @@ def ep_ops(cfg: GPTConfig, case, routing: list[tuple[int, int]] | None = None) -
     A_r rows, dispatch's R_r): 2(A_r + R_r)·h elements per MoE layer. ``routing`` lists the measured
     (A_r, R_r) per MoE layer per micro-batch; without it, dropless top-k with balanced routing:
     A_r = R_r = b·s·k (b = micro_batch), capped at E·capacity when a capacity factor is set.
-    Gradients: one fp32 all-reduce of the dense (replicated) parameters; with ep = world, none for
+    Rows travel in the compute dtype (under autocast the dispatch casts them, as the experts'
+    first matmul would). Gradients: one fp32 all-reduce of the dense (replicated) parameters; with ep = world, none for
     experts.
     """
     h, E, k, b, s = cfg.d_model, cfg.n_experts, cfg.top_k, case.micro_batch, cfg.seq_len
@@ -538,9 +539,9 @@ def _ref_ep(cfg, case, dp):
                            notes="ref.ep needs an MoE model")
     ep = case.world_size
     local = c["dense"] + c["experts"] // ep
-    balanced = _sum_ops(ep_ops(cfg, case)) if case.precision == "fp32" else None
+    balanced = _sum_ops(ep_ops(cfg, case))
     comm = None
-    if balanced is not None:
+    if balanced:
         # What one rank moves depends on the routing: rows it routes A_r <= b·s·k (= when dropless),
         # rows it receives 0 <= R_r <= ep·b·s·min(k, E/ep). The record's check uses that range.
         h, nb, k, E = cfg.d_model, BYTES[case.precision], cfg.top_k, cfg.n_experts

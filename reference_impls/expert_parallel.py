@@ -98,8 +98,12 @@ class ExpertParallelMoE(nn.Module):
         in_splits = send_counts.sum(1).tolist()
         out_splits = recv_counts.sum(1).tolist()
 
-        # 3. dispatch
-        recv = _AllToAllV.apply(flat[tok_sorted], out_splits, in_splits, self.group)
+        # 3. dispatch, in the compute dtype: under autocast the experts' first matmul would cast the
+        #    rows anyway, so casting before the wire changes no value and halves the bytes (bf16)
+        rows_out = flat[tok_sorted]
+        if torch.is_autocast_enabled(x.device.type):
+            rows_out = rows_out.to(torch.get_autocast_dtype(x.device.type))
+        recv = _AllToAllV.apply(rows_out, out_splits, in_splits, self.group)
 
         # 4. local experts; rows arrive grouped by source, then by local expert
         starts = torch.cat([recv_counts.new_zeros(1), recv_counts.reshape(-1).cumsum(0)[:-1]]).view(ep, local)
@@ -113,7 +117,7 @@ class ExpertParallelMoE(nn.Module):
 
         # 5. combine: outputs back to the tokens' ranks, gate-weighted sum per token
         back = _AllToAllV.apply(out_rows, in_splits, out_splits, self.group)
-        out = torch.zeros_like(flat).index_add(0, tok_sorted, back * gate_sorted.unsqueeze(1))
+        out = torch.zeros_like(flat).index_add(0, tok_sorted, back.to(flat.dtype) * gate_sorted.unsqueeze(1).to(flat.dtype))
 
         self.stats = {"tokens_per_expert": send_counts.reshape(-1).tolist(),  # this rank's routing
                       "received_per_local_expert": recv_counts.sum(0).tolist(),

@@ -56,7 +56,7 @@ def test_meter_sees_every_op_kind_with_payload_conventions():
 
 def test_bf16_tensor_and_pipeline_parallel_traffic_matches_theory(tmp_path):
     """Under autocast, g's forward all-reduces (with SP: the forward reduce-scatters and their
-    backward all-gathers) travel in bf16 while f's backward, the embedding, the cross-entropy and the
+    backward all-gathers; expert parallelism's token rows) travel in bf16 while f's backward, the embedding, the cross-entropy and the
     pipeline's residual-stream activations stay fp32; theory says so, per rank, to 1 %."""
     import subprocess
     import sys
@@ -72,13 +72,14 @@ def test_bf16_tensor_and_pipeline_parallel_traffic_matches_theory(tmp_path):
         'options = {pp = 2, microbatches = 4}\n'
         '[[matrix]]\nmodel = "tiny"\nstrategy = "ref.tp_sp"\nworld_size = 2\nmicro_batch = 8\noptions = {tp = 2}\n'
         '[[matrix]]\nmodel = "tiny"\nstrategy = "ref.pp_1f1b"\nworld_size = 4\nmicro_batch = 8\n'
-        'options = {pp = 2, tp = 2, sp = true, microbatches = 4}\n')
+        'options = {pp = 2, tp = 2, sp = true, microbatches = 4}\n'
+        '[[matrix]]\nmodel = "tiny-moe"\nstrategy = "ref.ep"\nworld_size = 2\nmicro_batch = 4\n')
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run([sys.executable, "-m", "parabench.cli", "run", "suite", str(suite), "--out", str(tmp_path),
                            "--run-id", "r", "--no-report"], cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     _, records = load_run(tmp_path / "mp16" / "r")
-    assert len(records) == 4
+    assert len(records) == 5
     for r in records:
         assert r["status"] == "ok" and r["checks"]["comm_ok"] is True, (r["label"], r["checks"].get("comm_per_rank"))
     tp = next(r for r in records if r["case"]["strategy"] == "ref.tp")
@@ -99,3 +100,5 @@ def _subgroup_ops():
 def test_meter_reads_the_group_of_eager_ops():
     """Eager c10d ops carry their group as a boxed ScriptObject; a one-rank group moves nothing on the wire."""
     assert run_on_gloo(_subgroup_ops, 2)[0] == [(1, 0.0), (2, 4000.0)]
+    ep = next(r for r in records if r["case"]["strategy"] == "ref.ep")
+    assert ep["per_rank"][0]["comm"]["by_kind"]["all_to_all"]["dtypes"] == ["torch.bfloat16"]
