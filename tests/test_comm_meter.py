@@ -87,6 +87,8 @@ def test_bf16_tensor_and_pipeline_parallel_traffic_matches_theory(tmp_path):
     sp = next(r for r in records if r["case"]["strategy"] == "ref.tp_sp")
     for kind in ("all_gather", "reduce_scatter"):
         assert sp["per_rank"][0]["comm"]["by_kind"][kind]["dtypes"] == ["torch.bfloat16", "torch.float32"]
+    ep = next(r for r in records if r["case"]["strategy"] == "ref.ep")
+    assert ep["per_rank"][0]["comm"]["by_kind"]["all_to_all"]["dtypes"] == ["torch.bfloat16"]
 
 
 def _subgroup_ops():
@@ -100,5 +102,3 @@ def _subgroup_ops():
 def test_meter_reads_the_group_of_eager_ops():
     """Eager c10d ops carry their group as a boxed ScriptObject; a one-rank group moves nothing on the wire."""
     assert run_on_gloo(_subgroup_ops, 2)[0] == [(1, 0.0), (2, 4000.0)]
-    ep = next(r for r in records if r["case"]["strategy"] == "ref.ep")
-    assert ep["per_rank"][0]["comm"]["by_kind"]["all_to_all"]["dtypes"] == ["torch.bfloat16"]
