@@ -197,6 +197,9 @@ def cmd_recheck(args) -> int:
             return 2
         verdict = {True: "comm=theory", False: "comm!=theory", None: "no comm verdict"}
         for label, before, after in changes:
+            if before == "stale":
+                print(f"{run}: skipped: {after}")
+                continue
             mark = "" if before == after else f"  (was: {verdict[before]})"
             print(f"{run}: {label}: {verdict[after]}{mark}")
     return 0

@@ -18,6 +18,11 @@ from parabench.results import _git, case_record_path, load_run, write_json_atomi
 from parabench.suite import Case
 
 
+class StaleImplementation(ValueError):
+    """The strategy changed what it measures since the record was made (its version is part of the
+    case hash): a newer theory describes the new code, not the measured one."""
+
+
 def recheck_record(rec: dict) -> dict | None:
     """The record with theory and checks recomputed; None when there is nothing to check."""
     if rec.get("status") != "ok" or not rec.get("per_rank"):
@@ -25,6 +30,9 @@ def recheck_record(rec: dict) -> dict | None:
     from parabench.runner import checks_for, theory_for
 
     case = Case.from_dict(rec["case"])
+    if case.case_hash != rec.get("case_hash"):
+        raise StaleImplementation(f"{rec.get('label')}: case hash {rec.get('case_hash')} was made by another "
+                                  f"version of {case.strategy} (now {case.case_hash}); not rechecked")
     new = dict(rec)
     new["theory"] = theory_for(case)
     new["checks"] = checks_for(new["theory"], rec["per_rank"], rec.get("loss_scale"))
@@ -40,14 +48,19 @@ def recheck_record(rec: dict) -> dict | None:
 def recheck_run(run_dir: Path, strategies: list[str] | None = None) -> list[tuple[str, object, object]]:
     """Rewrite every finished record of a run (only those of ``strategies``, names or prefixes
     ending in ``*``, when given: a strategy whose code changed since the run must not be judged
-    by the new theory); returns (label, comm_ok before, comm_ok after)."""
+    by the new theory); returns (label, comm_ok before, comm_ok after), or (label, "stale", why)
+    for a record whose strategy version changed since it ran (left untouched)."""
     _, records = load_run(run_dir)
     changes = []
     for rec in records:
         name = rec["case"]["strategy"]
         if strategies and not any(name == s or (s.endswith("*") and name.startswith(s[:-1])) for s in strategies):
             continue
-        new = recheck_record(rec)
+        try:
+            new = recheck_record(rec)
+        except StaleImplementation as exc:
+            changes.append((rec["label"], "stale", str(exc)))
+            continue
         if new is None:
             continue
         write_json_atomic(case_record_path(run_dir, rec["case_hash"]), new)

@@ -54,3 +54,15 @@ def test_recheck_judges_old_measurements_by_new_theory_and_keeps_them(tmp_path, 
 def test_recheck_of_a_missing_run_fails_clearly(tmp_path, capsys):
     assert main(["recheck", str(tmp_path / "nope")]) == 2
     assert "not a parabench run folder" in capsys.readouterr().err
+
+
+def test_recheck_leaves_records_of_another_strategy_version_alone(tmp_path, capsys):
+    """ref.zero3 changed its memory layout (version 3) after the 2-GPU run: its v2 records keep
+    their theory, since the new theory describes code that did not run."""
+    run = tmp_path / "run"
+    shutil.copytree(Path(__file__).resolve().parent.parent / "results" / "h100x2" / "20261126-025621", run)
+    before = {p.name: p.read_text() for p in (run / "cases").glob("*.json")}
+    assert main(["recheck", str(run), "--strategy", "ref.zero3"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped: ref.zero3 gpt-1.3b" in out and "not rechecked" in out
+    assert {p.name: p.read_text() for p in (run / "cases").glob("*.json")} == before
