@@ -110,15 +110,7 @@ class EPTrainer(_ReplicatedTrainer):
         """Rank 0 assembles the full MoE: dense parameters from itself, experts from their owners."""
         mine = {self.ep.global_name(n): p.detach().float().cpu().clone() for n, p in self.module.named_parameters()
                 if any(p is q for q in self.ep.expert_params) or dist.get_rank() == 0}
-        everything = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, everything, dst=0)
-        if dist.get_rank() != 0:
-            return None
-        full = {}
-        for part in everything:
-            full.update(part)
-        order = [n for n, _ in build_model_names(self.spec)]
-        return {n: full[n] for n in order}
+        return assemble_on_rank0(mine, self.spec)
 
     def strategy_stats(self) -> dict:
         """Routing of the last micro-batch per MoE layer: tokens per expert (this rank's tokens),
@@ -131,6 +123,19 @@ def build_model_names(spec: TrainSpec):
 
     with torch.device("meta"):
         return list(GPT(spec.model).named_parameters())
+
+
+def assemble_on_rank0(mine: dict, spec: TrainSpec) -> dict | None:
+    """Rank 0: the full model's parameters, in the GPT's order, from every rank's named pieces
+    (dense ones from rank 0, experts from their owners); other ranks: None."""
+    everything = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, everything, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    full = {}
+    for part in everything:
+        full.update(part)
+    return {n: full[n] for n, _ in build_model_names(spec)}
 
 
 def build_ep(spec: TrainSpec) -> EPTrainer:

@@ -50,7 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parabench.peers.deepspeed_zero import DeepSpeedTrainer
-from parabench.reference_adapters_cp_ep import CPTrainer, build_model_names
+from parabench.reference_adapters_cp_ep import CPTrainer, assemble_on_rank0
 from parabench.strategies import TrainSpec
 
 
@@ -261,14 +261,7 @@ class _DeepSpeedMoETrainer(DeepSpeedTrainer):
 
         mine = {self._parabench_name(n): p.detach().float().cpu().clone()
                 for n, p in self.engine.module.named_parameters() if is_moe_param(p) or dist.get_rank() == 0}
-        everything = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, everything, dst=0)
-        if dist.get_rank() != 0:
-            return None
-        full = {}
-        for part in everything:
-            full.update(part)
-        return {n: full[n] for n, _ in build_model_names(self.spec)}
+        return assemble_on_rank0(mine, self.spec)
 
     def strategy_stats(self) -> dict:
         """Per MoE layer, the last micro-batch: kept assignments per expert (``tokens_per_expert``,
