@@ -455,8 +455,10 @@ def cp_ops(cfg: GPTConfig, case, mode: str) -> list[tuple[str, int]]:
     Data: one all-gather of the token ids and targets, payload c x 2·B·s int64.
     Ring attention, per layer per micro-batch: forward c-1 hops, each sending K and V blocks of
     b·n·h elements to the next rank and receiving as many from the previous one (send 2·b·n·h,
-    recv 2·b·n·h per hop); backward (autograd through the ring) sends dK, dV back the same c-1
-    hops: per layer 4(c-1)·b·n·h elements sent and as many received.
+    recv 2·b·n·h per hop); backward (a second ring pass, nothing of the visited blocks kept from
+    forward) sends K and V round the ring again, c-1 hops, and the dK, dV partial sums of each
+    block c-1 hops on to its owner, in the same direction: per layer 6(c-1)·b·n·h elements sent
+    and as many received, all in the compute dtype (bf16 under autocast).
     Ulysses, per layer per micro-batch: 4 all-to-alls forward (q, k, v to head shards; the output
     back to sequence shards) and 4 backward, each of b·n·h = b·s·h/c elements (input payload).
     Gradients: one all-reduce of all Ψ parameters' fp32 gradients per step.
@@ -471,7 +473,8 @@ def cp_ops(cfg: GPTConfig, case, mode: str) -> list[tuple[str, int]]:
     for _ in range(case.grad_accum):
         for _layer in range(cfg.n_layers):
             if mode == "ring":
-                ops += [("send", 2 * act), ("recv", 2 * act)] * (2 * (c - 1))
+                # forward K, V; backward K, V again and the dK, dV partial sums
+                ops += [("send", 2 * act), ("recv", 2 * act)] * (3 * (c - 1))
             else:
                 ops += [("all_to_all", act)] * 8
     ops.append(("all_reduce", 4 * _counts(cfg)["total"]))
@@ -481,18 +484,21 @@ def cp_ops(cfg: GPTConfig, case, mode: str) -> list[tuple[str, int]]:
 def _cp(mode: str):
     def fn(cfg, case, dp):
         psi = _counts(cfg)["total"]
-        exact = case.precision == "fp32"
+        # The ring's blocks travel in the compute dtype (measured in bf16 too); Ulysses: fp32 only.
+        exact = case.precision == "fp32" or (mode == "ring" and case.precision == "bf16")
         return Expectation(
             state_bytes={"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi},
             comm_payload_bytes=_sum_ops(cp_ops(cfg, case, mode)) if exact else None,
             paper_state_bytes=zero_paper_state_bytes(0, psi, dp),
             notes=("ring attention: per layer per micro-batch (c-1) hops of K and V (2·b·(s/c)·h elements sent and "
-                   "as many received per hop) forward and (c-1) hops of dK, dV backward (autograd through the ring); "
+                   "as many received per hop) forward; backward (a second ring pass) (c-1) hops of K and V again and "
+                   "(c-1) hops of the dK, dV partial sums, all in the compute dtype; "
                    if mode == "ring" else
                    "Ulysses: per layer per micro-batch 4 all-to-alls of b·s·h/c elements forward (q, k, v, out) and 4 "
                    "backward; ")
                   + "b = cp x micro_batch samples (the group all-gathers its token ids: c·2·B·s int64 per step); one fp32 "
-                  "all-reduce of all gradients. Model state fully replicated: 16Ψ in fp32. Exact for fp32 only.",
+                  "all-reduce of all gradients. Model state fully replicated: 16Ψ in fp32. Exact for fp32 "
+                  + ("and bf16." if mode == "ring" else "only."),
         )
     return fn
 

@@ -3,16 +3,19 @@
 Every rank holds all parameters and a *part of every sequence*; only attention mixes positions,
 so only attention communicates. Two ways to do it:
 
-**Ring attention** (Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers").
-Each rank keeps its queries; the key/value blocks travel round the ring with point-to-point
-``batch_isend_irecv`` (send to rank+1, receive from rank-1), ``cp - 1`` hops per layer. Every
-(query block, key block) pair gives a partial softmax ``(out_i, lse_i)`` normalised over that key
-block only; partials are merged *exactly* through their log-sum-exp (Milakov & Gimelshein 2018,
-"Online normalizer calculation for softmax"; FlashAttention's online softmax)::
+**Ring attention** (Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers for
+Near-Infinite Context"). Each rank keeps its queries; the key/value blocks travel round the ring
+with point-to-point ``batch_isend_irecv`` (send to rank+1, receive from rank-1), ``cp - 1`` hops
+per layer, each hop's transfer posted before the block computation and waited for after it, so
+the two overlap. Every (query chunk, key chunk) pair is one call of a *fused* attention kernel
+(FlashAttention: the scores exist only tile by tile, on chip; on a CPU torch's flash kernel for
+CPUs) that returns the pair's output normalised over that key chunk only, and its log-sum-exp.
+Partials are merged *exactly* through the log-sum-exp (Milakov & Gimelshein 2018, "Online
+normalizer calculation for softmax"; FlashAttention's online softmax)::
 
     lse = logaddexp(lse_a, lse_b);   out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b
 
-Causal masking makes a query block skip every later key block. With the *contiguous* split
+Causal masking makes a query chunk skip every later key chunk. With the *contiguous* split
 (rank r holds chunk r of cp) rank cp-1 computes cp blocks and rank 0 one: the last rank sets the
 pace. The *zig-zag* (head-tail) split cuts the sequence into 2cp chunks and gives rank r chunks
 r and 2cp-1-r, so every rank computes exactly the same number of chunk pairs (2 per foreign
@@ -20,14 +23,19 @@ block + 3 on its own; Brandon et al. 2023 "Striped Attention" and Llama 3's CP u
 ``split`` = "zigzag" | "contiguous"; :class:`RingStats` records per-rank executed attention
 FLOPs and compute time (CUDA events on GPUs) so the imbalance can be measured.
 
-Backward: *autograd through the blockwise computation*. The partials and merges are plain
-differentiable torch ops, and the rotation is an autograd function whose backward sends the
-gradient of a received block back to the rank it came from (receive from rank+1, send to
-rank-1). So backward moves exactly what forward moved: ``cp - 1`` hops of dK and dV. It keeps
-every visited K/V block and block softmax alive until backward (memory of full attention over the
-local queries), which a hand-written ring backward (FlashAttention-2 style, recomputing the
-blocks while dK/dV travel with K/V) avoids; this reference chooses plain correctness. There is
-no compute/communication overlap either: each hop is waited for before the block is computed.
+Backward: *a second ring pass*, hand-written (Liu et al. 2023, section 3; the same scheme as
+ring-flash-attention and torch's ``context_parallel``). With P = exp(S - lse) the attention
+probabilities, softmax attention's backward is ``dV = Pᵀ·dO``, ``dS = P ∘ (dO·Vᵀ - D)`` with
+``D = rowsum(dO ∘ O)``, ``dQ = dS·K·scale``, ``dK = dSᵀ·Q·scale``. Given the *final* output O and
+the *final* lse, one (query chunk, key chunk) pair's P is exactly its slice of the global
+probabilities and D is the global row term, so the fused backward kernel of that single pair
+returns its exact share of dQ, dK, dV. Forward therefore saves only the local q, k, v, the output
+and its lse (nothing quadratic in the sequence: the score matrix of a pair is never stored), and
+backward sends K, V round the ring again (``cp - 1`` hops) while the partial sums of dK, dV
+travel one hop behind them, each rank adding its share of the block it holds, until after
+``cp - 1`` hops they reach the block's owner, which adds the share of its own queries. Per layer:
+forward 2(cp-1) block transfers of K, V; backward 2(cp-1) of K, V and 2(cp-1) of dK, dV, all in
+the compute dtype (partial sums are added in fp32 on each rank, rounded for the wire).
 
 **DeepSpeed-Ulysses** (Jacobs et al. 2023). An all-to-all turns q, k, v from sequence-sharded
 ``[b, a, s/cp, d]`` into head-sharded ``[b, a/cp, s, d]``; each rank runs ordinary causal attention
@@ -82,30 +90,23 @@ def positions_of(rank: int, cp: int, seq_len: int, split: str) -> torch.Tensor:
 # --- communication operators -------------------------------------------------------------------
 
 
-def _ring_exchange(tensors: list[torch.Tensor], send_to: int, recv_from: int, group) -> list[torch.Tensor]:
-    """Send every tensor to global rank ``send_to`` and receive as many from ``recv_from``."""
-    out = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), send_to, group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, o, recv_from, group) for o in out]
-    for req in dist.batch_isend_irecv(ops):
-        req.wait()
-    return out
+class _Hop:
+    """One ring hop in flight: every tensor of ``tensors`` goes to global rank ``send_to`` and as
+    many (same shapes and dtypes) come from ``recv_from``. Posted before a hop's computation and
+    waited for after it, so the transfer overlaps the computation."""
 
+    def __init__(self, tensors: list[torch.Tensor], send_to: int, recv_from: int, group):
+        self.sent = [t.contiguous() for t in tensors]  # referenced until the sends complete
+        self.received = [torch.empty_like(t) for t in self.sent]
+        ops = [dist.P2POp(dist.isend, t, send_to, group) for t in self.sent]
+        ops += [dist.P2POp(dist.irecv, t, recv_from, group) for t in self.received]
+        self.requests = dist.batch_isend_irecv(ops)
 
-class _RingPass(torch.autograd.Function):
-    """Forward: pass (k, v) one hop round the ring (to next, from prev). Backward: the gradients of
-    the received blocks go back where they came from (to prev, from next)."""
-
-    @staticmethod
-    def forward(ctx, k, v, nxt, prv, group):
-        ctx.nxt, ctx.prv, ctx.group = nxt, prv, group
-        k2, v2 = _ring_exchange([k, v], nxt, prv, group)
-        return k2, v2
-
-    @staticmethod
-    def backward(ctx, dk, dv):
-        dk2, dv2 = _ring_exchange([dk, dv], ctx.prv, ctx.nxt, ctx.group)
-        return dk2, dv2, None, None, None
+    def wait(self) -> list[torch.Tensor]:
+        for req in self.requests:
+            req.wait()
+        self.sent = None
+        return self.received
 
 
 def _a2a(x: torch.Tensor, group) -> torch.Tensor:
@@ -165,7 +166,8 @@ def _head_to_seq(x, group):
 class RingStats:
     """Per-rank attention work of the last step (forward, summed over layers and micro-batches):
     executed chunk pairs, FLOPs (4·b·a·c²·d per pair of chunks of c positions, a diagonal pair
-    counted whole: its masked half is computed too), compute seconds.
+    counted whole by convention, although the fused causal kernel skips most of its masked half),
+    compute seconds.
 
     Compute time is taken around each hop's block computations. On CUDA those calls only queue
     kernels, so a host clock would measure launches: there a pair of CUDA events goes round each
@@ -220,72 +222,178 @@ class RingStats:
                 "attn_compute_clock": self.clock, "ring_hops": self.hops}
 
 
-def block_attention(q, k, v, diagonal: bool, scale: float):
-    """Softmax attention of one query chunk over one key chunk: ``(out, lse)``, out normalised over
-    this key chunk only. ``diagonal``: the chunks are the same positions (causal mask inside)."""
-    s = (q @ k.transpose(-2, -1)) * scale
+# --- one (query chunk, key chunk) pair: a fused kernel that also returns its log-sum-exp ---------
+# The fused kernels never materialise the [n, n] scores, and their backward recomputes them tile by
+# tile from (q, k, v, out, lse). Which kernel: torch's flash kernel for CPUs; on CUDA FlashAttention-2
+# for 16-bit inputs, and the memory-efficient kernel (xFormers') for fp32, which flash does not take.
+# Dropout is off everywhere, so the random-state arguments of the CUDA backward kernels are unread.
+
+_CUDA_FLASH_DTYPES = (torch.float16, torch.bfloat16)  # FlashAttention-2 takes 16-bit inputs only
+_EFFICIENT_LSE_ROWS = 32  # the memory-efficient kernel pads its lse rows to a multiple of 32
+
+
+def block_forward(q, k, v, diagonal: bool, scale: float):
+    """Attention of one query chunk over one key chunk: ``(out, lse)``, out ``[b, a, n, d]``
+    normalised over this key chunk only, lse ``[b, a, n]`` fp32. ``diagonal``: the chunks are the
+    same positions (causal mask inside; equal lengths, so torch's top-left causal mask is right)."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p=0.0, is_causal=diagonal, scale=scale)
+    if q.dtype in _CUDA_FLASH_DTYPES:
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, diagonal, False, scale=scale)
+        return out, lse
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, diagonal, scale=scale)
+    return out, lse[..., :q.shape[-2]]
+
+
+def block_backward(dout, q, k, v, out, lse, diagonal: bool, scale: float):
+    """``(dq, dk, dv)`` of one chunk pair, given the *final* ``out`` and ``lse`` of these queries
+    (merged over every key chunk): then this pair's probabilities and the softmax-backward row term
+    rowsum(dout * out) are the global ones, and the pair's gradients are its exact share."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, diagonal, scale=scale)
+    no_rng = torch.empty((), dtype=torch.long)  # what the forward kernels return without dropout
+    if q.dtype in _CUDA_FLASH_DTYPES:
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, diagonal, no_rng, no_rng,
+            scale=scale)
+    padded_lse = F.pad(lse, (0, -lse.shape[-1] % _EFFICIENT_LSE_ROWS))
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, padded_lse, no_rng, no_rng, 0.0, [True, True, True, False], diagonal,
+        scale=scale)
+    return dq, dk, dv
+
+
+def block_attention_reference(q, k, v, diagonal: bool, scale: float):
+    """What :func:`block_forward` computes, written out: the whole score matrix of the pair is
+    materialised (``[b, a, n, n]``), so this is for reading and tests only."""
+    s = (q.float() @ k.float().transpose(-2, -1)) * scale
     if diagonal:
         n = q.shape[-2]
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    return torch.exp(s - lse) @ v, lse
+    lse = torch.logsumexp(s, dim=-1)
+    return (torch.exp(s - lse.unsqueeze(-1)) @ v.float()).to(q.dtype), lse
 
 
 def merge_partials(out, lse, out_i, lse_i, correct: bool = True):
-    """Exact merge of two partial softmax results through their log-sum-exp."""
+    """Exact merge of two partial softmax results through their log-sum-exp (out ``[..., n, d]``,
+    lse ``[..., n]``). ``out=None``: the first partial."""
     if out is None:
         return out_i, lse_i
     new = torch.logaddexp(lse, lse_i)
     if not correct:  # deliberately broken (tests): partials added without rescaling
         return out + out_i, new
-    return out * torch.exp(lse - new) + out_i * torch.exp(lse_i - new), new
+    return out * torch.exp(lse - new).unsqueeze(-1) + out_i * torch.exp(lse_i - new).unsqueeze(-1), new
+
+
+# --- the ring ------------------------------------------------------------------------------------
+
+
+def chunk_pairs(my_chunks: list[int], their_chunks: list[int]) -> list[tuple[int, int, bool]]:
+    """``(query chunk index, key chunk index, diagonal)`` of every pair a rank holding ``my_chunks``
+    computes against a K/V block holding ``their_chunks``: causal, so a key chunk after the query
+    chunk is skipped, and the query chunk's own positions are masked inside (diagonal)."""
+    return [(qi, ki, kc == qc) for qi, qc in enumerate(my_chunks) for ki, kc in enumerate(their_chunks) if kc <= qc]
+
+
+def _chunks(x: torch.Tensor, c: int) -> list[torch.Tensor]:
+    """``x`` cut into its chunks of c positions along the sequence, each contiguous: the kernels
+    and the wire get dense memory (q, k, v arrive as transposed views of the projections)."""
+    return [t.contiguous() for t in x.split(c, dim=-2)]
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal ring attention over ``group`` with a hand-written ring backward (see the module
+    docstring). Saved for backward: q, k, v, out, lse; nothing of the visited blocks."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, split: str, stats: RingStats | None, lse_correction: bool):
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        ranks = dist.get_process_group_ranks(group)
+        nxt, prv = ranks[(rank + 1) % cp], ranks[(rank - 1) % cp]
+        my_chunks = chunks_of(rank, cp, split)
+        n_chunks, c = len(my_chunks), q.shape[-2] // len(my_chunks)
+        scale = q.shape[-1] ** -0.5
+        qs = _chunks(q, c)
+        kv = _chunks(k, c) + _chunks(v, c)  # the block that travels: its K chunks, then its V chunks
+        partial = [(None, None)] * n_chunks  # per query chunk: (out in fp32, lse) merged so far
+        for step in range(cp):
+            src = (rank - step) % cp  # the rank whose block this is
+            hop = _Hop(kv, nxt, prv, group) if step < cp - 1 else None
+            started = stats.compute_started(q.device) if stats is not None else None
+            for qi, ki, diagonal in chunk_pairs(my_chunks, chunks_of(src, cp, split)):
+                out_i, lse_i = block_forward(qs[qi], kv[ki], kv[n_chunks + ki], diagonal, scale)
+                partial[qi] = merge_partials(*partial[qi], out_i.float(), lse_i, correct=lse_correction)
+                if stats is not None:
+                    b, a, _, d = q.shape
+                    stats.flops += 4 * b * a * c * c * d
+                    if diagonal:
+                        stats.pairs_diagonal += 1
+                    else:
+                        stats.pairs_full += 1
+            if stats is not None:
+                stats.compute_ended(started)
+            if hop is not None:
+                kv = hop.wait()
+                if stats is not None:
+                    stats.hops += 1
+        out = torch.cat([o for o, _ in partial], dim=-2).to(q.dtype)
+        lse = torch.cat([s for _, s in partial], dim=-1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.split, ctx.neighbours = group, split, (nxt, prv)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, (nxt, prv) = ctx.group, ctx.neighbours
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        my_chunks = chunks_of(rank, cp, ctx.split)
+        n_chunks, c = len(my_chunks), q.shape[-2] // len(my_chunks)
+        scale = q.shape[-1] ** -0.5
+        qs, outs, douts = _chunks(q, c), _chunks(out, c), _chunks(dout, c)
+        lses = [s.contiguous() for s in lse.split(c, dim=-1)]
+        dqs = [torch.zeros_like(t, dtype=torch.float32) for t in qs]
+        kv = _chunks(k, c) + _chunks(v, c)
+        own_dkv = None  # this rank's own block: dK, dV chunks from its own queries (fp32)
+        dkv_hop = None  # the dK, dV partial sums of a block, in flight to the next rank on its path
+        for step in range(cp):
+            src = (rank - step) % cp
+            kv_hop = _Hop(kv, nxt, prv, group) if step < cp - 1 else None
+            dkv = [torch.zeros_like(t, dtype=torch.float32) for t in kv]  # this rank's share, block src
+            for qi, ki, diagonal in chunk_pairs(my_chunks, chunks_of(src, cp, ctx.split)):
+                dq, dk, dv = block_backward(douts[qi], qs[qi], kv[ki], kv[n_chunks + ki], outs[qi], lses[qi],
+                                            diagonal, scale)
+                dqs[qi] += dq
+                dkv[ki] += dk
+                dkv[n_chunks + ki] += dv
+            if step == 0:
+                own_dkv = dkv  # kept here: the partial sums from the other ranks come home at the end
+            else:
+                # The previous rank's hop brought the sums over the ranks before it on block src's path
+                # (none at step 1: the path starts here, one rank after the owner).
+                if dkv_hop is not None:
+                    for mine, before in zip(dkv, dkv_hop.wait()):
+                        mine += before
+                dkv_hop = _Hop([t.to(k.dtype) for t in dkv], nxt, prv, group)  # compute dtype on the wire
+            if kv_hop is not None:
+                kv = kv_hop.wait()
+        if dkv_hop is not None:  # the sums over every other rank for this rank's block, after cp-1 hops
+            for mine, others in zip(own_dkv, dkv_hop.wait()):
+                mine += others
+        dq = torch.cat(dqs, dim=-2).to(q.dtype)
+        dk = torch.cat(own_dkv[:n_chunks], dim=-2).to(k.dtype)
+        dv = torch.cat(own_dkv[n_chunks:], dim=-2).to(v.dtype)
+        return dq, dk, dv, None, None, None, None
 
 
 def ring_attention(q, k, v, group, split: str, stats: RingStats | None = None, lse_correction: bool = True):
     """Causal ring attention. q, k, v: ``[b, a, n, d]`` with this rank's chunks (``chunks_of``)
-    concatenated along n. Returns ``[b, a, n, d]``."""
-    cp, r = dist.get_world_size(group), dist.get_rank(group)
-    ranks = dist.get_process_group_ranks(group)
-    nxt, prv = ranks[(r + 1) % cp], ranks[(r - 1) % cp]
-    my_chunks = chunks_of(r, cp, split)
-    c = q.shape[-2] // len(my_chunks)
-    scale = q.shape[-1] ** -0.5
-    qs = q.split(c, dim=-2)
-    acc = [(None, None) for _ in my_chunks]
-    unused = []
-    for step in range(cp):
-        src = (r - step) % cp
-        ks, vs = k.split(c, dim=-2), v.split(c, dim=-2)
-        used = False
-        started = stats.compute_started(q.device) if stats is not None else None
-        for qi, qc in enumerate(my_chunks):
-            for ki, kc in enumerate(chunks_of(src, cp, split)):
-                if kc > qc:
-                    continue  # entirely in the future of this query chunk
-                out_i, lse_i = block_attention(qs[qi], ks[ki], vs[ki], kc == qc, scale)
-                acc[qi] = merge_partials(*acc[qi], out_i, lse_i, correct=lse_correction)
-                used = True
-                if stats is not None:
-                    b, a, _, d = q.shape
-                    stats.flops += 4 * b * a * c * c * d
-                    if kc == qc:
-                        stats.pairs_diagonal += 1
-                    else:
-                        stats.pairs_full += 1
-        if stats is not None:
-            stats.compute_ended(started)
-        if not used:
-            unused.append((k, v))
-        if step < cp - 1:
-            k, v = _RingPass.apply(k, v, nxt, prv, group)
-            if stats is not None:
-                stats.hops += 1
-    out = torch.cat([o for o, _ in acc], dim=-2)
-    # A block this rank never attends to (contiguous split: the later ranks' blocks) must still be
-    # part of the graph, so that every rank runs the same ring hops in backward (else a deadlock).
-    for k_, v_ in unused:
-        out = out + 0.0 * (k_.sum() + v_.sum())
-    return out
+    concatenated along n. Returns ``[b, a, n, d]`` in q's dtype. ``lse_correction=False``: the
+    deliberately broken variant (tests), partials summed without rescaling."""
+    return _RingAttention.apply(q, k, v, group, split, stats, lse_correction)
 
 
 def ulysses_attention(q, k, v, group, reverse: bool = True):

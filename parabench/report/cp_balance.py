@@ -6,8 +6,9 @@ side is derived here from the same two rules the implementation follows:
 
 * which chunks a rank holds (``chunks_of``): contiguous, chunk r of cp; zig-zag, chunks r and
   2cp-1-r of 2cp;
-* the causal skip in ``ring_attention``: a query chunk attends to a key chunk only if the key
-  chunk is not later (kc <= qc); kc == qc is a diagonal pair, computed whole and masked inside.
+* the causal skip in ``ring_attention`` (``chunk_pairs``): a query chunk attends to a key chunk
+  only if the key chunk is not later (kc <= qc); kc == qc is a diagonal pair, counted as a whole
+  pair (the fused causal kernel skips most of its masked half).
 
 ``tests/test_cp_balance.py`` checks both against ``chunks_of`` and against the FLOPs measured by
 real 2- and 4-rank runs.
@@ -47,9 +48,11 @@ def chunk_pairs(cp: int, split: str) -> list[tuple[int, int]]:
 
 def analytic_imbalance(cp: int, split: str, masked_half_skipped: bool = False) -> float:
     """Max over mean of the per-rank attention FLOPs. All chunks of one split have the same size,
-    so the FLOPs are proportional to the pair counts. As executed here a diagonal pair costs a
-    whole pair; a kernel that skips the masked upper triangle (FlashAttention) pays half.
-    Contiguous: 2cp/(cp+1) executed, (2cp-1)/cp with the half skipped; zig-zag: 1 either way."""
+    so the FLOPs are proportional to the pair counts. As counted (``RingStats``) a diagonal pair
+    costs a whole pair; a kernel that skips the masked upper triangle (FlashAttention, and the
+    fused kernels ``ref.cp_ring`` calls since its ring became a fused custom autograd function)
+    pays about half. Contiguous: 2cp/(cp+1) counted, (2cp-1)/cp with the half skipped; zig-zag: 1
+    either way."""
     diagonal_weight = 0.5 if masked_half_skipped else 1.0
     work = [full + diagonal_weight * diagonal for full, diagonal in chunk_pairs(cp, split)]
     return max(work) / (sum(work) / cp)
@@ -169,8 +172,8 @@ RANK_COLUMNS = [
 NOTE = ("Ring attention (ref.cp_ring), forward attention work of one step per rank, summed over layers. "
         "Contiguous split: rank r holds chunk r of cp and, by causality, computes r full chunk pairs plus its "
         "diagonal, r+1 pairs of (s/cp)²; the last rank sets the pace, and max/mean = 2cp/(cp+1) "
-        "(4/3 at cp=2, 1.6 at cp=4) as executed here, where a diagonal pair is computed whole and masked, "
-        "or (2cp−1)/cp if a kernel skipped the masked half. Zig-zag split: rank r holds chunks r and "
+        "(4/3 at cp=2, 1.6 at cp=4) counting a diagonal pair whole, or (2cp−1)/cp with its masked half "
+        "skipped, as the fused causal kernels do (nearly: tiles on the diagonal are computed and masked). Zig-zag split: rank r holds chunks r and "
         "2cp−1−r of 2cp and computes 2cp+1 pairs of (s/2cp)² (2cp with the half skipped), the same on every "
         "rank: 1.0. Every ring hop waits for the slowest rank, so the busiest rank's work paces the step (the "
         "zig-zag split also wastes less on diagonal pairs, whose chunks are half as long). FLOPs = analytic compares every rank's counted FLOPs with 4·b·c²·d_model per pair. "
