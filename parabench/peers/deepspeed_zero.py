@@ -7,6 +7,25 @@ to be JIT-compiled on a fresh machine. ``zero_allow_untested_optimizer`` admits 
 DeepSpeed divides the loss by the accumulation steps itself, so micro-batch losses go in
 unscaled. On a CPU, ``DS_ACCELERATOR=cpu`` must be set before DeepSpeed is imported (the runner
 does this).
+
+fp16 at stage 0 does not train in DeepSpeed 0.19.8 (a DeepSpeed bug, kept as it behaves; measured
+and asserted in tests/test_mixed_precision.py::test_deepspeed_zero0_fp16_mechanism). The client
+AdamW is not DeepSpeed's FusedAdam, so stage 0 fp16 wraps it in FP16_UnfusedOptimizer
+(deepspeed/runtime/engine.py:2599), a DeepSpeedOptimizer but not a ZeROOptimizer
+(runtime/fp16/unfused_optimizer.py:25, runtime/base_optimizer.py:250). ``engine.backward`` scales
+the loss only for ZeROOptimizer instances or torch autocast's GradScaler (engine.py:3416-3420) and
+then calls ``loss.backward()`` itself (engine.py:3428), never the wrapper's ``backward`` that would
+multiply by ``cur_scale`` (unfused_optimizer.py:260-272); ``engine.scale`` has the same gap
+(engine.py:3371). The wrapper's ``step`` still divides the all-reduced gradients by ``cur_scale``
+(unfused_optimizer.py:228 -> 256), 2**16 for this profile (runtime/fp16/loss_scaler.py:63-65), so
+AdamW gets gradients 65536x too small (below eps) and the loss stays flat: 1.8e-2 off fp32 over 5
+steps on the tiny model, replicas still bit-identical, one fp16 all-reduce of all gradients per
+step. Upstream: DeepSpeed PR #8393 (open). Multiplying the loss by ``engine.optimizer.loss_scale``
+before ``engine.backward`` makes it train (2.3e-3 off fp32); the rest is the wrapper's initial AdamW
+step on zero gradients (unfused_optimizer.py:108 -> 412-425: weight decay once, Adam's step count
+one ahead); undoing that too gives deepspeed.zero1's fp16 losses bit for bit. On GPUs the torch
+AdamW (fused CUDA kernel) is not FusedAdam either: the same path, the same result.
+scripts/ds_zero0_fp16_repro.py reproduces all of this.
 """
 
 from __future__ import annotations
