@@ -19,7 +19,6 @@ import sys
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch
-import torch.distributed as dist
 
 from parabench.distributed import run_on_gloo
 from parabench.meters.comm import CommMeter
