@@ -23,7 +23,8 @@ steps on the tiny model, replicas still bit-identical, one fp16 all-reduce of al
 step. Upstream: DeepSpeed PR #8393 (open). Multiplying the loss by ``engine.optimizer.loss_scale``
 before ``engine.backward`` makes it train (2.3e-3 off fp32); the rest is the wrapper's initial AdamW
 step on zero gradients (unfused_optimizer.py:108 -> 412-425: weight decay once, Adam's step count
-one ahead); undoing that too gives deepspeed.zero1's fp16 losses bit for bit. On GPUs the torch
+one ahead); undoing that too gives deepspeed.zero1's fp16 losses (bit for bit in
+isolation, within 2e-6 otherwise). On GPUs the torch
 AdamW (fused CUDA kernel) is not FusedAdam either: the same path, the same result.
 scripts/ds_zero0_fp16_repro.py reproduces all of this.
 """
