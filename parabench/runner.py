@@ -274,7 +274,8 @@ class Runner:
             # pytorch/pytorch#144455, 10-20 % slower kernels), so a profiled GPU case runs alone and
             # cannot slow the timed steps of the cases after it.
             profiled_on_gpu = bool(c.options.get("step_breakdown")) and resolve_device(c) == "cuda"
-            return not c.options.get("inject_fault") and not profiled_on_gpu and get_strategy(c.strategy).shares_launch
+            return (not c.options.get("inject_fault") and not profiled_on_gpu and not c.own_launch
+                    and get_strategy(c.strategy).shares_launch)
 
         first = pending.pop(0)
         batch = [first]

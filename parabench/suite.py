@@ -62,8 +62,11 @@ class Case:
     # Not part of the identity of the measurement:
     timeout_s: float = 600.0
     comm_meter: bool = True
+    # A torchrun launch of its own (no earlier case's allocator, caches or CUDA context): for
+    # A/B pairs whose difference is smaller than what a shared launch could leave behind.
+    own_launch: bool = False
 
-    IDENTITY_EXCLUDES = ("timeout_s",)
+    IDENTITY_EXCLUDES = ("timeout_s", "own_launch")
 
     def identity(self) -> dict:
         d = asdict(self)
@@ -101,6 +104,7 @@ CASE_FIELDS = {f.name: f for f in fields(Case)}
 SUITE_KEYS = {"name", "description", "kind"} | (set(CASE_FIELDS) - {"model", "strategy", "world_size"})
 _TYPES = {"world_size": int, "micro_batch": int, "grad_accum": int, "seq_len": int, "steps": int,
           "warmup": int, "seed": int, "lr": (int, float), "timeout_s": (int, float), "comm_meter": bool,
+          "own_launch": bool,
           "model": str, "strategy": str, "precision": str, "device": str, "options": dict}
 
 

@@ -129,3 +129,29 @@ def test_loading_refuses_another_schema_version(tmp_path):
     write_json_atomic(path, {"schema_version": SCHEMA_VERSION, "x": 1})
     assert load_json(path)["x"] == 1
     assert not list(tmp_path.glob(".*tmp"))  # no temporary left behind
+
+
+def test_own_launch_isolates_a_case_without_changing_what_it_measures(tmp_path):
+    """An A/B pair (meter on / off) can ask for launches of their own; the case hash, which
+    identifies the measurement for `parabench compare`, does not change."""
+    from types import SimpleNamespace
+
+    from parabench.runner import LaunchOptions, Runner
+
+    plain = Case(model="tiny", strategy="ref.ddp", world_size=2, device="cpu")
+    alone = Case(model="tiny", strategy="ref.ddp", world_size=2, device="cpu", own_launch=True)
+    assert plain.case_hash == alone.case_hash
+    pending = [plain, alone, Case(model="tiny", strategy="torch.ddp", world_size=2, device="cpu")]
+    runner, batches = SimpleNamespace(launch=LaunchOptions()), []
+    while pending:
+        batches.append([c.own_launch for c in Runner._next_batch(runner, pending)])
+    assert batches == [[False, False], [True]]
+
+    suite = tmp_path / "ab.toml"
+    suite.write_text('[suite]\nname = "ab"\ndevice = "cpu"\n[[matrix]]\nmodel = "tiny"\nstrategy = "ref.ddp"\n'
+                     'world_size = 2\ncomm_meter = [true, false]\nown_launch = true\n')
+    assert [c.own_launch for c in load_suite(str(suite)).cases] == [True, True]
+    suite.write_text('[suite]\nname = "ab"\ndevice = "cpu"\n[[matrix]]\nmodel = "tiny"\nstrategy = "ref.ddp"\n'
+                     'world_size = 2\nown_launch = "yes"\n')
+    with pytest.raises(SuiteError, match="own_launch"):
+        load_suite(str(suite))
