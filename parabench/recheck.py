@@ -34,7 +34,7 @@ def recheck_record(rec: dict) -> dict | None:
         raise StaleImplementation(f"{rec.get('label')}: case hash {rec.get('case_hash')} was made by another "
                                   f"version of {case.strategy} (now {case.case_hash}); not rechecked")
     new = dict(rec)
-    new["theory"] = theory_for(case)
+    new["theory"] = theory_for(case, rec["per_rank"])
     new["checks"] = checks_for(new["theory"], rec["per_rank"], rec.get("loss_scale"))
     previous = rec.get("theory_recheck", {}).get("original_checks", rec.get("checks", {}))
     new["theory_recheck"] = {

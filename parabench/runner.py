@@ -99,11 +99,22 @@ def _base_record(case: Case) -> dict:
     }
 
 
-def theory_for(case: Case) -> dict | None:
-    """The analytic expectation of a case (``parabench.theory``), as the record stores it."""
+def theory_for(case: Case, per_rank: list[dict] | None = None) -> dict | None:
+    """The analytic expectation of a case (``parabench.theory``), as the record stores it. Given
+    the measured per-rank records, traffic that depends on a data-dependent decision (expert
+    routing) is made exact per rank from what the ranks recorded of that decision."""
+    cfg = model_config(case.model, case.seq_len)
     dp = case.global_batch // (case.micro_batch * case.grad_accum)
-    expect = theory.expected(case, model_config(case.model, case.seq_len), dp)
-    return dict(expect) if expect is not None else None
+    expect = theory.expected(case, cfg, dp)
+    if expect is None:
+        return None
+    out = dict(expect)
+    routed = theory.routed_comm_per_rank(case, cfg, per_rank) if per_rank else None
+    if routed:
+        out["comm_payload_bytes_range"] = out.get("comm_payload_bytes")
+        out["comm_payload_bytes"], out["comm_payload_bytes_per_rank"] = routed[0], routed
+        out["comm_exact_from"] = "the routing each rank recorded on the instrumented step (strategy_stats)"
+    return out
 
 
 def checks_for(expect: dict | None, per_rank: list[dict], loss_scale_steps: list | None) -> dict:
@@ -125,7 +136,7 @@ def build_record(case: Case, status: str, raw: dict | None = None, error: dict |
     rec = _base_record(case)
     rec.update(status=status, error=error, started_at=started_at, duration_s=duration_s, launch=launch or {})
     rec["model"] = model_section(case)
-    rec["theory"] = theory_for(case)
+    rec["theory"] = theory_for(case, raw["per_rank"] if raw is not None else None)
     if raw is not None:
         rec["device"] = {"name": raw["device_name"], "type": raw["device_type"]}
         rec["topology"] = raw["topology"]

@@ -679,6 +679,31 @@ def _deepspeed_moe(cfg, case, dp):
     )
 
 
+def routed_comm_per_rank(case, cfg: GPTConfig, per_rank: list[dict]) -> list[dict] | None:
+    """Expert parallelism moves what the router decided: with the routing each rank measured on
+    the instrumented step (``strategy_stats``: rows sent and received per MoE layer for ref.ep,
+    the gate's capacity for deepspeed.moe), the per-rank volume is exact. None when that does not
+    apply: another strategy, no stats, or gradient accumulation (the stats keep only the last
+    micro-batch, so the earlier ones' routing is unknown)."""
+    if case.strategy not in ("ref.ep", "deepspeed.moe") or case.grad_accum != 1:
+        return None
+    out = []
+    for r in per_rank:
+        moe = ((r or {}).get("strategy_stats") or {}).get("moe_layers")
+        if not moe or len(moe) != cfg.n_moe_layers:
+            return None
+        layers = [moe[k] for k in sorted(moe, key=int)]
+        try:
+            if case.strategy == "ref.ep":
+                ops = ep_ops(cfg, case, [(int(x["sent_rows"]), int(x["received_rows"])) for x in layers])
+            else:
+                ops = deepspeed_moe_ops(cfg, case, [int(x["capacity"]) for x in layers])
+        except (KeyError, TypeError, ValueError):
+            return None
+        out.append(_sum_ops(ops))
+    return out
+
+
 # --- communication-reducing data parallelism: reference_impls/compression.py, torch DDP hooks ----
 # Ψ parameters in buckets planned as ref.ddp plans them (25 MiB default: the small models fit in one);
 # N = data-parallel degree. Per bucket b with numel_b elements and S_b tensors:

@@ -1,0 +1,57 @@
+"""Expert-parallel records carry a per-rank expectation made exact by the routing each rank
+recorded (ref.ep: rows sent and received per MoE layer; deepspeed.moe: the gate's capacity), so
+the record's own check, not only a test, holds the measured all-to-all bytes to theory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parabench.cli import main
+from parabench.results import load_run
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("moe")
+    proc = subprocess.run([sys.executable, "-m", "parabench.cli", "run", "suite", "cp-ep", "--filter", "moe", "--out",
+                           str(out), "--run-id", "r", "--no-report"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return out / "cp-ep" / "r"
+
+
+def test_records_check_all_to_all_bytes_exactly_per_rank(moe_run):
+    _, records = load_run(moe_run)
+    routed = [r for r in records if r["case"]["strategy"] in ("ref.ep", "deepspeed.moe")]
+    assert len(routed) == 4  # both strategies, dropless and capacity factor 1
+    for r in routed:
+        assert r["status"] == "ok" and r["checks"]["comm_ok"] is True, r["label"]
+        assert "routing" in r["theory"]["comm_exact_from"]
+        for rank, rows in enumerate(r["checks"]["comm_per_rank"]):
+            a2a = rows["all_to_all"]
+            assert a2a["measured_bytes"] == a2a["expected_bytes"], (r["label"], rank, a2a)
+
+
+def test_a_wrong_routing_record_fails_the_check(moe_run, tmp_path):
+    """The exact expectation can fail: claim 100 more rows sent on rank 0 than were sent."""
+    run = tmp_path / "run"
+    import shutil
+
+    shutil.copytree(moe_run, run)
+    path = next(p for p in (run / "cases").glob("*.json")
+                if json.loads(p.read_text())["label"] == "ref.ep tiny-moe w2 fp32 mb2")
+    rec = json.loads(path.read_text())
+    layer = next(iter(rec["per_rank"][0]["strategy_stats"]["moe_layers"].values()))
+    layer["sent_rows"] += 100
+    path.write_text(json.dumps(rec))
+    assert main(["recheck", str(run), "--strategy", "ref.ep"]) == 0
+    rec = json.loads(path.read_text())
+    assert rec["checks"]["comm_ok"] is False
+    assert rec["checks"]["comm_per_rank"][1]["all_to_all"]["ok"] is True  # rank 1's record is untouched
