@@ -136,6 +136,7 @@ def build_record(case: Case, status: str, raw: dict | None = None, error: dict |
     rec = _base_record(case)
     rec.update(status=status, error=error, started_at=started_at, duration_s=duration_s, launch=launch or {})
     rec["model"] = model_section(case)
+    rec["caveats"] = get_strategy(case.strategy).caveats_for(case.precision)
     rec["theory"] = theory_for(case, raw["per_rank"] if raw is not None else None)
     if raw is not None:
         rec["device"] = {"name": raw["device_name"], "type": raw["device_type"]}

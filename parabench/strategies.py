@@ -101,6 +101,12 @@ class StrategyInfo:
     # after close(): the runner then gives each of their cases a launch of its own, so the
     # next case is not measured on a contaminated process.
     shares_launch: bool = True
+    # (precision, text): known behaviour of the implementation a reader of its numbers must know,
+    # copied into every record of that precision and shown in the report beside the case.
+    caveats: tuple[tuple[str, str], ...] = ()
+
+    def caveats_for(self, precision: str) -> list[str]:
+        return [text for p, text in self.caveats if p == precision]
 
     def build(self, spec: TrainSpec) -> Trainer:
         module, func = self.builder.split(":")
@@ -135,7 +141,12 @@ _BUILTIN = (
                  "PyTorch FSDP2 hybrid shard: 2-D (replicate, shard) mesh, option shard_size (default 2)",
                  precisions=DP_PRECISIONS, min_world_size=4),
     StrategyInfo("deepspeed.zero0", "parabench.peers.deepspeed_zero:build_zero0", "peer",
-                 "DeepSpeed engine, ZeRO disabled (plain data parallel)", precisions=DP_PRECISIONS),
+                 "DeepSpeed engine, ZeRO disabled (plain data parallel)", precisions=DP_PRECISIONS,
+                 caveats=(("fp16", "DeepSpeed 0.19.8, stage 0 fp16 with a client optimizer (FP16_UnfusedOptimizer): "
+                           "engine.backward never multiplies the loss by the loss scale, but the optimizer step "
+                           "still divides the gradients by it (2**16), so Adam sees gradients 65536x too small and "
+                           "the loss barely moves (upstream PR deepspeedai/DeepSpeed#8393; "
+                           "tests/test_mixed_precision.py::test_deepspeed_zero0_fp16_mechanism)."),)),
     StrategyInfo("deepspeed.zero1", "parabench.peers.deepspeed_zero:build_zero1", "peer",
                  "DeepSpeed ZeRO stage 1 (optimizer states partitioned)", precisions=DP_PRECISIONS),
     StrategyInfo("deepspeed.zero2", "parabench.peers.deepspeed_zero:build_zero2", "peer",

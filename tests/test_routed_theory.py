@@ -55,3 +55,4 @@ def test_a_wrong_routing_record_fails_the_check(moe_run, tmp_path):
     rec = json.loads(path.read_text())
     assert rec["checks"]["comm_ok"] is False
     assert rec["checks"]["comm_per_rank"][1]["all_to_all"]["ok"] is True  # rank 1's record is untouched
+

@@ -200,6 +200,13 @@ def render_report(run_dirs: list[Path], *, threshold: float = 0.05, with_figures
         tables.append(_table("overview", "Overview: fastest strategy per model, device count and precision",
                              run_col + OVERVIEW_COLUMNS, overview,
                              "Fastest by median tokens/s per device; lead = its margin over the runner-up."))
+    caveats = [{"run": f"{m.get('suite')}/{m.get('run_id')}", "label": r.get("label", ""), "caveat": text}
+               for m, records in runs for r in records for text in (r.get("caveats") or [])]
+    if caveats:
+        tables.append(_table("caveats", "Caveats: known behaviour behind some numbers",
+                             run_col + [("label", "case", "str"), ("caveat", "what to know", "str")], caveats,
+                             "Written into the records by the strategy that measured them: read these cases' "
+                             "figures with it in mind."))
     if rows:
         tables.append(_table("cases", "All cases", run_col + CASE_COLUMNS,
                              sorted(rows, key=lambda r: (r["run_idx"], r["params"] or 0, r["model"], r["world_size"] or 0,

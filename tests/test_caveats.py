@@ -1,0 +1,25 @@
+"""Strategies' known behaviour travels with their numbers: record and report."""
+
+from __future__ import annotations
+
+
+def test_caveat_reaches_the_record_and_the_report(tmp_path):
+    """A strategy's known behaviour (here DeepSpeed stage 0's unscaled fp16 loss) is written into
+    the records of that precision only and shown in the report."""
+    from parabench.report.html import render_report
+    from parabench.results import make_manifest, write_json_atomic
+    from parabench.runner import build_record
+    from parabench.suite import Case, load_suite
+
+    fp16 = build_record(Case(model="tiny", strategy="deepspeed.zero0", world_size=2, precision="fp16"), "skipped")
+    bf16 = build_record(Case(model="tiny", strategy="deepspeed.zero0", world_size=2, precision="bf16"), "skipped")
+    other = build_record(Case(model="tiny", strategy="deepspeed.zero1", world_size=2, precision="fp16"), "skipped")
+    assert "65536x too small" in fp16["caveats"][0]
+    assert bf16["caveats"] == [] and other["caveats"] == []
+
+    run = tmp_path / "run"
+    write_json_atomic(run / "manifest.json", make_manifest(load_suite("smoke"), "r"))
+    for rec in (fp16, bf16):
+        write_json_atomic(run / "cases" / f"{rec['case_hash']}.json", rec)
+    html = render_report([run], with_figures=False)
+    assert "Caveats: known behaviour behind some numbers" in html and "65536x too small" in html
