@@ -56,3 +56,9 @@ def test_a_wrong_routing_record_fails_the_check(moe_run, tmp_path):
     assert rec["checks"]["comm_ok"] is False
     assert rec["checks"]["comm_per_rank"][1]["all_to_all"]["ok"] is True  # rank 1's record is untouched
 
+
+
+def test_report_says_where_the_expectation_came_from(moe_run):
+    from parabench.report.html import render_report
+
+    assert "run + recorded routing" in render_report([moe_run], with_figures=False)

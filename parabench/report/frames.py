@@ -189,10 +189,12 @@ def comm_check_rows(runs) -> list[dict]:
 
 
 def theory_source(r: dict) -> str:
+    routed = " + recorded routing" if _get(r, "theory", "comm_exact_from") else ""
     recheck = r.get("theory_recheck")
     if not isinstance(recheck, dict):
-        return "run"
-    return f"recheck {str(recheck.get('at', ''))[:10]} {str(recheck.get('parabench_commit') or '')[:8]}".rstrip()
+        return "run" + routed
+    return (f"recheck {str(recheck.get('at', ''))[:10]} {str(recheck.get('parabench_commit') or '')[:8]}".rstrip()
+            + routed)
 
 
 def collectives_rows(run_dirs: list[Path]) -> tuple[list[dict], list[dict]]:

@@ -224,7 +224,8 @@ def render_report(run_dirs: list[Path], *, threshold: float = 0.05, with_figures
         tables.append(_table("comm-table", "Communication vs theory, by kind", run_col + COMM_COLUMNS, comm_rows,
                              "Rank 0's payload per kind on the instrumented step against the analytic volume. 'analytic from': "
                              "'run' when the expectation was computed when the case ran; 'recheck <date> <commit>' "
-                             "when `parabench recheck` later set the same measurement beside a newer theory.",
+                             "when `parabench recheck` later set the same measurement beside a newer theory; '+ recorded "
+                             "routing': expert-parallel traffic made exact by the routing each rank recorded.",
                              row_class=lambda r: "" if r["ok"] else "bad-row"))
     pipe = [{"label": r["label"], "run": r["run"], **p, "measured_pct": p["measured"] * 100 if p["measured"] is not None else None,
              "theory_pct": p["theory"] * 100 if p["theory"] is not None else None}
