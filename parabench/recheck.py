@@ -15,6 +15,7 @@ import datetime
 from pathlib import Path
 
 from parabench.results import _git, case_record_path, load_run, write_json_atomic
+from parabench.runner import checks_for, theory_for
 from parabench.suite import Case
 
 
@@ -27,8 +28,6 @@ def recheck_record(rec: dict) -> dict | None:
     """The record with theory and checks recomputed; None when there is nothing to check."""
     if rec.get("status") != "ok" or not rec.get("per_rank"):
         return None
-    from parabench.runner import checks_for, theory_for
-
     case = Case.from_dict(rec["case"])
     if case.case_hash != rec.get("case_hash"):
         raise StaleImplementation(f"{rec.get('label')}: case hash {rec.get('case_hash')} was made by another "

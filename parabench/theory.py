@@ -13,6 +13,7 @@ A strategy without an entry gets no expectation (``None``), never a guess.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from parabench.models import GPTConfig, parameter_count
@@ -525,8 +526,6 @@ def ep_ops(cfg: GPTConfig, case, routing: list[tuple[int, int]] | None = None) -
     if routing is None:
         a = b * s * k
         if cfg.capacity_factor is not None:
-            import math
-
             a = min(a, E * math.ceil(cfg.capacity_factor * b * s * k / E))
         routing = [(a, a)] * (cfg.n_moe_layers * case.grad_accum)
     ops: list[tuple[str, int]] = []
@@ -546,17 +545,15 @@ def _ref_ep(cfg, case, dp):
     ep = case.world_size
     local = c["dense"] + c["experts"] // ep
     balanced = _sum_ops(ep_ops(cfg, case))
-    comm = None
-    if balanced:
-        # What one rank moves depends on the routing: rows it routes A_r <= b·s·k (= when dropless),
-        # rows it receives 0 <= R_r <= ep·b·s·min(k, E/ep). The record's check uses that range.
-        h, nb, k, E = cfg.d_model, BYTES[case.precision], cfg.top_k, cfg.n_experts
-        a_max = case.micro_batch * cfg.seq_len * k
-        r_max = ep * case.micro_batch * cfg.seq_len * min(k, E // ep)
-        a_min = a_max if cfg.capacity_factor is None else 0
-        n = cfg.n_moe_layers * case.grad_accum
-        counts = n * E * 8 if E * 8 > 64 else 0
-        comm = {**balanced, "all_to_all": [counts + n * 2 * a_min * h * nb, counts + n * 2 * (a_max + r_max) * h * nb]}
+    # What one rank moves depends on the routing: rows it routes A_r <= b·s·k (= when dropless),
+    # rows it receives 0 <= R_r <= ep·b·s·min(k, E/ep). The record's check uses that range.
+    h, nb, k, E = cfg.d_model, BYTES[case.precision], cfg.top_k, cfg.n_experts
+    a_max = case.micro_batch * cfg.seq_len * k
+    r_max = ep * case.micro_batch * cfg.seq_len * min(k, E // ep)
+    a_min = a_max if cfg.capacity_factor is None else 0
+    n = cfg.n_moe_layers * case.grad_accum
+    counts = n * E * 8 if E * 8 > 64 else 0
+    comm = {**balanced, "all_to_all": [counts + n * 2 * a_min * h * nb, counts + n * 2 * (a_max + r_max) * h * nb]}
     return Expectation(
         state_bytes={"params": 4 * local, "grads": 4 * local, "optimizer": 8 * local},
         comm_payload_bytes=comm,
@@ -639,8 +636,6 @@ def deepspeed_moe_scalar_ops(cfg: GPTConfig, case) -> dict:
 
 @expectation("deepspeed.moe")
 def _deepspeed_moe(cfg, case, dp):
-    import math
-
     c = _counts(cfg)
     if "experts" not in c:
         return Expectation(state_bytes=None, comm_payload_bytes=None, paper_state_bytes=None,
@@ -716,7 +711,6 @@ def routed_comm_per_rank(case, cfg: GPTConfig, per_rank: list[dict]) -> list[dic
 #             moments) or 4Ψ (SGD momentum) when optimizer states are averaged: (4Ψ + 8Ψ)/H per step on average.
 # Each op is checked against the meter's scalar cut-off (ops ≤ 64 bytes are listed apart) one by one.
 
-import math  # noqa: E402  (kept with the section that uses it)
 
 def _ref_bucket_shapes(cfg: GPTConfig, elem: int, bucket_mb: float) -> list[list[tuple[int, ...]]]:
     """Parameter shapes per bucket, as reference_impls/dp_common.py:plan_buckets groups them (no padding)."""
