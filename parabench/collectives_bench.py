@@ -77,7 +77,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parabench.distributed import init_process_group, pick_device
+from parabench.distributed import init_process_group, pick_device, synchronize
 from parabench.results import SCHEMA_VERSION, recorded_env, write_json_atomic
 from reference_impls import collectives as ref
 from reference_impls._compat import all_gather_into, reduce_scatter_into
@@ -256,11 +256,11 @@ def check_algorithm(op: str, fn, count: int, dtype: torch.dtype = torch.float32,
     device = device or torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     cell = Cell(op, fn, random_input(seed, rank, count, dtype, device), world)
-    _sync(device)
+    synchronize(device)
     dist.barrier()
     t0 = time.perf_counter()
     cell.call()
-    _sync(device)
+    synchronize(device)
     seconds = time.perf_counter() - t0
     want = against if against is not None else expected_output(op, seed, count, dtype, device, rank, world)
     ok, err = compare(cell.out, want, world)
@@ -269,19 +269,14 @@ def check_algorithm(op: str, fn, count: int, dtype: torch.dtype = torch.float32,
     return flags[0].item() == 0.0, flags[1].item(), flags[2].item(), cell
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_calls(cell: Cell, n: int, device: torch.device) -> list[float]:
     """Seconds of each of ``n`` calls on this rank (barrier before each, reset untimed)."""
     times = []
     for _ in range(n):
         cell.reset()
-        _sync(device)
+        synchronize(device)
         dist.barrier()
-        _sync(device)
+        synchronize(device)
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

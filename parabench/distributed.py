@@ -22,6 +22,12 @@ def pick_device(requested: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA kernels run asynchronously; CPU work is done)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def init_process_group(device: torch.device, timeout_s: float = 300.0) -> None:
     """NCCL for GPUs, gloo for CPUs; the timeout turns a lost peer into an error, not a hang."""
     if dist.is_initialized():

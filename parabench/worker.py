@@ -28,7 +28,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from parabench.distributed import init_process_group, pick_device
+from parabench.distributed import init_process_group, pick_device, synchronize
 from parabench.hardware import device_name, measured_matmul_flops, peak_flops
 from parabench.meters import flight_recorder, memory
 from parabench.meters.comm import CommMeter
@@ -76,11 +76,6 @@ class StepClock:
             torch.cuda.synchronize()
             return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
         return [b - a for a, b in zip(self.marks, self.marks[1:])]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def loss_scale_steps(per_rank: list[dict]) -> list[dict] | None:
@@ -143,7 +138,7 @@ def run_case(case: Case, device: torch.device) -> dict | None:
     topo = spec.topology
     t_setup = time.perf_counter()
     trainer = get_strategy(case.strategy).build(spec)
-    _sync(device)
+    synchronize(device)
     setup_s = time.perf_counter() - t_setup
 
     n_steps = case.warmup + case.steps + 1  # + the instrumented step
@@ -162,7 +157,7 @@ def run_case(case: Case, device: torch.device) -> dict | None:
         losses.append(trainer.train_step(*batches[step]))
         scales is not None and scales.append(trainer.loss_scale())
 
-    _sync(device)
+    synchronize(device)
     dist.barrier()
     memory.reset_peak(device)
     clock = StepClock(device)
@@ -189,7 +184,7 @@ def run_case(case: Case, device: torch.device) -> dict | None:
         losses.append(trainer.train_step(*batches[step]))
         comm = None
     scales is not None and scales.append(trainer.loss_scale())
-    _sync(device)
+    synchronize(device)
     fr = flight_recorder.summary_since(fr_start) if fr_start is not None else None
     state = trainer.state_bytes()
     # Per-step statistics describe the last step run: read them before any extra meter step.

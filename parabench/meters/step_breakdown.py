@@ -72,6 +72,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from parabench.distributed import synchronize
+
 STEP_MARK = "parabench::step_breakdown"
 COMM_PREFIXES = ("gloo:", "nccl:", "mpi:", "ucc:", "c10d::", "_c10d_functional::", "c10d_functional::")
 COMM_NAMES = ("record_param_comms",)
@@ -282,11 +284,6 @@ def spans_from_profile(prof, device: torch.device) -> tuple[list[Span], Span | N
     return spans, mark, "activity_type" if has_activity else "name_heuristic"
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure_step(trainer, inputs, targets) -> tuple[object, dict]:
     """Run one ``train_step`` under ``torch.profiler``; return (loss, breakdown dict)."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -294,14 +291,14 @@ def measure_step(trainer, inputs, targets) -> tuple[object, dict]:
     device = inputs.device
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    _sync(device)
+    synchronize(device)
     with profile(activities=activities) as prof:
         if dist.is_available() and dist.is_initialized():
             dist.barrier()  # outside the window: see the module docstring
-        _sync(device)
+        synchronize(device)
         with record_function(STEP_MARK):
             loss = trainer.train_step(inputs, targets)
-            _sync(device)
+            synchronize(device)
     spans, mark, classified_by = spans_from_profile(prof, device)
     del prof
     source = "cuda_kernels" if cuda else "cpu_ops"
