@@ -1,6 +1,11 @@
-"""Train a case in-process on N gloo ranks and return what equivalence tests compare."""
+"""Train a case in-process on N gloo ranks and return what equivalence tests compare; run a
+suite through the real CLI."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -56,3 +61,16 @@ def params_close(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> li
     """Names of parameters that differ (empty when all match)."""
     assert a.keys() == b.keys(), (sorted(a)[:5], sorted(b)[:5])
     return [n for n in a if not torch.allclose(a[n], b[n], rtol=rtol, atol=atol)]
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_suite_cli(suite: str, out: Path, *args: str, run_id: str = "t", timeout: int = 600) -> Path:
+    """``parabench run suite SUITE`` (a name or a file) through the real CLI and torchrun; the
+    run folder it wrote under ``out``."""
+    proc = subprocess.run([sys.executable, "-m", "parabench.cli", "run", "suite", suite, "--out", str(out),
+                           "--run-id", run_id, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = Path(out).glob(f"*/{run_id}")
+    return run_dir

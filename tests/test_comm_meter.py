@@ -58,9 +58,7 @@ def test_bf16_tensor_and_pipeline_parallel_traffic_matches_theory(tmp_path):
     """Under autocast, g's forward all-reduces (with SP: the forward reduce-scatters and their
     backward all-gathers; expert parallelism's token rows) travel in bf16 while f's backward, the embedding, the cross-entropy and the
     pipeline's residual-stream activations stay fp32; theory says so, per rank, to 1 %."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    from helpers import run_suite_cli
 
     from parabench.results import load_run
 
@@ -74,11 +72,7 @@ def test_bf16_tensor_and_pipeline_parallel_traffic_matches_theory(tmp_path):
         '[[matrix]]\nmodel = "tiny"\nstrategy = "ref.pp_1f1b"\nworld_size = 4\nmicro_batch = 8\n'
         'options = {pp = 2, tp = 2, sp = true, microbatches = 4}\n'
         '[[matrix]]\nmodel = "tiny-moe"\nstrategy = "ref.ep"\nworld_size = 2\nmicro_batch = 4\n')
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, "-m", "parabench.cli", "run", "suite", str(suite), "--out", str(tmp_path),
-                           "--run-id", "r", "--no-report"], cwd=root, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    _, records = load_run(tmp_path / "mp16" / "r")
+    _, records = load_run(run_suite_cli(str(suite), tmp_path, "--no-report", run_id="r"))
     assert len(records) == 5
     for r in records:
         assert r["status"] == "ok" and r["checks"]["comm_ok"] is True, (r["label"], r["checks"].get("comm_per_rank"))

@@ -6,13 +6,12 @@ CPU run through the CLI, and the committed GPU run, whose compute times came fro
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_suite_cli
 
 from parabench.distributed import run_on_gloo
 from parabench.models import model_config
@@ -121,12 +120,7 @@ def test_cuda_compute_time_comes_from_events_read_lazily(monkeypatch):
 @pytest.fixture(scope="module")
 def cpu_ring_run(tmp_path_factory) -> Path:
     """The cp-ep suite's two ring cases (contiguous, zig-zag; tiny, 2 ranks) through the real CLI."""
-    out = tmp_path_factory.mktemp("cp-balance")
-    proc = subprocess.run([sys.executable, "-m", "parabench.cli", "run", "suite", "cp-ep", "--filter", "ref.cp_ring",
-                           "--out", str(out), "--run-id", "t", "--no-report"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out / "cp-ep" / "t"
+    return run_suite_cli("cp-ep", tmp_path_factory.mktemp("cp-balance"), "--filter", "ref.cp_ring", "--no-report")
 
 
 def test_section_puts_contiguous_beside_zigzag_from_a_cpu_run(cpu_ring_run):

@@ -5,26 +5,18 @@ the record's own check, not only a test, holds the measured all-to-all bytes to 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_suite_cli
 
 from parabench.cli import main
 from parabench.results import load_run
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 @pytest.fixture(scope="module")
 def moe_run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("moe")
-    proc = subprocess.run([sys.executable, "-m", "parabench.cli", "run", "suite", "cp-ep", "--filter", "moe", "--out",
-                           str(out), "--run-id", "r", "--no-report"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return out / "cp-ep" / "r"
+    return run_suite_cli("cp-ep", tmp_path_factory.mktemp("moe"), "--filter", "moe", "--no-report", run_id="r")
 
 
 def test_records_check_all_to_all_bytes_exactly_per_rank(moe_run):

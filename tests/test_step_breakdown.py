@@ -230,17 +230,9 @@ def test_profiled_gpu_cases_get_a_launch_of_their_own():
 @pytest.fixture(scope="module")
 def smoke_breakdown_run(tmp_path_factory):
     """The smoke suite's step-breakdown cases (ref.ddp, torch.ddp, torch.fsdp2; tiny, fp32, 2 ranks)."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    from helpers import run_suite_cli
 
-    root = Path(__file__).resolve().parent.parent
-    out = tmp_path_factory.mktemp("step-breakdown")
-    proc = subprocess.run([sys.executable, "-m", "parabench.cli", "run", "suite", "smoke", "--filter", "step_breakdown",
-                           "--out", str(out), "--run-id", "t", "--no-report"],
-                          cwd=root, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out / "smoke" / "t"
+    return run_suite_cli("smoke", tmp_path_factory.mktemp("step-breakdown"), "--filter", "step_breakdown", "--no-report")
 
 
 def test_records_and_report_section(smoke_breakdown_run, tmp_path):
