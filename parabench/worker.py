@@ -254,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     device = pick_device(cases[0].device)
     if device.type == "cpu":
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    init_process_group(device, timeout_s=min(c.timeout_s for c in cases))
+    # The collective timeout fires before the runner's case timeout, so a hang ends in the
+    # watchdog's error naming the stuck collective (op, sequence number, sizes) in the case's log
+    # rather than in a bare kill.
+    init_process_group(device, timeout_s=max(30.0, 0.8 * min(c.timeout_s for c in cases)))
     rank = dist.get_rank()
     for case in cases:
         if rank == 0:
