@@ -109,6 +109,16 @@ def recorded_env() -> dict:
             if k.startswith(ENV_PREFIXES) and not any(s in k.upper() for s in ENV_DENY_SUBSTRINGS)}
 
 
+def _git_identity(status: str | None) -> dict:
+    """The commit the tree was made from. A copy of the tree sent to an offline GPU machine names it
+    in PARABENCH_GIT_COMMIT, which wins: the copy may carry a stale .git of its own (the device
+    machine's copy holds the session's first commit), whose HEAD and dirty flag describe nothing."""
+    named = os.environ.get("PARABENCH_GIT_COMMIT")
+    if named:
+        return {"commit": named, "dirty": None, "source": "PARABENCH_GIT_COMMIT"}
+    return {"commit": _git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
+
+
 def make_manifest(suite, run_id: str, argv: list[str] | None = None) -> dict:
     status = _git("status", "--porcelain")
     return {
@@ -120,9 +130,7 @@ def make_manifest(suite, run_id: str, argv: list[str] | None = None) -> dict:
         "suite_description": suite.description,
         "run_id": run_id,
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        # A copy of the tree without .git (an offline GPU machine) names its commit in PARABENCH_GIT_COMMIT.
-        "git": {"commit": _git("rev-parse", "HEAD") or os.environ.get("PARABENCH_GIT_COMMIT"),
-                "dirty": bool(status) if status is not None else None},
+        "git": _git_identity(status),
         "versions": _versions(),
         "devices": _devices(),
         "host": {"hostname": socket.gethostname(), "platform": platform.platform(), "cpu_count": os.cpu_count()},

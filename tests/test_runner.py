@@ -152,3 +152,16 @@ def test_world_size_beyond_devices_is_skipped(tmp_path):
     _, records = load_run(tmp_path / "res" / "gpu" / "r")
     assert records[0]["status"] == "skipped"
     assert "GPU" in records[0]["error"]["message"] or "CUDA" in records[0]["error"]["message"]
+
+
+def test_manifest_names_the_commit_the_device_copy_was_sent_from(monkeypatch):
+    """A tree copied to an offline GPU machine may carry a stale .git (the device's copy holds the
+    session's first commit): the commit named in PARABENCH_GIT_COMMIT wins over its HEAD."""
+    from parabench.results import make_manifest
+    from parabench.suite import load_suite
+
+    monkeypatch.setenv("PARABENCH_GIT_COMMIT", "0123456789abcdef0123456789abcdef01234567")
+    git = make_manifest(load_suite("smoke"), "r")["git"]
+    assert git == {"commit": "0123456789abcdef0123456789abcdef01234567", "dirty": None, "source": "PARABENCH_GIT_COMMIT"}
+    monkeypatch.delenv("PARABENCH_GIT_COMMIT")
+    assert make_manifest(load_suite("smoke"), "r")["git"]["commit"] != "0123456789abcdef0123456789abcdef01234567"
