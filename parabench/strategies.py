@@ -207,7 +207,7 @@ _BUILTIN = (
                  min_world_size=2),
     StrategyInfo("ref.ep", "parabench.reference_adapters_cp_ep:build_ep", "reference",
                  "expert parallel MoE: experts sharded, tokens dispatched/combined with all-to-all (counts first), "
-                 "dense parameters all-reduced", min_world_size=2),
+                 "dense parameters all-reduced", min_world_size=2, version="2"),
     StrategyInfo("deepspeed.ulysses", "parabench.peers.cp_ep_peers:build_deepspeed_ulysses", "peer",
                  "DeepSpeed-Ulysses DistributedAttention (deepspeed.sequence.layer) around SDPA; gradients "
                  "all-reduced over the cp group", min_world_size=2),

@@ -92,31 +92,16 @@ class ExpertParallelMoE(nn.Module):
         tok_sorted, exp_sorted, gate_sorted = tok[idx], experts.reshape(-1)[idx], gates.reshape(-1)[idx]
         send_counts = torch.bincount(exp_sorted, minlength=E).view(ep, local)
 
-        # 2. counts first: recv_counts[src, e] = rows rank src sends for local expert e
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        in_splits = send_counts.sum(1).tolist()
-        out_splits = recv_counts.sum(1).tolist()
-
-        # 3. dispatch, in the compute dtype: under autocast the experts' first matmul would cast the
-        #    rows anyway, so casting before the wire changes no value and halves the bytes (bf16)
+        # 2.-3. counts, then the rows, in the compute dtype: under autocast the experts' first matmul
+        #       would cast them anyway, so casting before the wire changes no value and halves the bytes
         rows_out = flat[tok_sorted]
         if torch.is_autocast_enabled(x.device.type):
             rows_out = rows_out.to(torch.get_autocast_dtype(x.device.type))
-        recv = _AllToAllV.apply(rows_out, out_splits, in_splits, self.group)
+        recv, recv_counts, splits = self.dispatch(rows_out, send_counts)
+        in_splits, out_splits = splits
 
-        # 4. local experts; rows arrive grouped by source, then by local expert
-        starts = torch.cat([recv_counts.new_zeros(1), recv_counts.reshape(-1).cumsum(0)[:-1]]).view(ep, local)
-        out_rows = torch.zeros_like(recv)
-        for e, expert in enumerate(self.experts):
-            rows = [torch.arange(int(starts[src, e]), int(starts[src, e] + recv_counts[src, e]), device=x.device)
-                    for src in range(ep)]
-            rows = torch.cat(rows)
-            if rows.numel():
-                out_rows = out_rows.index_copy(0, rows, expert(recv[rows]))
-
-        # 5. combine: outputs back to the tokens' ranks, gate-weighted sum per token
-        back = _AllToAllV.apply(out_rows, in_splits, out_splits, self.group)
+        # 4. local experts; 5. combine: outputs back to the tokens' ranks, gate-weighted sum per token
+        back = self.combine(self.run_local_experts(recv, recv_counts), splits)
         out = torch.zeros_like(flat).index_add(0, tok_sorted, back.to(flat.dtype) * gate_sorted.unsqueeze(1).to(flat.dtype))
 
         self.stats = {"tokens_per_expert": send_counts.reshape(-1).tolist(),  # this rank's routing
@@ -126,6 +111,39 @@ class ExpertParallelMoE(nn.Module):
         if torch.is_grad_enabled() and self.cfg.aux_loss_coef:
             out = _AuxLossInjector.apply(out, aux, self.cfg.aux_loss_coef * self.aux_grad_scale)
         return out.view(b, s, d)
+
+    def dispatch(self, rows: torch.Tensor, send_counts: torch.Tensor):
+        """``rows`` sorted by expert, ``send_counts[dst, e]`` rows for local expert e of rank dst.
+        One all-to-all of the counts (``recv_counts[src, e]``: rows rank src sends for local expert
+        e), then one of the rows. Returns the received rows (grouped by source rank, then local
+        expert), ``recv_counts`` and the split sizes ``(in_splits, out_splits)`` for :meth:`combine`."""
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        in_splits = send_counts.sum(1).tolist()
+        out_splits = recv_counts.sum(1).tolist()
+        return _AllToAllV.apply(rows, out_splits, in_splits, self.group), recv_counts, (in_splits, out_splits)
+
+    def combine(self, out_rows: torch.Tensor, splits) -> torch.Tensor:
+        """The reverse exchange: every output row back to the rank and position it came from."""
+        in_splits, out_splits = splits
+        return _AllToAllV.apply(out_rows, in_splits, out_splits, self.group)
+
+    def run_local_experts(self, recv: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+        if recv.shape[0] == 0:
+            # No local expert got a row in this layer (routing can collapse onto other ranks'
+            # experts). The empty output must still hang off the received tensor: otherwise this
+            # rank's autograd graph drops both backward all-to-alls of the layer while its peers
+            # issue them, and the group deadlocks.
+            return recv
+        ep = self.ep
+        starts = torch.cat([recv_counts.new_zeros(1), recv_counts.reshape(-1).cumsum(0)[:-1]]).view(ep, self.local)
+        out_rows = torch.zeros_like(recv)
+        for e, expert in enumerate(self.experts):
+            rows = torch.cat([torch.arange(int(starts[src, e]), int(starts[src, e] + recv_counts[src, e]),
+                                           device=recv.device) for src in range(ep)])
+            if rows.numel():
+                out_rows = out_rows.index_copy(0, rows, expert(recv[rows]))
+        return out_rows
 
 
 class ExpertParallel:
