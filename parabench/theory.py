@@ -485,8 +485,9 @@ def cp_ops(cfg: GPTConfig, case, mode: str) -> list[tuple[str, int]]:
 def _cp(mode: str):
     def fn(cfg, case, dp):
         psi = _counts(cfg)["total"]
-        # The ring's blocks travel in the compute dtype (measured in bf16 too); Ulysses: fp32 only.
-        exact = case.precision == "fp32" or (mode == "ring" and case.precision == "bf16")
+        # The ring's blocks and Ulysses' q, k, v and output shards travel in the compute dtype:
+        # measured equal in bf16 on 2 GPUs as well (ring, ref.cp_ulysses and deepspeed.ulysses).
+        exact = case.precision in ("fp32", "bf16")
         return Expectation(
             state_bytes={"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi},
             comm_payload_bytes=_sum_ops(cp_ops(cfg, case, mode)) if exact else None,
@@ -498,8 +499,7 @@ def _cp(mode: str):
                    "Ulysses: per layer per micro-batch 4 all-to-alls of b·s·h/c elements forward (q, k, v, out) and 4 "
                    "backward; ")
                   + "b = cp x micro_batch samples (the group all-gathers its token ids: c·2·B·s int64 per step); one fp32 "
-                  "all-reduce of all gradients. Model state fully replicated: 16Ψ in fp32. Exact for fp32 "
-                  + ("and bf16." if mode == "ring" else "only."),
+                  "all-reduce of all gradients. Model state fully replicated: 16Ψ in fp32. Exact for fp32 and bf16.",
         )
     return fn
 
