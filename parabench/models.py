@@ -37,6 +37,9 @@ class GPTConfig:
     moe_every: int = 2
     capacity_factor: float | None = None
     aux_loss_coef: float = 0.01
+    # Benchmark mode (see :func:`balanced_routing_bias`): every expert gets exactly s*k/E tokens of
+    # each sequence, whatever the router has learnt.
+    balanced_routing: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -80,6 +83,13 @@ MODEL_LADDER: dict[str, GPTConfig] = {
     "tiny-moe-cap2": GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64, n_experts=4, top_k=2,
                                capacity_factor=2.0),
     "gpt-350m-moe-cap1": GPTConfig(n_layers=24, d_model=1024, n_heads=16, n_experts=8, top_k=2, capacity_factor=1.0),
+    # Balanced-routing benchmark variants (see balanced_routing_bias): routing at initialisation
+    # collapses onto few experts on synthetic data; these give every expert s*k/E tokens per sequence.
+    "tiny-moe-bal": GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64, n_experts=4, top_k=2,
+                              balanced_routing=True),
+    "gpt-350m-moe-bal": GPTConfig(n_layers=24, d_model=1024, n_heads=16, n_experts=8, top_k=2, balanced_routing=True),
+    "gpt-350m-moe-bal-cap1": GPTConfig(n_layers=24, d_model=1024, n_heads=16, n_experts=8, top_k=2,
+                                       capacity_factor=1.0, balanced_routing=True),
     # Long sequence for context parallelism.
     "gpt-125m-8k": GPTConfig(n_layers=12, d_model=768, n_heads=12, seq_len=8192),
 }
@@ -125,6 +135,43 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+BALANCED_ROUTING_BIAS = 20.0
+
+
+def balanced_routing_bias(n_rows: int, seq_len: int, n_experts: int, top_k: int, device) -> torch.Tensor:
+    """``[n_rows, E]`` router-logit bias of the balanced benchmark mode (``balanced_routing``).
+
+    Rows are tokens, sample-major (row r is position ``t = r mod seq_len``). Position t gets
+    +20 on experts ``(t + j*E/k) mod E`` for j < k, so its top-k are those experts, spread over
+    the expert-parallel ranks, and every expert serves exactly ``s*k/E`` tokens of each sequence.
+    Megatron-Core's ``moe_router_force_load_balancing`` does this with random logits for
+    benchmarking; a fixed pattern of positions gives every strategy the same routing (one
+    process, ref.ep, DeepSpeed-MoE), so they stay comparable and testable. The gates remain the
+    router's softmax over the biased logits, so the router still learns through them.
+
+    Why a benchmark needs it: at GPT-2 initialisation on synthetic tokens the residual stream
+    shares one direction across tokens and top-k routing collapses onto a few experts (measured
+    on gpt-350m-moe: every token of a layer on the same 2 of 8 experts), so an expert-parallel
+    measurement would time that collapse rather than a trained, balanced MoE.
+    """
+    if n_experts % top_k:
+        raise ValueError(f"balanced routing needs top_k ({top_k}) to divide n_experts ({n_experts})")
+    pos = torch.arange(n_rows, device=device) % seq_len
+    chosen = (pos.unsqueeze(1) + torch.arange(top_k, device=device) * (n_experts // top_k)) % n_experts
+    bias = torch.zeros(n_rows, n_experts, device=device)
+    return bias.scatter_(1, chosen, BALANCED_ROUTING_BIAS)
+
+
+def router_logits(router: nn.Module, flat: torch.Tensor, cfg: GPTConfig, seq_len: int) -> torch.Tensor:
+    """The router's logits for the token rows ``flat`` (sample-major, ``seq_len`` per sample),
+    plus the balanced-routing bias when the model asks for it."""
+    logits = router(flat)
+    if cfg.balanced_routing:
+        logits = logits + balanced_routing_bias(flat.shape[0], seq_len, cfg.n_experts, cfg.top_k,
+                                                flat.device).to(logits.dtype)
+    return logits
 
 
 def route(logits: torch.Tensor, top_k: int, capacity_factor: float | None, n_samples: int):
@@ -194,7 +241,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         flat = x.reshape(b * s, d)
-        experts, gates, keep, aux = route(self.router(flat), self.cfg.top_k, self.cfg.capacity_factor, b)
+        experts, gates, keep, aux = route(router_logits(self.router, flat, self.cfg, s), self.cfg.top_k,
+                                          self.cfg.capacity_factor, b)
         out = torch.zeros_like(flat)
         tok = torch.arange(b * s, device=x.device).unsqueeze(1).expand_as(experts)
         for e, expert in enumerate(self.experts):

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parabench.models import MoE, _AuxLossInjector, route
+from parabench.models import MoE, _AuxLossInjector, route, router_logits
 
 
 def _all_to_all_v(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -82,7 +82,7 @@ class ExpertParallelMoE(nn.Module):
         b, s, d = x.shape
         k, E, ep, local = self.cfg.top_k, self.cfg.n_experts, self.ep, self.local
         flat = x.reshape(b * s, d)
-        experts, gates, keep, aux = route(self.router(flat), k, self.cfg.capacity_factor, b)
+        experts, gates, keep, aux = route(router_logits(self.router, flat, self.cfg, s), k, self.cfg.capacity_factor, b)
 
         # 1. this rank's kept assignments, sorted by expert (= by destination rank, then local expert)
         tok = torch.arange(b * s, device=x.device).repeat_interleave(k)

@@ -46,6 +46,7 @@ CASES_2 = dict([
     mk("ring_zz2_ga2", "ref.cp_ring", 2, micro_batch=1, grad_accum=2),
     mk("ep2", "ref.ep", 2, model="tiny-moe"),
     mk("ep2_cap", "ref.ep", 2, model="tiny-moe-cap1"),
+    mk("ep2_bal", "ref.ep", 2, model="tiny-moe-bal"),
     mk("broken_ring", "ref.cp_ring", 2, **{"break": "no_lse"}),
     mk("broken_uly", "ref.cp_ulysses", 2, **{"break": "no_reverse"}),
     mk("ds_uly2", "deepspeed.ulysses", 2),

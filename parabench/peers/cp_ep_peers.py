@@ -131,6 +131,29 @@ def build_torch_cp(spec: TrainSpec):
     return _TorchCPTrainer(spec)
 
 
+def _bias_gate_logits(gate, cfg) -> None:
+    """The balanced-routing benchmark mode for DeepSpeed's TopKGate: the gate computes its logits
+    inline (``F.linear(input_fp32, wg.weight)``, sharded_moe.py), so no hook can reach them; this
+    instance-level forward is TopKGate.forward (deterministic settings: no jitter, no timers)
+    with parabench's bias added to the logits, so DeepSpeed routes exactly as ref.ep does."""
+    import torch.nn.functional as F
+    from deepspeed.moe import sharded_moe
+
+    from parabench.models import balanced_routing_bias
+
+    def forward(input, used_token=None, sparse_routes=False, use_tutel=False):
+        logits = F.linear(input.float(), weight=gate.wg.weight.float(), bias=None)
+        logits = logits + balanced_routing_bias(logits.shape[0], cfg.seq_len, cfg.n_experts, cfg.top_k, logits.device)
+        capacity_factor = gate.capacity_factor if gate.training else gate.eval_capacity_factor
+        if gate.k == 2:
+            return sharded_moe.top2gating(logits, capacity_factor, gate.min_capacity, gate.drop_tokens, gate.ep_group,
+                                          gate.top2_2nd_expert_sampling, sparse_routes)
+        return sharded_moe.topkgating(logits, gate.k, capacity_factor, gate.min_capacity, gate.drop_tokens,
+                                      gate.ep_group, sparse_routes=sparse_routes)
+
+    gate.forward = forward
+
+
 class _DeepSpeedMoESlot(nn.Module):
     """The MLP slot of one MoE block, filled with ``deepspeed.moe.layer.MoE``.
 
@@ -164,6 +187,8 @@ class _DeepSpeedMoESlot(nn.Module):
         # The capacity C the layer used is a local of MOELayer.forward; the gate returns it, so a
         # hook keeps it (a tensor: reading it waits until strategy_stats, after the step).
         self._capacity: torch.Tensor | None = None
+        if cfg.balanced_routing:
+            _bias_gate_logits(self.moe.deepspeed_moe.gate, cfg)
         self.moe.deepspeed_moe.gate.register_forward_hook(self._keep_capacity)
         local = cfg.n_experts // ep
         self.first = rank * local
