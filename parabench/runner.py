@@ -159,6 +159,20 @@ def _root_cause(log_tail: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+# A collective that never completes: NCCL's watchdog names it (the worker's collective timeout is
+# shorter than the case's, so the watchdog fires first); gloo raises from the waiting call.
+_STUCK_COLLECTIVE = re.compile(r"(Watchdog caught collective operation timeout: WorkNCCL\([^)]*\)"
+                               r"|Timed out waiting \d+ms for (?:send|recv) operation to complete)")
+
+
+def _stuck_collective(*texts: str) -> str | None:
+    for text in texts:
+        m = _STUCK_COLLECTIVE.search(text or "")
+        if m:
+            return m.group(1)
+    return None
+
+
 def _classify(case: Case, scratch: Path, rc: int | None, timed_out: bool, log_tail: str, elapsed: float) -> tuple[str, dict]:
     """Status and cause of a case that produced no result.
 
@@ -173,6 +187,12 @@ def _classify(case: Case, scratch: Path, rc: int | None, timed_out: bool, log_ta
             errors.append(json.loads(p.read_text()))
         except (OSError, json.JSONDecodeError):
             continue
+    stuck = _stuck_collective(log_tail, *(e.get("message", "") + e.get("traceback", "") for e in errors))
+    if stuck:  # a hang, whatever way the ranks then went down
+        return "timeout", {"message": f"a collective hung until its timeout ({stuck}); the ranks had issued "
+                                      "different collectives or sizes, or one stopped issuing them",
+                           "stuck_collective": stuck, "ranks_reporting": sorted(e["rank"] for e in errors),
+                           "log_tail": log_tail[-1500:]}
     root = _root_cause(log_tail)
     silent_death = root is not None and root[1] != 1 and all(e["rank"] != root[0] for e in errors)
     if errors and not silent_death:

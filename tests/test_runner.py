@@ -165,3 +165,30 @@ def test_manifest_names_the_commit_the_device_copy_was_sent_from(monkeypatch):
     assert git == {"commit": "0123456789abcdef0123456789abcdef01234567", "dirty": None, "source": "PARABENCH_GIT_COMMIT"}
     monkeypatch.delenv("PARABENCH_GIT_COMMIT")
     assert make_manifest(load_suite("smoke"), "r")["git"]["commit"] != "0123456789abcdef0123456789abcdef01234567"
+
+
+def test_a_hung_collective_is_recorded_as_a_timeout_naming_it(tmp_path):
+    """NCCL's watchdog (its timeout is shorter than the case's) or gloo's waiting call names the
+    collective that never completed; the record says hang, not crash, whatever killed the ranks."""
+    from parabench.runner import _classify
+    from parabench.results import write_json_atomic
+    from parabench.suite import Case
+
+    case = Case(model="tiny", strategy="ref.ep", world_size=2)
+    nccl = ("[rank0]:[E1126 06:44:00.1 ProcessGroupNCCL.cpp:685] [PG ID 0 PG GUID 0(default_pg) Rank 0] Watchdog caught "
+            "collective operation timeout: WorkNCCL(SeqNum=1234, OpType=ALLTOALL_BASE, NumelIn=8388608, NumelOut=0, "
+            "Timeout(ms)=240000) ran for 240011 milliseconds before timing out.\nFatal Python error: Aborted\n")
+    status, error = _classify(case, tmp_path, -6, False, nccl, 250.0)
+    assert status == "timeout" and "OpType=ALLTOALL_BASE" in error["stuck_collective"]
+
+    write_json_atomic(tmp_path / f"{case.case_hash}.rank1.error.json", {
+        "rank": 1, "type": "RuntimeError", "time": 1.0, "oom": False,
+        "message": "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 120000ms for "
+                   "recv operation to complete", "traceback": "..."})
+    status, error = _classify(case, tmp_path, 1, False, "", 130.0)
+    assert status == "timeout" and error["stuck_collective"].startswith("Timed out waiting 120000ms for recv")
+    assert error["ranks_reporting"] == [1]
+
+    (tmp_path / f"{case.case_hash}.rank1.error.json").unlink()
+    status, error = _classify(case, tmp_path, -6, False, "Fatal Python error: Aborted\n", 5.0)
+    assert status == "crashed" and "stuck_collective" not in error
