@@ -6,7 +6,8 @@ HTML with a few lines of inline script for sorting and filtering, so the file op
 CDN). Every string from a result file goes through Jinja's autoescaping: results are untrusted text.
 
 Sections: overview (fastest strategy per model, device count and precision), figures, all cases,
-memory, communication vs theory, pipeline, ring-attention balance (``cp_balance``), run-to-run
+memory, communication vs theory, pipeline, ring-attention balance (``cp_balance``), expert routing
+of the MoE strategies (``moe_routing``), run-to-run
 spread of repeated cases (``spread``), collectives,
 cross-run comparison (same case hash, ``parabench.compare``'s verdicts), failed and skipped
 cases, environment.
@@ -19,13 +20,13 @@ from pathlib import Path
 import jinja2
 
 from parabench.compare import compare_runs
-from parabench.report import cp_balance, frames, spread
+from parabench.report import cp_balance, frames, moe_routing, spread
 from parabench.report import step_breakdown as step_breakdown_section
 from parabench.results import load_run
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 
-# column key -> (header, format): format "int", "f1", "f2", "f3", "g4", "pct", "str"
+# column key -> (header, format): format "int", "f1", "f2", "f3", "g4", "pct", "str", "wrap" (text that wraps)
 CASE_COLUMNS = [
     ("label", "case", "str"), ("status", "status", "str"),
     ("tokens_per_s_per_device", "tok/s/device", "int"), ("tokens_per_s", "tok/s", "int"),
@@ -81,8 +82,8 @@ def _fmt(v, kind: str) -> str:
     return f"{v:.4g}"
 
 
-def _table(id_: str, title: str, columns, rows, note: str = "", row_class=None) -> dict:
-    """A table as plain cells: (text, sort key or None, css class)."""
+def _table(id_: str, title: str, columns, rows, note: str = "", row_class=None, footer: str = "") -> dict:
+    """A table as plain cells: (text, sort key or None, css class); ``footer``: a warning under it."""
     body = []
     for r in rows:
         cells = []
@@ -94,9 +95,12 @@ def _table(id_: str, title: str, columns, rows, note: str = "", row_class=None) 
                 cls = "ok" if v == "ok" else "bad"
             elif v is False:
                 cls = "bad"
+            elif kind == "wrap":
+                cls = "wrapcell"
             cells.append({"text": _fmt(v, kind), "sort": num, "cls": cls})
         body.append({"cells": cells, "cls": row_class(r) if row_class else ""})
-    return {"id": id_, "title": title, "note": note, "headers": [h for _, h, _ in columns], "rows": body}
+    return {"id": id_, "title": title, "note": note, "headers": [h for _, h, _ in columns], "rows": body,
+            "footer": footer}
 
 
 def _collectives_summary(coll_rows: list[dict]) -> list[dict]:
@@ -233,6 +237,8 @@ def render_report(run_dirs: list[Path], *, threshold: float = 0.05, with_figures
     if pipe:
         tables.append(_table("pipeline-table", "Pipeline bubbles", run_col + PIPE_COLUMNS, pipe))
     for spec in cp_balance.table_specs(runs, run_col):  # ring attention: contiguous vs zig-zag balance
+        tables.append(_table(**spec))
+    for spec in moe_routing.table_specs(runs, run_col):  # MoE: expert load, all-to-all, drops, collapse
         tables.append(_table(**spec))
     for spec in step_breakdown_section.table_specs(runs, run_col):  # compute vs exposed communication
         tables.append(_table(**spec))
