@@ -9,6 +9,11 @@
 # order within DEADLINE_S seconds in all, and after each one rewrites OUT_DIR/results.tgz
 # (records, manifests, reports; no logs) and OUT_DIR/logs.tgz, so a suite cut off by the
 # deadline still leaves everything finished before it. Console output goes to OUT_DIR/console.txt.
+#
+# One device call may run 10 minutes. To go on in the next call with the cases left, keep the
+# results outside the repository (the repo copy is re-synced per call and its .git is the
+# session's first commit, so a folder ignored here is not ignored there) and resume the run:
+#   PARABENCH_ARGS='--run-id r1 --resume' DEADLINE_S=540 bash scripts/device_run.sh /tmp/dev SUITE; cp /tmp/dev/*.tgz "$OUT"
 set -uo pipefail
 out=$1; shift
 start=$(date +%s)
