@@ -198,6 +198,10 @@ _BUILTIN = (
                  "torch.distributed.pipelining PipelineStage + Schedule1F1B", version="2"),
     StrategyInfo("torch.pp_interleaved", "parabench.peers.torch_pipeline:build_interleaved", "peer",
                  "torch.distributed.pipelining ScheduleInterleaved1F1B, virtual_stages (default 2) chunks per rank", version="2"),
+    StrategyInfo("deepspeed.pp", "parabench.peers.deepspeed_pipe:build", "peer",
+                 "DeepSpeed pipeline engine: PipelineModule (parabench's stage split) + engine.train_batch, "
+                 "TrainSchedule (1F1B), blocking send/recv, ZeRO-0 with the client AdamW (options pp = world_size, "
+                 "microbatches; no dp/tp)", min_world_size=2),
     StrategyInfo("ref.cp_ring", "parabench.reference_adapters_cp_ep:build_cp_ring", "reference",
                  "ring attention context parallel: K/V round the ring over send/recv, fused block kernels, "
                  "log-sum-exp merge, ring backward (option cp_split = zigzag | contiguous)", min_world_size=2,

@@ -301,6 +301,13 @@ def validate_case(case: Case) -> None:
         raise SuiteError(f"{case.strategy} needs options.tp >= 2 (got tp={tp})")
     if case.strategy.startswith(("ref.pp_", "torch.pp_")) and pp < 2:
         raise SuiteError(f"{case.strategy} needs options.pp >= 2 (got pp={pp})")
+    if case.strategy == "deepspeed.pp":
+        if pp < 2:
+            raise SuiteError(f"deepspeed.pp needs options.pp >= 2 (got pp={pp})")
+        if tp != 1 or case.world_size != pp:
+            raise SuiteError(f"deepspeed.pp runs one pipeline of pp stages, one per rank: world_size must equal pp "
+                             f"and tp must be 1 (got world_size={case.world_size}, pp={pp}, tp={tp}; data and "
+                             f"tensor parallelism around DeepSpeed's pipeline are not wired)")
     for flag in ("memory_breakdown", "step_breakdown"):  # extra untimed meter steps after the timed ones
         if flag in case.options and not isinstance(case.options[flag], bool):
             raise SuiteError(f"options.{flag} must be true or false (got {case.options[flag]!r})")

@@ -297,6 +297,110 @@ EXPECTATIONS["ref.pp_gpipe"] = _model_parallel(None, "gpipe")
 EXPECTATIONS["ref.pp_1f1b"] = _model_parallel(None, "1f1b")
 
 
+# --- DeepSpeed's pipeline engine (parabench/peers/deepspeed_pipe.py) ----------------------------
+# Read from deepspeed/runtime/pipe/engine.py (0.19.8) and confirmed by the meter on gloo. Per
+# optimizer step (not the first: the first activation send is preceded by one 256 x int32 = 1 KiB
+# tensor-meta message, ``_send_tensor_meta``, never repeated with dynamic_shape=False):
+#   * per micro-batch, a blocking send/recv of the activation [b, s, h] forward and its gradient
+#     backward, in the module's dtype (fp32, or bf16 under DeepSpeed's bf16 config);
+#   * ReduceGrads: ``buffered_allreduce_fallback`` all-reduces every local gradient over the
+#     data-parallel group even when it holds one rank (pp == world_size), in the communication
+#     dtype (the parameter dtype), in buckets closed once they pass 500M elements
+#     (``allreduce_no_retain``, MEMORY_OPT_ALLREDUCE_SIZE);
+#   * scalar ops: the last stage broadcasts [loss, dp-averaged loss] (2 x fp32) over the pipe group
+#     (``_aggregate_total_loss``), every stage takes part; under bf16 the BF16_Optimizer all-reduces
+#     its gradient norm (one fp32) whether or not clipping is on.
+
+DS_ALLREDUCE_BUCKET = 500_000_000
+
+
+def deepspeed_pp_stage_numels(cfg: GPTConfig, pp: int, stage: int) -> list[int]:
+    """Parameter sizes of one stage in PipelineModule order (embeddings, blocks, LayerNorm + head)."""
+    import torch
+
+    from parabench.models import GPT
+    from reference_impls.pipeline import partition_layers
+
+    lo, hi = partition_layers(cfg.n_layers, pp)[stage]
+    with torch.device("meta"):
+        model = GPT(cfg)
+    mods = ([model.tok_emb, model.pos_emb] if stage == 0 else []) + [model.blocks[i] for i in range(lo, hi)]
+    if stage == pp - 1:
+        mods += [model.ln_f, model.head]
+    return [p.numel() for m in mods for p in m.parameters()]
+
+
+def deepspeed_pp_ops(cfg: GPTConfig, case, stage: int) -> list[tuple[str, int]]:
+    """Every communication op (kind, payload bytes) one stage of deepspeed.pp issues in a step."""
+    o = case.options
+    p = o.get("pp", 1)
+    n = o.get("microbatches", 2 * p) * case.grad_accum
+    b = case.micro_batch * case.grad_accum // n
+    e = BYTES[case.precision]
+    act = b * cfg.seq_len * cfg.d_model * e
+    ops: list[tuple[str, int]] = []
+    for _ in range(n):
+        if stage > 0:
+            ops += [("recv", act), ("send", act)]
+        if stage < p - 1:
+            ops += [("send", act), ("recv", act)]
+    bucket = 0
+    for numel in deepspeed_pp_stage_numels(cfg, p, stage):
+        bucket += numel
+        if bucket > DS_ALLREDUCE_BUCKET:
+            ops.append(("all_reduce", bucket * e))
+            bucket = 0
+    if bucket:
+        ops.append(("all_reduce", bucket * e))
+    ops.append(("broadcast", 2 * 4))
+    if case.precision == "bf16":
+        ops.append(("all_reduce", 4))
+    return ops
+
+
+def _scalar_ops(ops, scalar_bytes: int = 64) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for kind, nbytes in ops:
+        if nbytes <= scalar_bytes:
+            s = out.setdefault(kind, {"calls": 0, "payload_bytes": 0})
+            s["calls"] += 1
+            s["payload_bytes"] += nbytes
+    return dict(sorted(out.items()))
+
+
+@expectation("deepspeed.pp")
+def _deepspeed_pp(cfg, case, dp):
+    from reference_impls.pipeline import bubble_fraction_theory
+
+    o = case.options
+    p = o.get("pp", 1)
+    n_micro = o.get("microbatches", 2 * p) * case.grad_accum
+    ops = [deepspeed_pp_ops(cfg, case, s) for s in range(p)]
+    per_rank = [_sum_ops(x) for x in ops]
+    e = BYTES[case.precision]
+    state = []
+    for s in range(p):
+        n = sum(deepspeed_pp_stage_numels(cfg, p, s))
+        if case.precision == "bf16":  # bf16 module; BF16_Optimizer: fp32 gradient accumulators, fp32 master
+            state.append({"params": e * n, "grads": 4 * n, "optimizer": 12 * n})
+        else:
+            state.append({"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n})
+    return Expectation(
+        state_bytes=state,
+        comm_payload_bytes=per_rank[0],
+        comm_payload_bytes_per_rank=per_rank,
+        comm_scalar_ops_per_rank=[_scalar_ops(x) for x in ops],
+        paper_state_bytes=None,
+        notes="DeepSpeed PipelineEngine, ZeRO-0, one stage per rank: activations forward and gradients "
+              "backward per micro-batch (send/recv in the module dtype), one all-reduce of the stage's "
+              "gradients over its one-rank data-parallel group, the loss broadcast from the last stage "
+              "(scalar); see parabench.theory.deepspeed_pp_ops. The first step also sends a 1 KiB tensor-meta "
+              "message ahead of the first activation.",
+        pipeline={"schedule": "1f1b", "microbatches": n_micro,
+                  "bubble_fraction": bubble_fraction_theory(p, n_micro)},
+    )
+
+
 # --- reference data parallel: reference_impls/data_parallel.py, zero.py, fsdp.py -----------------
 # The layout rules are restated here, not imported, so that a change in the code shows up as a
 # mismatch with the measurement. b = bytes of the compute dtype (4 fp32, 2 bf16); Ψ the parameter
