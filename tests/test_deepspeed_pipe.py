@@ -1,0 +1,162 @@
+"""deepspeed.pp (DeepSpeed's PipelineModule + PipelineEngine.train_batch) trains the same model to
+the same losses and parameters as one process, and moves exactly the bytes parabench.theory says.
+CPU, gloo, 2 ranks = 2 stages, tiny shapes; tolerances as tests/test_reference_mp.py (fp32: 1e-5
+relative on every step's loss, parameters rtol 1e-5 / atol 1e-5, Adam eps 1e-6 for the reason given
+there). All cases share one spawned process group; the single-process truth is computed on rank 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers import max_rel_diff, params_close
+from parabench.distributed import run_on_gloo
+from parabench.meters.comm import CommMeter
+from parabench.models import global_batch, model_config
+from parabench.strategies import OptimConfig, TrainSpec, get_strategy
+from parabench.suite import Case, SuiteError, validate_case
+from parabench.theory import expected
+from parabench.topology import Topology
+from parabench.worker import local_batches, make_spec
+
+N_STEPS = 5
+TOL = 1e-5
+PARAM_ATOL = 1e-5
+
+
+def mk(model="tiny", micro_batch=4, grad_accum=1, precision="fp32", **options):
+    return Case(model=model, strategy="deepspeed.pp", world_size=2, micro_batch=micro_batch, grad_accum=grad_accum,
+                precision=precision, lr=1e-3, options={"optim": {"eps": 1e-6}, "pp": 2, **options})
+
+
+CASES = {
+    "p2_m4": mk(microbatches=4),                                         # m = 2p
+    "p2_m8_deep_ga2": mk(model="tiny-deep", micro_batch=4, grad_accum=2),  # default m = 2p = 4, x2 accumulation
+    "p2_m4_bf16": mk(microbatches=4, precision="bf16"),
+}
+FP32 = ["p2_m4", "p2_m8_deep_ga2"]
+
+
+def _single_inprocess(case: Case, n_steps: int) -> dict:
+    cfg = model_config(case.model, case.seq_len)
+    spec = TrainSpec(model=cfg, seed=case.seed, device=torch.device("cpu"), precision=case.precision,
+                     topology=Topology(world_size=1, rank=0), micro_batch=case.global_batch // case.grad_accum,
+                     grad_accum=case.grad_accum, optim=OptimConfig(lr=case.lr, **case.options.get("optim", {})))
+    trainer = get_strategy("single").build(spec)
+    losses = []
+    for step in range(n_steps):
+        x, y = global_batch(step, case.global_batch, cfg, case.seed)
+        losses.append(float(trainer.train_step(x, y)))
+    return {"losses": losses, "params": trainer.full_parameters()}
+
+
+def _run_group(cases: dict, n_steps: int) -> dict:
+    out = {}
+    for name, cd in cases.items():
+        case = Case.from_dict(cd)
+        spec = make_spec(case, torch.device("cpu"))
+        trainer = get_strategy(case.strategy).build(spec)
+        batches = local_batches(case, spec, n_steps + 1)
+        losses, first_comm = [], None
+        for step, (x, y) in enumerate(batches[:n_steps]):
+            if step == 0:  # the first step also carries DeepSpeed's one-off tensor-meta message
+                with CommMeter() as meter:
+                    loss = trainer.train_step(x, y)
+                first_comm = meter.summary()
+            else:
+                loss = trainer.train_step(x, y)
+            losses.append(None if loss is None else float(loss))
+        params = trainer.full_parameters()
+        trainer.measure_state = True
+        with CommMeter() as meter:
+            trainer.train_step(*batches[n_steps])
+        comm = meter.summary()
+        state = trainer.state_bytes()
+        trainer.close()
+        mine = {"rank": dist.get_rank(), "losses": losses, "comm": comm, "first_comm": first_comm, "state": state}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        out[name] = {"per_rank": everyone, "params": params}
+    if dist.get_rank() == 0:
+        for name, cd in cases.items():
+            out[name]["single"] = _single_inprocess(Case.from_dict(cd), n_steps)
+    return out
+
+
+@pytest.fixture(scope="module")
+def group():
+    return run_on_gloo(_run_group, 2, {n: c.to_dict() for n, c in CASES.items()}, N_STEPS)[0]
+
+
+def _losses(res) -> list[float]:
+    """The loss each step as the last stage reports it (earlier stages report None)."""
+    out = []
+    for i in range(N_STEPS):
+        seen = [r["losses"][i] for r in res["per_rank"] if r["losses"][i] is not None]
+        assert len(seen) == 1, seen
+        out.append(seen[0])
+    return out
+
+
+@pytest.mark.parametrize("name", FP32)
+def test_matches_single_process(group, name):
+    res = group[name]
+    truth = res["single"]
+    assert truth["losses"][-1] < truth["losses"][0]
+    assert [r["losses"][0] is None for r in res["per_rank"]] == [True, False]  # stage 0 / last stage
+    assert max_rel_diff(_losses(res), truth["losses"]) < TOL
+    assert params_close(res["params"], truth["params"], rtol=TOL, atol=PARAM_ATOL) == []
+
+
+def test_bf16_runs_close_to_single_process_bf16(group):
+    """DeepSpeed's bf16 (bf16 module, fp32 master in BF16_Optimizer) against single-process autocast:
+    different recipes, the same model up to bf16 rounding."""
+    res = group["p2_m4_bf16"]
+    assert max_rel_diff(_losses(res), res["single"]["losses"]) < 1e-3
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_measured_comm_and_state_equal_theory(group, name):
+    case = CASES[name]
+    exp = expected(case, model_config(case.model, case.seq_len), 1)
+    res = group[name]
+    for rank, r in enumerate(res["per_rank"]):
+        got = {k: v["payload_bytes"] for k, v in r["comm"]["by_kind"].items()}
+        assert got == exp["comm_payload_bytes_per_rank"][rank], (rank, got)  # exact bytes
+        assert r["comm"]["scalar_ops"] == exp["comm_scalar_ops_per_rank"][rank], (rank, r["comm"]["scalar_ops"])
+        assert r["state"] == exp["state_bytes"][rank], (rank, r["state"], exp["state_bytes"][rank])
+        want_dtype = "torch.float32" if case.precision == "fp32" else "torch.bfloat16"
+        assert {d for v in r["comm"]["by_kind"].values() for d in v["dtypes"]} == {want_dtype}
+    n_micro = exp["pipeline"]["microbatches"]
+    assert n_micro == case.options.get("microbatches", 4) * case.grad_accum
+    assert res["per_rank"][0]["comm"]["by_kind"]["send"]["calls"] == n_micro
+    assert exp["pipeline"]["bubble_fraction"] == pytest.approx(1 / (n_micro + 1))
+
+
+@pytest.mark.parametrize("name", FP32)
+def test_first_step_adds_one_tensor_meta_message(group, name):
+    """Step 0 = a later step + DeepSpeed's 256 x int32 tensor-meta message, stage 0 -> stage 1."""
+    for rank, r in enumerate(group[name]["per_rank"]):
+        first, later = r["first_comm"]["by_kind"], r["comm"]["by_kind"]
+        extra = {k: first[k]["payload_bytes"] - later.get(k, {}).get("payload_bytes", 0) for k in first}
+        assert extra == {"send": 1024 if rank == 0 else 0, "recv": 1024 if rank == 1 else 0, "all_reduce": 0}
+
+
+def test_validation_rejects_impossible_cases():
+    validate_case(mk(microbatches=4))
+    with pytest.raises(SuiteError, match="world_size must equal pp"):
+        validate_case(dataclasses.replace(mk(), world_size=4))
+    with pytest.raises(SuiteError, match="needs options.pp >= 2"):
+        validate_case(dataclasses.replace(mk(), options={"pp": 1}))
+    with pytest.raises(SuiteError, match="stages for a model of 2 layers"):
+        validate_case(dataclasses.replace(mk(), world_size=4, options={"pp": 4}))
+    with pytest.raises(SuiteError, match="micro-batches do not divide"):
+        validate_case(mk(microbatches=3))
+    with pytest.raises(SuiteError, match="does not support precision fp16"):
+        validate_case(mk(precision="fp16"))
+    with pytest.raises(SuiteError, match="tp must be 1"):
+        validate_case(dataclasses.replace(mk(), world_size=4, options={"pp": 2, "tp": 2}))
