@@ -338,7 +338,9 @@ class Runner:
         device = resolve_device(batch[0])
         tag = batch[0].case_hash
         cases_file = self.scratch / f"{tag}.cases.json"
-        cases_file.write_text(json.dumps([{**c.to_dict(), "device": device} for c in batch]))
+        # The ranks get the resolved device ("auto" -> "cpu"/"cuda"), which changes the case's hash:
+        # they name their files by the runner's hash, handed over with each case.
+        cases_file.write_text(json.dumps([{**c.to_dict(), "device": device, "scratch_key": c.case_hash} for c in batch]))
         log_path = self.logs / f"{tag}.log"
         cmd = [sys.executable, "-m", "torch.distributed.run", *self.launch.torchrun_args(nproc),
                "-m", "parabench.worker", "--cases", str(cases_file), "--scratch", str(self.scratch)]

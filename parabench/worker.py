@@ -250,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", required=True, help="JSON file with a list of case dicts")
     ap.add_argument("--scratch", required=True, help="folder for per-case measurements and errors")
     args = ap.parse_args(argv)
-    cases = [Case.from_dict(d) for d in json.loads(open(args.cases).read())]
+    entries = json.loads(open(args.cases).read())
+    keys = [d.pop("scratch_key", None) for d in entries]  # the runner's names for the scratch files
+    cases = [Case.from_dict(d) for d in entries]
     device = pick_device(cases[0].device)
     if device.type == "cpu":
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
@@ -259,9 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     # rather than in a bare kill.
     init_process_group(device, timeout_s=max(30.0, 0.8 * min(c.timeout_s for c in cases)))
     rank = dist.get_rank()
-    for case in cases:
+    for case, key in zip(cases, keys):
+        key = key or case.case_hash
         if rank == 0:
-            with open(os.path.join(args.scratch, f"{case.case_hash}.started"), "w") as f:
+            with open(os.path.join(args.scratch, f"{key}.started"), "w") as f:
                 f.write(repr(time.time()))
         try:
             result = run_case(case, device)
@@ -274,10 +277,10 @@ def main(argv: list[str] | None = None) -> int:
                 "time": time.time(),
                 "oom": isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower(),
             }
-            write_json_atomic(os.path.join(args.scratch, f"{case.case_hash}.rank{rank}.error.json"), err)
+            write_json_atomic(os.path.join(args.scratch, f"{key}.rank{rank}.error.json"), err)
             raise
         if result is not None:
-            write_json_atomic(os.path.join(args.scratch, f"{case.case_hash}.json"), result)
+            write_json_atomic(os.path.join(args.scratch, f"{key}.json"), result)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -192,3 +192,15 @@ def test_a_hung_collective_is_recorded_as_a_timeout_naming_it(tmp_path):
     (tmp_path / f"{case.case_hash}.rank1.error.json").unlink()
     status, error = _classify(case, tmp_path, -6, False, "Fatal Python error: Aborted\n", 5.0)
     assert status == "crashed" and "stuck_collective" not in error
+
+
+def test_run_case_with_the_default_device_records_its_result(tmp_path):
+    """device "auto" reaches the ranks resolved (cpu here), which changes the case's hash; the
+    ranks must still name their result by the runner's hash, or the runner never finds it (every
+    `parabench run case` without --device was recorded as crashed with exit status 0)."""
+    proc = parabench("run", "case", "--model", "tiny", "--strategy", "torch.ddp", "--world-size", "2", "--steps", "2",
+                     "--warmup", "1", "--out", str(tmp_path), "--name", "auto", "--no-report")
+    assert proc.returncode == 0, proc.stderr
+    (run,) = (tmp_path / "auto").iterdir()
+    _, records = load_run(run)
+    assert [(r["case"]["device"], r["status"], r["launch"]["device"]) for r in records] == [("auto", "ok", "cpu")]
