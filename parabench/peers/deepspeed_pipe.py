@@ -28,6 +28,10 @@ of every ``train_batch`` the last stage broadcasts [loss, dp-averaged loss] (two
 pipe group, so every stage learns the loss. The engine's start-up exchanges one scalar between
 neighbours ("just send a 0"). Only pp == world_size (no data parallelism) and no tensor
 parallelism are wired; suite validation refuses the rest.
+
+Checked on CPU/gloo (tests/test_deepspeed_pipe.py: fp32 equal to one process, bf16 close; bytes
+equal to parabench.theory). The GPU path (NCCL, the same code) has not been run yet: the first
+record is the deepspeed.pp case in suites/h100x2.toml.
 """
 
 from __future__ import annotations
