@@ -40,7 +40,6 @@ import os
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from parabench.models import build_model, lm_loss
@@ -185,16 +184,11 @@ class DeepSpeedPipelineTrainer(Trainer):
         return {"params": tensor_bytes(params), "grads": self._grad_bytes, "optimizer": o_bytes}
 
     def full_parameters(self):
+        from parabench.reference_adapters_cp_ep import assemble_on_rank0
+
         mine = {n: p.detach().float().cpu() for n, p in
                 ((self._names[id(p)], p) for p in self.engine.module.parameters())}
-        everything = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, everything, dst=0)
-        if dist.get_rank() != 0:
-            return None
-        full = {}
-        for r in everything:
-            full.update(r)
-        return full
+        return assemble_on_rank0(mine, self.spec)
 
     def close(self):
         if hasattr(self, "engine"):
