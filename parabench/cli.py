@@ -60,7 +60,7 @@ def _run_suite(suite: Suite, args) -> int:
 
         path = write_report([run_dir], run_dir / "report.html")
         print(f"parabench: report: {path}")
-    failed = sum(v for k, v in counts.items() if k not in ("ok", "skipped"))
+    failed = sum(v for k, v in counts.items() if k not in ("ok", "skipped", "kept"))
     return 1 if failed and args.strict else 0
 
 

@@ -285,6 +285,7 @@ class Runner:
         for case in cases:
             if self.resume and self._recorded(case):
                 self.done += 1
+                self.counts["kept"] = self.counts.get("kept", 0) + 1  # recorded by an earlier launch
                 self.echo(self._progress(f"kept   {case.label} (already recorded)"))
                 continue
             reason = skip_reason(case, self.launch)

@@ -10,10 +10,10 @@
 # (records, manifests, reports; no logs) and OUT_DIR/logs.tgz, so a suite cut off by the
 # deadline still leaves everything finished before it. Console output goes to OUT_DIR/console.txt.
 #
-# One device call may run 10 minutes. To go on in the next call with the cases left, keep the
-# results outside the repository (the repo copy is re-synced per call and its .git is the
-# session's first commit, so a folder ignored here is not ignored there) and resume the run:
-#   PARABENCH_ARGS='--run-id r1 --resume' DEADLINE_S=540 bash scripts/device_run.sh /tmp/dev SUITE; cp /tmp/dev/*.tgz "$OUT"
+# One device call may run 10 minutes, so a suite may need several calls. The runs live in
+# DEVICE_WORK (default /tmp/parabench-device, outside the repository copy, which is re-synced at
+# every call) under one run id per machine, and every call resumes them: the next call on the
+# same warm machine runs only the cases not yet recorded, and packs everything recorded so far.
 set -uo pipefail
 out=$1; shift
 start=$(date +%s)
@@ -25,19 +25,22 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-20000}
-# The copy of the tree has no .git: the commit comes along in a file written before the call
-# (git rev-parse HEAD > .parabench-commit) and lands in every manifest.
+# The copy's .git (if any) is the session's first commit, not this tree's: the commit comes along
+# in a file written before the call (git rev-parse HEAD > .parabench-commit) and wins in every manifest.
 [ -f .parabench-commit ] && export PARABENCH_GIT_COMMIT=$(cat .parabench-commit)
 nvidia-smi -L
-mkdir -p "$out/res"
+work=${DEVICE_WORK:-/tmp/parabench-device}
+mkdir -p "$work/res" "$out"
+[ -f "$work/run_id" ] || date -u +%Y%m%d-%H%M%S > "$work/run_id"
+run_args="--run-id $(cat "$work/run_id") --resume"
 pack() {
-  tar czf "$out/results.tgz" --exclude='logs' --exclude='.scratch' -C "$out/res" .
-  tar czf "$out/logs.tgz" --exclude='.scratch' -C "$out/res" .
+  tar czf "$out/results.tgz" --exclude='logs' --exclude='.scratch' -C "$work/res" .
+  tar czf "$out/logs.tgz" --exclude='.scratch' -C "$work/res" .
 }
 for suite in "$@"; do
   left=$(( deadline - ($(date +%s) - start) ))
   if [ "$left" -lt 20 ]; then echo "device_run: no time left for $suite" | tee -a "$out/console.txt"; continue; fi
-  timeout -s INT "$left" python3 -m parabench.cli run suite "$suite" --out "$out/res" ${PARABENCH_ARGS:-} 2>&1 | tee -a "$out/console.txt"
+  timeout -s INT "$left" python3 -m parabench.cli run suite "$suite" --out "$work/res" $run_args ${PARABENCH_ARGS:-} 2>&1 | tee -a "$out/console.txt"
   pack
 done
 pack

@@ -111,6 +111,7 @@ def test_resume_skips_recorded_cases(tmp_path):
     again = parabench("run", "suite", str(suite), "--out", str(out), "--resume", "--no-report")
     assert again.returncode == 0, again.stderr
     assert "already recorded" in again.stdout and again.stdout.count(" ok ") == 1
+    assert "parabench: 1 ok, 1 kept" in again.stdout
     assert json.loads(cases[0].read_text()) == kept  # untouched
     assert cases[1].exists()
 
