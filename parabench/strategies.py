@@ -205,7 +205,7 @@ _BUILTIN = (
     StrategyInfo("ref.cp_ring", "parabench.reference_adapters_cp_ep:build_cp_ring", "reference",
                  "ring attention context parallel: K/V round the ring over send/recv, fused block kernels, "
                  "log-sum-exp merge, ring backward (option cp_split = zigzag | contiguous)", min_world_size=2,
-                 version="2"),
+                 version="3"),
     StrategyInfo("ref.cp_ulysses", "parabench.reference_adapters_cp_ep:build_cp_ulysses", "reference",
                  "DeepSpeed-Ulysses context parallel: all-to-all sequence shards <-> head shards around attention",
                  min_world_size=2),

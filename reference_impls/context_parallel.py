@@ -178,6 +178,7 @@ class RingStats:
 
     pairs_full: int = 0
     pairs_diagonal: int = 0
+    calls: int = 0  # kernel calls in forward (fused_pairs: fewer than pairs)
     flops: int = 0
     hops: int = 0
     clock: str | None = None  # None: nothing timed (Ulysses)
@@ -185,7 +186,7 @@ class RingStats:
     event_pairs: list = field(default_factory=list)  # (start, end) torch.cuda.Event per timed hop
 
     def reset(self):
-        self.pairs_full = self.pairs_diagonal = self.flops = self.hops = 0
+        self.pairs_full = self.pairs_diagonal = self.calls = self.flops = self.hops = 0
         self.host_compute_s = 0.0
         self.event_pairs = []
 
@@ -218,7 +219,7 @@ class RingStats:
 
     def as_dict(self) -> dict:
         return {"attn_pairs_full": self.pairs_full, "attn_pairs_diagonal": self.pairs_diagonal,
-                "attn_flops_fwd": self.flops, "attn_compute_s_fwd": self.compute_s,
+                "attn_calls_fwd": self.calls, "attn_flops_fwd": self.flops, "attn_compute_s_fwd": self.compute_s,
                 "attn_compute_clock": self.clock, "ring_hops": self.hops}
 
 
@@ -298,6 +299,40 @@ def chunk_pairs(my_chunks: list[int], their_chunks: list[int]) -> list[tuple[int
     return [(qi, ki, kc == qc) for qi, qc in enumerate(my_chunks) for ki, kc in enumerate(their_chunks) if kc <= qc]
 
 
+def fused_pairs(my_chunks: list[int], their_chunks: list[int]) -> list[tuple[int, int, int, int, bool, int]]:
+    """:func:`chunk_pairs` as kernel calls ``(q_lo, q_hi, k_lo, k_hi, diagonal, n_pairs)`` over
+    contiguous ranges of chunk indices: a diagonal pair alone (its causal mask needs equal
+    lengths); the off-diagonal pairs of consecutive query chunks over the same run of key chunks in
+    one call. Zig-zag then needs one call per visiting block instead of two (the block of an
+    earlier rank: both query chunks over its first chunk; of a later rank: the second query chunk
+    over both of its chunks), so each call is longer and there are fewer of them."""
+    pairs = chunk_pairs(my_chunks, their_chunks)
+    calls = [(qi, qi + 1, ki, ki + 1, True, 1) for qi, ki, diagonal in pairs if diagonal]
+    runs: dict[int, list[int]] = {}
+    for qi, ki, diagonal in pairs:
+        if not diagonal:
+            runs.setdefault(qi, []).append(ki)
+    merged: list[list[int]] = []  # [q_lo, q_hi, k_lo, k_hi]
+    for qi in sorted(runs):
+        ks = sorted(runs[qi])
+        if ks != list(range(ks[0], ks[-1] + 1)):  # not one run: a call per pair
+            calls += [(qi, qi + 1, ki, ki + 1, False, 1) for ki in ks]
+            continue
+        if merged and merged[-1][1] == qi and merged[-1][2:] == [ks[0], ks[-1] + 1]:
+            merged[-1][1] = qi + 1
+        else:
+            merged.append([qi, qi + 1, ks[0], ks[-1] + 1])
+    calls += [(a, b, ka, kb, False, (b - a) * (kb - ka)) for a, b, ka, kb in merged]
+    return calls
+
+
+def _span(chunks: list[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+    """Chunks ``lo..hi-1`` as one tensor along the sequence (dim -2; lse chunks: dim -1)."""
+    if hi == lo + 1:
+        return chunks[lo]
+    return torch.cat(chunks[lo:hi], dim=-2 if chunks[lo].dim() == 4 else -1)
+
+
 def _chunks(x: torch.Tensor, c: int) -> list[torch.Tensor]:
     """``x`` cut into its chunks of c positions along the sequence, each contiguous: the kernels
     and the wire get dense memory (q, k, v arrive as transposed views of the projections)."""
@@ -323,16 +358,20 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % cp  # the rank whose block this is
             hop = _Hop(kv, nxt, prv, group) if step < cp - 1 else None
             started = stats.compute_started(q.device) if stats is not None else None
-            for qi, ki, diagonal in chunk_pairs(my_chunks, chunks_of(src, cp, split)):
-                out_i, lse_i = block_forward(qs[qi], kv[ki], kv[n_chunks + ki], diagonal, scale)
-                partial[qi] = merge_partials(*partial[qi], out_i.float(), lse_i, correct=lse_correction)
+            for q_lo, q_hi, k_lo, k_hi, diagonal, n_pairs in fused_pairs(my_chunks, chunks_of(src, cp, split)):
+                out_i, lse_i = block_forward(_span(qs, q_lo, q_hi), _span(kv, k_lo, k_hi),
+                                             _span(kv, n_chunks + k_lo, n_chunks + k_hi), diagonal, scale)
+                for j, qi in enumerate(range(q_lo, q_hi)):
+                    partial[qi] = merge_partials(*partial[qi], out_i[..., j * c:(j + 1) * c, :].float(),
+                                                 lse_i[..., j * c:(j + 1) * c], correct=lse_correction)
                 if stats is not None:
                     b, a, _, d = q.shape
-                    stats.flops += 4 * b * a * c * c * d
+                    stats.flops += 4 * b * a * c * c * d * n_pairs
+                    stats.calls += 1
                     if diagonal:
-                        stats.pairs_diagonal += 1
+                        stats.pairs_diagonal += n_pairs
                     else:
-                        stats.pairs_full += 1
+                        stats.pairs_full += n_pairs
             if stats is not None:
                 stats.compute_ended(started)
             if hop is not None:
@@ -363,12 +402,15 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % cp
             kv_hop = _Hop(kv, nxt, prv, group) if step < cp - 1 else None
             dkv = [torch.zeros_like(t, dtype=torch.float32) for t in kv]  # this rank's share, block src
-            for qi, ki, diagonal in chunk_pairs(my_chunks, chunks_of(src, cp, ctx.split)):
-                dq, dk, dv = block_backward(douts[qi], qs[qi], kv[ki], kv[n_chunks + ki], outs[qi], lses[qi],
-                                            diagonal, scale)
-                dqs[qi] += dq
-                dkv[ki] += dk
-                dkv[n_chunks + ki] += dv
+            for q_lo, q_hi, k_lo, k_hi, diagonal, _ in fused_pairs(my_chunks, chunks_of(src, cp, ctx.split)):
+                dq, dk, dv = block_backward(_span(douts, q_lo, q_hi), _span(qs, q_lo, q_hi), _span(kv, k_lo, k_hi),
+                                            _span(kv, n_chunks + k_lo, n_chunks + k_hi), _span(outs, q_lo, q_hi),
+                                            _span(lses, q_lo, q_hi), diagonal, scale)
+                for j, qi in enumerate(range(q_lo, q_hi)):
+                    dqs[qi] += dq[..., j * c:(j + 1) * c, :]
+                for j, ki in enumerate(range(k_lo, k_hi)):
+                    dkv[ki] += dk[..., j * c:(j + 1) * c, :]
+                    dkv[n_chunks + ki] += dv[..., j * c:(j + 1) * c, :]
             if step == 0:
                 own_dkv = dkv  # kept here: the partial sums from the other ranks come home at the end
             else:

@@ -144,3 +144,24 @@ def test_saved_for_backward_is_q_k_v_out_and_lse_only(ring_runs, split):
 def test_broken_variant_is_wrong(ring_runs):
     _, per_rank = ring_runs
     assert all(res[("zigzag", "torch.float32")]["broken_max_err"] > 1e-2 for res in per_rank)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+@pytest.mark.parametrize("split", ["zigzag", "contiguous"])
+def test_fused_calls_cover_exactly_the_causal_pairs(cp, split):
+    """Every kernel call is a rectangle of chunk pairs, together exactly the pairs causal attention
+    needs, each once; zig-zag needs 3 calls for its own block (two causal diagonals and one full
+    pair) and 1 for every other block, where pair by pair it would need 2."""
+    from reference_impls.context_parallel import chunk_pairs, chunks_of, fused_pairs
+
+    for rank in range(cp):
+        mine = chunks_of(rank, cp, split)
+        for src in range(cp):
+            theirs = chunks_of(src, cp, split)
+            calls = fused_pairs(mine, theirs)
+            covered = [(qi, ki, diagonal) for a, b, ka, kb, diagonal, n in calls
+                       for qi in range(a, b) for ki in range(ka, kb)]
+            assert sorted(covered) == sorted(chunk_pairs(mine, theirs))
+            assert all(n == (b - a) * (kb - ka) and (not diagonal or n == 1) for a, b, ka, kb, diagonal, n in calls)
+            if split == "zigzag":
+                assert len(calls) == (3 if src == rank else 1)
