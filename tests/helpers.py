@@ -53,6 +53,25 @@ def single_reference(case: Case, n_steps: int = 5) -> dict:
     return train(ref, n_steps)
 
 
+def single_inprocess(case: Case, n_steps: int) -> dict:
+    """:func:`single_reference` without spawning (inside a rank that is already running): same
+    model, data and global batch on one process; losses and full parameters."""
+    from parabench.models import global_batch, model_config
+    from parabench.strategies import OptimConfig, TrainSpec
+    from parabench.topology import Topology
+
+    cfg = model_config(case.model, case.seq_len)
+    spec = TrainSpec(model=cfg, seed=case.seed, device=torch.device("cpu"), precision=case.precision,
+                     topology=Topology(world_size=1, rank=0), micro_batch=case.global_batch // case.grad_accum,
+                     grad_accum=case.grad_accum, optim=OptimConfig(lr=case.lr, **case.options.get("optim", {})))
+    trainer = get_strategy("single").build(spec)
+    losses = []
+    for step in range(n_steps):
+        x, y = global_batch(step, case.global_batch, cfg, case.seed)
+        losses.append(float(trainer.train_step(x, y)))
+    return {"losses": losses, "params": trainer.full_parameters()}
+
+
 def max_rel_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 

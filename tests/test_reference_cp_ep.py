@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import max_rel_diff, params_close
+from helpers import max_rel_diff, params_close, single_inprocess
 from parabench.distributed import run_on_gloo
 from parabench.meters.comm import CommMeter
-from parabench.models import (GPT, build_model, global_batch, model_config, model_flops_per_token,
+from parabench.models import (GPT, build_model, model_config, model_flops_per_token,
                               parameter_count)
-from parabench.strategies import OptimConfig, TrainSpec, get_strategy
+from parabench.strategies import TrainSpec, get_strategy
 from parabench.suite import Case, SuiteError, validate_case
 from parabench.theory import _sum_ops, cp_ops, ep_ops, expected
 from parabench.topology import Topology
@@ -65,17 +65,6 @@ EQUIVALENT = [n for n in {**CASES_2, **CASES_4}
               if not n.startswith("broken") and n not in ("ep2_cap", "ep2_bf16", "ring_zz2_bf16")]
 
 
-def _single_inprocess(case: Case, n_steps: int) -> dict:
-    cfg = model_config(case.model, case.seq_len)
-    spec = TrainSpec(model=cfg, seed=case.seed, device=torch.device("cpu"), precision=case.precision,
-                     topology=Topology(world_size=1, rank=0), micro_batch=case.global_batch // case.grad_accum,
-                     grad_accum=case.grad_accum, optim=OptimConfig(lr=case.lr, **case.options.get("optim", {})))
-    trainer = get_strategy("single").build(spec)
-    losses = []
-    for step in range(n_steps):
-        x, y = global_batch(step, case.global_batch, cfg, case.seed)
-        losses.append(float(trainer.train_step(x, y)))
-    return {"losses": losses, "params": trainer.full_parameters()}
 
 
 def _run_group(cases: dict, n_steps: int) -> dict:
@@ -103,7 +92,7 @@ def _run_group(cases: dict, n_steps: int) -> dict:
             case = Case.from_dict(cd)
             key = (case.model, case.global_batch, case.grad_accum, case.precision)
             if key not in truths:
-                truths[key] = _single_inprocess(case, n_steps)
+                truths[key] = single_inprocess(case, n_steps)
             out[name]["single"] = truths[key]
     return out
 

@@ -24,14 +24,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import max_rel_diff, params_close, single_reference
+from helpers import max_rel_diff, params_close, single_inprocess, single_reference
 from parabench.distributed import run_on_gloo
 from parabench.meters.comm import CommMeter
-from parabench.models import global_batch, model_config
-from parabench.strategies import OptimConfig, TrainSpec, get_strategy
+from parabench.models import model_config
+from parabench.strategies import get_strategy
 from parabench.suite import Case, SuiteError, validate_case
 from parabench.theory import expected
-from parabench.topology import Topology
 from parabench.worker import local_batches, make_spec
 
 N_STEPS = 5
@@ -93,18 +92,6 @@ def _break(kind: str):
     raise ValueError(kind)
 
 
-def _single_inprocess(case: Case, n_steps: int) -> dict:
-    """helpers.single_reference without spawning: same model, data, global batch, one process."""
-    cfg = model_config(case.model, case.seq_len)
-    spec = TrainSpec(model=cfg, seed=case.seed, device=torch.device("cpu"), precision=case.precision,
-                     topology=Topology(world_size=1, rank=0), micro_batch=case.global_batch // case.grad_accum,
-                     grad_accum=case.grad_accum, optim=OptimConfig(lr=case.lr, **case.options.get("optim", {})))
-    trainer = get_strategy("single").build(spec)
-    losses = []
-    for step in range(n_steps):
-        x, y = global_batch(step, case.global_batch, cfg, case.seed)
-        losses.append(float(trainer.train_step(x, y)))
-    return {"losses": losses, "params": trainer.full_parameters()}
 
 
 def _run_group(cases: dict, n_steps: int, metered: set) -> dict:
@@ -144,7 +131,7 @@ def _run_group(cases: dict, n_steps: int, metered: set) -> dict:
             case = Case.from_dict(cd)
             key = (case.model, case.seq_len, case.global_batch, case.grad_accum, case.precision)
             if key not in truths:
-                truths[key] = _single_inprocess(case, n_steps)
+                truths[key] = single_inprocess(case, n_steps)
             out[name]["single"] = truths[key]
     return out
 
