@@ -40,8 +40,6 @@ CASES = {
 FP32 = ["p2_m4", "p2_m8_deep_ga2"]
 
 
-
-
 def _run_group(cases: dict, n_steps: int) -> dict:
     out = {}
     for name, cd in cases.items():

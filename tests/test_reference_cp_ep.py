@@ -65,8 +65,6 @@ EQUIVALENT = [n for n in {**CASES_2, **CASES_4}
               if not n.startswith("broken") and n not in ("ep2_cap", "ep2_bf16", "ring_zz2_bf16")]
 
 
-
-
 def _run_group(cases: dict, n_steps: int) -> dict:
     import os
 

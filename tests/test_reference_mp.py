@@ -92,8 +92,6 @@ def _break(kind: str):
     raise ValueError(kind)
 
 
-
-
 def _run_group(cases: dict, n_steps: int, metered: set) -> dict:
     """Every rank: train each case, gather params, meter one more step; rank 0 adds the truth."""
     out = {}
