@@ -16,7 +16,7 @@ real 2- and 4-rank runs.
 
 from __future__ import annotations
 
-from parabench.report.frames import _get, _num
+from parabench.report.frames import _get, _num, records_of
 
 SPLIT_ORDER = ("contiguous", "zigzag")  # contiguous first: the imbalanced row above its remedy
 
@@ -92,18 +92,10 @@ def _ratio(values: list) -> float | None:
     return max(nums) / (sum(nums) / len(nums))
 
 
-def _ring_records(runs):
-    for idx, (manifest, records) in enumerate(runs):
-        run = f"{manifest.get('suite')}/{manifest.get('run_id')}"
-        for r in records:
-            if _get(r, "case", "strategy") == "ref.cp_ring":
-                yield idx, run, r
-
-
 def balance_rows(runs) -> tuple[list[dict], list[dict], list[str]]:
     """Per case and per rank rows, and the runs whose GPU compute times came from host clocks."""
     cases, ranks, untrusted_runs = [], [], []
-    for idx, run, r in _ring_records(runs):
+    for idx, run, r in records_of(runs, ("ref.cp_ring",)):
         c = r.get("case") or {}
         split = str((c.get("options") or {}).get("cp_split", "zigzag"))
         cp = c.get("world_size")

@@ -33,6 +33,19 @@ def _num(v):
     return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
+def run_name(manifest: dict) -> str:
+    """How the report names a run: ``suite/run_id``."""
+    return f"{manifest.get('suite')}/{manifest.get('run_id')}"
+
+
+def records_of(runs, strategies):
+    """``(run index, run name, record)`` of every record whose case's strategy is in ``strategies``."""
+    for idx, (manifest, records) in enumerate(runs):
+        for r in records:
+            if _get(r, "case", "strategy") in strategies:
+                yield idx, run_name(manifest), r
+
+
 def _hi(v):
     """A byte figure that may be a number or a [low, high] range (theory gives ranges where the
     implementation may legitimately do either): the high end, or None."""
@@ -76,7 +89,7 @@ def case_rows(runs) -> list[dict]:
             mfu, roof = _num(m.get("mfu")), _num(m.get("roofline_fraction"))
             err = r.get("error") or {}
             rows.append({
-                "run": f"{manifest.get('suite')}/{manifest.get('run_id')}", "run_idx": idx,
+                "run": run_name(manifest), "run_idx": idx,
                 "label": r.get("label", ""), "case_hash": r.get("case_hash", ""), "status": r.get("status", "?"),
                 "strategy": str(c.get("strategy")), "model": str(c.get("model")),
                 "params": _num(_get(r, "model", "params", "total")),
@@ -175,7 +188,7 @@ def comm_check_rows(runs) -> list[dict]:
                 if not isinstance(c, dict):
                     continue
                 k = by_kind.get(kind) or {}
-                rows.append({"run": f"{manifest.get('suite')}/{manifest.get('run_id')}", "label": r.get("label", ""),
+                rows.append({"run": run_name(manifest), "label": r.get("label", ""),
                              "short": short_case(r), "model": _get(r, "case", "model"), "kind": kind,
                              "expected_MiB": _mib(_hi(c.get("expected_bytes"))),
                              "measured_MiB": _mib(_hi(c.get("measured_bytes"))),

@@ -21,7 +21,7 @@ a layer does no expert work there ("starved").
 
 from __future__ import annotations
 
-from parabench.report.frames import MiB, _get, _num
+from parabench.report.frames import MiB, _get, _num, records_of
 
 MOE_STRATEGIES = ("ref.ep", "deepspeed.moe")
 COLLAPSE_FRACTION = 0.9  # max/mean at or above this share of E/top_k counts as collapsed
@@ -89,6 +89,7 @@ def layer_stats(per_rank_stats: list[dict], n_experts: int | None, top_k: int | 
         if load and total > 0 and ep and isinstance(ep, int) and len(load) % ep == 0:
             local = len(load) // ep
             starved = [r for r in range(ep) if not any(load[r * local:(r + 1) * local])]
+        at_ceiling = bool(imbalance is not None and E and top_k and imbalance >= COLLAPSE_FRACTION * E / top_k)
         dropped = [_num(st.get("dropped")) for st in ranks]
         padding = [_num(st.get("padding_rows")) for st in ranks]
         sent = [_num(st.get("sent_rows")) for st in ranks]
@@ -96,22 +97,13 @@ def layer_stats(per_rank_stats: list[dict], n_experts: int | None, top_k: int | 
             "layer": int(name) if name.isdigit() else name, "load": load, "assignments": total if load else None,
             "imbalance": imbalance, "zero_experts": sum(1 for x in load if x == 0) if load else None,
             "starved_ranks": starved,
-            "collapsed": (imbalance is not None and E and top_k and imbalance >= COLLAPSE_FRACTION * E / top_k)
-            or bool(starved),
-            "at_ceiling": bool(imbalance is not None and E and top_k and imbalance >= COLLAPSE_FRACTION * E / top_k),
+            "collapsed": at_ceiling or bool(starved),
+            "at_ceiling": at_ceiling,
             "dropped": sum(dropped) if None not in dropped else None,
             "padding_rows": sum(padding) if padding and None not in padding else None,
             "sent_rows": sum(sent) if sent and None not in sent else None,
         })
     return out
-
-
-def _moe_records(runs):
-    for idx, (manifest, records) in enumerate(runs):
-        run = f"{manifest.get('suite')}/{manifest.get('run_id')}"
-        for r in records:
-            if _get(r, "case", "strategy") in MOE_STRATEGIES:
-                yield idx, run, r
 
 
 def _sum(values):
@@ -122,7 +114,7 @@ def _sum(values):
 def routing_rows(runs) -> tuple[list[dict], list[dict], list[dict]]:
     """Per ok MoE case, per layer of those, and per failed MoE case."""
     cases, layers, failed = [], [], []
-    for idx, run, r in _moe_records(runs):
+    for idx, run, r in records_of(runs, MOE_STRATEGIES):
         c = r.get("case") or {}
         cfg = _get(r, "model", "config") or {}
         strategy, model = str(c.get("strategy")), str(c.get("model"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import statistics
 
-from parabench.report.frames import _get, _num
+from parabench.report.frames import _get, _num, run_name
 
 COLUMNS = [
     ("label", "case", "str"), ("n", "repeats", "int"), ("seeds", "seeds", "str"), ("runs", "runs", "str"),
@@ -33,10 +33,10 @@ def _key(case: dict) -> str:
 def spread_rows(runs) -> list[dict]:
     groups: dict[str, list[tuple[str, dict]]] = {}
     for manifest, records in runs:
-        run_name = f"{manifest.get('suite')}/{manifest.get('run_id')}"
+        run = run_name(manifest)
         for r in records:
             if r.get("status") == "ok" and isinstance(r.get("case"), dict):
-                groups.setdefault(_key(r["case"]), []).append((run_name, r))
+                groups.setdefault(_key(r["case"]), []).append((run, r))
     rows = []
     for members in groups.values():
         tps = [_num(_get(r, "metrics", "tokens_per_s")) for _, r in members]

@@ -13,7 +13,7 @@ and overlapped communication sits inside compute.
 
 from __future__ import annotations
 
-from parabench.report.frames import _get, _num
+from parabench.report.frames import _get, _num, run_name
 
 SOURCE_TEXT = {"cuda_kernels": "CUDA kernels", "cpu_ops": "CPU operator events (threads)"}
 TOP_NAMES = 3
@@ -57,7 +57,7 @@ def _short(name: str) -> str:
 def breakdown_rows(runs) -> list[dict]:
     rows = []
     for idx, (manifest, records) in enumerate(runs):
-        run = f"{manifest.get('suite')}/{manifest.get('run_id')}"
+        run = run_name(manifest)
         for r in records:
             per_rank = [pr.get("step_breakdown") for pr in r.get("per_rank") or [] if isinstance(pr, dict)]
             per_rank = [b for b in per_rank if isinstance(b, dict)]
