@@ -250,7 +250,7 @@ class Runner:
         self.scratch = self.run_dir / ".scratch"
         self.logs = self.run_dir / "logs"
         self.done = 0
-        self.counts = {s: 0 for s in STATUSES}
+        self.counts = {**{s: 0 for s in STATUSES}, "kept": 0}  # kept: recorded by an earlier launch (--resume)
 
     # -- set-up -------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -285,7 +285,7 @@ class Runner:
         for case in cases:
             if self.resume and self._recorded(case):
                 self.done += 1
-                self.counts["kept"] = self.counts.get("kept", 0) + 1  # recorded by an earlier launch
+                self.counts["kept"] += 1
                 self.echo(self._progress(f"kept   {case.label} (already recorded)"))
                 continue
             reason = skip_reason(case, self.launch)

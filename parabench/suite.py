@@ -299,11 +299,9 @@ def validate_case(case: Case) -> None:
         raise SuiteError("seq_len is unreasonably large")
     if case.strategy in ("ref.tp", "ref.tp_sp", "torch.tp", "torch.tp_sp") and tp < 2:
         raise SuiteError(f"{case.strategy} needs options.tp >= 2 (got tp={tp})")
-    if case.strategy.startswith(("ref.pp_", "torch.pp_")) and pp < 2:
+    if case.strategy.startswith(("ref.pp_", "torch.pp_", "deepspeed.pp")) and pp < 2:
         raise SuiteError(f"{case.strategy} needs options.pp >= 2 (got pp={pp})")
     if case.strategy == "deepspeed.pp":
-        if pp < 2:
-            raise SuiteError(f"deepspeed.pp needs options.pp >= 2 (got pp={pp})")
         if tp != 1 or case.world_size != pp:
             raise SuiteError(f"deepspeed.pp runs one pipeline of pp stages, one per rank: world_size must equal pp "
                              f"and tp must be 1 (got world_size={case.world_size}, pp={pp}, tp={tp}; data and "
