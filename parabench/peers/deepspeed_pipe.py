@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 from parabench.models import build_model, lm_loss
-from parabench.peers.common import adamw, optimizer_state_bytes, tensor_bytes
+from parabench.peers.common import adamw, tensor_bytes
 from parabench.strategies import Trainer, TrainSpec
 from reference_impls.pipeline import partition_layers
 
@@ -174,14 +174,10 @@ class DeepSpeedPipelineTrainer(Trainer):
         return loss.detach().float() if self.is_last else None
 
     def state_bytes(self):
-        params = list(self.engine.module.parameters())
-        opt = self.engine.optimizer
-        inner = getattr(opt, "optimizer", opt)
-        o_bytes = optimizer_state_bytes(inner)
-        master = getattr(opt, "fp32_groups_flat_partition", None)  # BF16_Optimizer's fp32 master
-        if master is not None:
-            o_bytes += tensor_bytes(master)
-        return {"params": tensor_bytes(params), "grads": self._grad_bytes, "optimizer": o_bytes}
+        from parabench.peers.deepspeed_zero import deepspeed_optimizer_bytes
+
+        return {"params": tensor_bytes(self.engine.module.parameters()), "grads": self._grad_bytes,
+                "optimizer": deepspeed_optimizer_bytes(self.engine.optimizer)}
 
     def full_parameters(self):
         from parabench.reference_adapters_cp_ep import assemble_on_rank0

@@ -193,15 +193,7 @@ class DeepSpeedTrainer(Trainer):
             p_bytes = tensor_bytes(p.ds_tensor for p in params if hasattr(p, "ds_tensor"))
         else:
             p_bytes = tensor_bytes(params)
-        opt = self.engine.optimizer
-        inner = getattr(opt, "optimizer", opt)
-        o_bytes = optimizer_state_bytes(inner)
-        master = (getattr(opt, "single_partition_of_fp32_groups", None)
-                  or getattr(opt, "fp32_partitioned_groups_flat", None)
-                  or getattr(opt, "fp32_groups_flat_partition", None))
-        if master is not None:
-            o_bytes += tensor_bytes(master)
-        return {"params": p_bytes, "grads": None, "optimizer": o_bytes}
+        return {"params": p_bytes, "grads": None, "optimizer": deepspeed_optimizer_bytes(self.engine.optimizer)}
 
     def full_parameters(self):
         import deepspeed
@@ -220,6 +212,15 @@ class DeepSpeedTrainer(Trainer):
         self.engine.destroy() if hasattr(self.engine, "destroy") else None
         del self.engine
 
+
+def deepspeed_optimizer_bytes(opt) -> int:
+    """Optimizer state a DeepSpeed engine's optimizer holds: the wrapped AdamW's moments plus the
+    fp32 master partitions of whichever wrapper it is (ZeRO-1/2, ZeRO-3, BF16_Optimizer)."""
+    inner = getattr(opt, "optimizer", opt)
+    master = (getattr(opt, "single_partition_of_fp32_groups", None)
+              or getattr(opt, "fp32_partitioned_groups_flat", None)
+              or getattr(opt, "fp32_groups_flat_partition", None))
+    return optimizer_state_bytes(inner) + (tensor_bytes(master) if master is not None else 0)
 
 def _builder(stage: int, offload: bool = False):
     def build(spec: TrainSpec) -> DeepSpeedTrainer:
