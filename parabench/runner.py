@@ -307,7 +307,8 @@ class Runner:
             # pytorch/pytorch#144455, 10-20 % slower kernels), so a profiled GPU case runs alone and
             # cannot slow the timed steps of the cases after it.
             profiled_on_gpu = bool(c.options.get("step_breakdown")) and resolve_device(c) == "cuda"
-            return (not c.options.get("inject_fault") and not profiled_on_gpu and not c.own_launch
+            faulty = (c.options.get("inject_fault") or {}).get("kind", "leak") != "leak"
+            return (not faulty and not profiled_on_gpu and not c.own_launch
                     and get_strategy(c.strategy).shares_launch)
 
         first = pending.pop(0)
@@ -343,8 +344,10 @@ class Runner:
         # they name their files by the runner's hash, handed over with each case.
         cases_file.write_text(json.dumps([{**c.to_dict(), "device": device, "scratch_key": c.case_hash} for c in batch]))
         log_path = self.logs / f"{tag}.log"
+        retired_file = self.scratch / f"{tag}.retired.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", *self.launch.torchrun_args(nproc),
-               "-m", "parabench.worker", "--cases", str(cases_file), "--scratch", str(self.scratch)]
+               "-m", "parabench.worker", "--cases", str(cases_file), "--scratch", str(self.scratch),
+               "--retired", str(retired_file)]
         launch_info = {"batch_size": len(batch), "nproc_per_node": nproc, "nnodes": self.launch.nnodes,
                        "device": device, "log": str(log_path.relative_to(self.run_dir))}
         t_launch = time.time()
@@ -386,12 +389,30 @@ class Runner:
         unfinished = [c for c in batch if c.case_hash not in finished]
         if not unfinished:
             return []
+        if rc == 0 and not timed_out and retired_file.exists():
+            self._note_leftover(json.loads(retired_file.read_text()), len(unfinished))
+            return unfinished
         culprit = next((c for c in unfinished if self._started_at(c) is not None), unfinished[0])
         elapsed = time.time() - (self._started_at(culprit) or t_launch)
         status, error = _classify(culprit, self.scratch, rc, timed_out, _tail(log_path, 20000), elapsed)
         self._write(culprit, build_record(culprit, status, error=error, started_at=self._started_at(culprit) or t_launch,
                                           duration_s=elapsed, launch=launch_info))
         return [c for c in unfinished if c is not culprit]
+
+    def _note_leftover(self, retired: dict, n_relaunched: int) -> None:
+        """The case after which the worker ended its launch (memory still allocated) gets a caveat
+        saying so; the cases it did not run go to a fresh launch, their peaks undisturbed."""
+        gib = retired["leftover_bytes"] / 2**30
+        text = (f"left {gib:.2f} GiB allocated on rank {retired['rank']} after it finished (still referenced "
+                f"once its trainer was closed); the {n_relaunched} later case(s) of its launch ran in a fresh "
+                "launch, so its leftover is in no other case's peak memory")
+        path = case_record_path(self.run_dir, retired["after_case"])
+        if path.exists():
+            record = json.loads(path.read_text())
+            record["caveats"] = [*(record.get("caveats") or []), text]
+            record["leftover_after_case"] = retired
+            write_json_atomic(path, record)
+        self.echo(f"parabench: {retired['after_label']} {text}")
 
     def _started_at(self, case: Case) -> float | None:
         p = self.scratch / f"{case.case_hash}.started"

@@ -13,6 +13,12 @@ start-up of torch, NCCL and the rendezvous for each. Per case, every rank:
 
 A rank that fails writes ``<case_hash>.rank<r>.error.json`` (type, message, traceback, time)
 and exits non-zero; the runner picks the earliest such file as the first failure.
+
+Before each case after the first, the ranks agree on how much device memory is still allocated. A
+case that leaves more than ``LEFTOVER_LIMIT_BYTES`` behind (a library holding its engine in a
+global) would add it to the peak memory of every later case of the launch, so the launch ends
+there: the worker writes ``--retired`` (which case, which rank, how much) and exits cleanly, and the
+runner starts the remaining cases in a fresh launch.
 """
 
 from __future__ import annotations
@@ -39,12 +45,35 @@ from parabench.suite import Case
 from parabench.topology import build_topology
 
 
+# What the CUDA caching allocator holds between cases of one launch, from cuBLAS workspaces and the
+# like, is ~65 MiB on H100; a library that keeps a model or its buffers alive leaves gigabytes.
+LEFTOVER_LIMIT_BYTES = 256 << 20
+
+# Tensors kept alive on purpose by the "leak" fault: what a library holding its engine does.
+_INJECTED_LEAKS: list[torch.Tensor] = []
+
+
+def leftover_bytes(device: torch.device) -> int | None:
+    """Bytes still allocated on this rank's device between cases (after a collection). The CPU has
+    no allocator counter: there only the test hook's injected leaks are seen."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return int(torch.cuda.memory_allocated(device))
+    return sum(t.numel() * t.element_size() for t in _INJECTED_LEAKS) if _INJECTED_LEAKS else None
+
+
 def _inject_fault(case: Case, step: int) -> None:
-    """Test hook: options.inject_fault = {kind: oom|crash|abort|hang, rank: r, step: k}."""
+    """Test hook: options.inject_fault = {kind: oom|crash|abort|hang|leak, rank: r, step: k};
+    "leak" keeps ``bytes`` (default 512 MiB) allocated on the device after the case ends."""
     fault = case.options.get("inject_fault")
     if not fault or fault.get("step", 0) != step or fault.get("rank", 0) != dist.get_rank():
         return
     kind = fault["kind"]
+    if kind == "leak":
+        _INJECTED_LEAKS.append(torch.empty(int(fault.get("bytes", 512 << 20)), dtype=torch.uint8,
+                                           device=pick_device(case.device)))
+        return
     if kind == "oom":
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 EiB (injected by parabench)")
     if kind == "crash":
@@ -129,11 +158,8 @@ def local_batches(case: Case, spec: TrainSpec, n_steps: int) -> list[tuple[torch
 def run_case(case: Case, device: torch.device) -> dict | None:
     """Train ``case`` on this rank; return the gathered measurements on rank 0, None elsewhere."""
     rank = dist.get_rank()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    # What an earlier case of the same launch left allocated (should be ~0; recorded, not hidden).
-    leftover = int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
+    # What an earlier case of the same launch left allocated (~0, or the launch would have ended).
+    leftover = leftover_bytes(device)
     spec = make_spec(case, device)
     topo = spec.topology
     t_setup = time.perf_counter()
@@ -249,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="parabench.worker")
     ap.add_argument("--cases", required=True, help="JSON file with a list of case dicts")
     ap.add_argument("--scratch", required=True, help="folder for per-case measurements and errors")
+    ap.add_argument("--retired", help="where to say why the launch ended before its last case")
     args = ap.parse_args(argv)
     entries = json.loads(open(args.cases).read())
     keys = [d.pop("scratch_key", None) for d in entries]  # the runner's names for the scratch files
@@ -261,8 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     # rather than in a bare kill.
     init_process_group(device, timeout_s=max(30.0, 0.8 * min(c.timeout_s for c in cases)))
     rank = dist.get_rank()
-    for case, key in zip(cases, keys):
+    for i, (case, key) in enumerate(zip(cases, keys)):
         key = key or case.case_hash
+        if i > 0 and _retire_launch(cases[i - 1], keys[i - 1] or cases[i - 1].case_hash, device, args.retired):
+            break
         if rank == 0:
             with open(os.path.join(args.scratch, f"{key}.started"), "w") as f:
                 f.write(repr(time.time()))
@@ -284,6 +313,23 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _retire_launch(previous: Case, previous_key: str, device: torch.device, retired_path: str | None) -> bool:
+    """True (on every rank) when some rank kept more than LEFTOVER_LIMIT_BYTES allocated after
+    ``previous``; rank 0 then writes ``retired_path`` for the runner."""
+    mine = leftover_bytes(device) or 0
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    worst = max(range(len(everyone)), key=lambda r: everyone[r])
+    if everyone[worst] <= LEFTOVER_LIMIT_BYTES:
+        return False
+    if dist.get_rank() == 0 and retired_path:
+        write_json_atomic(retired_path, {
+            "after_case": previous_key, "after_label": previous.label,
+            "rank": worst, "leftover_bytes": everyone[worst], "leftover_bytes_per_rank": everyone,
+            "limit_bytes": LEFTOVER_LIMIT_BYTES})
+    return True
 
 
 if __name__ == "__main__":

@@ -205,3 +205,43 @@ def test_run_case_with_the_default_device_records_its_result(tmp_path):
     (run,) = (tmp_path / "auto").iterdir()
     _, records = load_run(run)
     assert [(r["case"]["device"], r["status"], r["launch"]["device"]) for r in records] == [("auto", "ok", "cpu")]
+
+
+def test_a_case_that_leaves_memory_allocated_ends_its_launch(tmp_path):
+    """A case that keeps device memory alive after it finishes (as deepspeed.pp did on 2x H100:
+    11.7 GiB on rank 1, added to the next case's peak) must not share its launch with later cases;
+    a small leftover (under the limit) keeps the launch going."""
+    suite = write_suite(tmp_path, """
+        [suite]
+        name = "leak"
+        device = "cpu"
+        steps = 2
+        warmup = 1
+        [[matrix]]
+        model = "tiny"
+        strategy = "torch.ddp"
+        world_size = 2
+        options = [
+          {inject_fault = {kind = "leak", rank = 1, step = 0, bytes = 1048576}},
+          {inject_fault = {kind = "leak", rank = 1, step = 1, bytes = 314572800}},
+          {bucket_mb = 1},
+          {bucket_mb = 2},
+        ]
+        """)
+    proc = parabench("run", "suite", str(suite), "--out", str(tmp_path / "res"), "--run-id", "r", "--no-report")
+    assert proc.returncode == 0, proc.stderr
+    _, records = load_run(tmp_path / "res" / "leak" / "r")
+    assert [r["status"] for r in records] == ["ok"] * 4
+    by_opts = {json.dumps(r["case"]["options"], sort_keys=True): r for r in records}
+    small, big, after, last = (by_opts[json.dumps(o, sort_keys=True)] for o in (
+        {"inject_fault": {"kind": "leak", "rank": 1, "step": 0, "bytes": 1048576}},
+        {"inject_fault": {"kind": "leak", "rank": 1, "step": 1, "bytes": 314572800}},
+        {"bucket_mb": 1}, {"bucket_mb": 2}))
+    assert small["launch"]["log"] == big["launch"]["log"]  # 1 MiB left behind: same launch
+    assert after["launch"]["log"] == last["launch"]["log"] != big["launch"]["log"]
+    assert [p["allocated_at_start_bytes"] for p in big["per_rank"]] == [None, 1048576]
+    assert [p["allocated_at_start_bytes"] for p in after["per_rank"]] == [None, None]  # a fresh process
+    left = big["leftover_after_case"]
+    assert (left["rank"], left["leftover_bytes"]) == (1, 1048576 + 314572800)
+    assert any("left 0.29 GiB allocated on rank 1" in c for c in big["caveats"])
+    assert not small.get("caveats") and "left 0.29 GiB" in proc.stdout
