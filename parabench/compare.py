@@ -47,6 +47,7 @@ METRICS: list[tuple[str, int, str, str]] = [
     ("mfu", +1, "timing", ""),
     ("model_state_bytes_max", -1, "exact", "B"),
     ("peak_alloc_bytes", -1, "exact", "B"),
+    ("peak_requested_bytes", -1, "exact", "B"),
     ("comm_payload_bytes", -1, "exact", "B"),
     ("peak_reserved_bytes", -1, "noisy", "B"),
     ("device_used_bytes", -1, "noisy", "B"),

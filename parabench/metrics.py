@@ -89,6 +89,7 @@ def summarize(case, raw: dict) -> dict:
         "matmul_roofline_flops": roof,
         "roofline_fraction": achieved / roof if roof else None,
         "peak_alloc_bytes": mem("peak_alloc_bytes"),
+        "peak_requested_bytes": mem("peak_requested_bytes"),
         "peak_reserved_bytes": mem("peak_reserved_bytes"),
         "device_used_bytes": mem("device_used_bytes"),
         "peak_rss_bytes": mem("peak_rss_bytes"),

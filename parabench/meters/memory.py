@@ -1,7 +1,12 @@
 """Peak memory per rank, reset between phases so the timed steps are measured on their own.
 
 On CUDA: the caching allocator's peak allocated and reserved bytes, and NVML's device-wide used
-bytes (which adds the CUDA context and NCCL's buffers). On CPU: the process's peak resident set
+bytes (which adds the CUDA context and NCCL's buffers). Allocated bytes count whole allocator
+blocks: sizes round up to 512 B, and a cached block reused for a smaller tensor counts whole when
+the rest is too small to split off (up to 1 MiB for large blocks), so two programs holding the
+same tensors can differ there by megabytes, depending only on the order they allocate in. The
+peak of the bytes the tensors asked for (``peak_requested_bytes``) has no such slack: it is the
+figure that compares what two strategies keep alive. On CPU: the process's peak resident set
 (``ru_maxrss``), whose high-water mark Linux resets when ``5`` is written to
 ``/proc/self/clear_refs``.
 """
@@ -39,6 +44,7 @@ def read_peak(device: torch.device) -> dict:
     if device.type == "cuda":
         return {
             "peak_alloc_bytes": int(torch.cuda.max_memory_allocated(device)),
+            "peak_requested_bytes": int(torch.cuda.memory_stats(device).get("requested_bytes.all.peak", 0)) or None,
             "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
             "device_used_bytes": _nvml_used_bytes(device),
         }

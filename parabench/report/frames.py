@@ -108,6 +108,7 @@ def case_rows(runs) -> list[dict]:
                 "roofline_pct": roof * 100 if roof is not None else None,
                 "peak_mem_MiB": _mib(peak),
                 "peak_alloc_MiB": _mib(m.get("peak_alloc_bytes")),
+                "peak_requested_MiB": _mib(m.get("peak_requested_bytes")),
                 "peak_reserved_MiB": _mib(m.get("peak_reserved_bytes")),
                 "device_used_MiB": _mib(m.get("device_used_bytes")),
                 "peak_rss_MiB": _mib(m.get("peak_rss_bytes")),

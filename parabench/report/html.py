@@ -38,7 +38,8 @@ CASE_COLUMNS = [
     ("theory_comm_MiB", "analytic comm MiB", "f2"), ("final_loss", "final loss", "g4"),
 ]
 MEMORY_COLUMNS = [
-    ("label", "case", "str"), ("peak_alloc_MiB", "alloc peak MiB", "f1"), ("peak_reserved_MiB", "reserved peak MiB", "f1"),
+    ("label", "case", "str"), ("peak_alloc_MiB", "alloc peak MiB", "f1"),
+    ("peak_requested_MiB", "requested peak MiB (no block slack)", "f2"), ("peak_reserved_MiB", "reserved peak MiB", "f1"),
     ("device_used_MiB", "NVML used MiB", "f1"), ("peak_rss_MiB", "RSS peak MiB", "f1"),
     ("model_state_MiB", "state MiB", "f2"), ("theory_state_MiB", "analytic MiB", "f2"),
     ("paper_state_MiB", "ZeRO paper MiB", "f2"), ("state_check", "state = analytic", "str"),
@@ -221,7 +222,10 @@ def render_report(run_dirs: list[Path], *, threshold: float = 0.05, with_figures
                              row_class=lambda r: "" if r["status"] == "ok" else "bad-row"))
     if ok:
         tables.append(_table("memory-table", "Memory per rank", run_col + MEMORY_COLUMNS, ok,
-                             "Allocator peaks and NVML on GPUs, resident set on CPUs; state = parameters, gradients "
+                             "Allocator peaks and NVML on GPUs, resident set on CPUs. The alloc peak counts whole "
+                             "allocator blocks (rounded, and cached blocks reused unsplit count whole), the requested "
+                             "peak only the bytes tensors asked for, so it compares strategies without the allocator's "
+                             "slack (recorded since 2026-11-26). State = parameters, gradients "
                              "and optimizer states actually held, beside their analytic layout and the ZeRO paper's "
                              "16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N."))
     if comm_rows:
