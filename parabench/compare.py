@@ -12,9 +12,15 @@ dropped silently. Every compared metric has a direction and a decision rule (asv
             The derived throughput figures are all functions of the median step time, so they
             share its test. With 3 timed steps per side the smallest possible one-sided p is
             0.05: run at least 4 timed steps for the gate to be able to flag anything.
-``exact``   model-state bytes, the CUDA allocator's peak (``peak_alloc_bytes``) and communication
-            payload bytes (rank 0's instrumented step, total and per kind): deterministic for a
-            given code path, so ANY growth is a regression and any shrink is reported.
+``exact``   model-state bytes, the peak of the bytes tensors requested from the CUDA allocator
+            (``peak_requested_bytes``) and communication payload bytes (rank 0's instrumented
+            step, total and per kind): deterministic for a given code path, so ANY growth is a
+            regression and any shrink is reported.
+``slack``   the CUDA allocator's block peak (``peak_alloc_bytes``): it counts whole blocks, and
+            which cached block a tensor lands in depends on what ran before in the process, so the
+            same code measured 2026-11-26 on H100 moved by up to 18.6 MiB between launches (and ref
+            vs DeepSpeed ZeRO-2, with requested peaks 508 B apart, by 62 MiB). A regression is
+            growth beyond ``ALLOCATOR_SLACK_BYTES``; smaller changes are reported as noise.
 ``noisy``   CPU peak RSS, the allocator's reserved peak and NVML's device-wide figure: a
             regression is growth beyond ``mem_threshold``.
 ``info``    the final loss: a change is reported, never gated on (GPU kernels are not bitwise
@@ -46,7 +52,7 @@ METRICS: list[tuple[str, int, str, str]] = [
     ("step_time_s_median", -1, "timing", "s"),
     ("mfu", +1, "timing", ""),
     ("model_state_bytes_max", -1, "exact", "B"),
-    ("peak_alloc_bytes", -1, "exact", "B"),
+    ("peak_alloc_bytes", -1, "slack", "B"),
     ("peak_requested_bytes", -1, "exact", "B"),
     ("comm_payload_bytes", -1, "exact", "B"),
     ("peak_reserved_bytes", -1, "noisy", "B"),
@@ -55,6 +61,7 @@ METRICS: list[tuple[str, int, str, str]] = [
     ("final_loss", -1, "info", ""),
 ]
 STATUS_OK = "ok"
+ALLOCATOR_SLACK_BYTES = 64 << 20
 
 
 # --- statistics (no scipy: the gate must run wherever parabench does) ------------------------
@@ -214,6 +221,12 @@ def compare_metric(name: str, direction: int, rule: str, base: dict, cand: dict,
         if cv != bv:
             d.verdict = "regression" if worse else "improvement"
             d.note = f"{cv - bv:+,} bytes" if isinstance(cv, int) and isinstance(bv, int) else ""
+        return d
+    if rule == "slack":
+        if cv != bv:
+            beyond = abs(cv - bv) > ALLOCATOR_SLACK_BYTES
+            d.verdict = ("regression" if worse else "improvement") if beyond else "noise"
+            d.note = f"{cv - bv:+,} bytes" + ("" if beyond else f" (within the allocator's {ALLOCATOR_SLACK_BYTES >> 20} MiB slack)")
         return d
     if rule == "noisy":
         if worse and abs(rel) > mem_threshold:

@@ -262,8 +262,17 @@ class Runner:
             probe.unlink()
         except OSError as exc:
             raise OutputError(f"output folder {self.run_dir} is not writable: {exc}") from None
-        if not (self.run_dir / "manifest.json").exists():
-            write_json_atomic(self.run_dir / "manifest.json", make_manifest(self.suite, self.run_dir.name, sys.argv))
+        manifest_path = self.run_dir / "manifest.json"
+        if not manifest_path.exists():
+            write_json_atomic(manifest_path, make_manifest(self.suite, self.run_dir.name, sys.argv))
+        elif self.resume:
+            # Cases recorded from now on may run another commit or suite file than the manifest's:
+            # each resumption is kept beside it (the records' started_at says which cases it ran).
+            manifest = load_json(manifest_path)
+            now = make_manifest(self.suite, self.run_dir.name, sys.argv)
+            manifest.setdefault("resumed", []).append(
+                {k: now[k] for k in ("created_at", "git", "suite_file_sha256", "versions", "argv", "n_cases")})
+            write_json_atomic(manifest_path, manifest)
 
     def _recorded(self, case: Case) -> bool:
         path = case_record_path(self.run_dir, case.case_hash)

@@ -114,6 +114,9 @@ def test_resume_skips_recorded_cases(tmp_path):
     assert "parabench: 1 ok, 1 kept" in again.stdout
     assert json.loads(cases[0].read_text()) == kept  # untouched
     assert cases[1].exists()
+    manifest = json.loads((out / "resume" / "r" / "manifest.json").read_text())
+    [resumed] = manifest["resumed"]  # the second call is on record beside the first
+    assert resumed["argv"][-2:] == ["--resume", "--no-report"] and "commit" in resumed["git"]
 
 
 @pytest.mark.parametrize("args, message", [
