@@ -280,13 +280,16 @@ def block_attention_reference(q, k, v, diagonal: bool, scale: float):
 
 def merge_partials(out, lse, out_i, lse_i, correct: bool = True):
     """Exact merge of two partial softmax results through their log-sum-exp (out ``[..., n, d]``,
-    lse ``[..., n]``). ``out=None``: the first partial."""
+    lse ``[..., n]``). ``out=None``: the first partial. A row that saw no key in a partial (fully
+    masked: out 0, lse -inf) takes the other's values unchanged; one that saw none in either stays
+    out 0, lse -inf, where exp(-inf - -inf) would put NaN in it."""
     if out is None:
         return out_i, lse_i
     new = torch.logaddexp(lse, lse_i)
     if not correct:  # deliberately broken (tests): partials added without rescaling
         return out + out_i, new
-    return out * torch.exp(lse - new).unsqueeze(-1) + out_i * torch.exp(lse_i - new).unsqueeze(-1), new
+    ref = torch.where(new == float("-inf"), 0.0, new)
+    return out * torch.exp(lse - ref).unsqueeze(-1) + out_i * torch.exp(lse_i - ref).unsqueeze(-1), new
 
 
 # --- the ring ------------------------------------------------------------------------------------

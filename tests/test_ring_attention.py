@@ -165,3 +165,48 @@ def test_fused_calls_cover_exactly_the_causal_pairs(cp, split):
             assert all(n == (b - a) * (kb - ka) and (not diagonal or n == 1) for a, b, ka, kb, diagonal, n in calls)
             if split == "zigzag":
                 assert len(calls) == (3 if src == rank else 1)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+@pytest.mark.parametrize("split", ["zigzag", "contiguous"])
+def test_no_computed_pair_has_a_fully_masked_row(cp, split):
+    """Causal ring attention never computes a query row that sees no key: a key chunk wholly in a
+    query chunk's future is skipped, and a diagonal pair's row sees at least its own position."""
+    from reference_impls.context_parallel import chunk_pairs, chunks_of
+
+    for rank in range(cp):
+        mine = chunks_of(rank, cp, split)
+        for src in range(cp):
+            theirs = chunks_of(src, cp, split)
+            for qi, ki, diagonal in chunk_pairs(mine, theirs):
+                assert theirs[ki] < mine[qi] or (diagonal and theirs[ki] == mine[qi])
+
+
+def test_merge_keeps_fully_masked_rows_exact_and_finite():
+    """Rows with no visible key (out 0, lse -inf) in one partial take the other partial exactly; in
+    both, they stay 0 and -inf instead of NaN; against attention over the concatenated keys."""
+    from reference_impls.context_parallel import merge_partials
+
+    torch.manual_seed(0)
+    q, k1, k2, v1, v2 = (torch.randn(1, 2, 6, 8, dtype=torch.float64) for _ in range(5))
+    m1 = torch.ones(6, 6, dtype=torch.bool)
+    m2 = torch.ones(6, 6, dtype=torch.bool)
+    m1[0] = m1[3] = False  # rows 0 and 3 see nothing of block 1
+    m2[3] = m2[5] = False  # rows 3 and 5 see nothing of block 2; row 3 sees no key at all
+
+    def partial(k, v, mask):
+        s = (q @ k.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - torch.where(lse == float("-inf"), 0.0, lse).unsqueeze(-1))
+        return p @ v, lse
+
+    out, lse = merge_partials(*partial(k1, v1, m1), *partial(k2, v2, m2))
+    assert torch.isfinite(out).all() and torch.equal(out[..., 3, :], torch.zeros_like(out[..., 3, :]))
+    assert (lse[..., 3] == float("-inf")).all()
+    full_mask = torch.cat([m1, m2], dim=1)
+    s = (q @ torch.cat([k1, k2], dim=-2).transpose(-1, -2)).masked_fill(~full_mask, float("-inf"))
+    want = torch.softmax(s, dim=-1) @ torch.cat([v1, v2], dim=-2)
+    rows = [0, 1, 2, 4, 5]
+    torch.testing.assert_close(out[..., rows, :], want[..., rows, :], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse[..., rows], torch.logsumexp(s, dim=-1)[..., rows], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[..., 0, :], partial(k2, v2, m2)[0][..., 0, :], rtol=0, atol=0)
