@@ -316,7 +316,8 @@ class Runner:
             # pytorch/pytorch#144455, 10-20 % slower kernels), so a profiled GPU case runs alone and
             # cannot slow the timed steps of the cases after it.
             profiled_on_gpu = bool(c.options.get("step_breakdown")) and resolve_device(c) == "cuda"
-            faulty = (c.options.get("inject_fault") or {}).get("kind", "leak") != "leak"
+            fault = (c.options.get("inject_fault") or {}).get("kind")
+            faulty = fault not in (None, "leak")  # an injected leak must share a launch to show
             return (not faulty and not profiled_on_gpu and not c.own_launch
                     and get_strategy(c.strategy).shares_launch)
 
