@@ -103,6 +103,7 @@ def test_cpu_window_clips_and_no_comm():
     single = breakdown([Span("aten::mm", 0, 3, "cpu_op"), Span("aten::add", 2, 4, "cpu_op")], "cpu_ops")
     assert single["step_s"] == 4 and single["compute_s"] == 4 and single["comm_s"] == 0
     assert single["exposed_comm_s"] == 0 and single["overlap_fraction"] is None and single["top_comm"] == []
+    assert single["top_compute"] is None  # host ops nest: no per-name sums on CPUs
 
 
 def test_cuda_kernels_breakdown():
@@ -122,6 +123,8 @@ def test_cuda_kernels_breakdown():
     assert r["memcpy_s"] == pytest.approx(1)
     assert r["idle_s"] == pytest.approx(1)
     assert r["top_comm"][0]["name"].startswith("ncclDevKernel_AllReduce") and len(r["top_comm"]) == 1
+    assert [(t["name"][:12], t["calls"], t["total_s"]) for t in r["top_compute"]] == \
+        [("ampere_sgemm", 1, pytest.approx(2)), ("void at::nat", 1, pytest.approx(2))]
 
 
 class _FakeEvent:

@@ -15,6 +15,9 @@ events to intervals on one clock:
   communication; ``idle_s``: the rest of the step, when none of the above runs (launch gaps,
   Python, host-side waits);
 * ``top_comm``: the communication kernels (GPU) or ops (CPU) with the most time, summed per name.
+* ``top_compute``: the compute kernels with the most time, summed per name (GPU; None on CPUs,
+  where host ops nest and their sums would count time twice): where two implementations of the
+  same step spend their compute differently, this names the kernels.
 
 What an interval is depends on the device; ``source`` says which:
 
@@ -78,7 +81,7 @@ STEP_MARK = "parabench::step_breakdown"
 COMM_PREFIXES = ("gloo:", "nccl:", "mpi:", "ucc:", "c10d::", "_c10d_functional::", "c10d_functional::")
 COMM_NAMES = ("record_param_comms",)
 COMPUTE_PREFIXES = ("aten::",)  # operators; what wraps them may be waiting (see the docstring)
-TOP_COMM = 5
+TOP_NAMES = 5
 NAME_CHARS = 160  # templated kernel names run to hundreds of characters
 
 # Kineto's activity types (``_KinetoEvent.activity_type()``) mapped to what they are here.
@@ -169,8 +172,8 @@ def _cpu_sets(spans: list[Span], step_thread: int | None) -> tuple[list, list, l
     return compute, comm, comm_spans
 
 
-def _cuda_sets(spans: list[Span]) -> tuple[list, list, list, list]:
-    compute, comm, memcpy, comm_spans = [], [], [], []
+def _cuda_sets(spans: list[Span]) -> tuple[list, list, list, list, list]:
+    compute, comm, memcpy, comm_spans, compute_spans = [], [], [], [], []
     for sp in spans:
         if sp.kind == "kernel":
             if "nccl" in sp.name.lower():
@@ -178,21 +181,22 @@ def _cuda_sets(spans: list[Span]) -> tuple[list, list, list, list]:
                 comm_spans.append(sp)
             else:
                 compute.append((sp.start_s, sp.end_s))
+                compute_spans.append(sp)
         elif sp.kind == "memcpy":
             memcpy.append((sp.start_s, sp.end_s))
-    return merge(compute), merge(comm), merge(memcpy), comm_spans
+    return merge(compute), merge(comm), merge(memcpy), comm_spans, compute_spans
 
 
-def _top(comm_spans: list[Span], lo: float, hi: float) -> list[dict]:
+def _top(named_spans: list[Span], lo: float, hi: float) -> list[dict]:
     calls: dict = defaultdict(int)
     total: dict = defaultdict(float)
-    for sp in comm_spans:
+    for sp in named_spans:
         d = min(sp.end_s, hi) - max(sp.start_s, lo)
         if d > 0:
             name = sp.name[:NAME_CHARS]
             calls[name] += 1
             total[name] += d
-    ranked = sorted(total, key=lambda n: -total[n])[:TOP_COMM]
+    ranked = sorted(total, key=lambda n: -total[n])[:TOP_NAMES]
     return [{"name": n, "calls": calls[n], "total_s": total[n]} for n in ranked]
 
 
@@ -209,8 +213,9 @@ def breakdown(spans: list[Span], source: str, mark: Span | None = None) -> dict:
     if source == "cpu_ops":
         compute, comm, comm_spans = _cpu_sets(spans, mark.thread if mark is not None else None)
         memcpy: list = []
+        compute_spans = None
     else:
-        compute, comm, memcpy, comm_spans = _cuda_sets(spans)
+        compute, comm, memcpy, comm_spans, compute_spans = _cuda_sets(spans)
     compute, comm, memcpy = clip(compute, lo, hi), clip(comm, lo, hi), clip(memcpy, lo, hi)
     exposed = length(subtract(comm, compute))
     comm_s = length(comm)
@@ -226,6 +231,7 @@ def breakdown(spans: list[Span], source: str, mark: Span | None = None) -> dict:
         "memcpy_s": length(memcpy) if source == "cuda_kernels" else None,
         "idle_s": max(0.0, (hi - lo) - busy),
         "top_comm": _top(comm_spans, lo, hi),
+        "top_compute": _top(compute_spans, lo, hi) if compute_spans is not None else None,
     }
 
 

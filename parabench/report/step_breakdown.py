@@ -26,7 +26,7 @@ COLUMNS = [
     ("comm_ms", "comm ms", "f2"), ("exposed_ms", "exposed comm ms", "f2"),
     ("exposed_pct", "exposed % of step", "f1"), ("exposed_ms_max", "exposed ms, worst rank", "f2"),
     ("overlap_pct", "overlap % of comm", "f1"), ("idle_ms", "idle ms", "f2"), ("memcpy_ms", "memcpy ms", "f2"),
-    ("top_comm", "top communication (rank 0)", "str"),
+    ("top_comm", "top communication (rank 0)", "str"), ("top_compute", "top compute kernels (rank 0)", "str"),
 ]
 
 NOTE = ("One extra untimed step per case under torch.profiler, after the timed steps; mean over ranks. "
@@ -88,12 +88,17 @@ def breakdown_rows(runs) -> list[dict]:
                 "compute_pct": compute / step * 100 if compute is not None and step else None,
                 "exposed_pct": exposed / step * 100 if exposed is not None and step else None,
                 "overlap_pct": overlap * 100 if overlap is not None else None,
-                "top_comm": "; ".join(f"{_short(str(t.get('name')))} ×{t.get('calls')} {(_num(t.get('total_s')) or 0) * 1e3:.2f} ms"
-                                      for t in top[:TOP_NAMES] if isinstance(t, dict)) or "–",
+                "top_comm": _top_text(top),
+                "top_compute": _top_text(_get(per_rank, 0, "top_compute") or []),
                 "warning": "; ".join(sorted({str(b["warning"]) for b in per_rank if b.get("warning")})),
             })
     rows.sort(key=lambda row: row["_sort"])
     return rows
+
+
+def _top_text(top: list) -> str:
+    return "; ".join(f"{_short(str(t.get('name')))} ×{t.get('calls')} {(_num(t.get('total_s')) or 0) * 1e3:.2f} ms"
+                     for t in top[:TOP_NAMES] if isinstance(t, dict)) or "–"
 
 
 def table_specs(runs, run_col: list) -> list[dict]:
