@@ -155,11 +155,11 @@ def local_batches(case: Case, spec: TrainSpec, n_steps: int) -> list[tuple[torch
     return out
 
 
-def run_case(case: Case, device: torch.device) -> dict | None:
-    """Train ``case`` on this rank; return the gathered measurements on rank 0, None elsewhere."""
+def run_case(case: Case, device: torch.device, leftover: int | None = None) -> dict | None:
+    """Train ``case`` on this rank; return the gathered measurements on rank 0, None elsewhere.
+    ``leftover``: what earlier cases of the launch left allocated (``leftover_bytes``, measured by
+    ``main`` before it decided to run this case; ~0, or the launch would have ended), recorded."""
     rank = dist.get_rank()
-    # What an earlier case of the same launch left allocated (~0, or the launch would have ended).
-    leftover = leftover_bytes(device)
     spec = make_spec(case, device)
     topo = spec.topology
     t_setup = time.perf_counter()
@@ -280,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     entries = json.loads(open(args.cases).read())
     keys = [d.pop("scratch_key", None) for d in entries]  # the runner's names for the scratch files
     cases = [Case.from_dict(d) for d in entries]
+    keys = [key or case.case_hash for key, case in zip(keys, cases)]
     device = pick_device(cases[0].device)
     if device.type == "cpu":
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
@@ -289,14 +290,14 @@ def main(argv: list[str] | None = None) -> int:
     init_process_group(device, timeout_s=max(30.0, 0.8 * min(c.timeout_s for c in cases)))
     rank = dist.get_rank()
     for i, (case, key) in enumerate(zip(cases, keys)):
-        key = key or case.case_hash
-        if i > 0 and _retire_launch(cases[i - 1], keys[i - 1] or cases[i - 1].case_hash, device, args.retired):
+        leftover = leftover_bytes(device)
+        if i > 0 and _retire_launch(leftover, cases[i - 1], keys[i - 1], args.retired):
             break
         if rank == 0:
             with open(os.path.join(args.scratch, f"{key}.started"), "w") as f:
                 f.write(repr(time.time()))
         try:
-            result = run_case(case, device)
+            result = run_case(case, device, leftover)
         except BaseException as exc:
             err = {
                 "rank": rank,
@@ -315,12 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _retire_launch(previous: Case, previous_key: str, device: torch.device, retired_path: str | None) -> bool:
+def _retire_launch(leftover: int | None, previous: Case, previous_key: str, retired_path: str | None) -> bool:
     """True (on every rank) when some rank kept more than LEFTOVER_LIMIT_BYTES allocated after
-    ``previous``; rank 0 then writes ``retired_path`` for the runner."""
-    mine = leftover_bytes(device) or 0
+    ``previous`` (this rank: ``leftover``); rank 0 then writes ``retired_path`` for the runner."""
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, leftover or 0)
     worst = max(range(len(everyone)), key=lambda r: everyone[r])
     if everyone[worst] <= LEFTOVER_LIMIT_BYTES:
         return False
