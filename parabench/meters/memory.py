@@ -42,10 +42,11 @@ def _nvml_used_bytes(device: torch.device) -> int | None:
 
 def read_peak(device: torch.device) -> dict:
     if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)  # what max_memory_allocated/_reserved read, in one call
         return {
-            "peak_alloc_bytes": int(torch.cuda.max_memory_allocated(device)),
-            "peak_requested_bytes": int(torch.cuda.memory_stats(device).get("requested_bytes.all.peak", 0)) or None,
-            "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+            "peak_alloc_bytes": int(stats.get("allocated_bytes.all.peak", 0)),
+            "peak_requested_bytes": int(stats.get("requested_bytes.all.peak", 0)) or None,
+            "peak_reserved_bytes": int(stats.get("reserved_bytes.all.peak", 0)),
             "device_used_bytes": _nvml_used_bytes(device),
         }
     return {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
