@@ -98,6 +98,38 @@ def summarize(case, raw: dict) -> dict:
         "final_loss": next((l for l in reversed(losses) if l is not None), None),
         "setup_s_max": max(r["setup_s"] for r in per_rank),
         "loss_scale": loss_scale_summary(raw.get("loss_scale")),
+        **telemetry_summary(per_rank, tokens_per_step * len(steps)),
+    }
+
+
+def telemetry_summary(per_rank: list[dict], timed_tokens: int) -> dict:
+    """Energy, power and clocks over the timed steps (``meters.telemetry``), over all ranks:
+    ``energy_j`` sums the devices, ``tokens_per_j`` is the timed tokens over it, ``power_w_mean`` is
+    per device, clocks are the lowest rank's, ``throttled`` is True when any rank saw a clocks
+    event that holds the clocks down. Empty where no rank had telemetry (CPUs)."""
+    tel = [r.get("telemetry") for r in per_rank]
+    if not tel or any(t is None for t in tel):
+        return {}
+    energy = [t["energy_j"] for t in tel]
+    energy_j = sum(energy) if all(e is not None for e in energy) else None
+
+    def lowest(key):
+        vals = [t[key] for t in tel if t.get(key) is not None]
+        return min(vals) if vals else None
+
+    power = [t["power_w_mean"] for t in tel if t.get("power_w_mean") is not None]
+    from parabench.meters.telemetry import THROTTLING
+
+    reasons = sorted({r for t in tel for r in t.get("clocks_event_reasons") or []})
+    return {
+        "energy_j": energy_j,
+        "tokens_per_j": timed_tokens / energy_j if energy_j else None,
+        "power_w_mean": sum(power) / len(power) if power else None,
+        "sm_clock_mhz_median_min": lowest("sm_clock_mhz_median"),
+        "sm_clock_mhz_min": lowest("sm_clock_mhz_min"),
+        "gpu_util_pct_mean_min": lowest("gpu_util_pct_mean"),
+        "clocks_event_reasons": reasons,
+        "throttled": any(r in THROTTLING for r in reasons),
     }
 
 

@@ -142,6 +142,10 @@ def build_record(case: Case, status: str, raw: dict | None = None, error: dict |
         rec["device"] = {"name": raw["device_name"], "type": raw["device_type"]}
         rec["topology"] = raw["topology"]
         rec["metrics"] = summarize(case, raw)
+        if rec["metrics"].get("throttled"):
+            rec["caveats"].append("the GPU held its clocks down during the timed steps ("
+                                  + ", ".join(rec["metrics"]["clocks_event_reasons"])
+                                  + "): its tokens/s describe a throttled card, not only the strategy")
         rec["per_rank"] = raw["per_rank"]
         for key in ("pipeline", "loss_scale"):
             if key in raw:

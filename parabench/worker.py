@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from parabench.distributed import init_process_group, pick_device, synchronize
 from parabench.hardware import device_name, measured_matmul_flops, peak_flops
-from parabench.meters import flight_recorder, memory
+from parabench.meters import flight_recorder, memory, telemetry
 from parabench.meters.comm import CommMeter
 from parabench.models import global_batch, model_config
 from parabench.results import write_json_atomic
@@ -187,6 +187,8 @@ def run_case(case: Case, device: torch.device, leftover: int | None = None) -> d
     dist.barrier()
     memory.reset_peak(device)
     clock = StepClock(device)
+    sampler = telemetry.sampler_for(device) if case.options.get("telemetry", True) else None
+    sampler is not None and sampler.start()
     clock.mark()
     for step in range(case.warmup, case.warmup + case.steps):
         _inject_fault(case, step)
@@ -194,6 +196,7 @@ def run_case(case: Case, device: torch.device, leftover: int | None = None) -> d
         scales is not None and scales.append(trainer.loss_scale())
         clock.mark()
     step_times = clock.durations_s()
+    device_telemetry = sampler.stop() if sampler is not None else None
     peak = memory.read_peak(device)
 
     # The instrumented step: communication meter on and state bytes sampled, off the clock.
@@ -242,6 +245,7 @@ def run_case(case: Case, device: torch.device, leftover: int | None = None) -> d
         "setup_s": setup_s,
         "allocated_at_start_bytes": leftover,
         "loss_scale": scales,
+        "telemetry": device_telemetry,
     }
     if breakdown is not None:
         mine["memory_breakdown"] = breakdown

@@ -33,9 +33,9 @@ def _nvml_used_bytes(device: torch.device) -> int | None:
     try:
         import pynvml
 
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
-        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+        from parabench.meters.telemetry import nvml_handle
+
+        return int(pynvml.nvmlDeviceGetMemoryInfo(nvml_handle(device)).used)
     except Exception:  # NVML missing or not permitted: the allocator figures still stand
         return None
 
