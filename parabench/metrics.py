@@ -102,6 +102,11 @@ def summarize(case, raw: dict) -> dict:
     }
 
 
+def lowest_or_highest(rows: list[dict], key: str, pick) -> float | None:
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return pick(vals) if vals else None
+
+
 def telemetry_summary(per_rank: list[dict], timed_tokens: int) -> dict:
     """Energy, power and clocks over the timed steps (``meters.telemetry``), over all ranks:
     ``energy_j`` sums the devices, ``tokens_per_j`` is the timed tokens over it, ``power_w_mean`` is
@@ -114,8 +119,7 @@ def telemetry_summary(per_rank: list[dict], timed_tokens: int) -> dict:
     energy_j = sum(energy) if all(e is not None for e in energy) else None
 
     def lowest(key):
-        vals = [t[key] for t in tel if t.get(key) is not None]
-        return min(vals) if vals else None
+        return lowest_or_highest(tel, key, min)
 
     power = [t["power_w_mean"] for t in tel if t.get("power_w_mean") is not None]
     from parabench.meters.telemetry import THROTTLING
@@ -130,6 +134,7 @@ def telemetry_summary(per_rank: list[dict], timed_tokens: int) -> dict:
         "gpu_util_pct_mean_min": lowest("gpu_util_pct_mean"),
         "clocks_event_reasons": reasons,
         "throttled": any(r in THROTTLING for r in reasons),
+        "power_capped_fraction_max": lowest_or_highest(tel, "power_capped_fraction", max),
     }
 
 

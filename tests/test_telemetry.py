@@ -21,7 +21,9 @@ def test_summary_energy_clocks_and_throttle_reasons():
     assert out["power_w_mean"] == 650 and out["power_w_max"] == 700
     assert out["sm_clock_mhz_min"] == 1755 and out["sm_clock_mhz_median"] == 1980
     assert out["clocks_event_reasons"] == ["sw_power_cap"]
-    assert abs(out["throttled_fraction"] - 1 / 3) < 1e-12
+    assert abs(out["power_capped_fraction"] - 1 / 3) < 1e-12
+    assert out["throttled_fraction"] == 0  # the power cap is the card's working state, not a throttle
+    assert summarize_samples([_sample(600, 1400, 0x40)], None, 1.0)["throttled_fraction"] == 1
 
 
 def test_idle_and_sync_boost_are_not_throttling():
