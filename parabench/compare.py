@@ -73,8 +73,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from parabench.results import SchemaError, load_run
-from parabench.stats import (combine_launches, launch_samples, mann_whitney_greater, smallest_p,  # noqa: F401
-                             u_distribution)
+from parabench.stats import combine_launches, launch_samples, mann_whitney_greater, smallest_p
 
 # name, direction (+1 higher is better, -1 lower is better), rule, unit
 METRICS: list[tuple[str, int, str, str]] = [

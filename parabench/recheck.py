@@ -15,10 +15,9 @@ import datetime
 from pathlib import Path
 
 from parabench.results import _git, case_record_path, load_run, write_json_atomic
-from parabench.stats import launch_index
-from parabench.suite import launch_key
 from parabench.runner import checks_for, theory_for
-from parabench.suite import Case
+from parabench.stats import launch_index
+from parabench.suite import Case, launch_key
 
 
 class StaleImplementation(ValueError):

@@ -141,8 +141,8 @@ def build_record(case: Case, status: str, raw: dict | None = None, error: dict |
     rec["caveats"] = get_strategy(case.strategy).caveats_for(case.precision)
     if raw is not None and raw.get("debug_slowdown"):  # PARABENCH_DEBUG_SLOWDOWN (worker.py): not the code's speed
         rec["debug_slowdown"] = raw["debug_slowdown"]
-        rec["caveats"] = [*rec["caveats"], f"timed steps deliberately slowed by {raw['debug_slowdown']:.1%} "
-                                           "(PARABENCH_DEBUG_SLOWDOWN, a regression-gate check)"]
+        rec["caveats"] = [*rec["caveats"], (f"timed steps deliberately slowed by {raw['debug_slowdown']:.1%} "
+                                            "(PARABENCH_DEBUG_SLOWDOWN, a regression-gate check)")]
     rec["theory"] = theory_for(case, raw["per_rank"] if raw is not None else None)
     if raw is not None:
         rec["device"] = {"name": raw["device_name"], "type": raw["device_type"]}

@@ -99,7 +99,7 @@ def mann_whitney_greater(x: list[float], y: list[float]) -> float:
     u = sum(ranks[:n1]) - n1 * (n1 + 1) / 2
     if all(t == 1 for t in ties) and n1 * n2 <= 2500:
         dist = u_distribution(n1, n2)
-        return sum(dist[int(round(u)):]) / sum(dist)
+        return sum(dist[round(u):]) / sum(dist)
     n = n1 + n2
     tie_term = sum(t ** 3 - t for t in ties) / (n * (n - 1)) if n > 1 else 0.0
     var = n1 * n2 / 12 * ((n + 1) - tie_term)
@@ -206,6 +206,8 @@ def combine_launches(records: list[dict]) -> list[dict]:
 
 
 def _combine(launches: list[dict]) -> dict:
+    if len(launches) == 1 and "launch_stats" in launches[0]:  # combined already
+        return launches[0]
     ok = [r for r in launches if r.get("status") == "ok" and isinstance(r.get("metrics"), dict)]
     rows = []
     for r in launches:
@@ -234,8 +236,7 @@ def _combine(launches: list[dict]) -> dict:
     if failed and ok:
         first = failed[0]
         out["status"], out["error"] = first.get("status"), first.get("error")
-        out.setdefault("caveats", [])
-        out["caveats"] = [*(out["caveats"] or []),
-                          f"{len(failed)} of {len(launches)} launches did not finish ok (first: launch "
-                          f"{launch_index(first)}, {first.get('status')}); the figures are the ok launches'"]
+        out["caveats"] = [*(out.get("caveats") or []),
+                          (f"{len(failed)} of {len(launches)} launches did not finish ok (first: launch "
+                           f"{launch_index(first)}, {first.get('status')}); the figures are the ok launches'")]
     return out

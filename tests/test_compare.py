@@ -87,7 +87,7 @@ def _as_launches(run: Path, factors: list[float]) -> None:
         for k, f in enumerate(factors):
             launch = json.loads(json.dumps(rec))
             launch["case"].update(repeat=k, repeats=len(factors))
-            _retime(launch, lambda i: f)
+            _retime(launch, lambda i, f=f: f)
             name = rec["case_hash"] + (f".r{k}" if k else "")
             (run / "cases" / f"{name}.json").write_text(json.dumps(launch))
 
