@@ -35,6 +35,9 @@ from functools import lru_cache
 # step time, so they rank launches alike. The case-level value is the median over its launches.
 TIMING_METRICS = ("step_time_s_median", "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu",
                   "model_flops_per_s_per_device", "hardware_flops_per_s_per_device", "roofline_fraction")
+# Memory figures that move between launches of the same code (the allocator's reserved peak moved
+# 10-13 % between two H100 launches, 2026-11-26): the case-level value is their median too.
+NOISY_MEMORY = ("peak_reserved_bytes", "device_used_bytes", "peak_rss_bytes")
 # Summarised with an interval and a coefficient of variation in ``launch_stats``.
 SUMMARISED = ("step_time_s_median", "tokens_per_s", "tokens_per_s_per_device")
 CI_LEVEL = 0.95
@@ -192,7 +195,8 @@ def combine_launches(records: list[dict]) -> list[dict]:
     time is nearest the median over launches: its per-rank data, memory, communication and step
     series describe one real launch), with
 
-    - ``metrics[m]`` for every timing figure in ``TIMING_METRICS``: the median over ok launches;
+    - ``metrics[m]`` for every figure in ``TIMING_METRICS`` and ``NOISY_MEMORY``: the median over ok
+      launches (exact byte figures are the representative's: they do not move between launches);
     - ``launches``: per launch, its repeat index, status, start time, duration and timing figures;
     - ``launch_stats``: ``n`` ok launches, ``representative_repeat``, and for the figures in
       ``SUMMARISED`` the median, interval, coverage, CV and samples (``summary``);
@@ -223,7 +227,7 @@ def _combine(launches: list[dict]) -> dict:
     out["launches"] = rows
     stats: dict = {"n": len(ok), "n_launches": len(launches), "representative_repeat": launch_index(rep)}
     if ok:
-        for k in TIMING_METRICS:
+        for k in TIMING_METRICS + NOISY_MEMORY:
             vals = [r["metrics"][k] for r in ok if isinstance(r["metrics"].get(k), (int, float))]
             if len(vals) == len(ok):
                 out["metrics"][k] = median(vals)

@@ -112,7 +112,8 @@ def test_ratio_interval_has_the_coverage_it_claims():
 def _launch(hash_: str, k: int, step_s: float, status: str = "ok") -> dict:
     return {"case_hash": hash_, "label": "x", "status": status, "case": {"repeat": k, "repeats": 3},
             "metrics": {"step_time_s_median": step_s, "tokens_per_s": 100 / step_s,
-                        "tokens_per_s_per_device": 50 / step_s, "peak_alloc_bytes": k} if status == "ok" else None,
+                        "tokens_per_s_per_device": 50 / step_s, "peak_alloc_bytes": k,
+                        "peak_reserved_bytes": (50, 10, 90)[k]} if status == "ok" else None,
             "error": None if status == "ok" else {"message": "boom"}}
 
 
@@ -121,6 +122,7 @@ def test_launches_combine_into_one_case_record():
     a, b = combine_launches(recs)
     assert a["metrics"]["step_time_s_median"] == 1.1 and a["metrics"]["tokens_per_s"] == pytest.approx(100 / 1.1)
     assert a["launch_stats"]["representative_repeat"] == 1 and a["metrics"]["peak_alloc_bytes"] == 1
+    assert a["metrics"]["peak_reserved_bytes"] == 50  # noisy memory: median of 50, 10, 90 (not the representative's)
     assert [r["repeat"] for r in a["launches"]] == [0, 1, 2]
     assert a["launch_stats"]["tokens_per_s"]["samples"] == [100 / 1.0, 100 / 1.1, 100 / 1.2]
     assert a["launch_stats"]["tokens_per_s"]["ci_coverage"] == 0.75
