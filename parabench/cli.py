@@ -99,6 +99,13 @@ def cmd_run_suite(args) -> int:
         return 2
     if args.filter:
         suite.cases = [c for c in suite.cases if all(f in c.label for f in args.filter)]
+    if args.repeats is not None:
+        from dataclasses import replace
+
+        if args.repeats < 1:
+            print(f"parabench: error: --repeats must be >= 1 (got {args.repeats})", file=sys.stderr)
+            return 2
+        suite.cases = [replace(c, repeats=args.repeats) for c in suite.cases]
     if args.proxy_model:
         suite = _cpu_proxy(suite, args.proxy_model)
     return _run_suite(suite, args)
@@ -134,7 +141,7 @@ def cmd_run_case(args) -> int:
 
     fields = {k: getattr(args, k) for k in ("model", "strategy", "world_size", "precision", "micro_batch",
                                              "grad_accum", "seq_len", "steps", "warmup", "seed", "lr", "device",
-                                             "timeout_s") if getattr(args, k) is not None}
+                                             "timeout_s", "repeats") if getattr(args, k) is not None}
     try:
         fields["options"] = json.loads(args.options) if args.options else {}
         case = Case(**fields)
@@ -257,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--retry-failed", action="store_true", help="with --resume: run failed cases again")
         p.add_argument("--no-report", action="store_true")
         p.add_argument("--strict", action="store_true", help="exit 1 if any case failed")
+        p.add_argument("--repeats", type=int, help="separate launches per case, interleaved over the suite "
+                       "(overrides the suite's repeats; the regression gate needs >= 3)")
         _add_launch_flags(p)
 
     p = sub.add_parser("list", help="strategies, models and suites")

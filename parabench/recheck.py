@@ -16,7 +16,8 @@ from pathlib import Path
 
 from parabench.results import _git, case_record_path, load_run, write_json_atomic
 from parabench.runner import checks_for, theory_for
-from parabench.suite import Case
+from parabench.stats import launch_index
+from parabench.suite import Case, launch_key
 
 
 class StaleImplementation(ValueError):
@@ -62,6 +63,6 @@ def recheck_run(run_dir: Path, strategies: list[str] | None = None) -> list[tupl
             continue
         if new is None:
             continue
-        write_json_atomic(case_record_path(run_dir, rec["case_hash"]), new)
+        write_json_atomic(case_record_path(run_dir, launch_key(rec["case_hash"], launch_index(rec))), new)
         changes.append((rec["label"], rec.get("checks", {}).get("comm_ok"), new["checks"].get("comm_ok")))
     return changes

@@ -12,7 +12,9 @@ Failure handling, the part a benchmark harness is judged by:
   Ctrl-C loses nothing finished and ``--resume`` continues where the last run stopped.
 
 Batch launches run several cases of the same world size in one torchrun, saving its start-up
-per case. The worker marks each case as started; when a batch dies, the started-but-unfinished
+per case. A case with ``repeats`` > 1 runs that many launches of its own, ordered round-robin over
+the suite (A B C A B C: drift hits every case alike); launch k of a case writes
+``cases/<hash>.r<k>.json`` beside the first launch's ``cases/<hash>.json`` (``suite.launch_key``). The worker marks each case as started; when a batch dies, the started-but-unfinished
 case takes the blame and the rest of the batch is relaunched.
 """
 
@@ -26,7 +28,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from parabench.metrics import check_against_theory, model_section, summarize
@@ -137,6 +139,10 @@ def build_record(case: Case, status: str, raw: dict | None = None, error: dict |
     rec.update(status=status, error=error, started_at=started_at, duration_s=duration_s, launch=launch or {})
     rec["model"] = model_section(case)
     rec["caveats"] = get_strategy(case.strategy).caveats_for(case.precision)
+    if raw is not None and raw.get("debug_slowdown"):  # PARABENCH_DEBUG_SLOWDOWN (worker.py): not the code's speed
+        rec["debug_slowdown"] = raw["debug_slowdown"]
+        rec["caveats"] = [*rec["caveats"], (f"timed steps deliberately slowed by {raw['debug_slowdown']:.1%} "
+                                            "(PARABENCH_DEBUG_SLOWDOWN, a regression-gate check)")]
     rec["theory"] = theory_for(case, raw["per_rank"] if raw is not None else None)
     if raw is not None:
         rec["device"] = {"name": raw["device_name"], "type": raw["device_type"]}
@@ -186,7 +192,7 @@ def _classify(case: Case, scratch: Path, rc: int | None, timed_out: bool, log_ta
     torchrun's own root-cause report names it, and it takes precedence when it has no file.
     """
     errors = []
-    for p in scratch.glob(f"{case.case_hash}.rank*.error.json"):
+    for p in scratch.glob(f"{case.record_key}.rank*.error.json"):
         try:
             errors.append(json.loads(p.read_text()))
         except (OSError, json.JSONDecodeError):
@@ -279,7 +285,7 @@ class Runner:
             write_json_atomic(manifest_path, manifest)
 
     def _recorded(self, case: Case) -> bool:
-        path = case_record_path(self.run_dir, case.case_hash)
+        path = case_record_path(self.run_dir, case.record_key)
         if not path.exists():
             return False
         if self.retry_failed:
@@ -292,7 +298,9 @@ class Runner:
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> dict:
         self.prepare()
-        cases = self.suite.cases
+        # one entry per launch, round-robin over the suite: every case's launch 0, then launch 1...
+        cases = [replace(c, repeat=k) if k else c for k in range(max((c.repeats for c in self.suite.cases), default=1))
+                 for c in self.suite.cases if k < c.repeats]
         self.total = len(cases)
         pending: list[Case] = []
         for case in cases:
@@ -322,7 +330,8 @@ class Runner:
             profiled_on_gpu = bool(c.options.get("step_breakdown")) and resolve_device(c) == "cuda"
             fault = (c.options.get("inject_fault") or {}).get("kind")
             faulty = fault not in (None, "leak")  # an injected leak must share a launch to show
-            return (not faulty and not profiled_on_gpu and not c.own_launch
+            # a repeated case's launches are its samples of launch-to-launch variance: each its own
+            return (not faulty and not profiled_on_gpu and not c.own_launch and c.repeats == 1
                     and get_strategy(c.strategy).shares_launch)
 
         first = pending.pop(0)
@@ -352,11 +361,11 @@ class Runner:
         """Run ``batch`` in one launch; return the cases to run again (not the one to blame)."""
         nproc = batch[0].world_size // self.launch.nnodes
         device = resolve_device(batch[0])
-        tag = batch[0].case_hash
+        tag = batch[0].record_key
         cases_file = self.scratch / f"{tag}.cases.json"
         # The ranks get the resolved device ("auto" -> "cpu"/"cuda"), which changes the case's hash:
         # they name their files by the runner's hash, handed over with each case.
-        cases_file.write_text(json.dumps([{**c.to_dict(), "device": device, "scratch_key": c.case_hash} for c in batch]))
+        cases_file.write_text(json.dumps([{**c.to_dict(), "device": device, "scratch_key": c.record_key} for c in batch]))
         log_path = self.logs / f"{tag}.log"
         retired_file = self.scratch / f"{tag}.retired.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", *self.launch.torchrun_args(nproc),
@@ -375,19 +384,19 @@ class Runner:
                 while True:
                     rc = proc.poll()
                     for case in batch:
-                        if case.case_hash in finished:
+                        if case.record_key in finished:
                             continue
-                        result = self.scratch / f"{case.case_hash}.json"
+                        result = self.scratch / f"{case.record_key}.json"
                         if result.exists():
                             raw = json.loads(result.read_text())
                             started = self._started_at(case) or current_start
                             self._write(case, build_record(case, "ok", raw=raw, started_at=started,
                                                            duration_s=time.time() - started, launch=launch_info))
-                            finished.add(case.case_hash)
+                            finished.add(case.record_key)
                             current_start = time.time()
                     if rc is not None:
                         break
-                    running = next((c for c in batch if c.case_hash not in finished), None)
+                    running = next((c for c in batch if c.record_key not in finished), None)
                     if running is not None:
                         began = self._started_at(running) or current_start
                         # torchrun start-up counts against the first case of a launch
@@ -400,7 +409,7 @@ class Runner:
             except KeyboardInterrupt:
                 _kill_session(proc)
                 raise
-        unfinished = [c for c in batch if c.case_hash not in finished]
+        unfinished = [c for c in batch if c.record_key not in finished]
         if not unfinished:
             return []
         if rc == 0 and not timed_out and retired_file.exists():
@@ -429,17 +438,18 @@ class Runner:
         self.echo(f"parabench: {retired['after_label']} {text}")
 
     def _started_at(self, case: Case) -> float | None:
-        p = self.scratch / f"{case.case_hash}.started"
+        p = self.scratch / f"{case.record_key}.started"
         try:
             return float(p.read_text())
         except (OSError, ValueError):
             return None
 
     def _write(self, case: Case, record: dict) -> None:
-        write_json_atomic(case_record_path(self.run_dir, case.case_hash), record)
+        write_json_atomic(case_record_path(self.run_dir, case.record_key), record)
         self.done += 1
         self.counts[record["status"]] += 1
-        self.echo(self._progress(_row(record)))
+        launch = f"  [launch {case.repeat + 1}/{case.repeats}]" if case.repeats > 1 else ""
+        self.echo(self._progress(_row(record) + launch))
 
     def _progress(self, text: str) -> str:
         width = 20

@@ -19,6 +19,11 @@ A suite file is flat TOML::
 
 Several ``[[matrix]]`` tables are expanded one by one and concatenated, which is how a suite
 gives each model size its own micro-batch. Every error names the file, the line and the field.
+
+``repeats = N`` (in ``[suite]`` or a matrix) runs each case in N separate torchrun launches,
+interleaved across the suite (every case's first launch, then every case's second...), so that
+drift over the run hits every case alike; the regression gate and the report's intervals need
+N >= 3 (``parabench.compare``).
 """
 
 from __future__ import annotations
@@ -65,8 +70,14 @@ class Case:
     # A torchrun launch of its own (no earlier case's allocator, caches or CUDA context): for
     # A/B pairs whose difference is smaller than what a shared launch could leave behind.
     own_launch: bool = False
+    # Separate torchrun launches of the same measurement (``parabench.stats``): each launch's
+    # median step time is one sample of the launch-to-launch variance the regression gate tests.
+    # ``repeat`` is which launch this is, set by the runner (not in suite files); the launches
+    # share the case hash, and each writes its own record (``record_key``).
+    repeats: int = 1
+    repeat: int = 0
 
-    IDENTITY_EXCLUDES = ("timeout_s", "own_launch")
+    IDENTITY_EXCLUDES = ("timeout_s", "own_launch", "repeats", "repeat")
 
     def identity(self) -> dict:
         d = asdict(self)
@@ -79,6 +90,11 @@ class Case:
     def case_hash(self) -> str:
         blob = json.dumps(self.identity(), sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    @property
+    def record_key(self) -> str:
+        """The name of this launch's record and scratch files (``launch_key``)."""
+        return launch_key(self.case_hash, self.repeat)
 
     @property
     def label(self) -> str:
@@ -100,11 +116,18 @@ class Case:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-CASE_FIELDS = {f.name: f for f in fields(Case)}
+def launch_key(case_hash: str, repeat: int = 0) -> str:
+    """``<hash>`` for a case's first launch, ``<hash>.r<k>`` for launch k >= 1: a run of repeats = 1
+    keeps the layout every earlier run has (``cases/<hash>.json``), and raising repeats on
+    ``--resume`` adds launches beside the one already recorded."""
+    return case_hash if not repeat else f"{case_hash}.r{repeat}"
+
+
+CASE_FIELDS = {f.name: f for f in fields(Case) if f.name != "repeat"}  # what suite files may set
 SUITE_KEYS = {"name", "description", "kind"} | (set(CASE_FIELDS) - {"model", "strategy", "world_size"})
 _TYPES = {"world_size": int, "micro_batch": int, "grad_accum": int, "seq_len": int, "steps": int,
           "warmup": int, "seed": int, "lr": (int, float), "timeout_s": (int, float), "comm_meter": bool,
-          "own_launch": bool,
+          "own_launch": bool, "repeats": int,
           "model": str, "strategy": str, "precision": str, "device": str, "options": dict}
 
 
@@ -254,7 +277,7 @@ def _check_value(key: str, value, fail) -> None:
         fail(f"unknown precision {value!r}; valid precisions: {', '.join(PRECISIONS)}")
     if key == "device" and value not in ("auto", "cpu", "cuda"):
         fail(f"unknown device {value!r}; valid devices: auto, cpu, cuda")
-    if key in ("world_size", "micro_batch", "grad_accum", "steps", "seq_len") and isinstance(value, int) and value < 1:
+    if key in ("world_size", "micro_batch", "grad_accum", "steps", "seq_len", "repeats") and isinstance(value, int) and value < 1:
         fail("must be >= 1")
     if key == "warmup" and isinstance(value, int) and value < 0:
         fail("must be >= 0")
@@ -263,6 +286,8 @@ def _check_value(key: str, value, fail) -> None:
 def validate_case(case: Case) -> None:
     """Reject what cannot run, before anything launches."""
     info = get_strategy(case.strategy)
+    if case.repeats < 1:
+        raise SuiteError(f"repeats must be >= 1 (got {case.repeats})")
     if case.precision not in info.precisions:
         raise SuiteError(f"{case.strategy} does not support precision {case.precision} "
                          f"(supported: {', '.join(info.precisions)})")

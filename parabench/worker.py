@@ -85,6 +85,22 @@ def _inject_fault(case: Case, step: int) -> None:
     raise ValueError(f"unknown injected fault kind {kind!r}")
 
 
+def debug_slowdown() -> float:
+    """``PARABENCH_DEBUG_SLOWDOWN`` (a fraction, e.g. 0.05): every timed step is lengthened by that
+    fraction of itself, on every rank, to prove the regression gate flags a known slowdown. The
+    step is synchronised, timed on the host and followed by an idle sleep before its end mark, so
+    the device clock sees the sleep too; the synchronisation itself may add a little more. Not in
+    the case hash, so the slowed run pairs with its baseline; the record says it (``debug_slowdown``
+    and a caveat) and ``parabench compare`` prints a note."""
+    value = os.environ.get("PARABENCH_DEBUG_SLOWDOWN", "").strip()
+    if not value:
+        return 0.0
+    slowdown = float(value)
+    if not 0 <= slowdown <= 10:
+        raise ValueError(f"PARABENCH_DEBUG_SLOWDOWN must be a fraction in [0, 10], got {value!r}")
+    return slowdown
+
+
 class StepClock:
     """Per-step durations that do not stall the device: CUDA events read once at the end."""
 
@@ -190,10 +206,15 @@ def run_case(case: Case, device: torch.device, leftover: int | None = None) -> d
     sampler = telemetry.sampler_for(device) if case.options.get("telemetry", True) else None
     sampler is not None and sampler.start()
     clock.mark()
+    slowdown = debug_slowdown()
     for step in range(case.warmup, case.warmup + case.steps):
         _inject_fault(case, step)
+        t_step = time.perf_counter()
         losses.append(trainer.train_step(*batches[step]))
         scales is not None and scales.append(trainer.loss_scale())
+        if slowdown:  # idle the device for that fraction of the step before the step's end mark
+            synchronize(device)
+            time.sleep(slowdown * (time.perf_counter() - t_step))
         clock.mark()
     step_times = clock.durations_s()
     device_telemetry = sampler.stop() if sampler is not None else None
@@ -272,6 +293,7 @@ def run_case(case: Case, device: torch.device, leftover: int | None = None) -> d
         "matmul_roofline_flops": measured_matmul_flops(device, case.precision) if case.options.get("roofline", device.type != "cuda") else None,
         "topology": {"dp": topo.dp, "pp": topo.pp, "tp": topo.tp},
         "loss_scale": loss_scale_steps(gathered),
+        **({"debug_slowdown": slowdown} if slowdown else {}),
     }
 
 

@@ -100,6 +100,7 @@ def case_rows(runs) -> list[dict]:
                 "tokens_per_s_per_device": _num(m.get("tokens_per_s_per_device")),
                 "tokens_per_s": _num(m.get("tokens_per_s")),
                 "tokens_per_step": _num(m.get("tokens_per_step")),
+                **launch_columns(r),
                 "step_time_ms_median": _num(m.get("step_time_s_median")) and m["step_time_s_median"] * 1e3,
                 "step_time_ms_p10": _num(m.get("step_time_s_p10")) and m["step_time_s_p10"] * 1e3,
                 "step_time_ms_p90": _num(m.get("step_time_s_p90")) and m["step_time_s_p90"] * 1e3,
@@ -131,6 +132,19 @@ def case_rows(runs) -> list[dict]:
             })
     add_scaling_efficiency(rows)
     return rows
+
+
+def launch_columns(r: dict) -> dict:
+    """Launch count, the interval of the median tokens/s per device and the launch-to-launch CV,
+    from ``launch_stats`` (``parabench.stats.combine_launches``); None where absent."""
+    stats = r.get("launch_stats") if isinstance(r.get("launch_stats"), dict) else {}
+    tps = stats.get("tokens_per_s_per_device") if isinstance(stats.get("tokens_per_s_per_device"), dict) else {}
+    low, high, cover = _num(tps.get("ci_low")), _num(tps.get("ci_high")), _num(tps.get("ci_coverage"))
+    interval = (f"{low:,.0f} – {high:,.0f} ({cover:.0%})" if low is not None and high is not None
+                and cover is not None and (stats.get("n") or 0) >= 2 else None)
+    cv = _num(tps.get("cv"))
+    return {"launches": stats.get("n"), "tps_device_interval": interval,
+            "launch_cv_pct": cv * 100 if cv is not None else None}
 
 
 def add_scaling_efficiency(rows: list[dict]) -> None:

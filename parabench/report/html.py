@@ -19,10 +19,11 @@ from pathlib import Path
 
 import jinja2
 
-from parabench.compare import compare_runs
+from parabench.compare import DEFAULT_THRESHOLD, compare_runs
 from parabench.report import cp_balance, frames, moe_routing, spread
 from parabench.report import step_breakdown as step_breakdown_section
 from parabench.results import load_run
+from parabench.stats import combine_launches
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 
@@ -30,6 +31,8 @@ TEMPLATE_DIR = Path(__file__).parent / "templates"
 CASE_COLUMNS = [
     ("label", "case", "str"), ("status", "status", "str"),
     ("tokens_per_s_per_device", "tok/s/device", "int"), ("tokens_per_s", "tok/s", "int"),
+    ("launches", "launches", "int"), ("tps_device_interval", "tok/s/device interval (coverage)", "str"),
+    ("launch_cv_pct", "launch CV %", "f2"),
     ("vs_1_device_pct", "% of 1 device", "f1"),
     ("step_time_ms_median", "step ms", "f2"), ("step_time_ms_p10", "p10 ms", "f2"), ("step_time_ms_p90", "p90 ms", "f2"),
     ("mfu_pct", "MFU %", "f2"), ("roofline_pct", "roofline %", "f2"),
@@ -187,9 +190,10 @@ def _env_summary(manifests: list[dict]) -> dict:
     return {"rows": rows}
 
 
-def render_report(run_dirs: list[Path], *, threshold: float = 0.05, with_figures: bool = True) -> str:
+def render_report(run_dirs: list[Path], *, threshold: float = DEFAULT_THRESHOLD, with_figures: bool = True) -> str:
     run_dirs = [Path(d) for d in run_dirs]
-    runs = [load_run(d) for d in run_dirs]
+    # one record per case: timings are medians over its launches, with launches and launch_stats
+    runs = [(manifest, combine_launches(records)) for manifest, records in map(load_run, run_dirs)]
     manifests = [m for m, _ in runs]
     several = len(runs) > 1
     rows = frames.case_rows(runs)
@@ -216,7 +220,11 @@ def render_report(run_dirs: list[Path], *, threshold: float = 0.05, with_figures
         tables.append(_table("cases", "All cases", run_col + CASE_COLUMNS,
                              sorted(rows, key=lambda r: (r["run_idx"], r["params"] or 0, r["model"], r["world_size"] or 0,
                                                          r["label"])),
-                             "Step time is the slowest rank's, median over timed steps; memory the largest rank's peak; "
+                             "Step time is the slowest rank's, median over timed steps; with several launches (repeats) "
+                             "tokens/s and step time are the medians over launches, the interval the order-statistic "
+                             "interval of that median with the probability it covers the true one ([min, max] of 3 "
+                             "launches: 75 %), CV the launch-to-launch standard deviation over the mean; "
+                             "memory the largest rank's peak; "
                              "communication one rank's payload over one instrumented step. "
                              "% of 1 device: tokens/s per device relative to the single-device run of the same model.",
                              row_class=lambda r: "" if r["status"] == "ok" else "bad-row"))
@@ -246,7 +254,7 @@ def render_report(run_dirs: list[Path], *, threshold: float = 0.05, with_figures
         tables.append(_table(**spec))
     for spec in step_breakdown_section.table_specs(runs, run_col):  # compute vs exposed communication
         tables.append(_table(**spec))
-    for spec in spread.table_specs(runs):  # repeated cases: the noise every comparison is held against
+    for spec in spread.table_specs(runs, run_col):  # repeated cases and ref/peer ratios, with intervals
         tables.append(_table(**spec))
     if coll_rows:
         tables.append(_table("collectives-table", "Collectives: bus bandwidth", COLL_COLUMNS,

@@ -1,10 +1,17 @@
-"""Report section: run-to-run spread of repeated cases.
+"""Report sections: run-to-run spread of repeated cases, and reference/peer ratios with intervals.
 
-A case counts as repeated when several finished records share everything but the seed (a suite
-repeats cases with ``seed = [1, 2]``) or the very same case hash appears in several runs of the
-report. Different seeds draw different (equally learnable) data and initial weights, which does not
-change the work of a step, so their tokens/s spread is the run-to-run noise a reader should hold
-every other comparison in the report against.
+A case counts as repeated when it has several launches (``repeats``: records combined by
+``parabench.stats.combine_launches``, one sample per launch), when several finished records share
+everything but the seed (a suite repeats cases with ``seed = [1, 2]``) or when the very same case
+hash appears in several runs of the report. Different seeds draw different (equally learnable)
+data and initial weights, which does not change the work of a step, so all of these are samples of
+the noise a reader should hold every other comparison in the report against: the table gives their
+median with its distribution-free interval (``parabench.stats.median_ci``) and their coefficient of
+variation.
+
+The ratio table sets each reference implementation beside the peers that do the same thing
+(``PEERS``) on the same case shape, with the interval of the ratio of their launch medians
+(``parabench.stats.ratio_ci``), for pairs with at least two launches on each side.
 """
 
 from __future__ import annotations
@@ -13,21 +20,37 @@ import json
 import statistics
 
 from parabench.report.frames import _get, _num, run_name
+from parabench.stats import launch_samples, median_ci, ratio_ci
 
 COLUMNS = [
-    ("label", "case", "str"), ("n", "repeats", "int"), ("seeds", "seeds", "str"), ("runs", "runs", "str"),
+    ("label", "case", "str"), ("n", "samples", "int"), ("seeds", "seeds", "str"), ("runs", "runs", "str"),
+    ("tokens_per_s_median", "tok/s median", "int"), ("tokens_per_s_ci_low", "interval low", "int"),
+    ("tokens_per_s_ci_high", "interval high", "int"), ("ci_coverage_pct", "coverage %", "f1"),
     ("tokens_per_s_min", "tok/s min", "int"), ("tokens_per_s_mean", "tok/s mean", "int"),
     ("tokens_per_s_max", "tok/s max", "int"), ("spread_pct", "spread % (max-min)/mean", "f2"),
     ("cv_pct", "CV %", "f2"), ("peak_alloc_spread_pct", "peak memory spread %", "f2"),
 ]
-NOTE = ("Cases that ran more than once in these runs: under other seeds (same work, other data and "
-        "initial weights) or the same case hash in several runs. Spread is (max - min) / mean of the "
-        "tokens/s; CV the sample standard deviation over the mean. A difference between two strategies "
+NOTE = ("Cases measured more than once in these runs: separate launches of the same case (repeats), other "
+        "seeds (same work, other data and initial weights) or the same case hash in several runs; one "
+        "sample per launch. The interval is the order-statistic interval of the median with the probability "
+        "it covers the true median (fewer than 6 samples cannot reach 95 %). Spread is (max - min) / mean of "
+        "the tokens/s; CV the sample standard deviation over the mean. A difference between two strategies "
         "smaller than these spreads is not a difference.")
+_NOT_SHAPE = ("strategy", "seed", "repeats", "repeat", "timeout_s", "own_launch", "comm_meter")
 
 
 def _key(case: dict) -> str:
-    return json.dumps({k: v for k, v in case.items() if k != "seed"}, sort_keys=True, default=str)
+    return json.dumps({k: v for k, v in case.items() if k not in ("seed", "repeat", "repeats")}, sort_keys=True,
+                      default=str)
+
+
+def _tps_samples(r: dict) -> list[float]:
+    """One tokens/s per launch: the launches of a combined record, else its own figure."""
+    samples = launch_samples(r, "tokens_per_s")
+    if samples:
+        return samples
+    v = _num(_get(r, "metrics", "tokens_per_s"))
+    return [v] if v else []
 
 
 def spread_rows(runs) -> list[dict]:
@@ -39,16 +62,18 @@ def spread_rows(runs) -> list[dict]:
                 groups.setdefault(_key(r["case"]), []).append((run, r))
     rows = []
     for members in groups.values():
-        tps = [_num(_get(r, "metrics", "tokens_per_s")) for _, r in members]
-        tps = [t for t in tps if t]
+        tps = [t for _, r in members for t in _tps_samples(r) if t]
         if len(tps) < 2:
             continue
         mean = statistics.fmean(tps)
+        low, high, cover = median_ci(tps)
         peaks = [p for p in (_num(_get(r, "metrics", "peak_alloc_bytes")) for _, r in members) if p]
         rows.append({
             "label": members[0][1].get("label", ""), "n": len(tps),
-            "seeds": ", ".join(str(_get(r, "case", "seed")) for _, r in members),
+            "seeds": ", ".join(sorted({str(_get(r, "case", "seed")) for _, r in members})),
             "runs": ", ".join(sorted({name for name, _ in members})),
+            "tokens_per_s_median": statistics.median(tps), "tokens_per_s_ci_low": low, "tokens_per_s_ci_high": high,
+            "ci_coverage_pct": cover * 100,
             "tokens_per_s_min": min(tps), "tokens_per_s_mean": mean, "tokens_per_s_max": max(tps),
             "spread_pct": (max(tps) - min(tps)) / mean * 100,
             "cv_pct": statistics.stdev(tps) / mean * 100,
@@ -58,9 +83,67 @@ def spread_rows(runs) -> list[dict]:
     return sorted(rows, key=lambda r: r["label"])
 
 
-def table_specs(runs) -> list[dict]:
+# A reference implementation and the library strategies that do the same work; a peer of the
+# same name after the prefix (ref.tp / torch.tp) pairs without being listed.
+PEERS = {
+    "ref.ddp": ("deepspeed.zero0",), "ref.zero3": ("torch.fsdp2",), "ref.fsdp": ("torch.fsdp2",),
+    "ref.pp_1f1b": ("deepspeed.pp",), "ref.cp_ring": ("torch.cp",), "ref.cp_ulysses": ("deepspeed.ulysses",),
+    "ref.ep": ("deepspeed.moe",), "ref.ddp_fp16_compress": ("torch.ddp_fp16_hook",),
+    "ref.ddp_powersgd": ("torch.ddp_powersgd_hook",), "ref.ddp_onebit": ("deepspeed.onebit_adam",),
+}
+RATIO_COLUMNS = [
+    ("shape", "case shape", "str"), ("reference", "reference", "str"), ("peer", "peer", "str"),
+    ("n_reference", "launches ref", "int"), ("n_peer", "launches peer", "int"),
+    ("ratio", "tok/s ratio ref/peer", "f3"), ("ratio_low", "interval low", "f3"), ("ratio_high", "interval high", "f3"),
+    ("coverage_pct", "coverage %", "f1"),
+]
+RATIO_NOTE = ("Reference implementation over peer, tokens/s (ratio of their medians over launches), same case "
+              "shape and run, for pairs with at least two launches each. The interval is Moses' distribution-free "
+              "interval of the pairwise launch ratios, with the probability it covers the true ratio (3 launches "
+              "each: 90 %). An interval that holds 1 means the two are not told apart by these launches.")
+
+
+def is_peer(reference: str, peer: str) -> bool:
+    return reference.startswith("ref.") and not peer.startswith("ref.") and peer != "single" and (
+        peer.split(".", 1)[-1] == reference[4:] or peer in PEERS.get(reference, ()))
+
+
+def _shape(case: dict) -> str:
+    return json.dumps({k: v for k, v in case.items() if k not in _NOT_SHAPE}, sort_keys=True, default=str)
+
+
+def ratio_rows(runs) -> list[dict]:
+    rows = []
+    for manifest, records in runs:
+        by_shape: dict[str, list[dict]] = {}
+        for r in records:
+            if r.get("status") == "ok" and isinstance(r.get("case"), dict) and len(_tps_samples(r)) >= 2:
+                by_shape.setdefault(_shape(r["case"]), []).append(r)
+        for members in by_shape.values():
+            for ref in members:
+                for peer in members:
+                    if not is_peer(ref["case"]["strategy"], peer["case"]["strategy"]):
+                        continue
+                    a, b = _tps_samples(ref), _tps_samples(peer)
+                    est, low, high, cover = ratio_ci(a, b)
+                    c = ref["case"]
+                    rows.append({"run": run_name(manifest),
+                                 "shape": f"{c.get('model')} w{c.get('world_size')} {c.get('precision')} "
+                                          f"mb{c.get('micro_batch')}",
+                                 "reference": c["strategy"], "peer": peer["case"]["strategy"],
+                                 "n_reference": len(a), "n_peer": len(b), "ratio": est, "ratio_low": low,
+                                 "ratio_high": high, "coverage_pct": cover * 100})
+    return sorted(rows, key=lambda r: (r["run"], r["shape"], r["reference"], r["peer"]))
+
+
+def table_specs(runs, run_col=()) -> list[dict]:
+    specs = []
     rows = spread_rows(runs)
-    if not rows:
-        return []
-    return [{"id_": "spread-table", "title": "Run-to-run spread of repeated cases", "columns": COLUMNS,
-             "rows": rows, "note": NOTE}]
+    if rows:
+        specs.append({"id_": "spread-table", "title": "Run-to-run spread of repeated cases", "columns": COLUMNS,
+                      "rows": rows, "note": NOTE})
+    ratios = ratio_rows(runs)
+    if ratios:
+        specs.append({"id_": "ratio-table", "title": "Reference vs peer: tokens/s ratio with its interval",
+                      "columns": list(run_col) + RATIO_COLUMNS, "rows": ratios, "note": RATIO_NOTE})
+    return specs

@@ -1,0 +1,246 @@
+"""Launch-level statistics: the samples, intervals and the test the gate and the report share.
+
+Why launches: the timed steps of one torchrun launch share its allocator layout, its NCCL
+channels, its clocks and its place in the machine's thermal history, so their spread says
+nothing about how far the next launch will land (2026-11-26 on 2x H100: deepspeed.zero3 gave
+15,282, then 26,707, then 16,670 tok/s/GPU in three launches of the same code). A case with
+``repeats = N`` runs N separate launches; each launch's median step time is ONE sample.
+
+Every method here is distribution-free and exact for small samples (no scipy, no normality):
+
+``median_ci``     the order-statistic interval for the median, [x_(k), x_(n+1-k)], whose coverage
+                  is 1 - 2 P(Bin(n, 1/2) <= k - 1). The widest one, [min, max], covers the true
+                  median with probability 75 % for 3 launches, 87.5 % for 4, 93.8 % for 5 and
+                  96.9 % for 6: with fewer than 6 launches no interval reaches 95 %, so the
+                  interval reports the coverage it actually has instead of pretending.
+``ratio_ci``      the interval for the ratio of two cases' launch medians: the Hodges-Lehmann /
+                  Moses interval of the pairwise ratios a_i / b_j, with the order statistics picked
+                  from the exact Mann-Whitney U distribution (a shift on the log scale). With 3
+                  launches each the widest interval, [min a_i/b_j, max a_i/b_j], covers 90 %.
+``mann_whitney_greater``  one-sided Mann-Whitney U; exact without ties, normal approximation
+                  with tie and continuity corrections otherwise.
+
+``combine_launches`` turns the records of one run (one file per launch, see
+``parabench.suite.launch_key``) into one record per case for the gate and the report.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+from functools import lru_cache
+
+# The figures each launch contributes one sample of; all are functions of the launch's median
+# step time, so they rank launches alike. The case-level value is the median over its launches.
+TIMING_METRICS = ("step_time_s_median", "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu",
+                  "model_flops_per_s_per_device", "hardware_flops_per_s_per_device", "roofline_fraction")
+# Memory figures that move between launches of the same code (the allocator's reserved peak moved
+# 10-13 % between two H100 launches, 2026-11-26): the case-level value is their median too.
+NOISY_MEMORY = ("peak_reserved_bytes", "device_used_bytes", "peak_rss_bytes")
+# Summarised with an interval and a coefficient of variation in ``launch_stats``.
+SUMMARISED = ("step_time_s_median", "tokens_per_s", "tokens_per_s_per_device")
+CI_LEVEL = 0.95
+
+
+# --- Mann-Whitney U -----------------------------------------------------------------------------
+
+def _ranks(values: list[float]) -> tuple[list[float], list[int]]:
+    """Average ranks (1-based) of ``values`` and the sizes of the groups of ties."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    ties = []
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        ties.append(j - i + 1)
+        i = j + 1
+    return ranks, ties
+
+
+@lru_cache(maxsize=256)
+def u_distribution(n1: int, n2: int) -> tuple[int, ...]:
+    """Number of arrangements giving each value of U (0..n1*n2), for untied samples.
+
+    Recurrence (Mann & Whitney 1947): c(n1, n2, u) = c(n1-1, n2, u-n2) + c(n1, n2-1, u)."""
+    prev = [[1] for _ in range(n2 + 1)]  # i = 0: U is always 0
+    for i in range(1, n1 + 1):
+        cur = [[1]]  # j = 0: U is 0
+        for j in range(1, n2 + 1):
+            row = [0] * (i * j + 1)
+            for u, c in enumerate(prev[j]):  # (i-1, j): shifted by j
+                row[u + j] += c
+            for u, c in enumerate(cur[j - 1]):  # (i, j-1)
+                row[u] += c
+            cur.append(row)
+        prev = cur
+    return tuple(prev[n2])
+
+
+def smallest_p(n1: int, n2: int) -> float:
+    """The smallest one-sided Mann-Whitney p that samples of these sizes can give: 1 / C(n1+n2, n1)
+    (every value of one side above every value of the other). A level below it can never be met."""
+    if n1 == 0 or n2 == 0:
+        return 1.0
+    return 1 / math.comb(n1 + n2, n1)
+
+
+def mann_whitney_greater(x: list[float], y: list[float]) -> float:
+    """One-sided p-value for "values of ``x`` tend to be larger than values of ``y``".
+
+    U counts the pairs (xi, yj) with xi > yj (ties count one half). Exact null distribution
+    when there are no ties and the samples are small; otherwise the normal approximation with
+    tie and continuity corrections."""
+    n1, n2 = len(x), len(y)
+    if n1 == 0 or n2 == 0:
+        return 1.0
+    ranks, ties = _ranks(list(x) + list(y))
+    u = sum(ranks[:n1]) - n1 * (n1 + 1) / 2
+    if all(t == 1 for t in ties) and n1 * n2 <= 2500:
+        dist = u_distribution(n1, n2)
+        return sum(dist[round(u):]) / sum(dist)
+    n = n1 + n2
+    tie_term = sum(t ** 3 - t for t in ties) / (n * (n - 1)) if n > 1 else 0.0
+    var = n1 * n2 / 12 * ((n + 1) - tie_term)
+    if var <= 0:
+        return 1.0
+    z = (u - n1 * n2 / 2 - 0.5) / math.sqrt(var)
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+# --- intervals ----------------------------------------------------------------------------------
+
+def median(xs) -> float:
+    return statistics.median(xs)
+
+
+def cv(xs) -> float | None:
+    """Coefficient of variation: sample standard deviation over the mean (None below 2 samples)."""
+    if len(xs) < 2:
+        return None
+    mean = statistics.fmean(xs)
+    return statistics.stdev(xs) / mean if mean else None
+
+
+def median_ci(xs, level: float = CI_LEVEL) -> tuple[float, float, float]:
+    """(low, high, coverage): the narrowest order-statistic interval for the median whose coverage
+    reaches ``level``, or [min, max] with the coverage it has when none does."""
+    s = sorted(xs)
+    n = len(s)
+    if n == 0:
+        raise ValueError("no samples")
+    if n == 1:
+        return s[0], s[0], 0.0
+
+    def coverage(k: int) -> float:  # of [x_(k), x_(n+1-k)], 1-based
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n
+
+    k = 1
+    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= level:
+        k += 1
+    return s[k - 1], s[n - k], coverage(k)
+
+
+def ratio_ci(a, b, level: float = CI_LEVEL) -> tuple[float, float, float, float]:
+    """(median(a) / median(b), low, high, coverage): the distribution-free interval for the ratio
+    of two positive samples' medians (Moses' interval for a shift of log values): the pairwise
+    ratios a_i / b_j sorted, cut at the order statistic the exact U distribution allows."""
+    if not a or not b:
+        raise ValueError("no samples")
+    est = median(a) / median(b)
+    n, m = len(a), len(b)
+    ratios = sorted(x / y for x in a for y in b)
+    dist = u_distribution(n, m)
+    total = sum(dist)
+    k, tail = 1, dist[0] / total  # tail: P(U <= k - 1)
+    while k + 1 <= (n * m + 1) // 2 and 1 - 2 * (tail + dist[k] / total) >= level:
+        tail += dist[k] / total
+        k += 1
+    coverage = 1 - 2 * tail if n * m > 1 else 0.0
+    return est, ratios[k - 1], ratios[n * m - k], max(coverage, 0.0)
+
+
+def summary(xs) -> dict:
+    """Median, its interval (with the coverage it has), CV and the samples themselves."""
+    low, high, cover = median_ci(xs)
+    return {"median": median(xs), "ci_low": low, "ci_high": high, "ci_coverage": cover, "cv": cv(xs),
+            "n": len(xs), "samples": list(xs)}
+
+
+# --- records ------------------------------------------------------------------------------------
+
+def launch_index(record: dict) -> int:
+    """Which launch of its case a record is (0 for records written before repeats existed)."""
+    return int((record.get("case") or {}).get("repeat") or 0)
+
+
+def launch_samples(record: dict, metric: str) -> list[float]:
+    """Per-launch values of ``metric`` of a combined record (``combine_launches``), ok launches only."""
+    out = []
+    for launch in record.get("launches") or []:
+        v = launch.get(metric)
+        if launch.get("status") == "ok" and isinstance(v, (int, float)) and not isinstance(v, bool):
+            out.append(v)
+    return out
+
+
+def combine_launches(records: list[dict]) -> list[dict]:
+    """One record per case hash from one run's records (one per launch), in first-seen order.
+
+    The combined record is a copy of its representative launch (the ok launch whose median step
+    time is nearest the median over launches: its per-rank data, memory, communication and step
+    series describe one real launch), with
+
+    - ``metrics[m]`` for every figure in ``TIMING_METRICS`` and ``NOISY_MEMORY``: the median over ok
+      launches (exact byte figures are the representative's: they do not move between launches);
+    - ``launches``: per launch, its repeat index, status, start time, duration and timing figures;
+    - ``launch_stats``: ``n`` ok launches, ``representative_repeat``, and for the figures in
+      ``SUMMARISED`` the median, interval, coverage, CV and samples (``summary``);
+    - ``status``: ok when every launch is; else the first failed launch's status and error (a
+      case that fails one launch in three is not ok), with its ok launches' figures kept.
+    """
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(r.get("case_hash"), []).append(r)
+    return [_combine(sorted(rs, key=launch_index)) for rs in groups.values()]
+
+
+def _combine(launches: list[dict]) -> dict:
+    if len(launches) == 1 and "launch_stats" in launches[0]:  # combined already
+        return launches[0]
+    ok = [r for r in launches if r.get("status") == "ok" and isinstance(r.get("metrics"), dict)]
+    rows = []
+    for r in launches:
+        m = r.get("metrics") or {}
+        rows.append({"repeat": launch_index(r), "status": r.get("status"), "started_at": r.get("started_at"),
+                     "duration_s": r.get("duration_s"), **{k: m.get(k) for k in TIMING_METRICS}})
+    if ok:
+        mid = median([r["metrics"]["step_time_s_median"] for r in ok])
+        rep = min(ok, key=lambda r: (abs(r["metrics"]["step_time_s_median"] - mid), launch_index(r)))
+    else:
+        rep = launches[0]
+    out = copy.deepcopy(rep)
+    out["launches"] = rows
+    stats: dict = {"n": len(ok), "n_launches": len(launches), "representative_repeat": launch_index(rep)}
+    if ok:
+        for k in TIMING_METRICS + NOISY_MEMORY:
+            vals = [r["metrics"][k] for r in ok if isinstance(r["metrics"].get(k), (int, float))]
+            if len(vals) == len(ok):
+                out["metrics"][k] = median(vals)
+        for k in SUMMARISED:
+            vals = [r["metrics"][k] for r in ok if isinstance(r["metrics"].get(k), (int, float))]
+            if vals:
+                stats[k] = summary(vals)
+    out["launch_stats"] = stats
+    failed = [r for r in launches if r.get("status") != "ok"]
+    if failed and ok:
+        first = failed[0]
+        out["status"], out["error"] = first.get("status"), first.get("error")
+        out["caveats"] = [*(out.get("caveats") or []),
+                          (f"{len(failed)} of {len(launches)} launches did not finish ok (first: launch "
+                           f"{launch_index(first)}, {first.get('status')}); the figures are the ok launches'")]
+    return out
