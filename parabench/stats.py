@@ -197,7 +197,8 @@ def combine_launches(records: list[dict]) -> list[dict]:
 
     - ``metrics[m]`` for every figure in ``TIMING_METRICS`` and ``NOISY_MEMORY``: the median over ok
       launches (exact byte figures are the representative's: they do not move between launches);
-    - ``launches``: per launch, its repeat index, status, start time, duration and timing figures;
+    - ``launches``: per launch, its repeat index, status, start time, duration, timing and noisy
+      memory figures (the launch-level samples the gate tests);
     - ``launch_stats``: ``n`` ok launches, ``representative_repeat``, and for the figures in
       ``SUMMARISED`` the median, interval, coverage, CV and samples (``summary``);
     - ``status``: ok when every launch is; else the first failed launch's status and error (a
@@ -217,7 +218,7 @@ def _combine(launches: list[dict]) -> dict:
     for r in launches:
         m = r.get("metrics") or {}
         rows.append({"repeat": launch_index(r), "status": r.get("status"), "started_at": r.get("started_at"),
-                     "duration_s": r.get("duration_s"), **{k: m.get(k) for k in TIMING_METRICS}})
+                     "duration_s": r.get("duration_s"), **{k: m.get(k) for k in TIMING_METRICS + NOISY_MEMORY}})
     if ok:
         mid = median([r["metrics"]["step_time_s_median"] for r in ok])
         rep = min(ok, key=lambda r: (abs(r["metrics"]["step_time_s_median"] - mid), launch_index(r)))
