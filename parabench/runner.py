@@ -50,6 +50,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,35 +211,33 @@ def _stuck_collective(*texts: str) -> str | None:
 # ("[enforce fail at alloc_cpu.cpp:...] DefaultCPUAllocator: can't allocate memory: you tried to
 # allocate N bytes. Error code 12 (Cannot allocate memory)"), raised as a plain RuntimeError.
 _CPU_OOM = re.compile(r"DefaultCPUAllocator: can't allocate memory|Cannot allocate memory|out of memory", re.IGNORECASE)
-_DISK_FULL = re.compile(r"No space left on device|Disk quota exceeded")
+SPACE_PROBE_BYTES = 64 << 10  # more than a case record takes
 
 
-def out_of_space(run_dir: Path, scratch: Path, log_tail: str) -> str | None:
-    """Why a failed launch is the run folder's full disk rather than the case's fault, or None: a
-    rank (or the launcher's log) reports ENOSPC and the folder's file system has under 1 MiB free
-    (a full /dev/shm, say, is the case's failure and is recorded as such)."""
-    said = None
-    for p in scratch.glob("*.error.json"):
-        e = _read_json(p)
-        if e.get("errno") in (errno.ENOSPC, errno.EDQUOT) or _DISK_FULL.search(e.get("message") or ""):
-            said = f"rank {e.get('rank')}: {e.get('type')}: {(e.get('message') or '')[:200]}"
-            break
-    if said is None:
-        m = _DISK_FULL.search(log_tail)
-        said = f"the launch's log: {m.group(0)}" if m else None
-    if said is None:
-        return None
+def out_of_space(run_dir: Path) -> str | None:
+    """After a failed launch: why the run folder's disk cannot take another record, or None. A
+    rank that fails writing its result to a full disk takes the launch down with it (and its
+    error file and log may be lost too); recording that as the case's crash would be wrong, so
+    the runner asks the disk directly: a probe file of a record's size must fit."""
+    probe = run_dir / ".space-probe"
     try:
-        st = os.statvfs(run_dir)
-    except OSError:
+        with open(probe, "wb") as f:
+            f.write(bytes(SPACE_PROBE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return f"a {SPACE_PROBE_BYTES >> 10} KiB file does not fit: {exc.strerror}"
         return None
-    return said if st.f_bavail * st.f_frsize < (1 << 20) else None
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
 
 
 def is_oom_error(error: dict) -> bool:
     """Whether a rank's error file describes an out-of-memory, on any device."""
     return bool(error.get("oom")) or error.get("type") == "MemoryError" or \
-        error.get("errno") == errno.ENOMEM or bool(_CPU_OOM.search(error.get("message") or ""))
+        bool(_CPU_OOM.search(error.get("message") or ""))
 
 
 def _classify(case: Case, scratch: Path, rc: int | None, timed_out: bool, log_tail: str, elapsed: float,
@@ -663,8 +662,6 @@ class Runner:
         raise Stopped(signal.Signals(signum).name)
 
     def _catch_signals(self) -> dict:
-        import threading
-
         if threading.current_thread() is not threading.main_thread():
             return {}
         return {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
@@ -693,8 +690,8 @@ class Runner:
                     self.scratch_root.rmdir()  # only when no other invocation's scratch is left
                 except OSError:
                     pass
-                self.lock.release()
         finally:
+            self.lock.release()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
@@ -793,8 +790,11 @@ class Runner:
                 "device": device, "log": str(log_path.relative_to(self.run_dir))}
         oom_kills = kernel_oom_kills()
         started = time.time()
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        except OSError as exc:
+            raise OutputError(f"cannot start the launch (log {log_path}): {exc}") from None
         launch = _Launch(proc, folder, log_path, retired_file, started, info, oom_kills)
         try:
             self._save(self.scratch / "launch.json", {"invocation": self.invocation, "pid": proc.pid,
@@ -848,10 +848,10 @@ class Runner:
         elapsed = time.time() - started
         log_tail = _tail(launch.log_path, 20000)
         oom_kills = _delta(launch.oom_kills_at_start, kernel_oom_kills())
-        full = out_of_space(self.run_dir, launch.folder, log_tail)
+        full = out_of_space(self.run_dir)
         if full:
-            raise OutputError(f"no space left on the disk of {self.run_dir} ({full}); the run stopped, finished "
-                              "records are kept (continue with --resume once there is room)")
+            raise OutputError(f"no space left on the disk of {self.run_dir} (a launch failed and {full}); the run "
+                              "stopped, finished records are kept (continue with --resume once there is room)")
         status, error = _classify(culprit, launch.folder, rc, timed_out, log_tail, elapsed, oom_kills)
         self._write(culprit, build_record(culprit, status, error=error, started_at=started,
                                           duration_s=elapsed, launch=launch.info))

@@ -320,7 +320,6 @@ def main(argv: list[str] | None = None) -> int:
                 "traceback": traceback.format_exc()[-4000:],
                 "time": time.time(),
                 "oom": is_oom(exc),
-                "errno": getattr(exc, "errno", None),
             }
             write_json_atomic(os.path.join(args.scratch, f"{key}.rank{rank}.error.json"), err)
             raise
