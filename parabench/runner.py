@@ -685,6 +685,7 @@ class Runner:
             try:
                 return self._run_cases()
             finally:
+                end_launch(self.invocation)  # a launch a signal caught half-started, if any
                 shutil.rmtree(self.scratch, ignore_errors=True)
                 try:
                     self.scratch_root.rmdir()  # only when no other invocation's scratch is left

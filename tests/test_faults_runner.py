@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from parabench.runner import _classify, clear_stale_extension_locks, marked_processes, process_start_ticks
+from parabench.runner import (
+    _classify,
+    clear_stale_extension_locks,
+    marked_processes,
+    out_of_space,
+    process_start_ticks,
+)
 from parabench.suite import Case
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,7 +66,7 @@ def write_suite(tmp_path: Path, name: str, long_steps: int = 500, extra: str = "
 
 def cli(*args: str, env=None, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "parabench.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+                          text=True, timeout=timeout, env=env, check=False)
 
 
 def start_cli(log: Path, *args: str, env=None) -> subprocess.Popen:
@@ -195,7 +201,8 @@ def test_sigterm_ends_the_launch_and_keeps_records_and_a_second_runner_is_refuse
 def test_a_full_disk_stops_the_run_with_a_clear_error_and_no_half_record(tmp_path, no_leftovers):
     disk = tmp_path / "disk"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(disk)], capture_output=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(disk)], capture_output=True,
+                             check=False)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs: {mounted.stderr.decode().strip()}")
     try:
@@ -216,6 +223,14 @@ options = {{bucket_mb = {mb}}}
             json.loads(p.read_text())  # every record whole
         assert not list(disk.rglob("*.tmp"))
         assert live_processes_mentioning(str(disk)) == []
+        # A rank that cannot write its result takes its launch down: the runner then asks the disk
+        # whether a record still fits before blaming the case.
+        with pytest.raises(OSError), open(disk / "filler", "wb") as f:
+            while True:
+                f.write(bytes(4096))
+                f.flush()
+        assert "does not fit: No space left on device" in out_of_space(run_dir)
+        assert out_of_space(tmp_path) is None
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
@@ -227,9 +242,9 @@ def test_a_stale_build_lock_goes_and_a_held_one_stays(tmp_path):
     held = tmp_path / "py311_cpu" / "cpu_adam" / "lock"
     for lock in (stale, held):
         lock.parent.mkdir(parents=True)
-    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time\n"
-                               f"fd = os.open({str(held)!r}, os.O_CREAT | os.O_EXCL)\n"
-                               "print('held', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    hold = (f"import os, time\nfd = os.open({str(held)!r}, os.O_CREAT | os.O_EXCL)\n"  # as FileBaton does
+            "print('held', flush=True)\ntime.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         stale.touch()
@@ -262,9 +277,9 @@ def test_cpu_out_of_memory_is_recorded_as_oom(tmp_path):
 
     case = Case(model="tiny", strategy="torch.ddp", world_size=2)
     error_file = tmp_path / f"{case.case_hash}.rank1.error.json"
-    for kind, message in (("RuntimeError", "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
-                                           "allocate memory: you tried to allocate 4611686018427387904 bytes."),
-                          ("MemoryError", "")):
+    allocator = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                 "you tried to allocate 4611686018427387904 bytes.")
+    for kind, message in (("RuntimeError", allocator), ("MemoryError", "")):
         # "oom": False, as an error file written before the worker knew CPU allocation failures
         write_json_atomic(error_file, {"rank": 1, "type": kind, "message": message, "traceback": "...", "time": 1.0,
                                        "oom": False})
