@@ -521,6 +521,29 @@ def torch_extensions_root(env: dict | None = None) -> Path:
     return Path(get_default_build_root())
 
 
+# File systems other machines may write too: a builder there is invisible in this /proc.
+_SHARED_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "9p",
+              "fuse.sshfs", "fuse.glusterfs", "fuse.ceph", "virtiofs", "afs")
+
+
+def _on_shared_filesystem(path: Path) -> bool:
+    real = os.path.realpath(path)
+    best, fstype = "", ""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mount = parts[1].replace("\\040", " ")
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) > len(best):
+                    best, fstype = mount, parts[2]
+    except OSError:
+        return True  # unknown: assume the worst
+    return fstype in _SHARED_FS
+
+
 def _lock_holders(lock: Path) -> tuple[list[int], bool]:
     """Pids with ``lock`` open, and whether every process's descriptors could be read."""
     target = os.path.realpath(lock)
@@ -554,15 +577,16 @@ def clear_stale_extension_locks(env: dict | None = None, echo=print, now: float 
     O_EXCL, keeps it open while ninja builds, and deletes it when done; every other process waits
     for the file to vanish, with no timeout. A builder killed mid-build leaves the file and every
     later load waits forever. Since the builder holds the file open for the whole build, a lock
-    no live process has open is stale: that is the test here (``/proc/<pid>/fd``). Where some
-    process's descriptors cannot be read (another user's), the lock must also be older than
+    no live process has open is stale: that is the test here (``/proc/<pid>/fd``). Where the test
+    cannot see every possible builder (another user's process, or the folder on a file system
+    other machines share, such as an NFS home), the lock must also be older than
     ``STALE_LOCK_UNSEEN_S`` (no build takes 10 minutes).
 
     To keep the build out of the first case's timeout, build the op before the run, either into
     the DeepSpeed install (``DS_BUILD_SHM_COMM=1 pip install deepspeed``; ``DS_BUILD_OPS=1``
     builds every op) or once into the extensions cache as a warm-up:
     ``DS_ACCELERATOR=cpu python -c "from deepspeed.accelerator import get_accelerator;
-    get_accelerator().create_op_builder('ShareMemCommBuilder').load()"``; later loads take ~1 s.
+    get_accelerator().create_op_builder('ShareMemCommBuilder').load()"``; later loads only load it.
     """
     try:
         root = torch_extensions_root(env)
@@ -574,6 +598,7 @@ def clear_stale_extension_locks(env: dict | None = None, echo=print, now: float 
     removed = []
     for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:
         holders, complete = _lock_holders(lock)
+        complete = complete and not _on_shared_filesystem(lock)
         try:
             age = now - lock.stat().st_mtime
         except FileNotFoundError:
