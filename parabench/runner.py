@@ -6,27 +6,54 @@ Failure handling, the part a benchmark harness is judged by:
   session) and recorded as ``timeout``;
 - a rank that raises writes an error file; the earliest one names the first failing rank, its
   exception and whether it was an out-of-memory (``oom``), else the case is ``crashed``;
-- a rank that dies without a word (abort, segfault, OOM-killer) is ``crashed`` with the exit
-  status and the tail of the launcher's log;
+- a rank that dies without a word (abort, segfault) is ``crashed`` with the exit status and the
+  tail of the launcher's log; one killed by SIGKILL while the kernel's OOM-kill counter moved is
+  ``oom``, as is a rank that raised ``MemoryError`` or the CPU allocator's "can't allocate memory";
 - the suite always goes on with the next case; records already written are never touched, so
   Ctrl-C loses nothing finished and ``--resume`` continues where the last run stopped.
+
+The runner owns its launches:
+- one runner per run folder: ``.lock`` is flock'ed for the runner's life, a second runner fails
+  at once (``RunFolderBusy``, exit 2) naming the holder's pid;
+- every process of a launch carries ``PARABENCH_LAUNCH=<invocation id>`` in its environment.
+  torchrun starts each rank in a session of its own, so killing torchrun's process group is not
+  enough: the runner ends a launch by asking torchrun to stop (it stops and reaps its ranks), then
+  SIGKILLs every process still carrying the mark (ranks, compilers of a JIT build), checked through
+  a pidfd so a reused pid is never hit. This happens after every launch, on timeout, on
+  Ctrl-C / SIGTERM / SIGHUP (all turned into ``KeyboardInterrupt``) and when a record cannot be
+  written (``OutputError``: the disk is full);
+- each invocation works in ``.scratch/<invocation id>/launch-<n>/``: results, error files and
+  ``.started`` stamps are read only from the current launch's folder, so nothing written by an
+  earlier launch or by the orphans of a runner killed with ``kill -9`` is ever taken, and a case
+  that did not start in this invocation is never recorded as a timeout;
+- ``.scratch/<id>/owner.json`` and ``launch.json`` name the runner and its live torchrun (pid and
+  start time from ``/proc/<pid>/stat``); a later start (with or without ``--resume``) ends the
+  launch of a dead owner, when pid and start time still match, sweeps its marked processes and
+  removes its scratch;
+- a stale torch-extension build lock (see ``clear_stale_extension_locks``) is removed before each
+  launch, so a DeepSpeed JIT build killed half-way does not hang every later DeepSpeed case.
 
 Batch launches run several cases of the same world size in one torchrun, saving its start-up
 per case. A case with ``repeats`` > 1 runs that many launches of its own, ordered round-robin over
 the suite (A B C A B C: drift hits every case alike); launch k of a case writes
-``cases/<hash>.r<k>.json`` beside the first launch's ``cases/<hash>.json`` (``suite.launch_key``). The worker marks each case as started; when a batch dies, the started-but-unfinished
+``cases/<hash>.r<k>.json`` beside the first launch's ``cases/<hash>.json`` (``suite.launch_key``).
+The worker marks each case as started; when a batch dies, the started-but-unfinished
 case takes the blame and the rest of the batch is relaunched.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -44,6 +71,14 @@ STATUSES = ("ok", "oom", "crashed", "timeout", "skipped", "error")
 
 class OutputError(RuntimeError):
     pass
+
+
+class RunFolderBusy(OutputError):
+    """Another runner holds the run folder's lock."""
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP reached the runner: handled like Ctrl-C (launch ended, records kept)."""
 
 
 @dataclass
@@ -183,13 +218,51 @@ def _stuck_collective(*texts: str) -> str | None:
     return None
 
 
-def _classify(case: Case, scratch: Path, rc: int | None, timed_out: bool, log_tail: str, elapsed: float) -> tuple[str, dict]:
+# What a CPU allocation failure looks like: Python's MemoryError, or c10's DefaultCPUAllocator
+# ("[enforce fail at alloc_cpu.cpp:...] DefaultCPUAllocator: can't allocate memory: you tried to
+# allocate N bytes. Error code 12 (Cannot allocate memory)"), raised as a plain RuntimeError.
+_CPU_OOM = re.compile(r"DefaultCPUAllocator: can't allocate memory|Cannot allocate memory|out of memory", re.IGNORECASE)
+SPACE_PROBE_BYTES = 64 << 10  # more than a case record takes
+
+
+def out_of_space(run_dir: Path) -> str | None:
+    """After a failed launch: why the run folder's disk cannot take another record, or None. A
+    rank that fails writing its result to a full disk takes the launch down with it (and its
+    error file and log may be lost too); recording that as the case's crash would be wrong, so
+    the runner asks the disk directly: a probe file of a record's size must fit."""
+    probe = run_dir / ".space-probe"
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(SPACE_PROBE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return f"a {SPACE_PROBE_BYTES >> 10} KiB file does not fit: {exc.strerror}"
+        return None
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
+
+
+def is_oom_error(error: dict) -> bool:
+    """Whether a rank's error file describes an out-of-memory, on any device."""
+    return bool(error.get("oom")) or error.get("type") == "MemoryError" or \
+        bool(_CPU_OOM.search(error.get("message") or ""))
+
+
+def _classify(case: Case, scratch: Path, rc: int | None, timed_out: bool, log_tail: str, elapsed: float,
+              oom_kills: int | None = None) -> tuple[str, dict]:
     """Status and cause of a case that produced no result.
 
     A rank that raises writes an error file; its peers then often raise too (connection reset)
     a moment later, so the earliest error file names the first failure. A rank that dies
     without a Python exception (abort, segfault, SIGKILL) writes nothing, while its peers do:
     torchrun's own root-cause report names it, and it takes precedence when it has no file.
+
+    ``oom_kills``: how many processes the kernel's OOM killer ended during the launch (None:
+    unknown). A silent SIGKILL is ``oom`` unless that count is known to be 0 (then someone else
+    sent it).
     """
     errors = []
     for p in scratch.glob(f"{case.record_key}.rank*.error.json"):
@@ -207,7 +280,7 @@ def _classify(case: Case, scratch: Path, rc: int | None, timed_out: bool, log_ta
     silent_death = root is not None and root[1] != 1 and all(e["rank"] != root[0] for e in errors)
     if errors and not silent_death:
         first = min(errors, key=lambda e: e["time"])
-        status = "oom" if first.get("oom") else "crashed"
+        status = "oom" if is_oom_error(first) else "crashed"
         return status, {"first_failing_rank": first["rank"], "type": first["type"], "message": first["message"],
                         "traceback_tail": first["traceback"][-2000:], "ranks_reporting": sorted(e["rank"] for e in errors),
                         "log_tail": log_tail[-1500:]}
@@ -219,12 +292,21 @@ def _classify(case: Case, scratch: Path, rc: int | None, timed_out: bool, log_ta
     signame = signal.Signals(sig).name if sig and sig in signal.Signals._value2member_map_ else None
     msg = (f"rank {rank} " if rank is not None else "launcher ") + f"exited with status {code}" + \
         (f" ({signame})" if signame else "") + " and no Python exception (killed, aborted or segfaulted)"
+    status = "crashed"
     if signame == "SIGKILL":
-        msg += "; SIGKILL is often the kernel's out-of-memory killer"
+        if oom_kills is None:
+            status = "oom"
+            msg += "; SIGKILL without a word is the kernel's out-of-memory killer's signature (its kill count is unreadable here)"
+        elif oom_kills > 0:
+            status = "oom"
+            msg += f"; the kernel's out-of-memory killer killed {oom_kills} process(es) during the launch"
+        else:
+            msg += "; the kernel's out-of-memory kill count did not move: the SIGKILL came from elsewhere"
     if errors:
         later = min(errors, key=lambda e: e["time"])
         msg += f"; then rank {later['rank']} reported {later['type']}: {later['message'][:200]}"
-    return "crashed", {"first_failing_rank": rank, "message": msg, "exit_code": code, "log_tail": log_tail[-1500:]}
+    return status, {"first_failing_rank": rank, "message": msg, "exit_code": code, "log_tail": log_tail[-1500:],
+                    "kernel_oom_kills": oom_kills}
 
 
 def _tail(path: Path, n: int = 4000) -> str:
@@ -238,18 +320,325 @@ def _tail(path: Path, n: int = 4000) -> str:
         return ""
 
 
-def _kill_session(proc: subprocess.Popen) -> None:
-    """Stop torchrun and every rank it started (they share its process session)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+# -- processes: identity, launch ownership, ending a launch --------------------------------
+
+LAUNCH_MARK = "PARABENCH_LAUNCH"  # environment variable every process of a launch inherits
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot, field 22 of /proc/<pid>/stat), None when
+    there is no such process or it is a zombie. Pid and start time together name one process: a
+    pid reused later has a later start time."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(b")") + 2:].split()  # the command name may hold spaces and ')'
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+def _carries_mark(pid: int, invocation: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = b"\0" + f.read()
+    except OSError:  # gone, or another user's process (never ours)
+        return False
+    return f"\0{LAUNCH_MARK}={invocation}\0".encode() in env
+
+
+def marked_processes(invocation: str) -> list[int]:
+    """Live processes started by the launches of ``invocation`` (zombies have no environment)."""
+    own = os.getpid()
+    return [int(d) for d in os.listdir("/proc")
+            if d.isdigit() and int(d) != own and _carries_mark(int(d), invocation)]
+
+
+def _signal_exact(pid: int, sig: int, is_it) -> bool:
+    """Send ``sig`` to ``pid`` only if ``is_it(pid)`` holds for the process behind the pid. A pidfd
+    pins the process first, so a pid reused between the check and the signal is never hit."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    except (AttributeError, OSError):  # no pidfd (old kernel): the check and the signal are adjacent
+        if not is_it(pid):
+            return False
         try:
-            os.killpg(proc.pid, sig)
+            os.kill(pid, sig)
+            return True
         except ProcessLookupError:
-            return
+            return False
+    try:
+        if not is_it(pid):
+            return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def end_launch(invocation: str, proc: subprocess.Popen | None = None, leader: dict | None = None,
+               grace_s: float = 10.0) -> None:
+    """End every process of a launch. torchrun (``proc``, or ``leader`` = {pid, start_ticks} of one
+    this runner did not start) gets SIGTERM first: it stops its ranks and reaps them. Whatever
+    still carries the launch's mark after ``grace_s`` (ranks in their own sessions, a compiler of
+    a JIT build, ranks whose torchrun is already dead) gets SIGKILL, until none is left."""
+    pid = proc.pid if proc is not None else (leader or {}).get("pid")
+    ticks = None if proc is not None else (leader or {}).get("start_ticks")
+
+    def is_leader(p: int) -> bool:
+        return proc is not None or (ticks is not None and process_start_ticks(p) == ticks)
+
+    def leader_gone() -> bool:
+        return proc.poll() is not None if proc is not None else process_start_ticks(pid) != ticks
+
+    if pid is not None and not leader_gone():
+        _signal_exact(pid, signal.SIGTERM, is_leader)
+        deadline = time.monotonic() + grace_s
+        while not leader_gone() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not leader_gone():
+            _signal_exact(pid, signal.SIGKILL, is_leader)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        left = marked_processes(invocation)
+        if not left:
+            break
+        for p in left:
+            _signal_exact(p, signal.SIGKILL, lambda q: _carries_mark(q, invocation))
+        time.sleep(0.1)
+    if proc is not None:
+        proc.wait()
+
+
+def kernel_oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has killed: the cgroup's count when cgroup v2
+    has one (local to this container), else the machine's (/proc/vmstat), None when neither."""
+    try:
+        cgroup = Path("/proc/self/cgroup").read_text().splitlines()
+        rel = next(line.split("::", 1)[1] for line in cgroup if line.startswith("0::"))
+        for line in (Path("/sys/fs/cgroup") / rel.lstrip("/") / "memory.events").read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass
+    try:
+        for line in Path("/proc/vmstat").read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+# -- the run folder: one runner at a time, scratch per invocation -----------------------------
+
+class RunFolderLock:
+    """An exclusive flock on ``<run folder>/.lock``, held for the runner's life. The kernel drops
+    it when the runner dies, however it dies (kill -9 included); the descriptor is not inherited
+    by launches, so an orphaned launch never keeps a folder locked."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / ".lock"
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
         try:
-            proc.wait(timeout=10)
-            return
-        except subprocess.TimeoutExpired:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise OutputError(f"output folder {self.run_dir} is not writable: {exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunFolderBusy(f"run folder {self.run_dir} is in use by another parabench runner (pid {holder}); "
+                                "wait for it to finish, or pick another --run-id") from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:
+            os.close(fd)
+            raise OutputError(f"cannot write {self.path}: {exc}") from None
+        self.fd = fd
+
+    def release(self) -> None:
+        # The file stays: unlinking a lock file lets a newcomer lock a fresh inode while a waiter
+        # holds the old one.
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _owner_alive(info: dict) -> bool:
+    pid, ticks = info.get("pid"), info.get("start_ticks")
+    return isinstance(pid, int) and ticks is not None and process_start_ticks(pid) == ticks
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def clear_dead_invocations(scratch_root: Path, own: str, echo=print) -> list[str]:
+    """Remove the scratch of every earlier invocation whose runner is dead, after ending the launch
+    it left behind (its torchrun when pid and start time still match, then every process still
+    carrying its mark). Called with the run folder locked, so no other runner is using it."""
+    cleared = []
+    if not scratch_root.is_dir():
+        return cleared
+    for entry in sorted(scratch_root.iterdir()):
+        if entry.name == own:
             continue
+        if not entry.is_dir():  # a loose file of an older layout: no owner can read it any more
+            entry.unlink(missing_ok=True)
+            continue
+        owner = _read_json(entry / "owner.json")
+        if owner and _owner_alive(owner):
+            echo(f"parabench: warning: scratch {entry} belongs to runner pid {owner['pid']}, still alive; left alone")
+            continue
+        invocation = owner.get("invocation", entry.name)
+        leader = _read_json(entry / "launch.json")
+        left = marked_processes(invocation)
+        if left or (leader and _owner_alive({"pid": leader.get("pid"), "start_ticks": leader.get("start_ticks")})):
+            echo(f"parabench: ending the launch left behind by runner pid {owner.get('pid', '?')} "
+                 f"(torchrun pid {leader.get('pid', '?')}, {len(left)} process(es))")
+            end_launch(invocation, leader=leader or None)
+        shutil.rmtree(entry, ignore_errors=True)
+        cleared.append(entry.name)
+    return cleared
+
+
+# -- torch extension build locks (DeepSpeed's JIT-built ops) ----------------------------------
+
+STALE_LOCK_UNSEEN_S = 600.0
+
+
+def torch_extensions_root(env: dict | None = None) -> Path:
+    env = os.environ if env is None else env
+    if env.get("TORCH_EXTENSIONS_DIR"):
+        return Path(env["TORCH_EXTENSIONS_DIR"])
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root())
+
+
+# File systems other machines may write too: a builder there is invisible in this /proc.
+_SHARED_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "9p",
+              "fuse.sshfs", "fuse.glusterfs", "fuse.ceph", "virtiofs", "afs")
+
+
+def _on_shared_filesystem(path: Path) -> bool:
+    real = os.path.realpath(path)
+    best, fstype = "", ""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mount = parts[1].replace("\\040", " ")
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) > len(best):
+                    best, fstype = mount, parts[2]
+    except OSError:
+        return True  # unknown: assume the worst
+    return fstype in _SHARED_FS
+
+
+def _lock_holders(lock: Path) -> tuple[list[int], bool]:
+    """Pids with ``lock`` open, and whether every process's descriptors could be read."""
+    target = os.path.realpath(lock)
+    holders, complete = [], True
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{d}/fd")
+        except FileNotFoundError:
+            continue
+        except OSError:  # another user's process
+            complete = False
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{d}/fd/{fd}") == target:
+                    holders.append(int(d))
+                    break
+            except OSError:
+                continue
+    return holders, complete
+
+
+def clear_stale_extension_locks(env: dict | None = None, echo=print, now: float | None = None) -> list[Path]:
+    """Remove torch-extension build locks whose builder is dead; return the removed paths.
+
+    ``torch.utils.cpp_extension.load`` (DeepSpeed's ``OpBuilder.load``, e.g. the CPU
+    ``deepspeed_shm_comm`` op every DeepSpeed case on CPU needs) takes a ``FileBaton``: it creates
+    ``<TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions/<py>_<accelerator>>/<op>/lock`` with
+    O_EXCL, keeps it open while ninja builds, and deletes it when done; every other process waits
+    for the file to vanish, with no timeout. A builder killed mid-build leaves the file and every
+    later load waits forever. Since the builder holds the file open for the whole build, a lock
+    no live process has open is stale: that is the test here (``/proc/<pid>/fd``). Where the test
+    cannot see every possible builder (another user's process, or the folder on a file system
+    other machines share, such as an NFS home), the lock must also be older than
+    ``STALE_LOCK_UNSEEN_S`` (no build takes 10 minutes).
+
+    To keep the build out of the first case's timeout, build the op before the run, either into
+    the DeepSpeed install (``DS_BUILD_SHM_COMM=1 pip install deepspeed``; ``DS_BUILD_OPS=1``
+    builds every op) or once into the extensions cache as a warm-up:
+    ``DS_ACCELERATOR=cpu python -c "from deepspeed.accelerator import get_accelerator;
+    get_accelerator().create_op_builder('ShareMemCommBuilder').load()"``; later loads only load it.
+    """
+    try:
+        root = torch_extensions_root(env)
+    except ImportError:  # torch without cpp_extension: no JIT builds either
+        return []
+    if not root.is_dir():
+        return []
+    now = time.time() if now is None else now
+    removed = []
+    for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:
+        holders, complete = _lock_holders(lock)
+        complete = complete and not _on_shared_filesystem(lock)
+        try:
+            age = now - lock.stat().st_mtime
+        except FileNotFoundError:
+            continue  # released meanwhile
+        if holders or (not complete and age < STALE_LOCK_UNSEEN_S):
+            continue
+        try:
+            lock.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(lock)
+        echo(f"parabench: removed the stale build lock {lock} (no live process holds it; a JIT build was "
+             "killed half-way): the next load of this op builds it again")
+    return removed
+
+
+@dataclass
+class _Launch:
+    proc: subprocess.Popen
+    folder: Path  # this launch's scratch: its cases, results, error files and start stamps
+    log_path: Path
+    retired_file: Path
+    started: float
+    info: dict  # the record's "launch" section
+    oom_kills_at_start: int | None
+
+
+def _delta(before: int | None, after: int | None) -> int | None:
+    return None if before is None or after is None else after - before
 
 
 class Runner:
@@ -257,12 +646,27 @@ class Runner:
                  retry_failed: bool = False, echo=print):
         self.suite, self.run_dir, self.launch = suite, Path(run_dir), launch
         self.resume, self.retry_failed, self.echo = resume, retry_failed, echo
-        self.scratch = self.run_dir / ".scratch"
+        # this invocation's id: names its scratch folder and marks every process it launches
+        self.invocation = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.scratch_root = self.run_dir / ".scratch"
+        self.scratch = self.scratch_root / self.invocation
         self.logs = self.run_dir / "logs"
+        self.lock = RunFolderLock(self.run_dir)
+        self.n_launches = 0
+        self._stopping = False
         self.done = 0
         self.counts = {**{s: 0 for s in STATUSES}, "kept": 0}  # kept: recorded by an earlier launch (--resume)
 
     # -- set-up -------------------------------------------------------------------------
+    def claim(self) -> None:
+        """Lock the run folder, end what a dead runner left running there, and clear its scratch."""
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"output folder {self.run_dir} is not writable: {exc}") from None
+        self.lock.acquire()
+        clear_dead_invocations(self.scratch_root, self.invocation, self.echo)
+
     def prepare(self) -> None:
         try:
             for d in (self.run_dir / "cases", self.scratch, self.logs):
@@ -272,9 +676,11 @@ class Runner:
             probe.unlink()
         except OSError as exc:
             raise OutputError(f"output folder {self.run_dir} is not writable: {exc}") from None
+        self._save(self.scratch / "owner.json", {"invocation": self.invocation, "pid": os.getpid(),
+                                                 "start_ticks": process_start_ticks(os.getpid())}, "the scratch owner")
         manifest_path = self.run_dir / "manifest.json"
         if not manifest_path.exists():
-            write_json_atomic(manifest_path, make_manifest(self.suite, self.run_dir.name, sys.argv))
+            self._save(manifest_path, make_manifest(self.suite, self.run_dir.name, sys.argv), "the manifest")
         elif self.resume:
             # Cases recorded from now on may run another commit or suite file than the manifest's:
             # each resumption is kept beside it (the records' started_at says which cases it ran).
@@ -282,7 +688,19 @@ class Runner:
             now = make_manifest(self.suite, self.run_dir.name, sys.argv)
             manifest.setdefault("resumed", []).append(
                 {k: now[k] for k in ("created_at", "git", "suite_file_sha256", "versions", "argv", "n_cases")})
-            write_json_atomic(manifest_path, manifest)
+            self._save(manifest_path, manifest, "the manifest")
+
+    # -- signals: SIGTERM and SIGHUP take Ctrl-C's path ----------------------------------------
+    def _on_signal(self, signum, frame) -> None:
+        if self._stopping:  # a second signal must not cut the clean-up short
+            return
+        self._stopping = True
+        raise Stopped(signal.Signals(signum).name)
+
+    def _catch_signals(self) -> dict:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
     def _recorded(self, case: Case) -> bool:
         path = case_record_path(self.run_dir, case.record_key)
@@ -297,6 +715,24 @@ class Runner:
 
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> dict:
+        previous = self._catch_signals()
+        try:
+            self.claim()
+            try:
+                return self._run_cases()
+            finally:
+                end_launch(self.invocation)  # a launch a signal caught half-started, if any
+                shutil.rmtree(self.scratch, ignore_errors=True)
+                try:
+                    self.scratch_root.rmdir()  # only when no other invocation's scratch is left
+                except OSError:
+                    pass
+        finally:
+            self.lock.release()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _run_cases(self) -> dict:
         self.prepare()
         # one entry per launch, round-robin over the suite: every case's launch 0, then launch 1...
         cases = [replace(c, repeat=k) if k else c for k in range(max((c.repeats for c in self.suite.cases), default=1))
@@ -314,12 +750,9 @@ class Runner:
                 self._write(case, build_record(case, "skipped", error={"message": reason}))
                 continue
             pending.append(case)
-        try:
-            while pending:
-                batch = self._next_batch(pending)
-                pending = self._run_batch(batch) + pending
-        finally:
-            shutil.rmtree(self.scratch, ignore_errors=True)
+        while pending:
+            batch = self._next_batch(pending)
+            pending = self._run_batch(batch) + pending
         return self.counts
 
     def _next_batch(self, pending: list[Case]) -> list[Case]:
@@ -348,6 +781,7 @@ class Runner:
 
     def _env(self, device: str) -> dict:
         env = dict(os.environ)
+        env[LAUNCH_MARK] = self.invocation
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
@@ -359,67 +793,108 @@ class Runner:
 
     def _run_batch(self, batch: list[Case]) -> list[Case]:
         """Run ``batch`` in one launch; return the cases to run again (not the one to blame)."""
+        launch = self._start_launch(batch)
+        try:
+            finished, rc, timed_out = self._watch(launch, batch)
+        finally:  # whatever happened (a signal, a full disk), nothing of the launch outlives it
+            end_launch(self.invocation, launch.proc)
+            (self.scratch / "launch.json").unlink(missing_ok=True)
+        return self._settle(launch, batch, finished, rc, timed_out)
+
+    def _start_launch(self, batch: list[Case]) -> _Launch:
         nproc = batch[0].world_size // self.launch.nnodes
         device = resolve_device(batch[0])
         tag = batch[0].record_key
-        cases_file = self.scratch / f"{tag}.cases.json"
-        # The ranks get the resolved device ("auto" -> "cpu"/"cuda"), which changes the case's hash:
-        # they name their files by the runner's hash, handed over with each case.
-        cases_file.write_text(json.dumps([{**c.to_dict(), "device": device, "scratch_key": c.record_key} for c in batch]))
+        env = self._env(device)
+        clear_stale_extension_locks(env, self.echo)
+        self.n_launches += 1
+        # A folder per launch: a result, error or start stamp is only ever read from the launch
+        # that wrote it.
+        folder = self.scratch / f"launch-{self.n_launches}"
+        cases_file = folder / "cases.json"
+        try:
+            folder.mkdir(parents=True)
+            # The ranks get the resolved device ("auto" -> "cpu"/"cuda"), which changes the case's hash:
+            # they name their files by the runner's hash, handed over with each case.
+            cases_file.write_text(json.dumps([{**c.to_dict(), "device": device, "scratch_key": c.record_key}
+                                              for c in batch]))
+        except OSError as exc:
+            raise OutputError(f"cannot write the launch's cases to {cases_file}: {exc}; the run stopped, "
+                              "finished records are kept (continue with --resume)") from None
         log_path = self.logs / f"{tag}.log"
-        retired_file = self.scratch / f"{tag}.retired.json"
+        retired_file = folder / "retired.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", *self.launch.torchrun_args(nproc),
-               "-m", "parabench.worker", "--cases", str(cases_file), "--scratch", str(self.scratch),
+               "-m", "parabench.worker", "--cases", str(cases_file), "--scratch", str(folder),
                "--retired", str(retired_file)]
-        launch_info = {"batch_size": len(batch), "nproc_per_node": nproc, "nnodes": self.launch.nnodes,
-                       "device": device, "log": str(log_path.relative_to(self.run_dir))}
-        t_launch = time.time()
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env(device),
-                                    start_new_session=True)
-            finished: set[str] = set()
-            current_start = t_launch
-            timed_out = False
-            try:
-                while True:
-                    rc = proc.poll()
-                    for case in batch:
-                        if case.record_key in finished:
-                            continue
-                        result = self.scratch / f"{case.record_key}.json"
-                        if result.exists():
-                            raw = json.loads(result.read_text())
-                            started = self._started_at(case) or current_start
-                            self._write(case, build_record(case, "ok", raw=raw, started_at=started,
-                                                           duration_s=time.time() - started, launch=launch_info))
-                            finished.add(case.record_key)
-                            current_start = time.time()
-                    if rc is not None:
-                        break
-                    running = next((c for c in batch if c.record_key not in finished), None)
-                    if running is not None:
-                        began = self._started_at(running) or current_start
-                        # torchrun start-up counts against the first case of a launch
-                        if time.time() - min(began, current_start) > running.timeout_s:
-                            timed_out = True
-                            _kill_session(proc)
-                            rc = proc.poll()
-                            break
-                    time.sleep(0.1)
-            except KeyboardInterrupt:
-                _kill_session(proc)
-                raise
+        info = {"batch_size": len(batch), "nproc_per_node": nproc, "nnodes": self.launch.nnodes,
+                "device": device, "log": str(log_path.relative_to(self.run_dir))}
+        oom_kills = kernel_oom_kills()
+        started = time.time()
+        try:
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        except OSError as exc:
+            raise OutputError(f"cannot start the launch (log {log_path}): {exc}") from None
+        launch = _Launch(proc, folder, log_path, retired_file, started, info, oom_kills)
+        try:
+            self._save(self.scratch / "launch.json", {"invocation": self.invocation, "pid": proc.pid,
+                                                      "start_ticks": process_start_ticks(proc.pid),
+                                                      "started_at": started}, "the live launch's pid")
+        except BaseException:
+            end_launch(self.invocation, proc)
+            raise
+        return launch
+
+    def _watch(self, launch: _Launch, batch: list[Case]) -> tuple[set[str], int | None, bool]:
+        """Record each case's result as it appears; end the launch on a timeout. Returns the
+        finished case hashes, torchrun's exit status and whether the launch timed out."""
+        finished: set[str] = set()
+        current_start = launch.started
+        while True:
+            rc = launch.proc.poll()
+            for case in batch:
+                if case.record_key in finished:
+                    continue
+                result = launch.folder / f"{case.record_key}.json"
+                if result.exists():
+                    raw = json.loads(result.read_text())
+                    started = self._started_at(case, launch) or current_start
+                    self._write(case, build_record(case, "ok", raw=raw, started_at=started,
+                                                   duration_s=time.time() - started, launch=launch.info))
+                    finished.add(case.record_key)
+                    current_start = time.time()
+            if rc is not None:
+                return finished, rc, False
+            running = next((c for c in batch if c.record_key not in finished), None)
+            if running is not None:
+                began = self._started_at(running, launch) or current_start
+                # torchrun start-up counts against the first case of a launch
+                if time.time() - min(began, current_start) > running.timeout_s:
+                    end_launch(self.invocation, launch.proc)
+                    return finished, launch.proc.poll(), True
+            time.sleep(0.1)
+
+    def _settle(self, launch: _Launch, batch: list[Case], finished: set[str], rc: int | None,
+                timed_out: bool) -> list[Case]:
+        """Blame the case a failed launch died in; return the cases to launch again."""
         unfinished = [c for c in batch if c.record_key not in finished]
         if not unfinished:
             return []
-        if rc == 0 and not timed_out and retired_file.exists():
-            self._note_leftover(json.loads(retired_file.read_text()), len(unfinished))
+        if rc == 0 and not timed_out and launch.retired_file.exists():
+            self._note_leftover(json.loads(launch.retired_file.read_text()), len(unfinished))
             return unfinished
-        culprit = next((c for c in unfinished if self._started_at(c) is not None), unfinished[0])
-        elapsed = time.time() - (self._started_at(culprit) or t_launch)
-        status, error = _classify(culprit, self.scratch, rc, timed_out, _tail(log_path, 20000), elapsed)
-        self._write(culprit, build_record(culprit, status, error=error, started_at=self._started_at(culprit) or t_launch,
-                                          duration_s=elapsed, launch=launch_info))
+        culprit = next((c for c in unfinished if self._started_at(c, launch) is not None), unfinished[0])
+        started = self._started_at(culprit, launch) or launch.started
+        elapsed = time.time() - started
+        log_tail = _tail(launch.log_path, 20000)
+        oom_kills = _delta(launch.oom_kills_at_start, kernel_oom_kills())
+        full = out_of_space(self.run_dir)
+        if full:
+            raise OutputError(f"no space left on the disk of {self.run_dir} (a launch failed and {full}); the run "
+                              "stopped, finished records are kept (continue with --resume once there is room)")
+        status, error = _classify(culprit, launch.folder, rc, timed_out, log_tail, elapsed, oom_kills)
+        self._write(culprit, build_record(culprit, status, error=error, started_at=started,
+                                          duration_s=elapsed, launch=launch.info))
         return [c for c in unfinished if c is not culprit]
 
     def _note_leftover(self, retired: dict, n_relaunched: int) -> None:
@@ -434,18 +909,28 @@ class Runner:
             record = json.loads(path.read_text())
             record["caveats"] = [*(record.get("caveats") or []), text]
             record["leftover_after_case"] = retired
-            write_json_atomic(path, record)
+            self._save(path, record, f"the record of {retired['after_label']}")
         self.echo(f"parabench: {retired['after_label']} {text}")
 
-    def _started_at(self, case: Case) -> float | None:
-        p = self.scratch / f"{case.record_key}.started"
+    def _started_at(self, case: Case, launch: _Launch) -> float | None:
+        """When ``launch`` started ``case`` (rank 0's stamp in the launch's own folder)."""
+        p = launch.folder / f"{case.record_key}.started"
         try:
             return float(p.read_text())
         except (OSError, ValueError):
             return None
 
+    def _save(self, path: Path, data: dict, what: str) -> None:
+        """Write atomically; a full disk or any other write error stops the run with a clear error
+        (the caller's launch is ended on the way out), never half a file."""
+        try:
+            write_json_atomic(path, data)
+        except OSError as exc:
+            raise OutputError(f"cannot write {what} to {path}: {exc.strerror or exc}; the run stopped, finished "
+                              "records are kept (continue with --resume once the cause is fixed)") from None
+
     def _write(self, case: Case, record: dict) -> None:
-        write_json_atomic(case_record_path(self.run_dir, case.record_key), record)
+        self._save(case_record_path(self.run_dir, case.record_key), record, f"the record of {case.label}")
         self.done += 1
         self.counts[record["status"]] += 1
         launch = f"  [launch {case.repeat + 1}/{case.repeats}]" if case.repeats > 1 else ""

@@ -64,8 +64,10 @@ def leftover_bytes(device: torch.device) -> int | None:
 
 
 def _inject_fault(case: Case, step: int) -> None:
-    """Test hook: options.inject_fault = {kind: oom|crash|abort|hang|leak, rank: r, step: k};
-    "leak" keeps ``bytes`` (default 512 MiB) allocated on the device after the case ends."""
+    """Test hook: options.inject_fault = {kind: oom|cpu_oom|memory_error|crash|abort|hang|leak,
+    rank: r, step: k}; "leak" keeps ``bytes`` (default 512 MiB) allocated on the device after the
+    case ends; "cpu_oom" and "memory_error" make a real allocation the host cannot satisfy (torch's
+    CPU allocator, Python's)."""
     fault = case.options.get("inject_fault")
     if not fault or fault.get("step", 0) != step or fault.get("rank", 0) != dist.get_rank():
         return
@@ -76,6 +78,10 @@ def _inject_fault(case: Case, step: int) -> None:
         return
     if kind == "oom":
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 EiB (injected by parabench)")
+    if kind == "cpu_oom":
+        torch.empty(1 << 62, dtype=torch.uint8)  # 4 EiB: DefaultCPUAllocator: can't allocate memory
+    if kind == "memory_error":
+        bytearray(1 << 62)  # MemoryError
     if kind == "crash":
         raise RuntimeError("injected crash (parabench fault injection)")
     if kind == "abort":
@@ -99,6 +105,14 @@ def debug_slowdown() -> float:
     if not 0 <= slowdown <= 10:
         raise ValueError(f"PARABENCH_DEBUG_SLOWDOWN must be a fraction in [0, 10], got {value!r}")
     return slowdown
+
+
+def is_oom(exc: BaseException) -> bool:
+    """An out-of-memory on any device: CUDA's OutOfMemoryError, Python's MemoryError, or the CPU
+    allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory")."""
+    text = str(exc).lower()
+    return (isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text
+            or "can't allocate memory" in text)
 
 
 class StepClock:
@@ -331,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                 "message": str(exc)[:2000],
                 "traceback": traceback.format_exc()[-4000:],
                 "time": time.time(),
-                "oom": isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower(),
+                "oom": is_oom(exc),
             }
             write_json_atomic(os.path.join(args.scratch, f"{key}.rank{rank}.error.json"), err)
             raise
