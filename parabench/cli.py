@@ -1,18 +1,96 @@
 """``parabench``: run suites or single cases, list what exists, build reports, compare runs.
 
-Exit status: 0 success; 1 a case failed or a comparison found a regression; 2 bad input
-(unknown names, malformed suite, unwritable output) with nothing run; 130 interrupted.
+Exit status: 0 success; 1 a case failed (with --strict: or was skipped), or a comparison found a
+regression or missing data; 2 bad input (unknown names, out-of-range values, malformed suite or
+result files, unwritable output) with nothing run; 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import shlex
 import sys
 from pathlib import Path
 
+from parabench.results import SchemaError, UnsafeNameError, check_path_component
 from parabench.suite import Case, Suite, SuiteError, list_suites, load_suite, validate_case
 
 DEFAULT_OUT = Path("results")
+
+
+# --- argument types: every value checked at parse time, argparse names the flag ------------------
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"out of range: must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"out of range: must be a finite number > 0, got {text!r}")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
+    return value
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"bucket_mb\": 25}}', "
+                                         f"got a JSON {type(value).__name__}: {text!r}")
+    return value
+
+
+def _folder_name(what: str):
+    def parse(text: str) -> str:
+        try:
+            return check_path_component(text, what)
+        except UnsafeNameError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+def _resume_command(args, run_dir: Path) -> str:
+    """The command line that continues this run: the same arguments (suite, --out, filters...),
+    pointed at this run folder with --resume."""
+    argv, skip = [], False
+    for a in args.argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--run-id":
+            skip = True
+            continue
+        if a.startswith("--run-id=") or a == "--resume":
+            continue
+        argv.append(a)
+    return shlex.join(["parabench", *argv, "--run-id", run_dir.name, "--resume"])
 
 
 def _launch_options(args):
@@ -24,18 +102,44 @@ def _launch_options(args):
 
 def _add_launch_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("launch (passed to torchrun; multi-node rendezvous is torchrun's)")
-    g.add_argument("--nnodes", type=int, default=1)
-    g.add_argument("--node-rank", type=int, default=None)
+    g.add_argument("--nnodes", type=_int_at_least(1), default=1)
+    g.add_argument("--node-rank", type=_int_at_least(0), default=None)
     g.add_argument("--rdzv-endpoint", default=None, help="host:port of the c10d rendezvous (multi-node)")
     g.add_argument("--rdzv-id", default="parabench")
     g.add_argument("--torchrun-arg", action="append", help="extra torchrun argument (repeatable)")
     g.add_argument("--no-batch", action="store_true", help="one torchrun launch per case (slower, fully isolated)")
 
 
+def _write_run_report(run_dir: Path) -> Path | None:
+    """The run's report.html, or None (with the reason on stderr) when it cannot be written."""
+    from parabench.report import write_report
+
+    try:
+        return write_report([run_dir], run_dir / "report.html")
+    except (OSError, SchemaError) as exc:
+        print(f"parabench: error: {exc}", file=sys.stderr)
+        return None
+
+
 def _run_suite(suite: Suite, args) -> int:
+    from parabench.results import load_run
     from parabench.runner import OutputError, Runner, default_run_dir
 
+    try:
+        check_path_component(suite.name, "suite name")
+        if args.run_id is not None:
+            check_path_component(args.run_id, "--run-id")
+    except UnsafeNameError as exc:
+        print(f"parabench: error: {exc}", file=sys.stderr)
+        return 2
     run_dir = default_run_dir(Path(args.out), suite, args.run_id, args.resume)
+    if args.resume and (run_dir / "manifest.json").exists():
+        try:  # an unreadable file stops the run before anything is written, and names the file
+            load_run(run_dir)
+        except (SchemaError, OSError) as exc:
+            print(f"parabench: error: cannot resume {run_dir}: {exc}\nparabench: nothing was run and no file was "
+                  f"changed; move the damaged file away (its case then runs again) and resume", file=sys.stderr)
+            return 2
     if suite.kind == "collectives":
         counts = _run_collectives(suite, run_dir)
     else:
@@ -48,20 +152,20 @@ def _run_suite(suite: Suite, args) -> int:
             return 2
         except KeyboardInterrupt:
             print(f"\nparabench: interrupted; finished cases are kept in {run_dir}; continue with: "
-                  f"parabench run suite {getattr(args, 'suite', '...')} --resume", file=sys.stderr)
+                  f"{_resume_command(args, run_dir)}", file=sys.stderr)
             if not args.no_report and (run_dir / "manifest.json").exists():
-                from parabench.report import write_report
-
-                print(f"parabench: report of the finished cases: {write_report([run_dir], run_dir / 'report.html')}")
+                path = _write_run_report(run_dir)
+                if path:
+                    print(f"parabench: report of the finished cases: {path}")
             return 130
         print("parabench: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v), flush=True)
     if not args.no_report:
-        from parabench.report import write_report
-
-        path = write_report([run_dir], run_dir / "report.html")
+        path = _write_run_report(run_dir)
+        if path is None:
+            return 2
         print(f"parabench: report: {path}")
     failed = sum(v for k, v in counts.items() if k not in ("ok", "skipped", "kept"))
-    return 1 if failed and args.strict else 0
+    return 1 if failed or (args.strict and counts.get("skipped")) else 0
 
 
 def _run_collectives(suite: Suite, run_dir: Path) -> dict:
@@ -102,9 +206,6 @@ def cmd_run_suite(args) -> int:
     if args.repeats is not None:
         from dataclasses import replace
 
-        if args.repeats < 1:
-            print(f"parabench: error: --repeats must be >= 1 (got {args.repeats})", file=sys.stderr)
-            return 2
         suite.cases = [replace(c, repeats=args.repeats) for c in suite.cases]
     if args.proxy_model:
         suite = _cpu_proxy(suite, args.proxy_model)
@@ -137,13 +238,11 @@ def _cpu_proxy(suite: Suite, model: str) -> Suite:
 
 
 def cmd_run_case(args) -> int:
-    import json
-
     fields = {k: getattr(args, k) for k in ("model", "strategy", "world_size", "precision", "micro_batch",
                                              "grad_accum", "seq_len", "steps", "warmup", "seed", "lr", "device",
                                              "timeout_s", "repeats") if getattr(args, k) is not None}
     try:
-        fields["options"] = json.loads(args.options) if args.options else {}
+        fields["options"] = args.options or {}
         case = Case(**fields)
         from parabench.strategies import get_strategy
         from parabench.models import model_config
@@ -181,11 +280,10 @@ def cmd_list(args) -> int:
 
 def cmd_report(args) -> int:
     from parabench.report import write_report
-    from parabench.results import SchemaError
 
     try:
         path = write_report([Path(r) for r in args.runs], Path(args.output))
-    except (FileNotFoundError, SchemaError) as exc:
+    except (OSError, SchemaError) as exc:
         print(f"parabench: error: {exc}", file=sys.stderr)
         return 2
     print(path)
@@ -194,12 +292,11 @@ def cmd_report(args) -> int:
 
 def cmd_recheck(args) -> int:
     from parabench.recheck import recheck_run
-    from parabench.results import SchemaError
 
     for run in args.runs:
         try:
             changes = recheck_run(Path(run), args.strategy)
-        except (FileNotFoundError, SchemaError) as exc:
+        except (OSError, SchemaError) as exc:
             print(f"parabench: error: {exc}", file=sys.stderr)
             return 2
         verdict = {True: "comm=theory", False: "comm!=theory", None: "no comm verdict"}
@@ -219,8 +316,6 @@ def cmd_compare(args) -> int:
 
 
 def cmd_env(args) -> int:
-    import json
-
     from parabench.results import _devices, _versions, recorded_env
 
     print(json.dumps({"versions": _versions(), "devices": _devices(), "env": recorded_env()}, indent=1))
@@ -244,27 +339,31 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("--model", required=True)
             p.add_argument("--strategy", required=True)
-            p.add_argument("--world-size", type=int, default=1)
+            p.add_argument("--world-size", type=_int_at_least(1), default=1)
             p.add_argument("--precision")
-            p.add_argument("--micro-batch", type=int)
-            p.add_argument("--grad-accum", type=int)
-            p.add_argument("--seq-len", type=int)
-            p.add_argument("--steps", type=int)
-            p.add_argument("--warmup", type=int)
+            p.add_argument("--micro-batch", type=_int_at_least(1))
+            p.add_argument("--grad-accum", type=_int_at_least(1))
+            p.add_argument("--seq-len", type=_int_at_least(1))
+            p.add_argument("--steps", type=_int_at_least(1), help="timed steps (>= 1)")
+            p.add_argument("--warmup", type=_int_at_least(0), help="untimed steps before them (>= 0)")
             p.add_argument("--seed", type=int)
-            p.add_argument("--lr", type=float)
+            p.add_argument("--lr", type=_finite_float)
             p.add_argument("--device", choices=("auto", "cpu", "cuda"))
-            p.add_argument("--timeout-s", type=float)
-            p.add_argument("--options", help="strategy options as JSON, e.g. '{\"bucket_mb\": 25}'")
-            p.add_argument("--name", default="adhoc", help="results go to <out>/<name>/<run-id>")
+            p.add_argument("--timeout-s", type=_positive_seconds)
+            p.add_argument("--options", type=_json_object,
+                           help="strategy options as a JSON object, e.g. '{\"bucket_mb\": 25}'")
+            p.add_argument("--name", default="adhoc", type=_folder_name("--name"),
+                           help="results go to <out>/<name>/<run-id> (one folder name)")
             p.set_defaults(func=cmd_run_case)
         p.add_argument("--out", default=str(DEFAULT_OUT), help="results root (default: results)")
-        p.add_argument("--run-id", help="run folder name (default: a timestamp)")
+        p.add_argument("--run-id", type=_folder_name("--run-id"), help="run folder name (default: a timestamp)")
         p.add_argument("--resume", action="store_true", help="skip cases already recorded in the run folder")
         p.add_argument("--retry-failed", action="store_true", help="with --resume: run failed cases again")
         p.add_argument("--no-report", action="store_true")
-        p.add_argument("--strict", action="store_true", help="exit 1 if any case failed")
-        p.add_argument("--repeats", type=int, help="separate launches per case, interleaved over the suite "
+        p.add_argument("--strict", action="store_true",
+                       help="exit 1 also when a case was skipped (e.g. more ranks than devices); "
+                            "a failed case always exits 1")
+        p.add_argument("--repeats", type=_int_at_least(1), help="separate launches per case, interleaved over the suite "
                        "(overrides the suite's repeats; the regression gate needs >= 3)")
         _add_launch_flags(p)
 
@@ -295,7 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     return args.func(args)
 
 

@@ -59,8 +59,9 @@ dropped silently. Every compared metric has a direction and a decision rule (asv
             deterministic).
 
 A status change from ``ok`` to anything else (failed, oom, timeout, skipped) is a regression;
-the reverse is an improvement. Exit status (``main``): 1 on any regression, 0 otherwise, 2 on
-unreadable input.
+the reverse is an improvement. Exit status (``main``): 1 on any regression or on missing data
+(``missing_data``: baseline cases or gated metrics the candidate lacks; ``--allow-missing``
+accepts them), 0 otherwise, 2 on unreadable input.
 
 This module reads result files only (``parabench.results``); the report imports it to build
 its cross-run comparison table.
@@ -292,6 +293,42 @@ def compare_runs(baseline: tuple[dict, list[dict]], candidate: tuple[dict, list[
     }
 
 
+def missing_data(baseline: tuple[dict, list[dict]], candidate: tuple[dict, list[dict]]) -> list[str]:
+    """What the candidate lacks that the baseline has: a gate that compares nothing must not pass.
+    Baseline cases absent from the candidate (a candidate of 0 cases, another suite), and
+    candidate records whose status is ok but that carry no metrics, or lack a gated metric the
+    baseline measured."""
+    (_, brecs), (_, crecs) = baseline, candidate
+    cmap = {r.get("case_hash"): r for r in crecs}
+    problems = []
+    if not brecs:
+        problems.append("the baseline has no cases: nothing to compare")
+    if not crecs:
+        problems.append("the candidate has no cases")
+    absent = [r.get("label") or r.get("case_hash") for r in brecs if r.get("case_hash") not in cmap]
+    if absent and crecs:
+        matched = len(brecs) - len(absent)
+        problems.append(f"{len(absent)} of {len(brecs)} baseline cases are not in the candidate"
+                        + (" (no case in common: another suite or changed case hashes?)" if not matched else "")
+                        + ": " + ", ".join(map(str, absent[:5])) + (", ..." if len(absent) > 5 else ""))
+    elif absent:
+        problems.append(f"all {len(brecs)} baseline cases are missing from the candidate")
+    gated = [name for name, _, rule, _ in METRICS if rule != "info"]
+    for base in brecs:
+        cand = cmap.get(base.get("case_hash"))
+        if cand is None or cand.get("status") != STATUS_OK:
+            continue  # a status change is the comparison's own verdict
+        label = cand.get("label") or cand.get("case_hash")
+        if not isinstance(cand.get("metrics"), dict) or not cand["metrics"]:
+            problems.append(f"{label}: status ok but the candidate record has no metrics")
+            continue
+        if base.get("status") == STATUS_OK:
+            lost = [n for n in gated if metric_value(base, n) is not None and metric_value(cand, n) is None]
+            if lost:
+                problems.append(f"{label}: the candidate lacks {', '.join(lost)} (measured in the baseline)")
+    return problems
+
+
 # --- output -----------------------------------------------------------------------------------
 
 def _fmt(v) -> str:
@@ -374,6 +411,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write the comparison as JSON here")
     p.add_argument("--markdown", help="write the comparison as a Markdown table here")
     p.add_argument("--all", action="store_true", help="print unchanged metrics too")
+    p.add_argument("--allow-missing", action="store_true",
+                   help="pass even when the candidate lacks baseline cases or metrics (by default that exits 1)")
 
 
 def main(args) -> int:
@@ -385,6 +424,9 @@ def main(args) -> int:
         return 2
     result = compare_runs(base, cand, threshold=args.threshold, mem_threshold=getattr(args, "mem_threshold", None),
                           alpha=getattr(args, "alpha", DEFAULT_ALPHA), fail_unjudged=getattr(args, "fail_unjudged", False))
+    allow_missing = getattr(args, "allow_missing", False)
+    result["missing"] = missing_data(base, cand)
+    result["notes"] += [f"missing data{' (allowed)' if allow_missing else ''}: {m}" for m in result["missing"]]
     print(_summary(result))
     for n in result["notes"]:
         print(f"note: {n}")
@@ -396,6 +438,10 @@ def main(args) -> int:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(format_markdown(result))
     print("parabench compare: REGRESSION" if result["regression"] else "parabench compare: no regression")
+    if result["missing"] and not allow_missing:
+        print(f"parabench compare: MISSING DATA: the candidate lacks what the baseline measured "
+              f"({len(result['missing'])} problems, listed above); --allow-missing accepts that", file=sys.stderr)
+        return 1
     return 1 if result["regression"] else 0
 
 

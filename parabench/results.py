@@ -13,40 +13,134 @@ that says which version it is and which this parabench reads.
 from __future__ import annotations
 
 import datetime
+import errno
 import hashlib
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
 import tempfile
 from pathlib import Path
 
 SCHEMA_VERSION = 1
-# Environment variables worth recording; never the whole environment (tokens and keys live there).
-ENV_PREFIXES = ("NCCL_", "TORCH_", "CUDA_", "OMP_", "DS_", "PYTORCH_", "NVSHMEM_", "GLOO_", "MKL_", "KMP_",
-                "SLURM_JOB_", "SLURM_NNODES", "SLURM_NTASKS", "OPENBLAS_")
-ENV_DENY_SUBSTRINGS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
+# Environment variables worth recording, never the whole environment: tokens and keys live there,
+# and results get shared. A variable is recorded when its name is listed or starts with a listed
+# prefix; its value is still replaced when the name looks like a credential (NCCL_IB_PASSWD).
+ENV_NAMES = frozenset({"WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                       "NODE_RANK", "SLURM_NNODES", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SLURM_NODEID",
+                       "SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_JOB_NUM_NODES",
+                       "SLURM_JOB_NODELIST", "SLURM_JOB_PARTITION", "PARABENCH_GIT_COMMIT"})
+ENV_PREFIXES = ("NCCL_", "TORCH_", "TORCHELASTIC_", "CUDA_", "OMP_", "DS_", "PYTORCH_", "MASTER_", "NVSHMEM_",
+                "GLOO_", "MKL_", "KMP_", "OPENBLAS_")
+# A name component (split on _ - .) equal to one of these marks a credential; the short ones must
+# match a whole component (KEY, not MONKEY; PAT, not PATH), the long ones may sit inside one (APITOKEN).
+CREDENTIAL_COMPONENTS = frozenset({"PASS", "PWD", "KEY", "KEYS", "PAT", "SIG"})
+CREDENTIAL_WORDS = ("PASSWD", "PASSWORD", "PASSPHRASE", "SECRET", "TOKEN", "APIKEY", "AUTH", "BEARER", "PRIVATE",
+                    "CREDENTIAL", "ACCOUNT", "COOKIE", "SESSION", "SIGNATURE")
+REDACTED = "<redacted>"
 
 
 class SchemaError(ValueError):
-    pass
+    """A result file this parabench cannot read: not JSON (truncated), not a JSON object, or of
+    another schema version. The message starts with the file's path."""
 
 
-def write_json_atomic(path: str | os.PathLike, data) -> None:
-    """Write to a temporary file in the same folder, then rename: never half a file on disk."""
+class UnsafeNameError(ValueError):
+    """A name that would become a path outside its folder, or nested folders."""
+
+
+def check_path_component(name, what: str) -> str:
+    """``name`` when it is safe as one folder or file name under the results root: one path
+    component, not empty, no separators, no leading dot (so neither ``.`` nor ``..``), no control
+    characters. Suite names, run ids and ``run case --name`` all pass through here."""
+    problem = None
+    if not isinstance(name, str) or not name:
+        problem = "must be a non-empty string"
+    elif "/" in name or "\\" in name or (os.altsep and os.altsep in name) or os.path.isabs(name):
+        problem = "must be a single folder name, without '/' or '\\'"
+    elif name.startswith("."):
+        problem = "must not start with '.' (no '..', no hidden folders)"
+    elif any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
+        problem = "must not contain control characters"
+    if problem:
+        raise UnsafeNameError(f"{what} {name!r} {problem}; it names a folder under the results root")
+    return name
+
+
+def looks_like_credential(name: str) -> bool:
+    parts = [p for p in re.split(r"[_\-.]+", name.upper()) if p]
+    return any(p in CREDENTIAL_COMPONENTS or any(w in p for w in CREDENTIAL_WORDS) for p in parts)
+
+
+_URL_USERINFO = re.compile(r"(://)[^/@\s]+@")
+
+
+def _scrub(value: str) -> str:
+    """A value with the user:password part of any URL in it replaced."""
+    return _URL_USERINFO.sub(r"\1" + REDACTED + "@", value)
+
+
+def recorded_env(environ=None) -> dict:
+    environ = os.environ if environ is None else environ
+    return {k: REDACTED if looks_like_credential(k) else _scrub(v) for k, v in sorted(environ.items())
+            if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
+
+
+def _redact_word(word: str) -> str:
+    name, eq, rest = word.partition("=")
+    if not eq:
+        return _scrub(word)
+    if looks_like_credential(name.lstrip("-")):
+        return f"{name}={REDACTED}"
+    return f"{name}={_redact_word(rest)}"  # --torchrun-arg=--rdzv-conf=token=X
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """The command line with the values of credential-looking flags and ``NAME=VALUE`` words
+    replaced: ``--token X``, ``--password=X``, ``HF_TOKEN=X``, and URLs' ``user:password@``."""
+    out: list[str] = []
+    hide_next = False
+    for arg in map(str, argv):
+        if hide_next and not arg.startswith("--"):
+            out.append(REDACTED)
+        else:
+            out.append(_redact_word(arg))
+        hide_next = arg.startswith("-") and "=" not in arg and looks_like_credential(arg.lstrip("-"))
+    return out
+
+
+def file_mode() -> int:
+    """The mode a plain ``open()`` would give a new file (0666 less the umask; 0644 under the usual
+    022): records, manifest and report are shared alike. tempfile's 0600 would keep them private."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write to a temporary file in the same folder, then rename: never half a file on disk, and
+    no temporary file left behind when the write fails (a full disk, a folder in the way)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a folder; name a file to write", str(path))
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=False, default=_json_default)
+        os.fchmod(fd, file_mode())
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(path: str | os.PathLike, data) -> None:
+    write_text_atomic(path, json.dumps(data, indent=1, sort_keys=False, default=_json_default))
 
 
 def _json_default(o):
@@ -58,7 +152,15 @@ def _json_default(o):
 
 
 def load_json(path: str | os.PathLike) -> dict:
-    data = json.loads(Path(path).read_text())
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise SchemaError(f"{path}: not valid JSON (truncated or edited?): {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise SchemaError(f"{path}: not UTF-8 text: {exc}") from None
+    if not isinstance(data, dict):
+        raise SchemaError(f"{path}: expected a JSON object, found {type(data).__name__}")
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
         raise SchemaError(f"{path}: schema version {version!r}; this parabench reads version {SCHEMA_VERSION} only")
@@ -104,11 +206,6 @@ def _devices() -> list[dict]:
             for i in range(torch.cuda.device_count())]
 
 
-def recorded_env() -> dict:
-    return {k: v for k, v in sorted(os.environ.items())
-            if k.startswith(ENV_PREFIXES) and not any(s in k.upper() for s in ENV_DENY_SUBSTRINGS)}
-
-
 def _git_identity(status: str | None) -> dict:
     """The commit the tree was made from. A copy of the tree sent to an offline GPU machine names it
     in PARABENCH_GIT_COMMIT, which wins: the copy may carry a stale .git of its own (the device
@@ -135,7 +232,7 @@ def make_manifest(suite, run_id: str, argv: list[str] | None = None) -> dict:
         "devices": _devices(),
         "host": {"hostname": socket.gethostname(), "platform": platform.platform(), "cpu_count": os.cpu_count()},
         "env": recorded_env(),
-        "argv": argv or [],
+        "argv": redact_argv(argv or []),
         "n_cases": len(suite.cases),
     }
 

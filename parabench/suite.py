@@ -31,12 +31,14 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import re
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from parabench.models import MODEL_LADDER
+from parabench.results import UnsafeNameError, check_path_component
 from parabench.strategies import PRECISIONS, STRATEGIES, get_strategy
 from parabench.topology import Topology, TopologyError
 
@@ -168,6 +170,19 @@ def _line_of(text: str, key: str, table: str | None, index: int = 0) -> int | No
     return start + 1 if table is not None else None
 
 
+def _read_suite_text(path: Path) -> str:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise SuiteError(f"{path}: cannot read the suite file: {exc.strerror or exc}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise SuiteError(f"{path}:{line}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); "
+                         f"suite files are UTF-8 TOML") from None
+
+
 def list_suites() -> list[str]:
     return sorted(p.stem for p in SUITES_DIR.glob("*.toml"))
 
@@ -177,6 +192,8 @@ def resolve_suite_path(name_or_path: str) -> Path:
     if p.suffix == ".toml" or p.exists():
         if not p.exists():
             raise SuiteError(f"suite file {p} does not exist")
+        if not p.is_file():
+            raise SuiteError(f"suite path {p} is a folder (or not a regular file); give a .toml suite file or a suite name")
         return p
     candidate = SUITES_DIR / f"{name_or_path}.toml"
     if not candidate.exists():
@@ -186,7 +203,7 @@ def resolve_suite_path(name_or_path: str) -> Path:
 
 def load_suite(name_or_path: str) -> Suite:
     path = resolve_suite_path(name_or_path)
-    text = path.read_text()
+    text = _read_suite_text(path)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -208,6 +225,12 @@ def load_suite(name_or_path: str) -> Suite:
     if kind not in ("training", "collectives"):
         fail("kind must be 'training' or 'collectives'", "kind", "suite")
     name = head.get("name", path.stem)
+    try:
+        check_path_component(name, "suite name")
+    except UnsafeNameError as exc:
+        if "name" in head:
+            fail(str(exc), "name", "suite")
+        raise SuiteError(f"{path}: {exc} (from the file name; set [suite] name)") from None
     defaults = {k: v for k, v in head.items() if k in CASE_FIELDS}
     for key, value in defaults.items():
         _check_value(key, value, lambda m, k=key: fail(m, k, "suite"))
@@ -281,6 +304,10 @@ def _check_value(key: str, value, fail) -> None:
         fail("must be >= 1")
     if key == "warmup" and isinstance(value, int) and value < 0:
         fail("must be >= 0")
+    if key in ("lr", "timeout_s") and isinstance(value, float) and not math.isfinite(value):
+        fail(f"must be a finite number, got {value!r}")
+    if key == "timeout_s" and isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+        fail(f"must be > 0 seconds, got {value!r}")
 
 
 def validate_case(case: Case) -> None:

@@ -276,13 +276,3 @@ def render_report(run_dirs: list[Path], *, threshold: float = DEFAULT_THRESHOLD,
         n_cases=len(rows), n_ok=len(ok),
         n_status={s: sum(1 for r in rows if r["status"] == s) for s in sorted({r["status"] for r in rows})},
     )
-
-
-def write_report(run_dirs: list[Path], output: Path, **kwargs) -> Path:
-    output = Path(output)
-    html = render_report([Path(d) for d in run_dirs], **kwargs)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_suffix(output.suffix + ".tmp")
-    tmp.write_text(html)
-    tmp.replace(output)
-    return output.resolve()
