@@ -35,19 +35,19 @@ def train_rank(case: Case, n_steps: int, *, meter_steps=(), measure_state_from: 
     ``meter_steps``: step indices run under the communication meter (``n_steps`` is the extra
     step). ``measure_state_from``: the step from which ``trainer.measure_state`` is on.
     ``extra_step``: one more step after the recorded ones, its loss not kept (the instrumented
-    step of the worker). Hooks: ``on_build(trainer, case) -> dict`` whose items join the record
+    step of the worker). Hooks: ``on_build(trainer, case, spec) -> dict`` whose items join the record
     (lists it returns may be filled by the other hooks); ``on_step(trainer, case, step, record)``
     after each recorded step; ``on_end(trainer, case, record)`` before ``close``. ``patch()``: a
     context manager held around the whole case (a deliberately broken operator).
 
     The record: ``coords``, ``losses`` (None on ranks that never see the loss), ``comm`` (the last
     metered step's meter summary), ``comm_by_step``, ``state`` (after the last step), ``params``
-    (when ``params_on_every_rank``), and the hooks' items."""
+    (this rank's full parameters with ``params_on_every_rank``, else None), and the hooks' items."""
     with patch() if patch else contextlib.nullcontext():
         spec = make_spec(case, torch.device("cpu"))
         trainer = get_strategy(case.strategy).build(spec)
         record = {"coords": spec.topology.coords, "losses": [], "comm": None, "comm_by_step": {}}
-        record.update(on_build(trainer, case) if on_build else {})
+        record.update(on_build(trainer, case, spec) if on_build else {})
         batches = local_batches(case, spec, n_steps + extra_step)
         params = None
         for step, (x, y) in enumerate(batches):
@@ -71,8 +71,7 @@ def train_rank(case: Case, n_steps: int, *, meter_steps=(), measure_state_from: 
         if on_end:
             on_end(trainer, case, record)
         trainer.close()
-    if params_on_every_rank:
-        record["params"] = params
+    record["params"] = params if params_on_every_rank else None
     return record, params
 
 

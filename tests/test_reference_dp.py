@@ -77,7 +77,7 @@ def _break(trainer, kind):
         raise ValueError(kind)
 
 
-def _instrument(trainer, case) -> dict:
+def _instrument(trainer, case, spec) -> dict:
     """Break the trainer when the case asks for it, and note for every bucket collective whether it
     was launched while backward was running."""
     if "broken" in case.options:
