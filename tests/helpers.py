@@ -1,5 +1,5 @@
-"""Train a case in-process on N gloo ranks and return what equivalence tests compare; run a
-suite through the real CLI."""
+"""Train one case on N spawned gloo ranks and return what equivalence tests compare; run a suite
+through the real CLI. The shared training loop itself is ``harness.py``."""
 
 from __future__ import annotations
 
@@ -7,29 +7,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
+from harness import max_rel_diff, params_close, train_rank  # noqa: F401  (re-exported for the tests)
 from parabench.distributed import run_on_gloo
-from parabench.strategies import get_strategy
 from parabench.suite import Case
-from parabench.worker import local_batches, make_spec
 
 
 def _train(case_dict: dict, n_steps: int, want_params: bool):
-    case = Case.from_dict(case_dict)
-    device = torch.device("cpu")
-    spec = make_spec(case, device)
-    trainer = get_strategy(case.strategy).build(spec)
-    losses = []
-    for x, y in local_batches(case, spec, n_steps):
-        loss = trainer.train_step(x, y)
-        losses.append(None if loss is None else float(loss))
-    params = trainer.full_parameters() if want_params else None
-    state = trainer.state_bytes()
-    trainer.close()
-    return {"rank": dist.get_rank(), "coords": spec.topology.coords, "losses": losses,
-            "params": params if dist.get_rank() == 0 else None, "state_bytes": state}
+    record, params = train_rank(Case.from_dict(case_dict), n_steps, want_params=want_params)
+    return {"rank": dist.get_rank(), "coords": record["coords"], "losses": record["losses"],
+            "params": params if dist.get_rank() == 0 else None, "state_bytes": record["state"]}
 
 
 def train(case: Case, n_steps: int = 5, want_params: bool = True) -> dict:
@@ -44,42 +32,14 @@ def train(case: Case, n_steps: int = 5, want_params: bool = True) -> dict:
 
 
 def single_reference(case: Case, n_steps: int = 5) -> dict:
-    """The same model, data and global batch on one process: the ground truth."""
+    """The same model, data and global batch on one spawned process: the ground truth, through
+    the same path as every strategy (``harness.single_truth`` computes it without spawning)."""
     from dataclasses import replace
 
     dp = case.global_batch // (case.micro_batch * case.grad_accum)
     ref = replace(case, strategy="single", world_size=1, micro_batch=case.micro_batch * dp,
                   options={k: v for k, v in case.options.items() if k in ("optim",)})
     return train(ref, n_steps)
-
-
-def single_inprocess(case: Case, n_steps: int) -> dict:
-    """:func:`single_reference` without spawning (inside a rank that is already running): same
-    model, data and global batch on one process; losses and full parameters."""
-    from parabench.models import global_batch, model_config
-    from parabench.strategies import OptimConfig, TrainSpec
-    from parabench.topology import Topology
-
-    cfg = model_config(case.model, case.seq_len)
-    spec = TrainSpec(model=cfg, seed=case.seed, device=torch.device("cpu"), precision=case.precision,
-                     topology=Topology(world_size=1, rank=0), micro_batch=case.global_batch // case.grad_accum,
-                     grad_accum=case.grad_accum, optim=OptimConfig(lr=case.lr, **case.options.get("optim", {})))
-    trainer = get_strategy("single").build(spec)
-    losses = []
-    for step in range(n_steps):
-        x, y = global_batch(step, case.global_batch, cfg, case.seed)
-        losses.append(float(trainer.train_step(x, y)))
-    return {"losses": losses, "params": trainer.full_parameters()}
-
-
-def max_rel_diff(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
-
-
-def params_close(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> list[str]:
-    """Names of parameters that differ (empty when all match)."""
-    assert a.keys() == b.keys(), (sorted(a)[:5], sorted(b)[:5])
-    return [n for n in a if not torch.allclose(a[n], b[n], rtol=rtol, atol=atol)]
 
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -25,16 +25,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from harness import payload_by_kind, replica_mean_losses, run_cases
 from parabench.distributed import run_on_gloo
-from parabench.meters.comm import CommMeter
 from parabench.models import model_config
-from parabench.strategies import OptimConfig, TrainSpec, get_strategy
 from parabench.suite import Case
 from parabench.theory import expected
-from parabench.topology import build_topology
-from parabench.worker import local_batches
 
 N_STEPS = 20
 OPTIM = {"eps": 1e-6}
@@ -69,57 +65,40 @@ REFERENCE_COMPRESSORS = ["fp16", "onebit", "topk", "powersgd", "onebit-noef", "t
                          "local-h4", "local-h3"]
 
 
-def _run_group(cases: dict) -> dict:
-    topo = build_topology("cpu")
-    out = {}
-    for name, cd in cases.items():
-        case = Case.from_dict(cd)
-        spec = TrainSpec(model=model_config(case.model), seed=case.seed, device=torch.device("cpu"),
-                         precision=case.precision, topology=topo, micro_batch=case.micro_batch,
-                         grad_accum=case.grad_accum, optim=OptimConfig(lr=case.lr, **OPTIM), options=case.options)
-        trainer = get_strategy(case.strategy).build(spec)
-        if case.options.get("sgd"):  # ref.ddp with the local-SGD test's optimizer
-            o = spec.optim
-            trainer.optimizer = torch.optim.SGD([trainer.master], lr=o.lr, momentum=0.9, weight_decay=o.weight_decay)
-        losses, snapshots = [], []
-        for step, (x, y) in enumerate(local_batches(case, spec, N_STEPS)):
-            if step == N_STEPS - 1:
-                trainer.measure_state = True
-                with CommMeter() as meter:
-                    losses.append(float(trainer.train_step(x, y)))
-            else:
-                losses.append(float(trainer.train_step(x, y)))
-            if case.strategy == "ref.local_sgd" and step < 8:
-                snapshots.append(trainer.master.detach().clone())
-        summary = meter.summary()
-        mine = {"losses": losses, "comm": {k: v["payload_bytes"] for k, v in summary["by_kind"].items()},
-                "scalar_ops": summary["scalar_ops"], "state": trainer.state_bytes(), "snapshots": snapshots}
-        params = trainer.full_parameters()
-        if hasattr(trainer, "powersgd_state"):
-            mine["powersgd_iter"] = trainer.powersgd_state.iter
-        trainer.close()
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        out[name] = {"per_rank": everyone, "params": params if dist.get_rank() == 0 else None}
-    return out
+def _prepare(trainer, case, spec) -> dict:
+    """ref.ddp with the local-SGD test's optimizer where the case asks for it; a list for the
+    local-SGD snapshots."""
+    if case.options.get("sgd"):
+        o = spec.optim
+        trainer.optimizer = torch.optim.SGD([trainer.master], lr=o.lr, momentum=0.9, weight_decay=o.weight_decay)
+    return {"snapshots": []}
+
+
+def _snapshot(trainer, case, step, record):
+    """local SGD: each rank's flat parameters after each of the first 8 steps."""
+    if case.strategy == "ref.local_sgd" and step < 8:
+        record["snapshots"].append(trainer.master.detach().clone())
+
+
+def _powersgd_iter(trainer, case, record):
+    if hasattr(trainer, "powersgd_state"):
+        record["powersgd_iter"] = trainer.powersgd_state.iter
 
 
 @pytest.fixture(scope="module")
 def group():
-    return run_on_gloo(_run_group, 2, {n: c.to_dict() for n, c in CASES.items()})[0]
-
-
-def _losses(res) -> list[float]:
-    return [sum(r["losses"][i] for r in res["per_rank"]) / 2 for i in range(N_STEPS)]
+    """Every case N_STEPS steps on 2 ranks, the last one metered and with state sampled."""
+    return run_cases(2, CASES, N_STEPS, meter_steps=(N_STEPS - 1,), measure_state_from=N_STEPS - 1,
+                     on_build=_prepare, on_step=_snapshot, on_end=_powersgd_iter)
 
 
 def _final(res, last: int = 3) -> float:
     """Mean of the last few steps' losses (less noisy than one step)."""
-    return sum(_losses(res)[-last:]) / last
+    return sum(replica_mean_losses(res)[-last:]) / last
 
 
 def test_fp16_on_the_wire_tracks_plain_ddp(group):
-    a, b = _losses(group["fp16"]), _losses(group["ddp"])
+    a, b = replica_mean_losses(group["fp16"]), replica_mean_losses(group["ddp"])
     assert max(abs(x - y) / y for x, y in zip(a, b)) < 1e-3
     assert a != b  # fp16 rounding really happened
 
@@ -130,7 +109,7 @@ def test_error_feedback_compressors_train_and_ef_helps(group, method):
     (5.24 vs 5.20 over the last 3 steps, EF ahead early, behind late), so that comparison shows nothing;
     at rank 4 EF is ahead (5.04 vs 5.09). Runs are deterministic (seeded, 2-rank gloo sums)."""
     ef, noef, base = _final(group[method]), _final(group[f"{method}-noef"]), _final(group["ddp"])
-    first = _losses(group[method])[0]
+    first = replica_mean_losses(group[method])[0]
     # at least a fifth of the uncompressed progress (top-1 % makes the least: ~30 %; without any update
     # the loss would stay at `first`)
     assert ef < first - 0.2 * (first - base), (method, first, ef, base)
@@ -140,13 +119,13 @@ def test_error_feedback_compressors_train_and_ef_helps(group, method):
 def test_powersgd_at_full_rank_is_exact(group):
     """r = min(n, m) for every matrix: P spans M's column space, P Pᵀ M = M, so training equals ref.ddp
     (checks the P/Q algebra, the packing and the 1-D path independently of any tolerance on quality)."""
-    a, b = _losses(group["powersgd-r64"]), _losses(group["ddp"])
+    a, b = replica_mean_losses(group["powersgd-r64"]), replica_mean_losses(group["ddp"])
     assert max(abs(x - y) / y for x, y in zip(a, b)) < 1e-4
 
 
 def test_local_sgd_h1_with_sgd_equals_ddp(group):
     a, b = group["local-h1-sgd"], group["ddp-sgd"]
-    assert max(abs(x - y) / y for x, y in zip(_losses(a), _losses(b))) < 1e-5
+    assert max(abs(x - y) / y for x, y in zip(replica_mean_losses(a), replica_mean_losses(b))) < 1e-5
     for n in b["params"]:
         assert torch.allclose(a["params"][n], b["params"][n], rtol=1e-5, atol=1e-6), n
 
@@ -164,6 +143,7 @@ def test_bytes_per_step_equal_theory(group, name):
     exp = expected(case, model_config(case.model), 2)
     for rank, r in enumerate(group[name]["per_rank"]):
         want = exp["comm_payload_bytes"]
+        comm = payload_by_kind(r["comm"])
         if name == "torch-powersgd":
             # Meter blind spot: powerSGD_hook issues the P and Q all-reduces from Future.then callbacks,
             # which run on another thread, where the TorchDispatchMode is not active; only the all-reduce
@@ -172,11 +152,11 @@ def test_bytes_per_step_equal_theory(group, name):
             # Whether a callback runs inline (future already complete) or on gloo's thread is a race:
             # both the full figure and the 1-D part alone have been measured on this machine.
             psi_1d = sum(p.numel() for p in group["ddp"]["params"].values() if p.dim() == 1)
-            if r["comm"] == {"all_reduce": 4 * psi_1d}:
-                want = r["comm"]
-        assert r["comm"].keys() == want.keys(), (rank, r["comm"], want)
+            if comm == {"all_reduce": 4 * psi_1d}:
+                want = comm
+        assert comm.keys() == want.keys(), (rank, comm, want)
         for kind, v in want.items():
-            assert abs(r["comm"][kind] - v) <= 0.01 * v, (rank, kind, r["comm"][kind], v)
+            assert abs(comm[kind] - v) <= 0.01 * v, (rank, kind, comm[kind], v)
         if exp["state_bytes"] is not None:
             assert r["state"] == exp["state_bytes"], (rank, r["state"], exp["state_bytes"])
     ddp = expected(CASES["ddp"], model_config("tiny"), 2)["comm_payload_bytes"]["all_reduce"]
@@ -192,10 +172,11 @@ def test_torch_powersgd_hook_compressed_the_measured_step(group):
     leave torch.ddp's after step 2."""
     res = group["torch-powersgd"]
     assert res["per_rank"][0]["powersgd_iter"] == N_STEPS
-    assert res["per_rank"][0]["comm"]["all_reduce"] < 0.1 * group["torch-ddp"]["per_rank"][0]["comm"]["all_reduce"]
-    a, b = _losses(res), _losses(group["torch-ddp"])
+    metered = payload_by_kind(res["per_rank"][0]["comm"])["all_reduce"]
+    assert metered < 0.1 * payload_by_kind(group["torch-ddp"]["per_rank"][0]["comm"])["all_reduce"]
+    a, b = replica_mean_losses(res), replica_mean_losses(group["torch-ddp"])
     assert a[:3] == pytest.approx(b[:3], rel=1e-5) and a[-1] > b[-1] + 0.1
-    assert _losses(group["torch-fp16"]) == pytest.approx(b, rel=1e-3)
+    assert replica_mean_losses(group["torch-fp16"]) == pytest.approx(b, rel=1e-3)
 
 
 # --- the error-feedback invariants, on one rank (all-gather of one = identity) ----------------------

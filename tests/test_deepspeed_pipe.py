@@ -2,7 +2,8 @@
 the same losses and parameters as one process, and moves exactly the bytes parabench.theory says.
 CPU, gloo, 2 ranks = 2 stages, tiny shapes; tolerances as tests/test_reference_mp.py (fp32: 1e-5
 relative on every step's loss, parameters rtol 1e-5 / atol 1e-5, Adam eps 1e-6 for the reason given
-there). All cases share one spawned process group; the single-process truth is computed on rank 0.
+there). All cases share one spawned process group (``harness.run_cases``); the single-process truth is
+computed on rank 0.
 """
 
 from __future__ import annotations
@@ -10,17 +11,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
-import torch.distributed as dist
 
-from helpers import max_rel_diff, params_close, single_inprocess
-from parabench.distributed import run_on_gloo
-from parabench.meters.comm import CommMeter
+from harness import assert_matches_single, max_rel_diff, payload_by_kind, run_cases
 from parabench.models import model_config
-from parabench.strategies import get_strategy
 from parabench.suite import Case, SuiteError, validate_case
 from parabench.theory import expected
-from parabench.worker import local_batches, make_spec
 
 N_STEPS = 5
 TOL = 1e-5
@@ -40,42 +35,12 @@ CASES = {
 FP32 = ["p2_m4", "p2_m8_deep_ga2"]
 
 
-def _run_group(cases: dict, n_steps: int) -> dict:
-    out = {}
-    for name, cd in cases.items():
-        case = Case.from_dict(cd)
-        spec = make_spec(case, torch.device("cpu"))
-        trainer = get_strategy(case.strategy).build(spec)
-        batches = local_batches(case, spec, n_steps + 1)
-        losses, first_comm = [], None
-        for step, (x, y) in enumerate(batches[:n_steps]):
-            if step == 0:  # the first step also carries DeepSpeed's one-off tensor-meta message
-                with CommMeter() as meter:
-                    loss = trainer.train_step(x, y)
-                first_comm = meter.summary()
-            else:
-                loss = trainer.train_step(x, y)
-            losses.append(None if loss is None else float(loss))
-        params = trainer.full_parameters()
-        trainer.measure_state = True
-        with CommMeter() as meter:
-            trainer.train_step(*batches[n_steps])
-        comm = meter.summary()
-        state = trainer.state_bytes()
-        trainer.close()
-        mine = {"rank": dist.get_rank(), "losses": losses, "comm": comm, "first_comm": first_comm, "state": state}
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        out[name] = {"per_rank": everyone, "params": params}
-    if dist.get_rank() == 0:
-        for name, cd in cases.items():
-            out[name]["single"] = single_inprocess(Case.from_dict(cd), n_steps)
-    return out
-
-
 @pytest.fixture(scope="module")
 def group():
-    return run_on_gloo(_run_group, 2, {n: c.to_dict() for n, c in CASES.items()}, N_STEPS)[0]
+    """Step 0 under the comm meter (it also carries DeepSpeed's one-off tensor-meta message), then
+    one more step after N_STEPS under the meter with state sampled; rank 0 adds the truth."""
+    return run_cases(2, CASES, N_STEPS, with_truth=True, meter_steps=(0, N_STEPS), extra_step=True,
+                     measure_state_from=N_STEPS)
 
 
 def _losses(res) -> list[float]:
@@ -92,10 +57,8 @@ def _losses(res) -> list[float]:
 def test_matches_single_process(group, name):
     res = group[name]
     truth = res["single"]
-    assert truth["losses"][-1] < truth["losses"][0]
     assert [r["losses"][0] is None for r in res["per_rank"]] == [True, False]  # stage 0 / last stage
-    assert max_rel_diff(_losses(res), truth["losses"]) < TOL
-    assert params_close(res["params"], truth["params"], rtol=TOL, atol=PARAM_ATOL) == []
+    assert_matches_single(res, truth, loss_rtol=TOL, rtol=TOL, atol=PARAM_ATOL, losses=_losses(res))
 
 
 def test_bf16_runs_close_to_single_process_bf16(group):
@@ -111,7 +74,7 @@ def test_measured_comm_and_state_equal_theory(group, name):
     exp = expected(case, model_config(case.model, case.seq_len), 1)
     res = group[name]
     for rank, r in enumerate(res["per_rank"]):
-        got = {k: v["payload_bytes"] for k, v in r["comm"]["by_kind"].items()}
+        got = payload_by_kind(r["comm"])
         assert got == exp["comm_payload_bytes_per_rank"][rank], (rank, got)  # exact bytes
         assert r["comm"]["scalar_ops"] == exp["comm_scalar_ops_per_rank"][rank], (rank, r["comm"]["scalar_ops"])
         assert r["state"] == exp["state_bytes"][rank], (rank, r["state"], exp["state_bytes"][rank])
@@ -127,7 +90,7 @@ def test_measured_comm_and_state_equal_theory(group, name):
 def test_first_step_adds_one_tensor_meta_message(group, name):
     """Step 0 = a later step + DeepSpeed's 256 x int32 tensor-meta message, stage 0 -> stage 1."""
     for rank, r in enumerate(group[name]["per_rank"]):
-        first, later = r["first_comm"]["by_kind"], r["comm"]["by_kind"]
+        first, later = r["comm_by_step"][0]["by_kind"], r["comm"]["by_kind"]
         extra = {k: first[k]["payload_bytes"] - later.get(k, {}).get("payload_bytes", 0) for k in first}
         assert extra == {"send": 1024 if rank == 0 else 0, "recv": 1024 if rank == 1 else 0, "all_reduce": 0}
 

@@ -1,8 +1,8 @@
 """fp16 with dynamic loss scaling, activation checkpointing and gradient accumulation on every
 data-parallel strategy (references and peers), CPU, gloo, 2 ranks, tiny model.
 
-All 2-rank cases share one spawned process group (spawning costs far more than the tiny model);
-the single-process truths run in this process. Adam eps is 1e-6 as in test_reference_dp.py.
+All 2-rank cases share one spawned process group (``harness.run_cases``: spawning costs far more
+than the tiny model); the single-process truths run in this process (``harness.single_truth``). Adam eps is 1e-6 as in test_reference_dp.py.
 
 Inf injection (``inject_inf = {rank: 1, step: K}``): an inf is written into rank 1's gradient (its
 shard, after communication, just before unscale) at step K. A strategy whose overflow check is
@@ -33,15 +33,10 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from parabench.distributed import run_on_gloo
+from harness import replica_mean_losses, run_cases, single_truth
 from parabench.metrics import loss_deviation, loss_scale_summary
-from parabench.models import global_batch, model_config
-from parabench.strategies import OptimConfig, TrainSpec, get_strategy
 from parabench.suite import Case
-from parabench.topology import Topology, build_topology
-from parabench.worker import local_batches
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -123,63 +118,36 @@ def _ds_unfused_probe(trainer, undo: list[str]) -> list[tuple[float, float]]:
     return seen
 
 
-def _run_group(cases: dict, n_steps: int) -> dict:
-    topo = build_topology("cpu")
-    out = {}
-    for name, (cd, want_params) in cases.items():
-        case = Case.from_dict(cd)
-        spec = TrainSpec(model=model_config(case.model), seed=case.seed, device=torch.device("cpu"),
-                         precision=case.precision, topology=topo, micro_batch=case.micro_batch,
-                         grad_accum=case.grad_accum, optim=OptimConfig(lr=case.lr, **OPTIM), options=case.options)
-        trainer = get_strategy(case.strategy).build(spec)
-        seen = _ds_unfused_probe(trainer, case.options.get("ds_undo", [])) if case.options.get("ds_probe") else None
-        losses, scales = [], []
-        for x, y in local_batches(case, spec, n_steps):
-            losses.append(float(trainer.train_step(x, y)))
-            scales.append(trainer.loss_scale() if case.precision == "fp16" else None)
-        params = trainer.full_parameters() if want_params else None
-        # Every rank's own view: DDP-like strategies hold their own replica (DeepSpeed 0-2: the fp16
-        # module copy); sharded ones gather the masters.
-        own = None
-        if want_params and case.strategy in ("ref.ddp", "torch.ddp", "deepspeed.zero0", "deepspeed.zero1",
-                                             "deepspeed.zero2", "deepspeed.zero2_offload", "ref.ps"):
-            own = params
-        trainer.close()
-        mine = {"losses": losses, "scales": scales, "own": own, "seen": seen}
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        out[name] = {"per_rank": everyone, "params": params if dist.get_rank() == 0 else None}
-    return out
+# Strategies whose every rank holds its own replica (DeepSpeed 0-2: the fp16 module copy); sharded
+# ones gather the masters, one copy identical by construction.
+REPLICATED = ("ref.ddp", "torch.ddp", "deepspeed.zero0", "deepspeed.zero1", "deepspeed.zero2",
+              "deepspeed.zero2_offload", "ref.ps")
+
+
+def _probe(trainer, case, spec) -> dict:
+    seen = _ds_unfused_probe(trainer, case.options.get("ds_undo", [])) if case.options.get("ds_probe") else None
+    return {"seen": seen, "scales": []}
+
+
+def _record_scale(trainer, case, step, record):
+    record["scales"].append(trainer.loss_scale() if case.precision == "fp16" else None)
+
+
+def _plan(name: str, case: Case) -> dict:
+    want_params = CASES[name][1]
+    return {"want_params": want_params, "params_on_every_rank": want_params and case.strategy in REPLICATED}
 
 
 @pytest.fixture(scope="module")
 def group():
-    cases = {n: (c.to_dict(), p) for n, (c, p) in CASES.items()}
-    return run_on_gloo(_run_group, 2, cases, N_STEPS)[0]
-
-
-_TRUTHS: dict = {}
+    return run_cases(2, {n: c for n, (c, _) in CASES.items()}, N_STEPS, plan=_plan, want_state=False,
+                     on_build=_probe, on_step=_record_scale)
 
 
 def _single(precision: str, grad_accum: int = 1, inject: bool = False) -> dict:
-    key = (precision, grad_accum, inject)
-    if key not in _TRUTHS:
-        cfg = model_config("tiny")
-        opts = {"inject_inf": {"rank": 0, "step": K}} if inject else {}
-        spec = TrainSpec(model=cfg, seed=1234, device=torch.device("cpu"), precision=precision,
-                         topology=Topology(world_size=1, rank=0), micro_batch=4 // grad_accum, grad_accum=grad_accum,
-                         optim=OptimConfig(lr=LR, **OPTIM), options=opts)
-        trainer = get_strategy("single").build(spec)
-        losses, scales = [], []
-        for step in range(N_STEPS):
-            losses.append(float(trainer.train_step(*global_batch(step, 4, cfg, 1234))))
-            scales.append(trainer.loss_scale())
-        _TRUTHS[key] = {"losses": losses, "scales": scales, "params": trainer.full_parameters()}
-    return _TRUTHS[key]
-
-
-def _losses(res) -> list[float]:
-    return [sum(r["losses"][i] for r in res["per_rank"]) / len(res["per_rank"]) for i in range(N_STEPS)]
+    """One process on the same 4 samples per step, with the inf injected at step K when ``inject``."""
+    case = mk("single", precision, grad_accum=grad_accum, micro_batch=2 // grad_accum)
+    return single_truth(case, N_STEPS, options={"inject_inf": {"rank": 0, "step": K}} if inject else None)
 
 
 def _rel(a, b) -> float:
@@ -199,7 +167,7 @@ def _skipped_steps(res) -> list[list[int]]:
 def _ranks_identical(res, fp16_view: bool = False) -> bool:
     """Every rank's own parameters are bit-identical. ``fp16_view``: compare what the ranks compute
     with (ref.ps: the server reports its fp32 master, a worker the fp16 copy the server broadcast)."""
-    owns = [r["own"] for r in res["per_rank"]]
+    owns = [r["params"] for r in res["per_rank"]]
     if owns[0] is None:
         return True  # sharded: one gathered copy of the masters, identical by construction
     cast = (lambda t: t.half()) if fp16_view else (lambda t: t)
@@ -262,7 +230,7 @@ def test_low_precision_tracks_fp32(group, strategy, precision):
     fp32 = _single("fp32")["losses"]
     assert fp32[-1] < fp32[0]
     res = group[f"{strategy}-{precision}"]
-    losses = _losses(res)
+    losses = replica_mean_losses(res)
     if strategy == "deepspeed.zero0" and precision == "fp16":
         # DeepSpeed 0.19.8 never scales the loss for stage 0 fp16 but unscales the gradients by the
         # loss scale (2**16) anyway: the updates are those of gradients 65536x too small, so the loss
@@ -322,10 +290,10 @@ def test_deepspeed_zero0_fp16_mechanism(group):
     for res in (plain, pre, fresh):
         assert _ranks_identical(res)
         assert not any(e["skipped"] for r in res["per_rank"] for e in r["scales"])
-    assert _rel(_losses(plain), fp32) > 10 * LOSS_RTOL
-    assert LOSS_RTOL < _rel(_losses(pre), fp32) < 5e-3  # trains; the residual is the initial step (4)
-    assert _rel(_losses(fresh), fp32) < LOSS_RTOL
-    assert _rel(_losses(fresh), _losses(group["deepspeed.zero1-fp16"])) < 1e-5  # fp16 rounding level
+    assert _rel(replica_mean_losses(plain), fp32) > 10 * LOSS_RTOL
+    assert LOSS_RTOL < _rel(replica_mean_losses(pre), fp32) < 5e-3  # trains; the residual is the initial step (4)
+    assert _rel(replica_mean_losses(fresh), fp32) < LOSS_RTOL
+    assert _rel(replica_mean_losses(fresh), replica_mean_losses(group["deepspeed.zero1-fp16"])) < 1e-5  # fp16 rounding level
 
 
 # --- activation checkpointing and accumulation: the same numbers ------------------------------
@@ -333,17 +301,17 @@ def test_deepspeed_zero0_fp16_mechanism(group):
 @pytest.mark.parametrize("strategy", ALL)
 @pytest.mark.parametrize("variant", ["ac", "ga2"])
 def test_checkpointing_and_accumulation_equal_plain(group, strategy, variant):
-    plain = _losses(group[f"{strategy}-fp32"])
-    other = _losses(group[f"{strategy}-fp32-{variant}"])
+    plain = replica_mean_losses(group[f"{strategy}-fp32"])
+    other = replica_mean_losses(group[f"{strategy}-fp32-{variant}"])
     assert _rel(other, plain) < 1e-5, (other, plain)
 
 
 @pytest.mark.parametrize("strategy", ["ref.ddp", "ref.zero1", "ref.zero2", "ref.fsdp", "torch.ddp", "torch.fsdp2",
                                       "deepspeed.zero2"])
 def test_fp16_with_accumulation(group, strategy):
-    clean = _losses(group[f"{strategy}-fp16-ga2"])
+    clean = replica_mean_losses(group[f"{strategy}-fp16-ga2"])
     assert _rel(clean, _single("fp32")["losses"]) < LOSS_RTOL
-    assert _rel(clean, _losses(group[f"{strategy}-fp16"])) < LOSS_RTOL
+    assert _rel(clean, replica_mean_losses(group[f"{strategy}-fp16"])) < LOSS_RTOL
     res = group[f"{strategy}-inf-ga2"]
     assert _skipped_steps(res) == [[K], [K]]  # one optimizer step skipped, not one micro-step
     assert _ranks_identical(res)

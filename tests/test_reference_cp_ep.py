@@ -3,9 +3,9 @@ the same model to the same losses and parameters as one process, move exactly th
 theory says, balance the ring's work with the zig-zag split, and a broken ring or Ulysses is
 caught. CPU, gloo, fp32, tiny shapes.
 
-Cases of one world size share one spawned process group; the single-process ground truth is
-computed on rank 0 in-process (as ``helpers.single_reference`` would: same model, data and global
-batch of micro_batch x world samples). Tolerances as in test_reference_mp: losses 1e-5 relative,
+Cases of one world size share one spawned process group (``harness.run_cases``); the
+single-process ground truth is computed on rank 0 in-process (``harness.single_truth``: same
+model, data and global batch of micro_batch x world samples). Tolerances as in test_reference_mp: losses 1e-5 relative,
 parameters rtol 1e-5 / atol 1e-5 with Adam eps 1e-6.
 """
 
@@ -15,18 +15,15 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from helpers import max_rel_diff, params_close, single_inprocess
-from parabench.distributed import run_on_gloo
-from parabench.meters.comm import CommMeter
+from harness import (assert_matches_single, max_rel_diff, params_close, payload_by_kind, replica_mean_losses,
+                     run_cases)
 from parabench.models import (GPT, build_model, model_config, model_flops_per_token,
                               parameter_count)
 from parabench.strategies import TrainSpec, get_strategy
 from parabench.suite import Case, SuiteError, validate_case
 from parabench.theory import _sum_ops, cp_ops, ep_ops, expected
 from parabench.topology import Topology
-from parabench.worker import local_batches, make_spec
 
 N_STEPS = 5
 OPTIM = {"eps": 1e-6}
@@ -65,44 +62,28 @@ EQUIVALENT = [n for n in {**CASES_2, **CASES_4}
               if not n.startswith("broken") and n not in ("ep2_cap", "ep2_bf16", "ring_zz2_bf16")]
 
 
-def _run_group(cases: dict, n_steps: int) -> dict:
+def _stats(trainer, case, record):
+    record["stats"] = trainer.strategy_stats()
+
+
+def _group(cases: dict, world: int) -> dict:
+    """Every rank trains each case for N_STEPS, then one more step under the comm meter; rank 0
+    adds the single-process truth."""
     import os
 
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported (deepspeed.ulysses)
-    out = {}
-    for name, cd in cases.items():
-        case = Case.from_dict(cd)
-        spec = make_spec(case, torch.device("cpu"))
-        trainer = get_strategy(case.strategy).build(spec)
-        batches = local_batches(case, spec, n_steps + 1)
-        losses = [float(trainer.train_step(*batches[i])) for i in range(n_steps)]
-        params = trainer.full_parameters()
-        with CommMeter() as meter:
-            trainer.train_step(*batches[n_steps])
-        mine = {"losses": losses, "comm": meter.summary(), "stats": trainer.strategy_stats()}
-        trainer.close()
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        out[name] = {"per_rank": everyone, "params": params}
-    if dist.get_rank() == 0:
-        truths = {}
-        for name, cd in cases.items():
-            case = Case.from_dict(cd)
-            key = (case.model, case.global_batch, case.grad_accum, case.precision)
-            if key not in truths:
-                truths[key] = single_inprocess(case, n_steps)
-            out[name]["single"] = truths[key]
-    return out
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before the ranks import DeepSpeed (deepspeed.ulysses)
+    return run_cases(world, cases, N_STEPS, with_truth=True, extra_step=True, meter_steps=(N_STEPS,),
+                     want_state=False, on_end=_stats)
 
 
 @pytest.fixture(scope="module")
 def group2():
-    return run_on_gloo(_run_group, 2, {n: c.to_dict() for n, c in CASES_2.items()}, N_STEPS)[0]
+    return _group(CASES_2, 2)
 
 
 @pytest.fixture(scope="module")
 def group4():
-    return run_on_gloo(_run_group, 4, {n: c.to_dict() for n, c in CASES_4.items()}, N_STEPS)[0]
+    return _group(CASES_4, 4)
 
 
 @pytest.fixture(scope="module")
@@ -110,18 +91,10 @@ def results(group2, group4):
     return {**group2, **group4}
 
 
-def _losses(res) -> list[float]:
-    """Mean over ranks of each rank's mean loss (equal token counts per rank)."""
-    return [sum(r["losses"][i] for r in res["per_rank"]) / len(res["per_rank"]) for i in range(N_STEPS)]
-
-
 @pytest.mark.parametrize("name", EQUIVALENT)
 def test_matches_single_process(results, name):
     res = results[name]
-    truth = res["single"]
-    assert truth["losses"][-1] < truth["losses"][0]
-    assert max_rel_diff(_losses(res), truth["losses"]) < TOL
-    assert params_close(res["params"], truth["params"], rtol=TOL, atol=PARAM_ATOL) == []
+    assert_matches_single(res, res["single"], loss_rtol=TOL, rtol=TOL, atol=PARAM_ATOL)
 
 
 def test_ep_bf16_runs_close_to_single_process_bf16(results):
@@ -130,7 +103,7 @@ def test_ep_bf16_runs_close_to_single_process_bf16(results):
     res = results["ep2_bf16"]
     truth = res["single"]
     assert truth["losses"][-1] < truth["losses"][0]
-    assert max_rel_diff(_losses(res), truth["losses"]) < 1e-2
+    assert max_rel_diff(replica_mean_losses(res), truth["losses"]) < 1e-2
     assert res["per_rank"][0]["comm"]["by_kind"]["all_to_all"]["dtypes"] == ["torch.bfloat16"]
 
 
@@ -140,7 +113,7 @@ def test_ring_bf16_runs_close_to_single_process_bf16(results):
     res = results["ring_zz2_bf16"]
     truth = res["single"]
     assert truth["losses"][-1] < truth["losses"][0]
-    assert max_rel_diff(_losses(res), truth["losses"]) < 1e-2
+    assert max_rel_diff(replica_mean_losses(res), truth["losses"]) < 1e-2
     for r in res["per_rank"]:
         assert r["comm"]["by_kind"]["send"]["dtypes"] == ["torch.bfloat16"]
         assert r["comm"]["by_kind"]["recv"]["dtypes"] == ["torch.bfloat16"]
@@ -150,7 +123,7 @@ def test_ring_bf16_runs_close_to_single_process_bf16(results):
 def test_broken_variant_is_caught(group2, name):
     res = group2[name]
     # the equivalence check that passes the correct implementations fails on both counts
-    assert max_rel_diff(_losses(res), res["single"]["losses"]) > 10 * TOL
+    assert max_rel_diff(replica_mean_losses(res), res["single"]["losses"]) > 10 * TOL
     assert len(params_close(res["params"], res["single"]["params"], rtol=TOL, atol=PARAM_ATOL)) > 5
 
 
@@ -165,7 +138,7 @@ def test_measured_comm_equals_theory(results, name):
             want = _sum_ops(ep_ops(cfg, case, routing))
         else:
             want = _sum_ops(cp_ops(cfg, case, "ring" if case.strategy == "ref.cp_ring" else "ulysses"))
-        got = {k: v["payload_bytes"] for k, v in r["comm"]["by_kind"].items()}
+        got = payload_by_kind(r["comm"])
         assert set(got) == set(want), (rank, got, want)
         for kind in want:
             assert got[kind] == pytest.approx(want[kind], rel=0.01), (rank, kind, got, want)

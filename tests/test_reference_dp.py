@@ -20,17 +20,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from helpers import max_rel_diff, params_close
-from parabench.meters.comm import CommMeter
-from parabench.models import global_batch, model_config, parameter_count
-from parabench.strategies import OptimConfig, TrainSpec, get_strategy
+from harness import (assert_matches_single, max_rel_diff, mismatch, payload_by_kind, replica_mean_losses,
+                     run_cases, single_truth)
+from parabench.models import model_config, parameter_count
 from parabench.suite import Case
 from parabench.theory import expected
-from parabench.topology import Topology, build_topology
-from parabench.distributed import run_on_gloo
-from parabench.worker import local_batches
 
 N_STEPS = 5
 OPTIM = {"eps": 1e-6}
@@ -82,98 +77,50 @@ def _break(trainer, kind):
         raise ValueError(kind)
 
 
-def _run_group(cases: dict, n_steps: int) -> dict:
-    """Every rank: train each case for n_steps, the last one metered and with state sampled."""
-    topo = build_topology("cpu")
-    out = {}
-    for name, cd in cases.items():
-        case = Case.from_dict(cd)
-        spec = TrainSpec(model=model_config(case.model), seed=case.seed, device=torch.device("cpu"),
-                         precision=case.precision, topology=topo, micro_batch=case.micro_batch,
-                         grad_accum=case.grad_accum, optim=OptimConfig(lr=case.lr, **OPTIM), options=case.options)
-        trainer = get_strategy(case.strategy).build(spec)
-        if "broken" in case.options:
-            _break(trainer, case.options["broken"])
-        in_backward = []  # for each bucket collective: was it launched while backward was running?
-        if hasattr(trainer, "_launch"):
-            launch = trainer._launch
-            trainer._launch = lambda b: (in_backward.append(torch._C._current_graph_task_id() != -1), launch(b))
-        losses = []
-        for step, (x, y) in enumerate(local_batches(case, spec, n_steps)):
-            if step == n_steps - 1:
-                trainer.measure_state = True
-                with CommMeter() as meter:
-                    losses.append(float(trainer.train_step(x, y)))
-            else:
-                losses.append(float(trainer.train_step(x, y)))
-        comm = {k: v["payload_bytes"] for k, v in meter.summary()["by_kind"].items()}
-        dtypes = sorted({d for v in meter.summary()["by_kind"].values() for d in v["dtypes"]})
-        state = trainer.state_bytes()
-        params = trainer.full_parameters()
-        trainer.close()
-        mine = {"losses": losses, "comm": comm, "dtypes": dtypes, "state": state, "in_backward": in_backward}
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        out[name] = {"per_rank": everyone, "params": params if dist.get_rank() == 0 else None}
-    return out
+def _instrument(trainer, case, spec) -> dict:
+    """Break the trainer when the case asks for it, and note for every bucket collective whether it
+    was launched while backward was running."""
+    if "broken" in case.options:
+        _break(trainer, case.options["broken"])
+    in_backward = []
+    if hasattr(trainer, "_launch"):
+        launch = trainer._launch
+        trainer._launch = lambda b: (in_backward.append(torch._C._current_graph_task_id() != -1), launch(b))
+    return {"in_backward": in_backward}
 
 
-def _single(case: Case, precision: str = "fp32") -> dict:
-    """One process on the whole global batch (helpers.single_reference, without spawning)."""
-    cfg = model_config(case.model)
-    spec = TrainSpec(model=cfg, seed=case.seed, device=torch.device("cpu"), precision=precision,
-                     topology=Topology(world_size=1, rank=0), micro_batch=case.global_batch // case.grad_accum,
-                     grad_accum=case.grad_accum, optim=OptimConfig(lr=case.lr, **OPTIM))
-    trainer = get_strategy("single").build(spec)
-    losses = [float(trainer.train_step(*global_batch(step, case.global_batch, cfg, case.seed)))
-              for step in range(N_STEPS)]
-    return {"losses": losses, "params": trainer.full_parameters()}
-
-
-_TRUTHS: dict = {}
-
-
-def _truth(case: Case, precision="fp32") -> dict:
-    key = (case.global_batch, case.grad_accum, precision)
-    if key not in _TRUTHS:
-        _TRUTHS[key] = _single(case, precision)
-    return _TRUTHS[key]
+def _group(cases: dict, world: int) -> dict:
+    """Every rank trains each case for N_STEPS, the last one metered and with state sampled."""
+    return run_cases(world, cases, N_STEPS, meter_steps=(N_STEPS - 1,), measure_state_from=N_STEPS - 1,
+                     on_build=_instrument)
 
 
 @pytest.fixture(scope="module")
 def group2():
-    return run_on_gloo(_run_group, 2, {n: c.to_dict() for n, c in CASES_2.items()}, N_STEPS)[0]
+    return _group(CASES_2, 2)
 
 
 @pytest.fixture(scope="module")
 def group4():
-    return run_on_gloo(_run_group, 4, {n: c.to_dict() for n, c in CASES_4.items()}, N_STEPS)[0]
+    return _group(CASES_4, 4)
 
 
 @pytest.fixture(scope="module")
 def group3():
-    return run_on_gloo(_run_group, 3, {n: c.to_dict() for n, c in CASES_3.items()}, N_STEPS)[0]
-
-
-def _losses(res) -> list[float]:
-    """The mean over ranks per step (each rank's loss is the mean over its own slice)."""
-    return [sum(r["losses"][i] for r in res["per_rank"]) / len(res["per_rank"]) for i in range(N_STEPS)]
+    return _group(CASES_3, 3)
 
 
 def _mismatch(res, case) -> tuple[float, list[str]]:
-    truth = _truth(case)
-    return max_rel_diff(_losses(res), truth["losses"]), params_close(res["params"], truth["params"], rtol=TOL, atol=1e-6)
+    return mismatch(replica_mean_losses(res), res["params"], single_truth(case, N_STEPS), rtol=TOL, atol=1e-6)
 
 
 def _check(groups, cases, name):
     res, case = groups[name], cases[name]
+    truth = single_truth(case, N_STEPS)
     if case.precision == "fp32":
-        assert _truth(case)["losses"][-1] < _truth(case)["losses"][0]  # the data is learnable
-        loss_diff, bad = _mismatch(res, case)
-        assert loss_diff < TOL and bad == [], (loss_diff, bad)
-    else:  # bf16 compute vs fp32 autocast truth: close, not equal
-        truth = _truth(case, "bf16")
-        assert max_rel_diff(_losses(res), truth["losses"]) < 2e-2
+        assert_matches_single(res, truth, loss_rtol=TOL, rtol=TOL, atol=1e-6)
+    else:  # bf16 compute vs bf16 autocast truth: close, not equal
+        assert max_rel_diff(replica_mean_losses(res), truth["losses"]) < 2e-2
 
     # Model-state bytes per rank, as parabench.theory lays them out (the ps server is rank 0).
     exp = expected(case, model_config(case.model), case.world_size)
@@ -189,11 +136,13 @@ def _check(groups, cases, name):
     for rank, r in enumerate(res["per_rank"]):
         per_rank_exp = exp.get("comm_payload_bytes_per_rank")
         want = dict(per_rank_exp[rank] if per_rank_exp else exp["comm_payload_bytes"])
-        assert r["comm"].keys() == want.keys(), (rank, r["comm"], want)
+        comm = payload_by_kind(r["comm"])
+        assert comm.keys() == want.keys(), (rank, comm, want)
         for kind, v in want.items():
-            assert abs(r["comm"][kind] - v) <= 0.01 * v, (rank, kind, r["comm"][kind], v)
+            assert abs(comm[kind] - v) <= 0.01 * v, (rank, kind, comm[kind], v)
         wire = "torch.float32" if case.precision == "fp32" else "torch.bfloat16"
-        assert wire in r["dtypes"], r["dtypes"]
+        dtypes = {d for v in r["comm"]["by_kind"].values() for d in v["dtypes"]}
+        assert wire in dtypes, dtypes
 
 
 @pytest.mark.parametrize("name", [n for n in CASES_2 if "broken" not in CASES_2[n].options])

@@ -2,9 +2,9 @@
 peers) trains the same model to the same losses and parameters as one process, executes the
 textbook schedules, and moves exactly the bytes the theory says. CPU, gloo, fp32, tiny shapes.
 
-Cases of one world size share one spawned process group (spawning costs far more than training
-these models); the single-process ground truth is computed on rank 0 of that group, in-process,
-and checked once against ``helpers.single_reference``.
+Cases of one world size share one spawned process group (``harness.run_cases``: spawning costs far
+more than training these models); the single-process ground truth is computed on rank 0 of that
+group, in-process, and checked once against ``helpers.single_reference``.
 
 Tolerances: losses 1e-5 relative at every step; parameters rtol 1e-5 with atol 1e-5, i.e. 1% of
 one Adam step at lr 1e-3. Adam normalises every update to about ``lr``, so fp32 rounding
@@ -18,15 +18,16 @@ is still caught, see ``test_broken_operator_is_caught``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from helpers import max_rel_diff, params_close, single_inprocess, single_reference
+from harness import (assert_matches_single, max_rel_diff, params_close, payload_by_kind, replica_mean_losses,
+                     run_cases)
+from helpers import single_reference
 from parabench.distributed import run_on_gloo
-from parabench.meters.comm import CommMeter
 from parabench.models import model_config
 from parabench.strategies import get_strategy
 from parabench.suite import Case, SuiteError, validate_case
@@ -81,61 +82,36 @@ METERED = {"tp2", "tp_sp2", "tp2_ga2", "gpipe_p2_m4", "1f1b_p2_m8", "tp4", "gpip
            "tp2xdp2", "pp2xdp2", "sp2xpp2", "tp2xpp2xdp2"}
 
 
-def _break(kind: str):
-    """Monkeypatch a Megatron operator into a wrong one; returns the undo function."""
+@contextlib.contextmanager
+def _broken_f():
+    """Megatron's f operator without its backward all-reduce, for the duration of one case."""
     import reference_impls.tensor_parallel as tpm
 
-    if kind == "f":  # f without its backward all-reduce
-        saved = tpm._CopyToTP.backward
-        tpm._CopyToTP.backward = staticmethod(lambda ctx, grad: (grad, None))
-        return lambda: setattr(tpm._CopyToTP, "backward", staticmethod(saved))
-    raise ValueError(kind)
+    saved = tpm._CopyToTP.backward
+    tpm._CopyToTP.backward = staticmethod(lambda ctx, grad: (grad, None))
+    try:
+        yield
+    finally:
+        tpm._CopyToTP.backward = staticmethod(saved)
 
 
-def _run_group(cases: dict, n_steps: int, metered: set) -> dict:
-    """Every rank: train each case, gather params, meter one more step; rank 0 adds the truth."""
-    out = {}
-    for name, cd in cases.items():
-        case = Case.from_dict(cd)
-        undo = _break(case.options["break_operator"]) if "break_operator" in case.options else None
-        try:
-            spec = make_spec(case, torch.device("cpu"))
-            trainer = get_strategy(case.strategy).build(spec)
-            batches = local_batches(case, spec, n_steps + 1)
-            losses = []
-            for x, y in batches[:n_steps]:
-                loss = trainer.train_step(x, y)
-                losses.append(None if loss is None else float(loss))
-            params = trainer.full_parameters()
-            comm = None
-            if name in metered:
-                trainer.measure_state = True
-                with CommMeter() as meter:
-                    trainer.train_step(*batches[n_steps])
-                comm = meter.summary()
-            stats = trainer.pipeline_stats() if hasattr(trainer, "pipeline_stats") else None
-            state = trainer.state_bytes()
-            trainer.close()
-        finally:
-            if undo:
-                undo()
-        mine = {"coords": spec.topology.coords, "losses": losses, "comm": comm, "stats": stats, "state": state}
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        out[name] = {"per_rank": everyone, "params": params}
-    if dist.get_rank() == 0:
-        truths = {}
-        for name, cd in cases.items():
-            case = Case.from_dict(cd)
-            key = (case.model, case.seq_len, case.global_batch, case.grad_accum, case.precision)
-            if key not in truths:
-                truths[key] = single_inprocess(case, n_steps)
-            out[name]["single"] = truths[key]
-    return out
+def _stats(trainer, case, record):
+    record["stats"] = trainer.pipeline_stats() if hasattr(trainer, "pipeline_stats") else None
+
+
+def _plan(name: str, case: Case) -> dict:
+    """Every case: N_STEPS steps, parameters gathered, schedule stats; METERED cases one more step
+    under the comm meter with state sampled; broken_f under its broken operator."""
+    plan = {"on_end": _stats}
+    if name in METERED:
+        plan.update(extra_step=True, meter_steps=(N_STEPS,), measure_state_from=N_STEPS)
+    if case.options.get("break_operator") == "f":
+        plan["patch"] = _broken_f
+    return plan
 
 
 def _launch(cases: dict, world: int) -> dict:
-    return run_on_gloo(_run_group, world, {n: c.to_dict() for n, c in cases.items()}, N_STEPS, METERED)[0]
+    return run_cases(world, cases, N_STEPS, plan=_plan, with_truth=True)
 
 
 @pytest.fixture(scope="module")
@@ -153,27 +129,8 @@ def group8():
     return _launch(CASES_8, 8)
 
 
-def _losses(res) -> list[float]:
-    """Per step, the mean over data-parallel replicas of the loss on the ranks that see it
-    (within a replica, every tensor-parallel rank of the last stage must report the same)."""
-    steps = []
-    for i in range(N_STEPS):
-        by_dp: dict[int, list[float]] = {}
-        for r in res["per_rank"]:
-            if r["losses"][i] is not None:
-                by_dp.setdefault(r["coords"][0], []).append(r["losses"][i])
-        assert by_dp
-        for vals in by_dp.values():
-            assert max(vals) - min(vals) <= 1e-6 * abs(vals[0]), vals
-        steps.append(sum(v[0] for v in by_dp.values()) / len(by_dp))
-    return steps
-
-
 def _assert_matches_single(res):
-    truth = res["single"]
-    assert truth["losses"][-1] < truth["losses"][0]  # the data is learnable
-    assert max_rel_diff(_losses(res), truth["losses"]) < TOL
-    assert params_close(res["params"], truth["params"], rtol=TOL, atol=PARAM_ATOL) == []
+    assert_matches_single(res, res["single"], loss_rtol=TOL, rtol=TOL, atol=PARAM_ATOL)
 
 
 @pytest.mark.parametrize("name", [n for n in CASES_2 if n != "broken_f" and "bf16" not in n])
@@ -185,7 +142,7 @@ def test_world2_matches_single_process(group2, name):
 def test_bf16_runs_close_to_single_process_bf16(group2, name):
     """bf16 autocast: same recipe as the single-process bf16 run, up to bf16 rounding."""
     res = group2[name]
-    assert max_rel_diff(_losses(res), res["single"]["losses"]) < 1e-3
+    assert max_rel_diff(replica_mean_losses(res), res["single"]["losses"]) < 1e-3
 
 
 @pytest.mark.parametrize("name", list(CASES_4))
@@ -200,7 +157,7 @@ def test_tp_pp_dp_world8_matches_single_process(group8):
 def test_broken_operator_is_caught(group2):
     res = group2["broken_f"]
     truth = res["single"]
-    bad_loss = max_rel_diff(_losses(res), truth["losses"]) >= TOL
+    bad_loss = max_rel_diff(replica_mean_losses(res), truth["losses"]) >= TOL
     bad_params = params_close(res["params"], truth["params"], rtol=TOL, atol=PARAM_ATOL) != []
     assert bad_loss and bad_params
 
@@ -268,7 +225,7 @@ def test_measured_comm_and_state_equal_theory(group2, group4, group8, name):
     p = case.options.get("pp", 1)
     for rank, r in enumerate(res["per_rank"]):
         want = exp["comm_payload_bytes_per_rank"][rank]
-        got = {k: v["payload_bytes"] for k, v in r["comm"]["by_kind"].items()}
+        got = payload_by_kind(r["comm"])
         assert set(got) == set(want), (rank, got, want)
         for kind in want:
             assert got[kind] == pytest.approx(want[kind], rel=0.01), (rank, kind, got, want)
