@@ -6,7 +6,9 @@ import contextlib
 
 import torch
 
-from parabench.models import lm_loss
+import torch.distributed as dist
+
+from parabench.models import build_model, lm_loss
 from parabench.strategies import Trainer, TrainSpec
 
 
@@ -170,3 +172,85 @@ class TorchTrainer(Trainer):
             "grads": self._grad_bytes,
             "optimizer": optimizer_state_bytes(self.optimizer),
         }
+
+
+# --- shells shared by the references and the peers of context / expert parallelism -------------
+
+def check_degree(key: str, n: int | None) -> int:
+    """The cp (ep) degree: for now only the whole world (None means the world)."""
+    world = dist.get_world_size()
+    n = world if n is None else int(n)
+    if n != world:
+        raise ValueError(f"{key}={n}: only {key} = world size ({world}) is supported for now")
+    return n
+
+
+class ReplicatedTrainer(Trainer):
+    """Shared plumbing: AdamW over local parameters, state bytes, full parameters on rank 0."""
+
+    measure_state = False
+    _grad_bytes = 0
+
+    def _step(self, loss):
+        if self.measure_state:
+            self._grad_bytes = tensor_bytes(p.grad for p in self.module.parameters())
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def state_bytes(self):
+        return {"params": tensor_bytes(self.module.parameters()), "grads": self._grad_bytes,
+                "optimizer": optimizer_state_bytes(self.optimizer)}
+
+    def close(self):
+        self.optimizer = None
+        self.module = None
+
+
+class CPTrainer(ReplicatedTrainer):
+    """Context parallelism around the model (``reference_impls/context_parallel.py``); ``split``
+    (ring: "zigzag" | "contiguous") and ``broken`` (a test hook) as the caller read them."""
+
+    def __init__(self, spec: TrainSpec, mode: str, cp: int | None, split: str, broken: str | None = None):
+        from reference_impls.context_parallel import ContextParallel
+
+        self.spec = spec
+        check_degree("cp", cp)
+        if spec.model.is_moe:
+            raise ValueError("context parallelism is implemented for dense models only")
+        self.module = build_model(spec.model, spec.seed, spec.device)
+        self.cp = ContextParallel(self.module, spec.topology.dp_group, mode,
+                                  split=split, broken=broken, loss_fn=lm_loss)
+        self.optimizer = adamw(self.module.parameters(), spec)
+
+    def train_step(self, inputs, targets):
+        loss = self.cp.forward_backward(inputs, targets, self.spec.grad_accum, autocast=lambda: autocast(self.spec))
+        return self._step(loss)
+
+    def full_parameters(self):
+        if dist.get_rank() != 0:
+            return None
+        return {n: p.detach().float().cpu().clone() for n, p in self.module.named_parameters()}
+
+    def strategy_stats(self) -> dict:
+        return {"cp": self.cp.cp, "mode": self.cp.mode, "split": self.cp.split, **self.cp.stats.as_dict()}
+
+
+def build_model_names(spec: TrainSpec):
+    from parabench.models import GPT
+
+    with torch.device("meta"):
+        return list(GPT(spec.model).named_parameters())
+
+
+def assemble_on_rank0(mine: dict, spec: TrainSpec) -> dict | None:
+    """Rank 0: the full model's parameters, in the GPT's order, from every rank's named pieces
+    (dense ones from rank 0, experts from their owners); other ranks: None."""
+    everything = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, everything, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    full = {}
+    for part in everything:
+        full.update(part)
+    return {n: full[n] for n, _ in build_model_names(spec)}

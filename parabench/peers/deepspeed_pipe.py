@@ -180,7 +180,7 @@ class DeepSpeedPipelineTrainer(Trainer):
                 "optimizer": deepspeed_optimizer_bytes(self.engine.optimizer)}
 
     def full_parameters(self):
-        from parabench.reference_adapters_cp_ep import assemble_on_rank0
+        from parabench.peers.common import assemble_on_rank0
 
         mine = {n: p.detach().float().cpu() for n, p in
                 ((self._names[id(p)], p) for p in self.engine.module.parameters())}
