@@ -233,23 +233,60 @@ class StrategySpec:
 
 
 
-STRATEGIES: dict[str, StrategySpec] = {}
+class _Registry(dict):
+    """name -> StrategySpec, filled from the family modules on first use (they import this module,
+    and the adapters they name import it too, so the rows cannot be collected at import time)."""
+
+    _loaded = False
+
+    def _load(self) -> None:
+        if not self._loaded:
+            self._loaded = True
+            from parabench.families import ROWS
+
+            for row in ROWS:
+                if dict.__contains__(self, row.name):
+                    raise ValueError(f"strategy {row.name!r} registered twice")
+                dict.__setitem__(self, row.name, row)
+
+    def __getitem__(self, key):
+        self._load()
+        return dict.__getitem__(self, key)
+
+    def __contains__(self, key):
+        self._load()
+        return dict.__contains__(self, key)
+
+    def __iter__(self):
+        self._load()
+        return dict.__iter__(self)
+
+    def __len__(self):
+        self._load()
+        return dict.__len__(self)
+
+    def get(self, key, default=None):
+        self._load()
+        return dict.get(self, key, default)
+
+    def keys(self):
+        self._load()
+        return dict.keys(self)
+
+    def values(self):
+        self._load()
+        return dict.values(self)
+
+    def items(self):
+        self._load()
+        return dict.items(self)
 
 
-def register(info: StrategySpec) -> None:
-    if info.name in STRATEGIES:
-        raise ValueError(f"strategy {info.name!r} registered twice")
-    STRATEGIES[info.name] = info
+# Each family module (parabench/families/) lists its strategies' rows; adding a strategy is a row there.
+STRATEGIES: dict[str, StrategySpec] = _Registry()
 
 
 def get_strategy(name: str) -> StrategySpec:
     if name not in STRATEGIES:
         raise KeyError(f"unknown strategy {name!r}; valid strategies: {', '.join(sorted(STRATEGIES))}")
     return STRATEGIES[name]
-
-
-# Each family module (parabench/families/) lists its strategies' rows; adding a strategy is a row there.
-from parabench.families import ROWS  # noqa: E402  (the families need the classes above)
-
-for _row in ROWS:
-    register(_row)

@@ -89,7 +89,7 @@ def build_deepspeed_ulysses(spec: TrainSpec):
 class _TorchCPTrainer(CPTrainer):
     """torch context_parallel around each step: the token ids, targets and position ids are the
     sharded buffers (the head-tail load balancer reorders them); parameters are replicated plain
-    tensors, gradients all-reduced as in ``ref.cp_ring``. UNVERIFIED on GPU."""
+    tensors, gradients all-reduced as in ``ref.cp_ring``. Run on 2 H100s: results/cp-ep-gpu."""
 
     def __init__(self, spec: TrainSpec):
         o = ContextOptions.read(spec.options)
