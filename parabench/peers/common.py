@@ -46,11 +46,19 @@ def autocast(spec: TrainSpec):
     return torch.autocast(device_type=spec.device.type, dtype=spec.compute_dtype)
 
 
+def loss_scale_options(spec: TrainSpec):
+    """The loss-scaling, fault and checkpointing options every data-parallel peer reads (their one
+    definition is the family's dataclass; imported here, not at the top: the families import this module)."""
+    from parabench.families.data_parallel import LossScaleOptions
+
+    return LossScaleOptions.read(spec.options)
+
+
 def checkpoint_blocks(model: torch.nn.Module, spec: TrainSpec) -> None:
     """Option ``activation_checkpointing``: recompute every transformer block in backward. Applied
     before DDP / fully_shard / deepspeed.initialize (the same function the references use; see
     ``reference_impls/activation_checkpointing.py`` for why the forward, not the module, is wrapped)."""
-    if spec.options.get("activation_checkpointing"):
+    if loss_scale_options(spec).activation_checkpointing:
         from reference_impls.activation_checkpointing import checkpoint_blocks as _ckpt
 
         _ckpt(model.blocks)
@@ -61,10 +69,9 @@ def grad_scaler(spec: TrainSpec):
     options ``init_scale`` (2**16) and ``growth_interval`` (2000). None for fp32/bf16."""
     if spec.precision != "fp16":
         return None
-    o = spec.options
-    return torch.amp.GradScaler(spec.device.type, init_scale=float(o.get("init_scale", 2.0 ** 16)),
-                                growth_factor=2.0, backoff_factor=0.5,
-                                growth_interval=int(o.get("growth_interval", 2000)))
+    o = loss_scale_options(spec)
+    return torch.amp.GradScaler(spec.device.type, init_scale=float(o.init_scale), growth_factor=2.0,
+                                backoff_factor=0.5, growth_interval=o.growth_interval)
 
 
 class TorchTrainer(Trainer):
@@ -95,7 +102,7 @@ class TorchTrainer(Trainer):
         self.scaler = grad_scaler(spec)
         self._step = 0
         self._prev_scale = self.scaler.get_scale() if self.scaler is not None else None
-        self._inject = spec.options.get("inject_inf")
+        self._inject = loss_scale_options(spec).inject_inf
         self._hook = None
         if self._inject and self._inject.get("where", "shard") == "backward":
             first = next(p for p in self.module.parameters() if p.requires_grad)
@@ -115,7 +122,7 @@ class TorchTrainer(Trainer):
     def train_step(self, inputs, targets):
         accum = self.spec.grad_accum
         total = torch.zeros((), device=inputs.device)
-        spike = self.spec.options.get("lr_spike")
+        spike = loss_scale_options(self.spec).lr_spike
         saved = None
         if spike and int(spike.get("step", 0)) == self._step:
             saved = [g["lr"] for g in self.optimizer.param_groups]

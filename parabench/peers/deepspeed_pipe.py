@@ -41,6 +41,7 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
+from parabench.families.model_parallel import ModelParallelOptions
 from parabench.models import build_model, lm_loss
 from parabench.peers.common import adamw, tensor_bytes
 from parabench.strategies import Trainer, TrainSpec
@@ -121,7 +122,7 @@ class DeepSpeedPipelineTrainer(Trainer):
         if not ds_dist.is_initialized():
             deepspeed.init_distributed(dist_backend="gloo" if spec.device.type == "cpu" else "nccl")
         pp, cfg = topo.pp, spec.model
-        self.n_micro = int(spec.options.get("microbatches", 2 * pp)) * spec.grad_accum
+        self.n_micro = ModelParallelOptions.read(spec.options).n_microbatches * spec.grad_accum
         self.mb_size = spec.micro_batch * spec.grad_accum // self.n_micro
         if self.mb_size * self.n_micro != spec.micro_batch * spec.grad_accum:
             raise ValueError(f"{self.n_micro} micro-batches do not divide {spec.micro_batch * spec.grad_accum} samples")
