@@ -404,6 +404,86 @@ def expect_deepspeed_pp(cfg, case, o, dp):
     )
 
 
+# --- torch.distributed.pipelining (parabench/peers/torch_pipeline.py) ---------------------------
+# The model is cut into C = pp x v chunks (v = virtual_stages for ScheduleInterleaved1F1B, else 1)
+# by the same partition as the references; rank r holds chunks r, r + pp, ..., r + (v-1)·pp. Per
+# micro-batch, every chunk boundary carries the activation [b, s, h] forward and its gradient
+# backward, as one send/recv pair each (PipelineStage's batch_isend_irecv), in fp32: the residual
+# stream stays fp32 under autocast. So interleaving moves the same bytes per boundary crossing but
+# crosses v times as many boundaries (C - 1 instead of pp - 1), and every rank but the ends of the
+# chain sends and receives on both sides of each of its chunks. Shapes are inferred on the first
+# step only (the metered step is a later one). Data parallel: one all-reduce per parameter
+# gradient (fp32) over the dp group, after the schedule.
+
+def torch_pipeline_ops(cfg: GPTConfig, case, pp_rank: int, dp: int) -> list[tuple[str, int]]:
+    """Every communication op (kind, payload bytes) one rank of a torch pipeline issues in a step."""
+    from reference_impls.pipeline import partition_layers
+
+    o = ModelParallelOptions.read(case.options)
+    p, v = o.pp, (o.virtual_stages if case.strategy == "torch.pp_interleaved" else 1)
+    chunks = p * v
+    n = o.n_microbatches * case.grad_accum
+    b = case.micro_batch * case.grad_accum // n
+    act = b * cfg.seq_len * cfg.d_model * 4
+    ops: list[tuple[str, int]] = []
+    for _ in range(n):
+        for k in range(v):
+            c = pp_rank + k * p
+            if c > 0:
+                ops += [("recv", act), ("send", act)]
+            if c < chunks - 1:
+                ops += [("send", act), ("recv", act)]
+    if dp > 1:
+        bounds = partition_layers(cfg.n_layers, chunks)
+        for k in range(v):
+            c = pp_rank + k * p
+            ops += [("all_reduce", 4 * numel) for numel in _chunk_param_numels(cfg, *bounds[c], c == 0, c == chunks - 1)]
+    return ops
+
+
+def _chunk_param_numels(cfg: GPTConfig, lo: int, hi: int, first: bool, last: bool) -> list[int]:
+    """Parameter sizes of one chunk (embeddings on the first, LayerNorm + head on the last)."""
+    import torch
+
+    from parabench.models import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    mods = ([model.tok_emb, model.pos_emb] if first else []) + [model.blocks[i] for i in range(lo, hi)]
+    if last:
+        mods += [model.ln_f, model.head]
+    return [q.numel() for m in mods for q in m.parameters()]
+
+
+def expect_torch_pipeline(cfg, case, o, dp):
+    from reference_impls.pipeline import partition_layers
+
+    p = o.pp
+    v = o.virtual_stages if case.strategy == "torch.pp_interleaved" else 1
+    chunks = p * v
+    bounds = partition_layers(cfg.n_layers, chunks)
+    grid = [(r // p, r % p) for r in range(case.world_size)]  # (dp rank, pp rank); no tp
+    per_rank = [sum_ops(torch_pipeline_ops(cfg, case, pp_rank, dp)) for _, pp_rank in grid]
+    state = []
+    for _, pp_rank in grid:
+        n = sum(sum(_chunk_param_numels(cfg, *bounds[c], c == 0, c == chunks - 1))
+                for c in range(pp_rank, chunks, p))
+        state.append({"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n})
+    n_micro = o.n_microbatches * case.grad_accum
+    return Expectation(
+        state_bytes=state,
+        comm_payload_bytes=per_rank[0],
+        comm_payload_bytes_per_rank=per_rank,
+        paper_state_bytes=None,
+        notes=f"torch.distributed.pipelining over {chunks} chunks ({v} per rank): per micro-batch each chunk "
+              "boundary sends the fp32 activation b·s·h forward and its gradient back; fp32 parameters, gradients "
+              "and AdamW moments of the rank's chunks; see parabench.families.model_parallel.torch_pipeline_ops.",
+        pipeline={"schedule": "interleaved_1f1b" if v > 1 else "1f1b", "microbatches": n_micro, "virtual_stages": v,
+                  # Narayanan et al. 2021, Sec. 2.2: v chunks per rank divide the bubble by v.
+                  "bubble_fraction": (p - 1) / (v * n_micro + p - 1)},
+    )
+
+
 def _row(name, builder, kind, description, expect, **kw):
     return StrategySpec(name, "model_parallel", builder, kind, description, options=ModelParallelOptions,
                         validate=validate, expect=expect, **kw)
@@ -433,8 +513,8 @@ ROWS = (
     _row("torch.pp_1f1b", f"{_TORCH_PP}:build_1f1b", "peer",
          "torch.distributed.pipelining PipelineStage + Schedule1F1B", None, version="2"),
     _row("torch.pp_interleaved", f"{_TORCH_PP}:build_interleaved", "peer",
-         "torch.distributed.pipelining ScheduleInterleaved1F1B, virtual_stages (default 2) chunks per rank", None,
-         version="2"),
+         "torch.distributed.pipelining ScheduleInterleaved1F1B, virtual_stages (default 2) chunks per rank",
+         expect_torch_pipeline, version="2"),
     _row("deepspeed.pp", "parabench.peers.deepspeed_pipe:build", "peer",
          "DeepSpeed pipeline engine: PipelineModule (parabench's stage split) + engine.train_batch, "
          "TrainSchedule (1F1B), blocking send/recv, ZeRO-0 with the client AdamW (options pp = world_size, "
