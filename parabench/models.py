@@ -14,6 +14,7 @@ Batches are a pure function of (seed, step), so any world size sees the same glo
 from __future__ import annotations
 
 import math
+import types
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -204,7 +205,7 @@ def route(logits: torch.Tensor, top_k: int, capacity_factor: float | None, n_sam
     return experts, gates, keep, aux
 
 
-class _AuxLossInjector(torch.autograd.Function):
+class AuxLossInjector(torch.autograd.Function):
     """Identity on ``x``; in backward, gives ``aux`` the gradient ``scale`` as if ``scale * aux`` had
     been added to the loss (Megatron-core's MoEAuxLossAutoScaler). The auxiliary loss thus reaches
     the router through any trainer that calls ``lm_loss(model(x), y).backward()``."""
@@ -224,7 +225,7 @@ class MoE(nn.Module):
     sum of its (kept) experts' outputs, zero for a fully dropped token (the residual carries it).
 
     The load-balancing loss, times ``aux_loss_coef * aux_grad_scale``, enters the gradient through
-    :class:`_AuxLossInjector`; the reported LM loss does not include it (``last_aux`` keeps the
+    :class:`AuxLossInjector`; the reported LM loss does not include it (``last_aux`` keeps the
     value). Trainers that divide the loss by grad_accum set ``aux_grad_scale = 1 / grad_accum``.
     """
 
@@ -256,7 +257,7 @@ class MoE(nn.Module):
         self.last_tokens_per_expert = torch.bincount(experts[keep], minlength=self.cfg.n_experts).cpu()
         self.last_dropped = int((~keep).sum())
         if torch.is_grad_enabled() and self.cfg.aux_loss_coef:
-            out = _AuxLossInjector.apply(out, aux, self.cfg.aux_loss_coef * self.aux_grad_scale)
+            out = AuxLossInjector.apply(out, aux, self.cfg.aux_loss_coef * self.aux_grad_scale)
         return out.view(b, s, d)
 
 
@@ -436,3 +437,9 @@ def global_batch(step: int, batch_size: int, cfg: GPTConfig, seed: int) -> tuple
     offsets = torch.tensor(MARKOV_OFFSETS)[choice].view(batch_size, cfg.seq_len)
     stream = torch.cat([starts, starts + offsets.cumsum(dim=1)], dim=1) % cfg.vocab_size
     return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
+
+
+# The pieces of the MoE layer an expert-parallel shard needs to route exactly as the full layer
+# (``reference_impls.expert_parallel`` takes them from its caller; it imports nothing from parabench).
+MOE_ROUTING = types.SimpleNamespace(moe_type=MoE, route=route, router_logits=router_logits,
+                                    add_aux_loss=AuxLossInjector.apply)

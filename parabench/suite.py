@@ -39,7 +39,7 @@ from pathlib import Path
 
 from parabench.models import MODEL_LADDER
 from parabench.results import UnsafeNameError, check_path_component
-from parabench.strategies import PRECISIONS, STRATEGIES, get_strategy
+from parabench.strategies import DP_PRECISIONS, STRATEGIES, get_strategy
 from parabench.topology import Topology, TopologyError
 
 SUITES_DIR = Path(__file__).resolve().parent.parent / "suites"
@@ -296,8 +296,8 @@ def _check_value(key: str, value, fail) -> None:
         fail(f"unknown model {value!r}; valid models: {', '.join(MODEL_LADDER)}")
     if key == "strategy" and value not in STRATEGIES:
         fail(f"unknown strategy {value!r}; valid strategies: {', '.join(sorted(STRATEGIES))}")
-    if key == "precision" and value not in PRECISIONS:
-        fail(f"unknown precision {value!r}; valid precisions: {', '.join(PRECISIONS)}")
+    if key == "precision" and value not in DP_PRECISIONS:
+        fail(f"unknown precision {value!r}; valid precisions: {', '.join(DP_PRECISIONS)}")
     if key == "device" and value not in ("auto", "cpu", "cuda"):
         fail(f"unknown device {value!r}; valid devices: auto, cpu, cuda")
     if key in ("world_size", "micro_batch", "grad_accum", "steps", "seq_len", "repeats") and isinstance(value, int) and value < 1:
@@ -311,7 +311,8 @@ def _check_value(key: str, value, fail) -> None:
 
 
 def validate_case(case: Case) -> None:
-    """Reject what cannot run, before anything launches."""
+    """Reject what cannot run, before anything launches: the generic limits here, the strategy's
+    options (unknown keys, wrong types) and its own limits in its family (``parabench/families/``)."""
     info = get_strategy(case.strategy)
     if case.repeats < 1:
         raise SuiteError(f"repeats must be >= 1 (got {case.repeats})")
@@ -320,107 +321,14 @@ def validate_case(case: Case) -> None:
                          f"(supported: {', '.join(info.precisions)})")
     if case.world_size < info.min_world_size:
         raise SuiteError(f"{case.strategy} needs world_size >= {info.min_world_size}")
-    if case.strategy == "single" and case.world_size != 1:
-        raise SuiteError("strategy 'single' runs on world_size 1 only")
-    pp, tp = case.options.get("pp", 1), case.options.get("tp", 1)
-    Topology.check(case.world_size, pp, tp)
-    cfg = MODEL_LADDER[case.model]
-    if cfg.n_heads % tp:
-        raise SuiteError(f"tp={tp} does not divide the {cfg.n_heads} heads of {case.model}")
-    if pp > cfg.n_layers:
-        raise SuiteError(f"pp={pp} stages for a model of {cfg.n_layers} layers")
-    if pp > 1:
-        m = case.options.get("microbatches", 2 * pp)
-        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
-            raise SuiteError(f"microbatches must be a positive integer (got {m!r})")
-        if case.micro_batch % m:
-            raise SuiteError(f"{m} pipeline micro-batches do not divide micro_batch={case.micro_batch} "
-                             f"(each pipeline micro-batch is micro_batch / microbatches samples; "
-                             f"the default is 2*pp = {2 * pp})")
-    if case.strategy == "torch.pp_interleaved":
-        v = case.options.get("virtual_stages", 2)
-        if pp * v > cfg.n_layers:
-            raise SuiteError(f"pp={pp} x virtual_stages={v} chunks for a model of {cfg.n_layers} layers")
-    if tp > 1 and cfg.vocab_size % tp:
-        raise SuiteError(f"tp={tp} does not divide the vocabulary ({cfg.vocab_size}) of {case.model}")
-    if case.strategy in ("ref.tp_sp", "torch.tp_sp") or case.options.get("sp"):
-        seq = case.seq_len or cfg.seq_len
-        if seq % tp:
-            raise SuiteError(f"sequence parallel: tp={tp} does not divide seq_len={seq}")
     if case.seq_len is not None and case.seq_len > 1 << 20:
         raise SuiteError("seq_len is unreasonably large")
-    if case.strategy in ("ref.tp", "ref.tp_sp", "torch.tp", "torch.tp_sp") and tp < 2:
-        raise SuiteError(f"{case.strategy} needs options.tp >= 2 (got tp={tp})")
-    if case.strategy.startswith(("ref.pp_", "torch.pp_", "deepspeed.pp")) and pp < 2:
-        raise SuiteError(f"{case.strategy} needs options.pp >= 2 (got pp={pp})")
-    if case.strategy == "deepspeed.pp":
-        if tp != 1 or case.world_size != pp:
-            raise SuiteError(f"deepspeed.pp runs one pipeline of pp stages, one per rank: world_size must equal pp "
-                             f"and tp must be 1 (got world_size={case.world_size}, pp={pp}, tp={tp}; data and "
-                             f"tensor parallelism around DeepSpeed's pipeline are not wired)")
-    for flag in ("memory_breakdown", "step_breakdown"):  # extra untimed meter steps after the timed ones
-        if flag in case.options and not isinstance(case.options[flag], bool):
-            raise SuiteError(f"options.{flag} must be true or false (got {case.options[flag]!r})")
-    _validate_cp_ep(case, cfg)
-    _validate_compression(case)
-
-
-CP_STRATEGIES = ("ref.cp_ring", "ref.cp_ulysses", "torch.cp", "deepspeed.ulysses")
-EP_STRATEGIES = ("ref.ep", "deepspeed.moe")
-
-
-def _validate_cp_ep(case: Case, cfg) -> None:
-    """Context / expert parallelism: for now the whole world is the cp (ep) group, alone."""
-    o = case.options
-    if case.strategy in CP_STRATEGIES + EP_STRATEGIES:
-        if o.get("tp", 1) != 1 or o.get("pp", 1) != 1:
-            raise SuiteError(f"{case.strategy} does not compose with tp/pp yet (got tp={o.get('tp', 1)}, "
-                             f"pp={o.get('pp', 1)})")
-    if case.strategy in CP_STRATEGIES:
-        cp = o.get("cp", case.world_size)
-        if cp != case.world_size:
-            raise SuiteError(f"{case.strategy}: cp={cp} must equal world_size={case.world_size} (no cp x dp yet)")
-        if cfg.n_experts:
-            raise SuiteError(f"{case.strategy}: context parallelism supports dense models only ({case.model} is MoE)")
-        seq = case.seq_len or cfg.seq_len
-        split = o.get("cp_split", "zigzag") if case.strategy == "ref.cp_ring" else "contiguous"
-        if split not in ("zigzag", "contiguous"):
-            raise SuiteError(f"cp_split must be 'zigzag' or 'contiguous' (got {split!r})")
-        chunks = 2 * cp if split == "zigzag" else cp
-        if seq % chunks:
-            raise SuiteError(f"{case.strategy}: seq_len={seq} does not split into {chunks} chunks "
-                             f"({split} split over cp={cp})")
-        if case.strategy in ("ref.cp_ulysses", "deepspeed.ulysses") and cfg.n_heads % cp:
-            raise SuiteError(f"{case.strategy}: cp={cp} does not divide the {cfg.n_heads} heads of {case.model}")
-    if case.strategy in EP_STRATEGIES:
-        ep = o.get("ep", case.world_size)
-        if not cfg.n_experts:
-            raise SuiteError(f"{case.strategy} needs an MoE model (n_experts > 0), got {case.model}")
-        if ep != case.world_size:
-            raise SuiteError(f"{case.strategy}: ep={ep} must equal world_size={case.world_size} (no ep x dp yet)")
-        if cfg.n_experts % ep:
-            raise SuiteError(f"{case.strategy}: ep={ep} does not divide the {cfg.n_experts} experts of {case.model}")
-        if case.strategy == "deepspeed.moe" and cfg.top_k != 2:
-            raise SuiteError(f"deepspeed.moe wires DeepSpeed's top-2 gate only ({case.model} has top_k={cfg.top_k})")
-
-
-COMPRESSION_STRATEGIES = ("ref.ddp_fp16_compress", "ref.ddp_onebit", "ref.ddp_topk", "ref.ddp_powersgd",
-                          "ref.local_sgd", "torch.ddp_fp16_hook", "torch.ddp_powersgd_hook", "deepspeed.onebit_adam")
-
-
-def _validate_compression(case: Case) -> None:
-    """Gradient compression and local SGD: plain data parallel only, options in range."""
-    o = case.options
-    if case.strategy not in COMPRESSION_STRATEGIES:
-        return
-    if o.get("tp", 1) != 1 or o.get("pp", 1) != 1:
-        raise SuiteError(f"{case.strategy} is data parallel only (got tp={o.get('tp', 1)}, pp={o.get('pp', 1)})")
-    ratio = o.get("topk_ratio", 0.01)
-    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio <= 1:
-        raise SuiteError(f"topk_ratio must be a number in (0, 1] (got {ratio!r})")
-    for key, default in (("powersgd_rank", 2), ("sync_every", 4)):
-        v = o.get(key, default)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise SuiteError(f"{key} must be a positive integer (got {v!r})")
-    if o.get("local_optimizer", "adamw") not in ("adamw", "sgd"):
-        raise SuiteError(f"local_optimizer must be 'adamw' or 'sgd' (got {o.get('local_optimizer')!r})")
+    try:
+        opts = info.parse_options(case.options)
+        Topology.check(case.world_size, getattr(opts, "pp", 1), getattr(opts, "tp", 1))
+        if info.validate is not None:
+            info.validate(case, opts, MODEL_LADDER[case.model])
+    except TopologyError:
+        raise
+    except ValueError as exc:
+        raise SuiteError(str(exc)) from None

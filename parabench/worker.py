@@ -237,8 +237,7 @@ def run_case(case: Case, device: torch.device, leftover: int | None = None) -> d
     # The instrumented step: communication meter on and state bytes sampled, off the clock.
     step = n_steps - 1
     _inject_fault(case, step)
-    if hasattr(trainer, "measure_state"):
-        trainer.measure_state = True
+    trainer.measure_state = True
     fr_start = flight_recorder.last_record_id() if flight_recorder.enabled() else None
     if case.comm_meter:
         with CommMeter() as meter:
@@ -252,8 +251,8 @@ def run_case(case: Case, device: torch.device, leftover: int | None = None) -> d
     fr = flight_recorder.summary_since(fr_start) if fr_start is not None else None
     state = trainer.state_bytes()
     # Per-step statistics describe the last step run: read them before any extra meter step.
-    pipeline = trainer.pipeline_stats() if hasattr(trainer, "pipeline_stats") else None
-    strategy_stats = trainer.strategy_stats() if hasattr(trainer, "strategy_stats") else None  # attention work, routing
+    pipeline = trainer.pipeline_stats()
+    strategy_stats = trainer.strategy_stats()  # attention work, routing
     breakdown = None
     if breakdown_on:  # one more untimed step under the memory-breakdown meter (its loss is not recorded)
         from parabench.meters.memory_breakdown import measure_step
@@ -263,8 +262,7 @@ def run_case(case: Case, device: torch.device, leftover: int | None = None) -> d
     if step_breakdown_on:  # one more untimed step under torch.profiler (its loss is not recorded)
         from parabench.meters import step_breakdown as step_meter
 
-        if hasattr(trainer, "measure_state"):
-            trainer.measure_state = False  # state bytes are read: profile a step like the timed ones
+        trainer.measure_state = False  # state bytes are read: profile a step like the timed ones
         _, step_breakdown = step_meter.measure_step(trainer, *batches[n_steps + breakdown_on])
     loss_values = [None if l is None else float(l) for l in losses]
 
@@ -286,9 +284,9 @@ def run_case(case: Case, device: torch.device, leftover: int | None = None) -> d
         mine["memory_breakdown"] = breakdown
     if step_breakdown is not None:
         mine["step_breakdown"] = step_breakdown
-    if hasattr(trainer, "pipeline_stats"):
+    if pipeline is not None:
         mine["pipeline"] = pipeline
-    if hasattr(trainer, "strategy_stats"):
+    if strategy_stats is not None:
         mine["strategy_stats"] = strategy_stats
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)

@@ -2,8 +2,7 @@
 
 Plain DDP (``data_parallel.DDP``) all-reduces every fp32 gradient bucket: 4Ψ payload bytes per step.
 The methods below move fewer bytes and pay for it in optimisation quality; parabench records both
-(bytes per step from the comm meter, losses per step) so the trade-off can be read off the results
-(``parabench.tradeoff``).
+(bytes per step from the comm meter, losses per step) so the trade-off can be read off the results.
 
 Compressed DDP. :class:`CompressedDDP` is the reference DDP with one method replaced: ``_launch``,
 which the gradient hooks call as soon as a bucket is complete, hands the bucket to a *compressor*

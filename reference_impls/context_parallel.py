@@ -466,10 +466,12 @@ class ContextParallel:
     each rank processes micro_batch x s tokens, as under data parallelism.
     """
 
-    def __init__(self, model: nn.Module, group, mode: str, split: str = "zigzag", broken: str | None = None):
+    def __init__(self, model: nn.Module, group, mode: str, split: str = "zigzag", broken: str | None = None,
+                 *, loss_fn):
         if mode not in ("ring", "ulysses"):
             raise ValueError(f"unknown context-parallel mode {mode!r}")
         self.model, self.group, self.mode = model, group, mode
+        self.loss_fn = loss_fn  # (logits, targets) -> mean loss
         self.split = split if mode == "ring" else "contiguous"
         self.broken = broken
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -507,8 +509,6 @@ class ContextParallel:
 
     def forward_backward(self, inputs, targets, grad_accum: int, autocast=None) -> torch.Tensor:
         """Gradients of the mean loss over the group's batch, all-reduced; returns this rank's mean loss."""
-        from parabench.models import lm_loss
-
         self.stats.reset()
         x_all, y_all = self.gather_batch(inputs, targets)
         pos = positions_of(self.rank, self.cp, x_all.shape[1], self.split).to(x_all.device)
@@ -516,7 +516,7 @@ class ContextParallel:
         total = torch.zeros((), device=inputs.device)
         for x, y in zip(x_loc.chunk(grad_accum), y_loc.chunk(grad_accum)):
             with autocast() if autocast else contextlib.nullcontext():
-                loss = lm_loss(self.forward(x, pos), y) / grad_accum
+                loss = self.loss_fn(self.forward(x, pos), y) / grad_accum
             loss.backward()
             total += loss.detach()
         self.all_reduce_grads()

@@ -27,7 +27,7 @@ every rank's tokens (they arrived through the backward all-to-all), so it is onl
 replicas of an expert, hence no expert all-reduce; with ep < world it would be reduced over the
 ranks that hold the same experts.
 
-The load-balancing loss (``parabench.models.route``) is computed per sequence on the rank that
+The load-balancing loss (the ``route`` function the caller passes in) is computed per sequence on the rank that
 owns the sequence, so it needs no communication and matches single-process training exactly.
 """
 
@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parabench.models import MoE, _AuxLossInjector, route, router_logits
 
 
 def _all_to_all_v(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -62,10 +61,14 @@ class _AllToAllV(torch.autograd.Function):
 
 
 class ExpertParallelMoE(nn.Module):
-    """This rank's shard of a :class:`parabench.models.MoE`: the router and ``E/ep`` experts."""
+    """This rank's shard of a full MoE layer (``router``, ``experts``, ``cfg``): the router and
+    ``E/ep`` experts. ``routing`` holds the model's own pieces, so the shard routes as the full layer:
+    ``router_logits(router, flat, cfg, s)``, ``route(logits, k, capacity_factor, b)`` and
+    ``add_aux_loss(out, aux, coef)`` (the load-balancing loss's gradient, outside the reported loss)."""
 
-    def __init__(self, full: MoE, group):
+    def __init__(self, full: nn.Module, group, routing):
         super().__init__()
+        self.routing = routing
         self.cfg, self.group = full.cfg, group
         self.ep, self.rank = dist.get_world_size(group), dist.get_rank(group)
         E = self.cfg.n_experts
@@ -82,7 +85,8 @@ class ExpertParallelMoE(nn.Module):
         b, s, d = x.shape
         k, E, ep, local = self.cfg.top_k, self.cfg.n_experts, self.ep, self.local
         flat = x.reshape(b * s, d)
-        experts, gates, keep, aux = route(router_logits(self.router, flat, self.cfg, s), k, self.cfg.capacity_factor, b)
+        r = self.routing
+        experts, gates, keep, aux = r.route(r.router_logits(self.router, flat, self.cfg, s), k, self.cfg.capacity_factor, b)
 
         # 1. this rank's kept assignments, sorted by expert (= by destination rank, then local expert)
         tok = torch.arange(b * s, device=x.device).repeat_interleave(k)
@@ -109,7 +113,7 @@ class ExpertParallelMoE(nn.Module):
                       "sent_rows": int(sum(in_splits)), "received_rows": int(sum(out_splits)),
                       "dropped": int((~keep).sum())}
         if torch.is_grad_enabled() and self.cfg.aux_loss_coef:
-            out = _AuxLossInjector.apply(out, aux, self.cfg.aux_loss_coef * self.aux_grad_scale)
+            out = self.routing.add_aux_loss(out, aux, self.cfg.aux_loss_coef * self.aux_grad_scale)
         return out.view(b, s, d)
 
     def dispatch(self, rows: torch.Tensor, send_counts: torch.Tensor):
@@ -149,13 +153,15 @@ class ExpertParallelMoE(nn.Module):
 class ExpertParallel:
     """A GPT whose MoE layers are :class:`ExpertParallelMoE` over ``group`` (ep = group size)."""
 
-    def __init__(self, model: nn.Module, group):
-        self.model, self.group = model, group
+    def __init__(self, model: nn.Module, group, routing, loss_fn):
+        """``routing``: ``moe_type`` (the model's MoE layer class) and the pieces
+        :class:`ExpertParallelMoE` takes; ``loss_fn(logits, targets)``: the training loss."""
+        self.model, self.group, self.loss_fn = model, group, loss_fn
         self.ep = dist.get_world_size(group)
         self.moe_layers: dict[int, ExpertParallelMoE] = {}
         for i, blk in enumerate(model.blocks):
-            if isinstance(blk.mlp, MoE):
-                blk.mlp = ExpertParallelMoE(blk.mlp, group)
+            if isinstance(blk.mlp, routing.moe_type):
+                blk.mlp = ExpertParallelMoE(blk.mlp, group, routing)
                 self.moe_layers[i] = blk.mlp
         expert_ids = {id(p) for m in self.moe_layers.values() for p in m.experts.parameters()}
         self.dense = [p for p in model.parameters() if id(p) not in expert_ids]
@@ -171,14 +177,12 @@ class ExpertParallel:
     def forward_backward(self, inputs, targets, grad_accum: int, autocast=None) -> torch.Tensor:
         import contextlib
 
-        from parabench.models import lm_loss
-
         for m in self.moe_layers.values():
             m.aux_grad_scale = 1.0 / grad_accum
         total = torch.zeros((), device=inputs.device)
         for x, y in zip(inputs.chunk(grad_accum), targets.chunk(grad_accum)):
             with autocast() if autocast else contextlib.nullcontext():
-                loss = lm_loss(self.model(x), y) / grad_accum
+                loss = self.loss_fn(self.model(x), y) / grad_accum
             loss.backward()
             total += loss.detach()
         self.reduce_grads()

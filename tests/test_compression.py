@@ -252,28 +252,3 @@ def test_deepspeed_onebit_adam_status():
     assert "does not ship 1-bit Adam" in reason
     with pytest.raises(NotImplementedError, match="deepspeed.onebit_adam cannot run"):
         build_deepspeed_onebit_adam(None)
-
-
-# --- parabench.tradeoff on synthetic records --------------------------------------------------------
-
-def test_tradeoff_rows():
-    from parabench.tradeoff import format_table, tradeoff
-
-    def rec(strategy, losses, median, nbytes, avg=None):
-        theory = {"comm_payload_bytes": {"all_reduce": nbytes}}
-        if avg is not None:
-            theory["comm_payload_bytes_avg_per_step"] = {"all_reduce": avg}
-        return {"status": "ok", "case": mk(strategy).to_dict(), "label": strategy, "case_hash": strategy,
-                "metrics": {"losses": losses, "step_time_s_median": median}, "theory": theory,
-                "per_rank": [{"comm": {"payload_bytes": nbytes}}]}
-
-    base = rec("ref.ddp", [4.0, 3.0, 2.0, 1.0], 1.0, 400)
-    slow = rec("ref.ddp_topk", [4.0, 3.5, 3.0, 2.5], 0.5, 10)  # twice as fast per step: 2 s of baseline time
-    local = rec("ref.local_sgd", [4.0, 3.2, 2.4, 1.6], 1.5, 1200, avg=300)  # 6 s: beyond the baseline's 4 s
-    rows = {r["strategy"]: r for r in tradeoff([base, slow, local, {"status": "crashed", "case": mk("x").to_dict()}])}
-    assert rows["ref.ddp_topk"]["bytes_per_step"] == 10 and rows["ref.ddp_topk"]["bytes_ratio"] == 10 / 400
-    assert rows["ref.ddp_topk"]["loss_gap_equal_steps"] == pytest.approx(1.5)
-    assert rows["ref.ddp_topk"]["loss_gap_equal_time"] == pytest.approx(2.5 - 3.0)  # baseline at t = 2 s
-    assert rows["ref.local_sgd"]["bytes_per_step"] == 300 and rows["ref.local_sgd"]["bytes_per_step_measured"] == 1200
-    assert rows["ref.local_sgd"]["beyond_baseline_time"] and rows["ref.local_sgd"]["loss_gap_equal_time"] == pytest.approx(0.6)
-    assert rows["ref.ddp"]["loss_gap_equal_time"] == 0 and "ref.ddp_topk" in format_table(list(rows.values()))

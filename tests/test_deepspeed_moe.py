@@ -22,7 +22,8 @@ from parabench.meters.comm import CommMeter
 from parabench.models import model_config, parameter_count
 from parabench.strategies import get_strategy
 from parabench.suite import Case, SuiteError, validate_case
-from parabench.theory import BYTES, _sum_ops, deepspeed_moe_capacity, deepspeed_moe_ops, expected
+from parabench.families.expert import deepspeed_moe_capacity, deepspeed_moe_ops
+from parabench.theory import BYTES, expected, sum_ops
 from parabench.worker import local_batches, make_spec
 
 N_STEPS = 5
@@ -119,7 +120,7 @@ def test_measured_comm_equals_theory(runs, name):
     for r in runs:
         comm = r[name]["comm"]
         got = {k: v["payload_bytes"] for k, v in comm["by_kind"].items()}
-        want_all = _sum_ops(deepspeed_moe_ops(cfg, case, r[name]["capacities"]))
+        want_all = sum_ops(deepspeed_moe_ops(cfg, case, r[name]["capacities"]))
         assert len(r[name]["capacities"]) == cfg.n_moe_layers * case.grad_accum
         assert set(got) == set(exp["comm_payload_bytes"]) == set(want_all)
         for kind, want in want_all.items():

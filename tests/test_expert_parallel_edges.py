@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parabench.distributed import run_on_gloo
-from parabench.models import GPTConfig, MoE, build_model, lm_loss
+from parabench.models import MOE_ROUTING, GPTConfig, MoE, build_model, lm_loss
 from reference_impls.expert_parallel import ExpertParallel, ExpertParallelMoE
 
 CFG = GPTConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=128, seq_len=16, n_experts=4, top_k=2)
@@ -35,7 +35,7 @@ ROUND_TRIP_COUNTS = {
 
 def _round_trip(counts):
     rank = dist.get_rank()
-    moe = ExpertParallelMoE(MoE(CFG), dist.group.WORLD)
+    moe = ExpertParallelMoE(MoE(CFG), dist.group.WORLD, MOE_ROUTING)
     send_counts = torch.tensor(counts[rank])
     g = torch.Generator().manual_seed(rank)
     rows = torch.randn(int(send_counts.sum()), CFG.d_model, generator=g)
@@ -79,7 +79,7 @@ def _ep_grads_vs_one_process(banned):
     single = copy.deepcopy(full)
     inputs, targets = _batch(world)
 
-    ep = ExpertParallel(full, dist.group.WORLD)
+    ep = ExpertParallel(full, dist.group.WORLD, MOE_ROUTING, lm_loss)
     mine = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
     loss = ep.forward_backward(inputs[mine], targets[mine], grad_accum=1)
     grads = {ep.global_name(n): (None if p.grad is None else p.grad.clone()) for n, p in full.named_parameters()}

@@ -22,7 +22,9 @@ from parabench.models import (GPT, build_model, model_config, model_flops_per_to
                               parameter_count)
 from parabench.strategies import TrainSpec, get_strategy
 from parabench.suite import Case, SuiteError, validate_case
-from parabench.theory import _sum_ops, cp_ops, ep_ops, expected
+from parabench.families.context import cp_ops
+from parabench.families.expert import ep_ops
+from parabench.theory import expected, sum_ops
 from parabench.topology import Topology
 
 N_STEPS = 5
@@ -135,16 +137,16 @@ def test_measured_comm_equals_theory(results, name):
         if case.strategy == "ref.ep":
             layers = r["stats"]["moe_layers"]
             routing = [(layers[k]["sent_rows"], layers[k]["received_rows"]) for k in sorted(layers, key=int)]
-            want = _sum_ops(ep_ops(cfg, case, routing))
+            want = sum_ops(ep_ops(cfg, case, routing))
         else:
-            want = _sum_ops(cp_ops(cfg, case, "ring" if case.strategy == "ref.cp_ring" else "ulysses"))
+            want = sum_ops(cp_ops(cfg, case, "ring" if case.strategy == "ref.cp_ring" else "ulysses"))
         got = payload_by_kind(r["comm"])
         assert set(got) == set(want), (rank, got, want)
         for kind in want:
             assert got[kind] == pytest.approx(want[kind], rel=0.01), (rank, kind, got, want)
     if case.strategy != "ref.ep":  # the record's expectation is the same for every rank
         exp = expected(case, cfg, case.world_size)["comm_payload_bytes"]
-        assert exp == _sum_ops(cp_ops(cfg, case, "ring" if case.strategy == "ref.cp_ring" else "ulysses"))
+        assert exp == sum_ops(cp_ops(cfg, case, "ring" if case.strategy == "ref.cp_ring" else "ulysses"))
 
 
 def test_ep_balanced_expectation_is_the_mean_over_ranks(results):
@@ -222,7 +224,7 @@ def test_dense_model_unchanged_by_moe_fields():
     (Case(model="tiny", strategy="ref.ep", world_size=2), "MoE model"),
     (Case(model="tiny", strategy="ref.cp_ring", world_size=2, seq_len=30), "chunks"),
     (Case(model="tiny", strategy="ref.cp_ring", world_size=4, options={"cp": 2}), "must equal"),
-    (Case(model="tiny", strategy="ref.cp_ring", world_size=4, options={"tp": 2}), "tp/pp"),
+    (Case(model="tiny", strategy="ref.cp_ring", world_size=4, options={"tp": 2}), "unknown option .tp."),
     (Case(model="tiny-moe", strategy="ref.ep", world_size=8), "experts"),
 ])
 def test_unsupported_cases_rejected_before_launch(case, msg):

@@ -204,7 +204,7 @@ def test_suite_rejects_a_non_boolean_flag():
     from parabench.suite import SuiteError, validate_case
 
     validate_case(_case("ref.ddp", step_breakdown=True))
-    with pytest.raises(SuiteError, match="options.step_breakdown must be true or false"):
+    with pytest.raises(SuiteError, match="option step_breakdown must be true or false"):
         validate_case(_case("ref.ddp", step_breakdown="yes"))
 
 

@@ -1,11 +1,12 @@
 """Suite files: expansion, exclusion, hashing, and errors that name file, line and field."""
 
+import re
 import textwrap
 
 import pytest
 
 from parabench.results import SCHEMA_VERSION, SchemaError, load_json, write_json_atomic
-from parabench.suite import Case, SuiteError, list_suites, load_suite
+from parabench.suite import Case, SuiteError, list_suites, load_suite, validate_case
 
 
 def write(tmp_path, body, name="s.toml"):
@@ -96,6 +97,22 @@ def test_case_hash_ignores_timeout_but_not_what_is_measured():
      world_size = 3
      options = {tp = 2}
      """, 4, "strategy", "not dp x pp x tp"),
+    ("""
+     [suite]
+     [[matrix]]
+     model = "tiny"
+     strategy = "ref.ddp"
+     world_size = 2
+     options = {bucket_mbs = 4}
+     """, 4, "strategy", "ref.ddp: unknown option 'bucket_mbs'; valid options: activation_checkpointing, bucket_mb,"),
+    ("""
+     [suite]
+     [[matrix]]
+     model = "tiny"
+     strategy = "ref.tp"
+     world_size = 2
+     options = {tp = "2"}
+     """, 4, "strategy", "option tp must be an int, got '2'"),
 ])
 def test_errors_name_file_line_and_field(tmp_path, body, line, field, words):
     p = write(tmp_path, body)
@@ -155,3 +172,28 @@ def test_own_launch_isolates_a_case_without_changing_what_it_measures(tmp_path):
                      'world_size = 2\nown_launch = "yes"\n')
     with pytest.raises(SuiteError, match="own_launch"):
         load_suite(str(suite))
+
+
+def test_options_parse_through_the_strategy_dataclass_without_touching_the_dict():
+    """Defaults live in the dataclass only: the case keeps the dict it was given (and its hash)."""
+    from parabench.families.sharded import ShardedOptions
+    from parabench.strategies import get_strategy
+
+    spec = get_strategy("ref.hsdp")
+    assert spec.options is ShardedOptions
+    opts = spec.parse_options({"shard_size": 4})
+    assert (opts.shard_size, opts.bucket_mb, opts.prefetch) == (4, 25.0, True)
+    case = Case(model="tiny", strategy="ref.hsdp", world_size=4, options={"shard_size": 2})
+    validate_case(case)
+    assert case.options == {"shard_size": 2}
+    with pytest.raises(ValueError, match=re.escape("option cp_split must be 'zigzag' | 'contiguous', got 'zig'")):
+        get_strategy("ref.cp_ring").parse_options({"cp_split": "zig"})
+
+
+def test_run_case_rejects_an_unknown_option_with_the_valid_ones(capsys):
+    from parabench.cli import main
+
+    rc = main(["run", "case", "--model", "tiny", "--strategy", "ref.ddp", "--world-size", "2",
+               "--options", '{"bucket": 4}'])
+    err = capsys.readouterr().err
+    assert rc == 2 and "unknown option 'bucket'; valid options:" in err and "bucket_mb" in err, err

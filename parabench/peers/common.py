@@ -6,7 +6,9 @@ import contextlib
 
 import torch
 
-from parabench.models import lm_loss
+import torch.distributed as dist
+
+from parabench.models import build_model, lm_loss
 from parabench.strategies import Trainer, TrainSpec
 
 
@@ -44,11 +46,19 @@ def autocast(spec: TrainSpec):
     return torch.autocast(device_type=spec.device.type, dtype=spec.compute_dtype)
 
 
+def loss_scale_options(spec: TrainSpec):
+    """The loss-scaling, fault and checkpointing options every data-parallel peer reads (their one
+    definition is the family's dataclass; imported here, not at the top: the families import this module)."""
+    from parabench.families.data_parallel import LossScaleOptions
+
+    return LossScaleOptions.read(spec.options)
+
+
 def checkpoint_blocks(model: torch.nn.Module, spec: TrainSpec) -> None:
     """Option ``activation_checkpointing``: recompute every transformer block in backward. Applied
     before DDP / fully_shard / deepspeed.initialize (the same function the references use; see
     ``reference_impls/activation_checkpointing.py`` for why the forward, not the module, is wrapped)."""
-    if spec.options.get("activation_checkpointing"):
+    if loss_scale_options(spec).activation_checkpointing:
         from reference_impls.activation_checkpointing import checkpoint_blocks as _ckpt
 
         _ckpt(model.blocks)
@@ -59,10 +69,9 @@ def grad_scaler(spec: TrainSpec):
     options ``init_scale`` (2**16) and ``growth_interval`` (2000). None for fp32/bf16."""
     if spec.precision != "fp16":
         return None
-    o = spec.options
-    return torch.amp.GradScaler(spec.device.type, init_scale=float(o.get("init_scale", 2.0 ** 16)),
-                                growth_factor=2.0, backoff_factor=0.5,
-                                growth_interval=int(o.get("growth_interval", 2000)))
+    o = loss_scale_options(spec)
+    return torch.amp.GradScaler(spec.device.type, init_scale=float(o.init_scale), growth_factor=2.0,
+                                backoff_factor=0.5, growth_interval=o.growth_interval)
 
 
 class TorchTrainer(Trainer):
@@ -93,7 +102,7 @@ class TorchTrainer(Trainer):
         self.scaler = grad_scaler(spec)
         self._step = 0
         self._prev_scale = self.scaler.get_scale() if self.scaler is not None else None
-        self._inject = spec.options.get("inject_inf")
+        self._inject = loss_scale_options(spec).inject_inf
         self._hook = None
         if self._inject and self._inject.get("where", "shard") == "backward":
             first = next(p for p in self.module.parameters() if p.requires_grad)
@@ -113,7 +122,7 @@ class TorchTrainer(Trainer):
     def train_step(self, inputs, targets):
         accum = self.spec.grad_accum
         total = torch.zeros((), device=inputs.device)
-        spike = self.spec.options.get("lr_spike")
+        spike = loss_scale_options(self.spec).lr_spike
         saved = None
         if spike and int(spike.get("step", 0)) == self._step:
             saved = [g["lr"] for g in self.optimizer.param_groups]
@@ -170,3 +179,85 @@ class TorchTrainer(Trainer):
             "grads": self._grad_bytes,
             "optimizer": optimizer_state_bytes(self.optimizer),
         }
+
+
+# --- shells shared by the references and the peers of context / expert parallelism -------------
+
+def check_degree(key: str, n: int | None) -> int:
+    """The cp (ep) degree: for now only the whole world (None means the world)."""
+    world = dist.get_world_size()
+    n = world if n is None else int(n)
+    if n != world:
+        raise ValueError(f"{key}={n}: only {key} = world size ({world}) is supported for now")
+    return n
+
+
+class ReplicatedTrainer(Trainer):
+    """Shared plumbing: AdamW over local parameters, state bytes, full parameters on rank 0."""
+
+    measure_state = False
+    _grad_bytes = 0
+
+    def _step(self, loss):
+        if self.measure_state:
+            self._grad_bytes = tensor_bytes(p.grad for p in self.module.parameters())
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def state_bytes(self):
+        return {"params": tensor_bytes(self.module.parameters()), "grads": self._grad_bytes,
+                "optimizer": optimizer_state_bytes(self.optimizer)}
+
+    def close(self):
+        self.optimizer = None
+        self.module = None
+
+
+class CPTrainer(ReplicatedTrainer):
+    """Context parallelism around the model (``reference_impls/context_parallel.py``); ``split``
+    (ring: "zigzag" | "contiguous") and ``broken`` (a test hook) as the caller read them."""
+
+    def __init__(self, spec: TrainSpec, mode: str, cp: int | None, split: str, broken: str | None = None):
+        from reference_impls.context_parallel import ContextParallel
+
+        self.spec = spec
+        check_degree("cp", cp)
+        if spec.model.is_moe:
+            raise ValueError("context parallelism is implemented for dense models only")
+        self.module = build_model(spec.model, spec.seed, spec.device)
+        self.cp = ContextParallel(self.module, spec.topology.dp_group, mode,
+                                  split=split, broken=broken, loss_fn=lm_loss)
+        self.optimizer = adamw(self.module.parameters(), spec)
+
+    def train_step(self, inputs, targets):
+        loss = self.cp.forward_backward(inputs, targets, self.spec.grad_accum, autocast=lambda: autocast(self.spec))
+        return self._step(loss)
+
+    def full_parameters(self):
+        if dist.get_rank() != 0:
+            return None
+        return {n: p.detach().float().cpu().clone() for n, p in self.module.named_parameters()}
+
+    def strategy_stats(self) -> dict:
+        return {"cp": self.cp.cp, "mode": self.cp.mode, "split": self.cp.split, **self.cp.stats.as_dict()}
+
+
+def build_model_names(spec: TrainSpec):
+    from parabench.models import GPT
+
+    with torch.device("meta"):
+        return list(GPT(spec.model).named_parameters())
+
+
+def assemble_on_rank0(mine: dict, spec: TrainSpec) -> dict | None:
+    """Rank 0: the full model's parameters, in the GPT's order, from every rank's named pieces
+    (dense ones from rank 0, experts from their owners); other ranks: None."""
+    everything = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, everything, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    full = {}
+    for part in everything:
+        full.update(part)
+    return {n: full[n] for n, _ in build_model_names(spec)}

@@ -11,7 +11,7 @@ expert parallelism (DeepSpeed-MoE).
   DTensor, load-balanced head-tail split). In torch 2.13 it only dispatches the CUDA SDPA kernels
   (flash, efficient, cuDNN); on CPU the SDPA op ``_scaled_dot_product_flash_attention_for_cpu``
   has no sharding strategy and raises NotImplementedError, so the builder refuses CPU runs
-  with that reason. The GPU path is written but has NOT been run yet.
+  with that reason.
 * ``deepspeed.moe``: DeepSpeed-MoE (``deepspeed.moe.layer.MoE``) in the MoE blocks, trained by the
   DeepSpeed engine with ZeRO-0, as a performance / communication peer of ``ref.ep``: same model
   shape, data, AdamW and global batch. Top-2 with a deterministic gate (``use_rts=False``,
@@ -50,13 +50,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parabench.peers.deepspeed_zero import DeepSpeedTrainer
-from parabench.reference_adapters_cp_ep import CPTrainer, assemble_on_rank0
+from parabench.families.context import ContextOptions
+from parabench.families.expert import ExpertOptions
+from parabench.peers.common import CPTrainer, assemble_on_rank0, check_degree
 from parabench.strategies import TrainSpec
 
 
 class _DeepSpeedUlyssesTrainer(CPTrainer):
     def __init__(self, spec: TrainSpec):
-        super().__init__(spec, "ulysses")
+        o = ContextOptions.read(spec.options)
+        super().__init__(spec, "ulysses", o.cp, o.cp_split)
         import deepspeed
         import deepspeed.comm as ds_dist
         from deepspeed.sequence.layer import DistributedAttention
@@ -86,10 +89,11 @@ def build_deepspeed_ulysses(spec: TrainSpec):
 class _TorchCPTrainer(CPTrainer):
     """torch context_parallel around each step: the token ids, targets and position ids are the
     sharded buffers (the head-tail load balancer reorders them); parameters are replicated plain
-    tensors, gradients all-reduced as in ``ref.cp_ring``. UNVERIFIED on GPU."""
+    tensors, gradients all-reduced as in ``ref.cp_ring``. Run on 2 H100s: results/cp-ep-gpu."""
 
     def __init__(self, spec: TrainSpec):
-        super().__init__(spec, "ring")
+        o = ContextOptions.read(spec.options)
+        super().__init__(spec, "ring", o.cp, o.cp_split)
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh(spec.device.type, (self.cp.cp,), mesh_dim_names=("cp",))
@@ -203,12 +207,12 @@ class _DeepSpeedMoESlot(nn.Module):
         self._capacity = output[1]  # (l_aux, capacity, E, indices, locations, gates, exp_counts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from parabench.models import _AuxLossInjector
+        from parabench.models import AuxLossInjector
 
         out, l_aux, exp_counts = self.moe(x)
         self._exp_counts = exp_counts
         if torch.is_grad_enabled() and self.cfg.aux_loss_coef:
-            out = _AuxLossInjector.apply(out, l_aux, self.cfg.aux_loss_coef * self.aux_grad_scale)
+            out = AuxLossInjector.apply(out, l_aux, self.cfg.aux_loss_coef * self.aux_grad_scale)
         return out
 
     def stats(self) -> dict:
@@ -251,7 +255,7 @@ class _DeepSpeedMoETrainer(DeepSpeedTrainer):
         ep = dist.get_world_size()
         model = build_model(cfg, spec.seed, spec.device)
         self.slots: dict[int, _DeepSpeedMoESlot] = {}
-        min_capacity = int(spec.options.get("min_capacity", 0))
+        min_capacity = ExpertOptions.read(spec.options).min_capacity
         for i, blk in enumerate(model.blocks):
             if isinstance(blk.mlp, MoE):
                 blk.mlp = _DeepSpeedMoESlot(blk.mlp, ep, dist.get_rank(), min_capacity)
@@ -303,11 +307,10 @@ def build_deepspeed_moe(spec: TrainSpec):
     if cfg.top_k != 2:
         raise ValueError(f"deepspeed.moe: top_k={cfg.top_k}; only top-2 is wired (DeepSpeed's top2gating "
                          "capacity and gate normalisation are the ones matched to parabench's router)")
-    if spec.options.get("activation_checkpointing"):
+    o = ExpertOptions.read(spec.options)
+    if o.activation_checkpointing:
         raise ValueError("deepspeed.moe: activation_checkpointing is not supported (nor by ref.ep)")
-    ep = int(spec.options.get("ep", dist.get_world_size()))
-    if ep != dist.get_world_size():
-        raise ValueError(f"ep={ep}: only ep = world size ({dist.get_world_size()}) is supported for now")
+    check_degree("ep", o.ep)
     if spec.device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     return _DeepSpeedMoETrainer(spec)

@@ -30,8 +30,7 @@ neighbours ("just send a 0"). Only pp == world_size (no data parallelism) and no
 parallelism are wired; suite validation refuses the rest.
 
 Checked on CPU/gloo (tests/test_deepspeed_pipe.py: fp32 equal to one process, bf16 close; bytes
-equal to parabench.theory). The GPU path (NCCL, the same code) has not been run yet: the first
-record is the deepspeed.pp case in suites/h100x2.toml.
+equal to parabench.theory) and on 2 H100s over NCCL (results/h100x2, bytes equal to the theory).
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
+from parabench.families.model_parallel import ModelParallelOptions
 from parabench.models import build_model, lm_loss
 from parabench.peers.common import adamw, tensor_bytes
 from parabench.strategies import Trainer, TrainSpec
@@ -122,7 +122,7 @@ class DeepSpeedPipelineTrainer(Trainer):
         if not ds_dist.is_initialized():
             deepspeed.init_distributed(dist_backend="gloo" if spec.device.type == "cpu" else "nccl")
         pp, cfg = topo.pp, spec.model
-        self.n_micro = int(spec.options.get("microbatches", 2 * pp)) * spec.grad_accum
+        self.n_micro = ModelParallelOptions.read(spec.options).n_microbatches * spec.grad_accum
         self.mb_size = spec.micro_batch * spec.grad_accum // self.n_micro
         if self.mb_size * self.n_micro != spec.micro_batch * spec.grad_accum:
             raise ValueError(f"{self.n_micro} micro-batches do not divide {spec.micro_batch * spec.grad_accum} samples")
@@ -180,7 +180,7 @@ class DeepSpeedPipelineTrainer(Trainer):
                 "optimizer": deepspeed_optimizer_bytes(self.engine.optimizer)}
 
     def full_parameters(self):
-        from parabench.reference_adapters_cp_ep import assemble_on_rank0
+        from parabench.peers.common import assemble_on_rank0
 
         mine = {n: p.detach().float().cpu() for n, p in
                 ((self._names[id(p)], p) for p in self.engine.module.parameters())}

@@ -38,17 +38,19 @@ import os
 
 import torch
 
+from parabench.families.sharded import ShardedOptions
 from parabench.models import build_model, lm_loss
 from parabench.peers.common import adamw, checkpoint_blocks, optimizer_state_bytes, tensor_bytes
 from parabench.strategies import Trainer, TrainSpec
 
 
 def ds_config(spec: TrainSpec, stage: int, offload: bool = False) -> dict:
+    o = ShardedOptions.read(spec.options)
     cfg = {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
         "gradient_accumulation_steps": spec.grad_accum,
         "train_batch_size": spec.micro_batch * spec.grad_accum * spec.topology.dp,
-        "zero_optimization": {"stage": stage, **spec.options.get("zero", {})},
+        "zero_optimization": {"stage": stage, **o.zero},
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": 0.0,
         "steps_per_print": 10**9,
@@ -70,10 +72,9 @@ def ds_config(spec: TrainSpec, stage: int, offload: bool = False) -> dict:
         # FusedAdam) optimizer gets DeepSpeed's FP16_UnfusedOptimizer, which ignores
         # initial_scale_power (it starts at 2**16) and initialises Adam's state with one AdamW step
         # on zero gradients (weight decay applied once, step counter advanced): as DeepSpeed behaves.
-        o = spec.options
         cfg["fp16"] = {"enabled": True, "loss_scale": 0,
-                       "initial_scale_power": int(math.log2(float(o.get("init_scale", 2.0 ** 16)))),
-                       "loss_scale_window": int(o.get("growth_interval", 2000)),
+                       "initial_scale_power": int(math.log2(float(o.init_scale))),
+                       "loss_scale_window": o.growth_interval,
                        "hysteresis": 1, "consecutive_hysteresis": False, "min_loss_scale": 1}
     if offload:
         # ZeRO-Offload (Ren et al. 2021): fp32 master, Adam moments and the update on the CPU. The
@@ -81,8 +82,8 @@ def ds_config(spec: TrainSpec, stage: int, offload: bool = False) -> dict:
         # refuses a client optimizer with offload unless told not to force its own.
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": spec.device.type == "cuda"}
         cfg["zero_force_ds_cpu_optimizer"] = False
-    if "bucket_mb" in spec.options:
-        size = int(spec.options["bucket_mb"] * 2**20)
+    if "bucket_mb" in spec.options:  # unset: DeepSpeed's own bucket sizes, not ShardedOptions' default
+        size = int(o.bucket_mb * 2**20)
         cfg["zero_optimization"].update(reduce_bucket_size=size, allgather_bucket_size=size)
     return cfg
 
@@ -131,7 +132,7 @@ class DeepSpeedTrainer(Trainer):
         self.measure_state = False
         self._step = 0
         self._prev_scale = self._scale() if spec.precision == "fp16" else None
-        self._inject = spec.options.get("inject_inf")
+        self._inject = ShardedOptions.read(spec.options).inject_inf
         self._hook = None
         if self._inject:
             first = next(p for p in self.engine.module.parameters() if p.requires_grad)
@@ -154,7 +155,7 @@ class DeepSpeedTrainer(Trainer):
     def train_step(self, inputs, targets):
         total = torch.zeros((), device=inputs.device)
         accum = self.spec.grad_accum
-        spike = self.spec.options.get("lr_spike")
+        spike = ShardedOptions.read(self.spec.options).lr_spike
         groups, saved = self.engine.optimizer.param_groups, None
         if spike and int(spike.get("step", 0)) == self._step:
             saved = [g["lr"] for g in groups]

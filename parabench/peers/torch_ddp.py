@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from parabench.families.data_parallel import DataParallelOptions
 from parabench.models import build_model
 from parabench.peers.common import TorchTrainer, adamw, checkpoint_blocks
 from parabench.strategies import TrainSpec
@@ -21,7 +22,7 @@ def build(spec: TrainSpec) -> DDPTrainer:
         model,
         device_ids=[spec.device.index] if spec.device.type == "cuda" else None,
         process_group=spec.topology.dp_group,
-        bucket_cap_mb=float(spec.options.get("bucket_mb", 25)),
+        bucket_cap_mb=float(DataParallelOptions.read(spec.options).bucket_mb),
         gradient_as_bucket_view=True,
     )
     return DDPTrainer(spec, ddp, adamw(ddp.parameters(), spec), no_sync=ddp.no_sync)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from parabench.families.compression import CompressionOptions
 from parabench.models import build_model
 from parabench.peers.common import adamw
 from parabench.peers.torch_ddp import DDPTrainer
@@ -32,7 +33,7 @@ MIN_COMPRESSION_RATE = 1.0
 def _ddp(spec: TrainSpec) -> DDP:
     model = build_model(spec.model, spec.seed, spec.device)
     return DDP(model, device_ids=[spec.device.index] if spec.device.type == "cuda" else None,
-               process_group=spec.topology.dp_group, bucket_cap_mb=float(spec.options.get("bucket_mb", 25)),
+               process_group=spec.topology.dp_group, bucket_cap_mb=float(CompressionOptions.read(spec.options).bucket_mb),
                gradient_as_bucket_view=True)
 
 
@@ -49,7 +50,7 @@ def build_powersgd(spec: TrainSpec) -> DDPTrainer:
 
     ddp = _ddp(spec)
     state = psgd.PowerSGDState(process_group=spec.topology.dp_group,
-                               matrix_approximation_rank=int(spec.options.get("powersgd_rank", 2)),
+                               matrix_approximation_rank=CompressionOptions.read(spec.options).powersgd_rank,
                                start_powerSGD_iter=START_POWERSGD_ITER, min_compression_rate=MIN_COMPRESSION_RATE,
                                use_error_feedback=True, warm_start=True, random_seed=spec.seed)
     ddp.register_comm_hook(state, psgd.powerSGD_hook)
@@ -93,7 +94,7 @@ def build_deepspeed_onebit_adam(spec: TrainSpec):
                       "bf16": {"enabled": spec.precision == "bf16"},
                       "optimizer": {"type": "OneBitAdam", "params": {
                           "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
-                          "freeze_step": int(spec.options.get("freeze_step", 2)), "cuda_aware": False,
+                          "freeze_step": CompressionOptions.read(spec.options).freeze_step, "cuda_aware": False,
                           "comm_backend_name": "nccl"}}}
             self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 

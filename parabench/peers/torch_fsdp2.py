@@ -20,6 +20,7 @@ from dataclasses import replace
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from parabench.families.sharded import ShardedOptions
 from parabench.models import build_model
 from parabench.peers.common import TorchTrainer, adamw, checkpoint_blocks
 from parabench.strategies import TrainSpec
@@ -35,7 +36,7 @@ def build(spec: TrainSpec, offload: bool = False, mesh=None) -> FSDP2Trainer:
     checkpoint_blocks(model, spec)  # before fully_shard: its hooks stay outside the recomputed region
     mesh = mesh if mesh is not None else spec.topology.mesh["dp"]
     mp = MixedPrecisionPolicy(param_dtype=spec.compute_dtype, reduce_dtype=torch.float32)
-    reshard = bool(spec.options.get("reshard_after_forward", True))
+    reshard = ShardedOptions.read(spec.options).reshard_after_forward
     extra = {"offload_policy": CPUOffloadPolicy(pin_memory=spec.device.type == "cuda")} if offload else {}
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, **extra)
@@ -59,7 +60,7 @@ def build_hsdp(spec: TrainSpec) -> FSDP2Trainer:
     topo = spec.topology
     if topo.tp != 1 or topo.pp != 1:
         raise ValueError("torch.hsdp composes with neither tp nor pp here")
-    shard = int(spec.options.get("shard_size", 2))
+    shard = ShardedOptions.read(spec.options).shard_size
     if topo.dp % shard:
         raise ValueError(f"shard_size={shard} does not divide the data-parallel degree {topo.dp}")
     mesh = init_device_mesh(spec.device.type, (topo.dp // shard, shard), mesh_dim_names=("replicate", "shard"))

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from parabench.families.model_parallel import ModelParallelOptions
 from parabench.models import build_model, lm_loss
 from parabench.peers.common import adamw, autocast, optimizer_state_bytes, tensor_bytes
 from parabench.strategies import Trainer, TrainSpec
@@ -51,7 +52,8 @@ class TorchPipelineTrainer(Trainer):
         topo = spec.topology
         pp, self.pp_rank = topo.pp, topo.pp_rank
         model = build_model(spec.model, spec.seed, spec.device)
-        v = int(spec.options.get("virtual_stages", 2)) if schedule == "interleaved" else 1
+        o = ModelParallelOptions.read(spec.options)
+        v = o.virtual_stages if schedule == "interleaved" else 1
         n_chunks = pp * v
         bounds = partition_layers(spec.model.n_layers, n_chunks)  # the same split as the reference
         # Interleaved: rank r holds chunks r, r + pp, r + 2pp, ... (Narayanan et al. 2021, Sec. 2.2.2).
@@ -60,7 +62,7 @@ class TorchPipelineTrainer(Trainer):
         del model
         self.stages = [PipelineStage(m, s, n_chunks, spec.device, group=topo.pp_group)
                        for m, s in zip(self.modules, self.stage_ids)]
-        self.n_micro = int(spec.options.get("microbatches", 2 * pp)) * spec.grad_accum
+        self.n_micro = o.n_microbatches * spec.grad_accum
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[schedule]
         stage_arg = self.stages if schedule == "interleaved" else self.stages[0]
         self.schedule = cls(stage_arg, n_microbatches=self.n_micro, loss_fn=lm_loss)

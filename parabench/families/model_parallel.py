@@ -1,0 +1,522 @@
+"""Model parallelism: Megatron tensor (+ sequence) parallelism and pipelines (GPipe, 1F1B,
+interleaved 1F1B), composed with data parallelism, as references (``reference_impls/compose.py``,
+``tensor_parallel.py``, ``pipeline.py``) and as peers (PyTorch DTensor and pipelining, DeepSpeed's
+pipeline engine).
+
+``ref.tp`` on ``tp x dp`` ranks, ``ref.pp_1f1b`` on ``pp x dp`` and ``ref.pp_1f1b`` with ``tp`` set
+on ``tp x pp x dp`` all go through the one composition function,
+:func:`reference_impls.compose.parallelize`; the topology lays the grid out from ``tp`` and ``pp``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from parabench.models import GPTConfig, build_model
+from parabench.peers.common import adamw, autocast, optimizer_state_bytes, tensor_bytes
+from parabench.strategies import CommonOptions, StrategySpec, Trainer, TrainSpec
+from parabench.theory import BYTES, Expectation, scalar_ops, sum_ops
+
+TP_STRATEGIES = ("ref.tp", "ref.tp_sp", "torch.tp", "torch.tp_sp")
+SP_STRATEGIES = ("ref.tp_sp", "torch.tp_sp")
+
+
+@dataclass(frozen=True)
+class ModelParallelOptions(CommonOptions):
+    tp: int = 1  # tensor-parallel degree
+    pp: int = 1  # pipeline stages
+    microbatches: int | None = None  # pipeline micro-batches per micro_batch; None: 2 * pp
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"  # ref.tp / ref.tp_sp with pp > 1: the pipeline schedule
+    sp: bool = False  # sequence parallel under a pipeline strategy (ref.pp_*)
+    record_timeline: bool = False  # sync the device around every pipeline event of the instrumented step
+    virtual_stages: int = 2  # torch.pp_interleaved: model chunks per rank
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.microbatches if self.microbatches is not None else 2 * self.pp
+
+
+def validate(case, o: ModelParallelOptions, cfg: GPTConfig) -> None:
+    """Degrees that fit the model and the batch; the strategies' own limits."""
+    pp, tp = o.pp, o.tp
+    if cfg.n_heads % tp:
+        raise ValueError(f"tp={tp} does not divide the {cfg.n_heads} heads of {case.model}")
+    if pp > cfg.n_layers:
+        raise ValueError(f"pp={pp} stages for a model of {cfg.n_layers} layers")
+    if pp > 1:
+        m = o.n_microbatches
+        if m < 1:
+            raise ValueError(f"microbatches must be a positive integer (got {m!r})")
+        if case.micro_batch % m:
+            raise ValueError(f"{m} pipeline micro-batches do not divide micro_batch={case.micro_batch} "
+                             f"(each pipeline micro-batch is micro_batch / microbatches samples; "
+                             f"the default is 2*pp = {2 * pp})")
+    if case.strategy == "torch.pp_interleaved":
+        v = o.virtual_stages
+        if pp * v > cfg.n_layers:
+            raise ValueError(f"pp={pp} x virtual_stages={v} chunks for a model of {cfg.n_layers} layers")
+    if tp > 1 and cfg.vocab_size % tp:
+        raise ValueError(f"tp={tp} does not divide the vocabulary ({cfg.vocab_size}) of {case.model}")
+    if case.strategy in SP_STRATEGIES or o.sp:
+        seq = case.seq_len or cfg.seq_len
+        if seq % tp:
+            raise ValueError(f"sequence parallel: tp={tp} does not divide seq_len={seq}")
+    if case.strategy in TP_STRATEGIES and tp < 2:
+        raise ValueError(f"{case.strategy} needs options.tp >= 2 (got tp={tp})")
+    if case.strategy not in TP_STRATEGIES and pp < 2:
+        raise ValueError(f"{case.strategy} needs options.pp >= 2 (got pp={pp})")
+    if case.strategy == "deepspeed.pp":
+        if tp != 1 or case.world_size != pp:
+            raise ValueError(f"deepspeed.pp runs one pipeline of pp stages, one per rank: world_size must equal pp "
+                             f"and tp must be 1 (got world_size={case.world_size}, pp={pp}, tp={tp}; data and "
+                             f"tensor parallelism around DeepSpeed's pipeline are not wired)")
+
+
+# --- reference builders -------------------------------------------------------------------------
+
+def gather_full_parameters(named: dict[str, torch.Tensor], shard_dims: dict, coords) -> dict | None:
+    """Rank 0 assembles the full model from every rank's shards (collective over the world).
+
+    ``coords`` = (dp, pp, tp) of this rank. Only dp replica 0 is used; each name is owned by one
+    pipeline stage; tensor-parallel shards are concatenated along their split dimension in tp order.
+    """
+    mine = {"coords": tuple(coords),
+            "params": {n: (t.detach().float().cpu(), shard_dims.get(n)) for n, t in named.items()}}
+    everything = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, everything, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    parts: dict[str, list] = {}
+    for r in everything:
+        dp_rank, _, tp_rank = r["coords"]
+        if dp_rank != 0:
+            continue
+        for n, (t, dim) in r["params"].items():
+            parts.setdefault(n, []).append((tp_rank, t, dim))
+    full = {}
+    for n, shards in parts.items():
+        shards.sort(key=lambda x: x[0])
+        dim = shards[0][2]
+        full[n] = shards[0][1] if dim is None else torch.cat([t for _, t, _ in shards], dim=dim)
+    return full
+
+
+class ModelParallelTrainer(Trainer):
+    def __init__(self, spec: TrainSpec, sequence_parallel: bool, schedule: str):
+        from reference_impls.compose import parallelize
+
+        self.spec = spec
+        topo = spec.topology
+        o = ModelParallelOptions.read(spec.options)
+        model = build_model(spec.model, spec.seed, spec.device)
+        self.par = parallelize(model, tp_group=topo.tp_group, pp_group=topo.pp_group, dp_group=topo.dp_group,
+                               sequence_parallel=sequence_parallel, schedule=schedule,
+                               microbatches=o.microbatches)
+        # The synchronised timeline runs on the instrumented step only (measure_state is set for
+        # it), so the timed steps of a record_timeline case keep their speed.
+        self._timeline_wanted = o.record_timeline
+        del model
+        self.optimizer = adamw(self.par.module.parameters(), spec)
+        self.measure_state = False
+        self._grad_bytes = 0
+
+    def train_step(self, inputs, targets):
+        if self.par.engine is not None:
+            self.par.engine.record_timeline = self._timeline_wanted and self.measure_state
+        with autocast(self.spec):
+            loss = self.par.forward_backward(inputs, targets, self.spec.grad_accum)
+        if self.measure_state:
+            self._grad_bytes = tensor_bytes(p.grad for p in self.par.module.parameters())
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def state_bytes(self):
+        return {"params": tensor_bytes(self.par.module.parameters()), "grads": self._grad_bytes,
+                "optimizer": optimizer_state_bytes(self.optimizer)}
+
+    def full_parameters(self):
+        return gather_full_parameters(dict(self.par.module.named_parameters()), self.par.shard_dims,
+                                      self.spec.topology.coords)
+
+    def pipeline_stats(self) -> dict | None:
+        """This stage's last-step schedule record: order, compute/wait seconds, measured and
+        theoretical bubble fraction, peak live micro-batches (None without a pipeline)."""
+        return self.par.pipeline_stats()
+
+    def close(self):
+        self.optimizer = None
+        self.par = None
+
+
+def build_tp(spec: TrainSpec) -> ModelParallelTrainer:
+    return ModelParallelTrainer(spec, sequence_parallel=False, schedule=ModelParallelOptions.read(spec.options).schedule)
+
+
+def build_tp_sp(spec: TrainSpec) -> ModelParallelTrainer:
+    return ModelParallelTrainer(spec, sequence_parallel=True, schedule=ModelParallelOptions.read(spec.options).schedule)
+
+
+def build_pp_gpipe(spec: TrainSpec) -> ModelParallelTrainer:
+    return ModelParallelTrainer(spec, sequence_parallel=ModelParallelOptions.read(spec.options).sp, schedule="gpipe")
+
+
+def build_pp_1f1b(spec: TrainSpec) -> ModelParallelTrainer:
+    return ModelParallelTrainer(spec, sequence_parallel=ModelParallelOptions.read(spec.options).sp, schedule="1f1b")
+
+
+# --- expectations -------------------------------------------------------------------------------
+
+# --- model parallelism: Megatron TP (+SP), GPipe / 1F1B pipelines, composed with DP -------------
+# Conventions: b·s·h elements per activation; t = tp, p = pp, d = dp; B = micro_batch x grad_accum
+# samples per data-parallel rank per step; a pipeline runs n = microbatches x grad_accum
+# micro-batches of B/n samples (without a pipeline, grad_accum chunks of micro_batch samples).
+# Every op's payload is computed one by one so that the meter's scalar cut-off (ops of at most
+# SCALAR_BYTES are listed apart from volume) is applied exactly as on the measurement.
+
+def _mp_local_params(cfg: GPTConfig, t: int, lo: int, hi: int, first: bool, last: bool) -> int:
+    """Parameters one rank of a TP x PP grid holds (shapes of reference_impls.tensor_parallel)."""
+    h, V, s, r = cfg.d_model, cfg.vocab_size, cfg.seq_len, cfg.mlp_ratio
+    per_layer = (3 * h * h // t + 2 * h // t      # q, k, v column-parallel (k has no bias)
+                 + h * h // t + h                  # attn proj row-parallel, bias replicated
+                 + r * h * h // t + r * h // t     # mlp fc column-parallel
+                 + r * h * h // t + h              # mlp proj row-parallel, bias replicated
+                 + 4 * h)                          # ln1, ln2 replicated
+    n = (hi - lo) * per_layer
+    if first:
+        n += V * h // t + s * h                    # vocab-parallel token embedding, replicated positions
+    if last:
+        n += 2 * h + V * h // t                    # ln_f, vocab-parallel head
+    return n
+
+
+def _mp_sp_params(cfg: GPTConfig, lo: int, hi: int, first: bool, last: bool) -> int:
+    """Replicated parameters applied to sequence shards (their grads are all-reduced over tp)."""
+    h = cfg.d_model
+    return (hi - lo) * 6 * h + (cfg.seq_len * h if first else 0) + (2 * h if last else 0)
+
+
+def model_parallel_ops(cfg: GPTConfig, case, coords: tuple[int, int, int], sequence_parallel: bool,
+                       microbatches: int | None = None) -> list[tuple[str, int]]:
+    """Every communication op (kind, payload bytes) one rank issues in one training step
+    (fp32, or bf16/fp16 under autocast: what travels in the compute dtype is said below).
+
+    Tensor parallel (Megatron, per layer per micro-batch): forward 2 all-reduces (``g`` after the
+    attention and MLP row-parallel layers), backward 2 (``f`` before q/k/v and before the MLP fc),
+    each b·s·h. Embedding: 1 all-reduce b·s·h forward (partial vocab lookups). Head: 1 all-reduce
+    b·s·h backward (``f`` before the vocab-parallel head). Cross-entropy: 3 all-reduces of b·s fp32
+    scalars forward (max, target logit, sum of exponentials). With sequence parallelism each of the
+    b·s·h all-reduces becomes one all-gather or reduce-scatter (payload b·s·h, the full buffer)
+    in forward and its conjugate in backward: per layer 4 all-gathers + 4 reduce-scatters; plus
+    one all-reduce per step of the sequence-sharded replicated parameters' gradients
+    (LayerNorms, row-parallel biases, positions). Pipeline: per micro-batch, a stage other than
+    the first receives b·s·h (b·s/t·h under SP) activations and sends the same gradient back; a
+    stage other than the last sends activations and receives gradients. Data parallel: one
+    all-reduce of all local gradients per step.
+    """
+    from reference_impls.pipeline import partition_layers
+
+    dp_rank, pp_rank, tp_rank = coords
+    o = ModelParallelOptions.read(case.options)
+    t, p = o.tp, o.pp
+    d = case.world_size // (t * p)
+    h, s, E = cfg.d_model, cfg.seq_len, 4
+    lo, hi = partition_layers(cfg.n_layers, p)[pp_rank]
+    first, last = pp_rank == 0, pp_rank == p - 1
+    B = case.micro_batch * case.grad_accum
+    n = (microbatches or o.n_microbatches) * case.grad_accum if p > 1 else case.grad_accum
+    b = B // n
+    act = b * s * h * E
+    # Under autocast (bf16/fp16) the row-parallel outputs that ``g`` all-reduces in forward are in
+    # the compute dtype; everything else (``f``'s backward on the fp32 LayerNorm output, the
+    # embedding, the cross-entropy, pipeline activations on the fp32 residual stream) stays fp32.
+    act_g = b * s * h * BYTES[case.precision]
+    ops: list[tuple[str, int]] = []
+    for _ in range(n):
+        if t > 1 or sequence_parallel:
+            if sequence_parallel:
+                emb = ["reduce_scatter", "all_gather"]
+                head = ["all_gather", "reduce_scatter"]
+            else:
+                emb, head = ["all_reduce"], ["all_reduce"]
+            for _layer in range(hi - lo):
+                if sequence_parallel:
+                    # forward: all-gather of the fp32 LayerNorm output, reduce-scatter of the
+                    # row-parallel output (compute dtype); backward: their conjugates, in the
+                    # dtypes of the gradients flowing back (fp32 through autocast's cast, compute
+                    # dtype out of the row-parallel matmul)
+                    ops += [("all_gather", act), ("reduce_scatter", act_g)] * 2
+                    ops += [("reduce_scatter", act), ("all_gather", act_g)] * 2
+                else:  # two g (forward, compute dtype), two f (backward, fp32)
+                    ops += [("all_reduce", act_g)] * 2 + [("all_reduce", act)] * 2
+            if first:
+                ops += [(k, act) for k in emb]
+            if last:
+                ops += [(k, act) for k in head] + [("all_reduce", b * s * 4)] * 3
+        if p > 1:
+            s_local = s // t if sequence_parallel else s
+            pact = b * s_local * h * E
+            if not first:
+                ops += [("recv", pact), ("send", pact)]
+            if not last:
+                ops += [("send", pact), ("recv", pact)]
+    if sequence_parallel:
+        ops.append(("all_reduce", _mp_sp_params(cfg, lo, hi, first, last) * E))
+    if d > 1:
+        ops.append(("all_reduce", _mp_local_params(cfg, t, lo, hi, first, last) * E))
+    return ops
+
+
+
+def model_parallel_expectation(sequence_parallel: bool | None, schedule: str | None):
+    def fn(cfg, case, o, dp):
+        from reference_impls.pipeline import bubble_fraction_theory, partition_layers
+
+        sp = o.sp if sequence_parallel is None else sequence_parallel
+        t, p = o.tp, o.pp
+        m = o.n_microbatches
+        world = case.world_size
+        grid = [(r // (t * p), (r // t) % p, r % t) for r in range(world)]
+        per_rank = [sum_ops(model_parallel_ops(cfg, case, c, sp)) for c in grid]
+        state = []
+        for _, pp_rank, _ in grid:
+            lo, hi = partition_layers(cfg.n_layers, p)[pp_rank]
+            n = _mp_local_params(cfg, t, lo, hi, pp_rank == 0, pp_rank == p - 1)
+            state.append({"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n})
+        out = Expectation(
+            state_bytes=state,
+            comm_payload_bytes=per_rank[0],
+            comm_payload_bytes_per_rank=per_rank,
+            paper_state_bytes=None,
+            notes="fp32 parameters, gradients and Adam moments of this rank's TP shard of its pipeline stage "
+                  "(bf16 autocasts compute only). Communication: see parabench.theory.model_parallel_ops; under "
+                  "bf16/fp16 the row-parallel outputs (g's forward all-reduce, or SP's forward reduce-scatter and "
+                  "its backward all-gather) travel in the compute dtype, everything else in fp32.",
+        )
+        if p > 1:
+            n_micro = m * case.grad_accum
+            out["pipeline"] = {
+                "schedule": schedule or o.schedule,
+                "microbatches": n_micro,
+                "bubble_fraction": bubble_fraction_theory(p, n_micro),
+                "peak_live_microbatches_per_stage": [n_micro if (schedule or o.schedule) == "gpipe"
+                                                     else min(p - s, n_micro) for s in range(p)],
+            }
+        return out
+    return fn
+
+
+
+# --- DeepSpeed's pipeline engine (parabench/peers/deepspeed_pipe.py) ----------------------------
+# Read from deepspeed/runtime/pipe/engine.py (0.19.8) and confirmed by the meter on gloo. Per
+# optimizer step (not the first: the first activation send is preceded by one 256 x int32 = 1 KiB
+# tensor-meta message, ``_send_tensor_meta``, never repeated with dynamic_shape=False):
+#   * per micro-batch, a blocking send/recv of the activation [b, s, h] forward and its gradient
+#     backward, in the module's dtype (fp32, or bf16 under DeepSpeed's bf16 config);
+#   * ReduceGrads: ``buffered_allreduce_fallback`` all-reduces every local gradient over the
+#     data-parallel group even when it holds one rank (pp == world_size), in the communication
+#     dtype (the parameter dtype), in buckets closed once they pass 500M elements
+#     (``allreduce_no_retain``, MEMORY_OPT_ALLREDUCE_SIZE);
+#   * scalar ops: the last stage broadcasts [loss, dp-averaged loss] (2 x fp32) over the pipe group
+#     (``_aggregate_total_loss``), every stage takes part; under bf16 the BF16_Optimizer all-reduces
+#     its gradient norm (one fp32) whether or not clipping is on.
+
+DS_ALLREDUCE_BUCKET = 500_000_000
+
+
+def deepspeed_pp_stage_numels(cfg: GPTConfig, pp: int, stage: int) -> list[int]:
+    """Parameter sizes of one stage in PipelineModule order (embeddings, blocks, LayerNorm + head)."""
+    import torch
+
+    from parabench.models import GPT
+    from reference_impls.pipeline import partition_layers
+
+    lo, hi = partition_layers(cfg.n_layers, pp)[stage]
+    with torch.device("meta"):
+        model = GPT(cfg)
+    mods = ([model.tok_emb, model.pos_emb] if stage == 0 else []) + [model.blocks[i] for i in range(lo, hi)]
+    if stage == pp - 1:
+        mods += [model.ln_f, model.head]
+    return [p.numel() for m in mods for p in m.parameters()]
+
+
+def deepspeed_pp_ops(cfg: GPTConfig, case, stage: int) -> list[tuple[str, int]]:
+    """Every communication op (kind, payload bytes) one stage of deepspeed.pp issues in a step."""
+    o = ModelParallelOptions.read(case.options)
+    p = o.pp
+    n = o.n_microbatches * case.grad_accum
+    b = case.micro_batch * case.grad_accum // n
+    e = BYTES[case.precision]
+    act = b * cfg.seq_len * cfg.d_model * e
+    ops: list[tuple[str, int]] = []
+    for _ in range(n):
+        if stage > 0:
+            ops += [("recv", act), ("send", act)]
+        if stage < p - 1:
+            ops += [("send", act), ("recv", act)]
+    bucket = 0
+    for numel in deepspeed_pp_stage_numels(cfg, p, stage):
+        bucket += numel
+        if bucket > DS_ALLREDUCE_BUCKET:
+            ops.append(("all_reduce", bucket * e))
+            bucket = 0
+    if bucket:
+        ops.append(("all_reduce", bucket * e))
+    ops.append(("broadcast", 2 * 4))
+    if case.precision == "bf16":
+        ops.append(("all_reduce", 4))
+    return ops
+
+
+
+def expect_deepspeed_pp(cfg, case, o, dp):
+    from reference_impls.pipeline import bubble_fraction_theory
+
+    p = o.pp
+    n_micro = o.n_microbatches * case.grad_accum
+    ops = [deepspeed_pp_ops(cfg, case, s) for s in range(p)]
+    per_rank = [sum_ops(x) for x in ops]
+    e = BYTES[case.precision]
+    state = []
+    for s in range(p):
+        n = sum(deepspeed_pp_stage_numels(cfg, p, s))
+        if case.precision == "bf16":  # bf16 module; BF16_Optimizer: fp32 gradient accumulators, fp32 master
+            state.append({"params": e * n, "grads": 4 * n, "optimizer": 12 * n})
+        else:
+            state.append({"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n})
+    return Expectation(
+        state_bytes=state,
+        comm_payload_bytes=per_rank[0],
+        comm_payload_bytes_per_rank=per_rank,
+        comm_scalar_ops_per_rank=[scalar_ops(x) for x in ops],
+        paper_state_bytes=None,
+        notes="DeepSpeed PipelineEngine, ZeRO-0, one stage per rank: activations forward and gradients "
+              "backward per micro-batch (send/recv in the module dtype), one all-reduce of the stage's "
+              "gradients over its one-rank data-parallel group, the loss broadcast from the last stage "
+              "(scalar); see parabench.theory.deepspeed_pp_ops. The first step also sends a 1 KiB tensor-meta "
+              "message ahead of the first activation.",
+        pipeline={"schedule": "1f1b", "microbatches": n_micro,
+                  "bubble_fraction": bubble_fraction_theory(p, n_micro)},
+    )
+
+
+# --- torch.distributed.pipelining (parabench/peers/torch_pipeline.py) ---------------------------
+# The model is cut into C = pp x v chunks (v = virtual_stages for ScheduleInterleaved1F1B, else 1)
+# by the same partition as the references; rank r holds chunks r, r + pp, ..., r + (v-1)·pp. Per
+# micro-batch, every chunk boundary carries the activation [b, s, h] forward and its gradient
+# backward, as one send/recv pair each (PipelineStage's batch_isend_irecv), in fp32: the residual
+# stream stays fp32 under autocast. So interleaving moves the same bytes per boundary crossing but
+# crosses v times as many boundaries (C - 1 instead of pp - 1), and every rank but the ends of the
+# chain sends and receives on both sides of each of its chunks. Shapes are inferred on the first
+# step only (the metered step is a later one). Data parallel: one all-reduce per parameter
+# gradient (fp32) over the dp group, after the schedule.
+
+def torch_pipeline_ops(cfg: GPTConfig, case, pp_rank: int, dp: int) -> list[tuple[str, int]]:
+    """Every communication op (kind, payload bytes) one rank of a torch pipeline issues in a step."""
+    from reference_impls.pipeline import partition_layers
+
+    o = ModelParallelOptions.read(case.options)
+    p, v = o.pp, (o.virtual_stages if case.strategy == "torch.pp_interleaved" else 1)
+    chunks = p * v
+    n = o.n_microbatches * case.grad_accum
+    b = case.micro_batch * case.grad_accum // n
+    act = b * cfg.seq_len * cfg.d_model * 4
+    ops: list[tuple[str, int]] = []
+    for _ in range(n):
+        for k in range(v):
+            c = pp_rank + k * p
+            if c > 0:
+                ops += [("recv", act), ("send", act)]
+            if c < chunks - 1:
+                ops += [("send", act), ("recv", act)]
+    if dp > 1:
+        bounds = partition_layers(cfg.n_layers, chunks)
+        for k in range(v):
+            c = pp_rank + k * p
+            ops += [("all_reduce", 4 * numel) for numel in _chunk_param_numels(cfg, *bounds[c], c == 0, c == chunks - 1)]
+    return ops
+
+
+def _chunk_param_numels(cfg: GPTConfig, lo: int, hi: int, first: bool, last: bool) -> list[int]:
+    """Parameter sizes of one chunk (embeddings on the first, LayerNorm + head on the last)."""
+    import torch
+
+    from parabench.models import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    mods = ([model.tok_emb, model.pos_emb] if first else []) + [model.blocks[i] for i in range(lo, hi)]
+    if last:
+        mods += [model.ln_f, model.head]
+    return [q.numel() for m in mods for q in m.parameters()]
+
+
+def expect_torch_pipeline(cfg, case, o, dp):
+    from reference_impls.pipeline import partition_layers
+
+    p = o.pp
+    v = o.virtual_stages if case.strategy == "torch.pp_interleaved" else 1
+    chunks = p * v
+    bounds = partition_layers(cfg.n_layers, chunks)
+    grid = [(r // p, r % p) for r in range(case.world_size)]  # (dp rank, pp rank); no tp
+    per_rank = [sum_ops(torch_pipeline_ops(cfg, case, pp_rank, dp)) for _, pp_rank in grid]
+    state = []
+    for _, pp_rank in grid:
+        n = sum(sum(_chunk_param_numels(cfg, *bounds[c], c == 0, c == chunks - 1))
+                for c in range(pp_rank, chunks, p))
+        state.append({"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n})
+    n_micro = o.n_microbatches * case.grad_accum
+    return Expectation(
+        state_bytes=state,
+        comm_payload_bytes=per_rank[0],
+        comm_payload_bytes_per_rank=per_rank,
+        paper_state_bytes=None,
+        notes=f"torch.distributed.pipelining over {chunks} chunks ({v} per rank): per micro-batch each chunk "
+              "boundary sends the fp32 activation b·s·h forward and its gradient back; fp32 parameters, gradients "
+              "and AdamW moments of the rank's chunks; see parabench.families.model_parallel.torch_pipeline_ops.",
+        pipeline={"schedule": "interleaved_1f1b" if v > 1 else "1f1b", "microbatches": n_micro, "virtual_stages": v,
+                  # Narayanan et al. 2021, Sec. 2.2: v chunks per rank divide the bubble by v.
+                  "bubble_fraction": (p - 1) / (v * n_micro + p - 1)},
+    )
+
+
+def _row(name, builder, kind, description, expect, **kw):
+    return StrategySpec(name, "model_parallel", builder, kind, description, options=ModelParallelOptions,
+                        validate=validate, expect=expect, **kw)
+
+
+_REF = "parabench.families.model_parallel"
+_TORCH_PP = "parabench.peers.torch_pipeline"
+ROWS = (
+    _row("ref.tp", f"{_REF}:build_tp", "reference",
+         "Megatron tensor parallel: f/g operators, column/row-parallel layers, vocab-parallel "
+         "embedding and cross-entropy (options tp, pp; x dp)", model_parallel_expectation(False, None)),
+    _row("ref.tp_sp", f"{_REF}:build_tp_sp", "reference",
+         "Megatron tensor + sequence parallel: all-gather/reduce-scatter along the sequence",
+         model_parallel_expectation(True, None)),
+    _row("ref.pp_gpipe", f"{_REF}:build_pp_gpipe", "reference",
+         "GPipe pipeline over send/recv (options pp, microbatches, tp, sp; x dp)",
+         model_parallel_expectation(None, "gpipe")),
+    _row("ref.pp_1f1b", f"{_REF}:build_pp_1f1b", "reference",
+         "1F1B (PipeDream-Flush) pipeline over send/recv (options pp, microbatches, tp, sp; x dp)",
+         model_parallel_expectation(None, "1f1b")),
+    _row("torch.tp", "parabench.peers.torch_tp:build_tp", "peer",
+         "PyTorch DTensor parallelize_module, ColwiseParallel/RowwiseParallel over the tp mesh", None),
+    _row("torch.tp_sp", "parabench.peers.torch_tp:build_tp_sp", "peer",
+         "PyTorch DTensor tensor parallel + SequenceParallel LayerNorms", None),
+    _row("torch.pp_gpipe", f"{_TORCH_PP}:build_gpipe", "peer",
+         "torch.distributed.pipelining PipelineStage + ScheduleGPipe", None, version="2"),
+    _row("torch.pp_1f1b", f"{_TORCH_PP}:build_1f1b", "peer",
+         "torch.distributed.pipelining PipelineStage + Schedule1F1B", None, version="2"),
+    _row("torch.pp_interleaved", f"{_TORCH_PP}:build_interleaved", "peer",
+         "torch.distributed.pipelining ScheduleInterleaved1F1B, virtual_stages (default 2) chunks per rank",
+         expect_torch_pipeline, version="2"),
+    _row("deepspeed.pp", "parabench.peers.deepspeed_pipe:build", "peer",
+         "DeepSpeed pipeline engine: PipelineModule (parabench's stage split) + engine.train_batch, "
+         "TrainSchedule (1F1B), blocking send/recv, ZeRO-0 with the client AdamW (options pp = world_size, "
+         "microbatches; no dp/tp)", expect_deepspeed_pp, min_world_size=2),
+)

@@ -1,0 +1,359 @@
+"""Sharded data parallelism: ZeRO stages 1-3, FSDP (full and hybrid shard) and CPU offload, as
+references (``reference_impls/zero.py``, ``fsdp.py``, ``zero_offload.py``) and as peers (PyTorch
+FSDP2, DeepSpeed ZeRO)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from parabench.families.data_parallel import (DataParallelOptions, common_kwargs, dp_groups, reference_model,
+                                              with_lr_spike)
+from parabench.models import lm_loss, parameter_count
+from parabench.strategies import DP_PRECISIONS, StrategySpec, TrainSpec, as_trainer
+from parabench.theory import BYTES, Expectation, psi, ref_bucket_sizes, shard_numel, volume, zero_paper_state_bytes
+
+
+@dataclass(frozen=True)
+class ShardedOptions(DataParallelOptions):
+    shard_size: int = 2  # hybrid shard: ranks per shard group (replicas across them)
+    prefetch: bool = True  # reference FSDP/ZeRO-3: all-gather the next block ahead of time
+    in_flight: int = 2  # reference FSDP/ZeRO-3: gradient reduce-scatters outstanding at once
+    reshard_after_forward: bool = True  # torch FSDP2: free gathered parameters after forward
+    zero: dict = field(default_factory=dict)  # DeepSpeed: extra zero_optimization config keys
+
+
+# --- builders -----------------------------------------------------------------------------------
+
+def _zero(spec: TrainSpec, stage: int):
+    from reference_impls.zero import ZeRO
+
+    o = ShardedOptions.read(spec.options)
+    return with_lr_spike(as_trainer(ZeRO)(reference_model(spec, o), lm_loss, spec.topology.dp_group, stage=stage,
+                                          bucket_mb=float(o.bucket_mb), **common_kwargs(spec, o, dp_groups(spec))), o)
+
+
+def build_zero1(spec: TrainSpec):
+    return _zero(spec, 1)
+
+
+def build_zero2(spec: TrainSpec):
+    return _zero(spec, 2)
+
+
+def build_zero2_offload(spec: TrainSpec):
+    from reference_impls.zero_offload import ZeROOffload
+
+    o = ShardedOptions.read(spec.options)
+    return with_lr_spike(as_trainer(ZeROOffload)(reference_model(spec, o), lm_loss, spec.topology.dp_group,
+                                                 bucket_mb=float(o.bucket_mb),
+                                                 **common_kwargs(spec, o, dp_groups(spec))), o)
+
+
+def _fsdp(spec: TrainSpec, reshard_root: bool, shard_group=None, replicate_group=None):
+    from reference_impls.fsdp import FSDP
+
+    o = ShardedOptions.read(spec.options)
+    model = reference_model(spec, o)
+    group = shard_group or spec.topology.dp_group
+    # The inf flag goes round the shard group and, for HSDP, the replica group too.
+    groups = [group or dist.group.WORLD] + ([replicate_group] if replicate_group is not None else [])
+    return with_lr_spike(as_trainer(FSDP)(model, lm_loss, list(model.blocks), group,
+                                          replicate_group=replicate_group, reshard_root=reshard_root,
+                                          prefetch=bool(o.prefetch), in_flight=o.in_flight,
+                                          **common_kwargs(spec, o, groups)), o)
+
+
+def build_zero3(spec: TrainSpec):
+    return _fsdp(spec, reshard_root=True)
+
+
+def build_fsdp(spec: TrainSpec):
+    return _fsdp(spec, reshard_root=False)
+
+
+def hsdp_groups(world: int, dp: int, pp: int, tp: int, shard_size: int, rank: int):
+    """(shard ranks, replicate ranks) lists for every data-parallel group of the grid
+    ``arange(world).view(dp, pp, tp)``, and the two lists this rank belongs to.
+
+    Within each dp group, consecutive dp ranks form a shard group (the fast links, like torch's
+    HSDP mesh ``(replicate, shard)``); ranks with the same position in their shard group form a
+    replica group."""
+    if dp % shard_size or shard_size < 1:
+        raise ValueError(f"hsdp: shard_size {shard_size} must divide the data-parallel degree {dp}")
+    grid = torch.arange(world).view(dp, pp, tp)
+    shards, replicas = [], []
+    for p in range(pp):
+        for t in range(tp):
+            col = grid[:, p, t].tolist()
+            shards += [col[k:k + shard_size] for k in range(0, dp, shard_size)]
+            replicas += [col[j::shard_size] for j in range(shard_size)]
+
+    def mine(lists):
+        return next(g for g in lists if rank in g)
+
+    return shards, replicas, mine(shards), mine(replicas)
+
+
+def build_hsdp(spec: TrainSpec):
+    topo = spec.topology
+    shard_size = ShardedOptions.read(spec.options).shard_size
+    shards, replicas, _, _ = hsdp_groups(topo.world_size, topo.dp, topo.pp, topo.tp, shard_size, topo.rank)
+    # Every rank creates every group, in the same order (new_group is collective over the world).
+    shard_group, _ = dist.new_subgroups_by_enumeration(shards)
+    replicate_group, _ = dist.new_subgroups_by_enumeration(replicas)
+    return _fsdp(spec, reshard_root=False, shard_group=shard_group, replicate_group=replicate_group)
+
+
+# --- expectations: peers ------------------------------------------------------------------------
+
+def expect_torch_fsdp2(cfg, case, o, dp):
+    p = psi(cfg)
+    pbytes = BYTES[case.precision]
+    accum = case.grad_accum
+    comm = {
+        # forward gathers every parameter group (blocks and root), backward gathers each again
+        # (reshard_after_forward=True, the root included); gradients are reduce-scattered in fp32
+        # after every micro-batch.
+        "all_gather": accum * 2 * p * pbytes,
+        "reduce_scatter": accum * p * 4,
+    } if dp > 1 else {}
+    return Expectation(
+        state_bytes=None,  # per-parameter dim-0 sharding: shard sizes vary by rank, see the measurement
+        comm_payload_bytes=comm,
+        paper_state_bytes=zero_paper_state_bytes(3, p, dp),
+        notes="fp32 sharded parameters are the master weights; gathered in the compute dtype.",
+    )
+
+
+def expect_torch_hsdp(cfg, case, o, dp):
+    p = psi(cfg)
+    shard = o.shard_size
+    accum = case.grad_accum
+    return Expectation(
+        state_bytes=None,  # per-parameter dim-0 sharding within the shard group: see the measurement
+        comm_payload_bytes={
+            "all_gather": accum * 2 * p * BYTES[case.precision],  # within the shard group
+            "reduce_scatter": accum * p * 4,                      # within the shard group, fp32
+            "all_reduce": accum * p * 4 // shard,                 # the shard, across replicas
+        },
+        paper_state_bytes=zero_paper_state_bytes(3, p, shard),
+        notes="FSDP2 on a (replicate, shard) mesh: forward and backward gathers inside the shard group, "
+              "gradient reduce-scatter inside it, then an all-reduce of each shard across replicas.",
+    )
+
+
+def deepspeed_expectation(stage: int):
+    """DeepSpeed 0.19 as it behaves (read from its source, confirmed by the meter): gradients
+    travel in the parameter dtype; stages 1 and 2 all-reduce each gradient bucket and then
+    all-gather the updated parameters, so their payload is 2Ψ elements and their wire traffic 3Ψ
+    (the paper's reduce-scatter + all-gather would be 2Ψ); stage 3 gathers every parameter in
+    forward and reduce-scatters gradients, but re-gathers in backward only what its parameter
+    cache has released (measured: nothing on the tiny model, the output head and a few blocks on
+    gpt-125m, with stage3_max_reuse_distance=0), so its all-gather is the range [Ψ, 2Ψ] — the
+    flight recorder confirms the meter here, the looseness is DeepSpeed's."""
+    def fn(cfg, case, o, dp):
+        p = psi(cfg)
+        b = BYTES[case.precision]
+        accum = case.grad_accum
+        comm = None
+        if dp > 1:
+            comm = {0: {"all_reduce": b * p},
+                    1: {"all_reduce": b * p, "all_gather": b * p},
+                    2: {"all_reduce": b * p, "all_gather": b * p},
+                    3: {"all_gather": [accum * b * p, accum * 2 * b * p], "reduce_scatter": accum * b * p}}[stage]
+        return Expectation(
+            state_bytes=None,
+            comm_payload_bytes=comm,
+            paper_state_bytes=zero_paper_state_bytes(stage, p, dp),
+            notes="DeepSpeed's internal layout is read from the engine; the paper's figure is given for reference.",
+        )
+    return fn
+
+
+# --- expectations: references (reference_impls/zero.py, fsdp.py) ---------------------------------
+# The layout rules are restated here, not imported, so that a change in the code shows up as a
+# mismatch with the measurement. b = bytes of the compute dtype (4 fp32, 2 bf16); Ψ the parameter
+# count; N the data-parallel degree (the shard-group size S for hsdp); A = grad_accum.
+# Padding: ZeRO-1/2 pad each gradient bucket, ZeRO-3/FSDP/HSDP each unit (a block, or the root:
+# embeddings + final LayerNorm + head), to a multiple of N elements; Ψp is the padded total. The
+# collectives run even at N = 1 (group of one), so the payloads below hold for any N.
+
+def _ref_units(cfg, n: int) -> tuple[int, int]:
+    """(padded root unit, padded block unit) in elements, for shard groups of ``n`` ranks."""
+    c = parameter_count(cfg)
+    block = c["blocks"] // cfg.n_layers
+    return shard_numel(c["total"] - c["blocks"], n) * n, shard_numel(block, n) * n
+
+
+def ref_zero_expectation(stage: int):
+    def fn(cfg, case, o, dp):
+        p, b, mixed = psi(cfg), BYTES[case.precision], case.precision != "fp32"
+        buckets = ref_bucket_sizes(cfg, b, float(o.bucket_mb), dp)
+        psi_p, shard = sum(buckets), sum(buckets) // dp
+        rs_rounds = 1 if stage == 1 else case.grad_accum
+        return Expectation(
+            state_bytes={"params": b * psi_p,
+                         "grads": (b * psi_p if stage == 1 else 0) + 4 * shard,
+                         "optimizer": 8 * shard + (4 * shard if mixed else 0)},
+            comm_payload_bytes={"reduce_scatter": rs_rounds * volume(b * n for n in buckets),
+                                "all_gather": volume(b * n for n in buckets)},
+            paper_state_bytes=zero_paper_state_bytes(stage, p, dp),
+            notes=f"buckets padded to a multiple of N (Ψp = {psi_p} vs Ψ = {p}); every bucket split into N shards. "
+                  + ("ZeRO-1: full gradient buffer bΨp + fp32 main-gradient shard 4Ψp/N; " if stage == 1 else
+                     "ZeRO-2: only the fp32 main-gradient shard 4Ψp/N at update time (buckets freed); ")
+                  + "Adam 8Ψp/N, + fp32 master shard 4Ψp/N in bf16 (in fp32 the owned part of the parameter "
+                  "buffer is the master). bf16: 2Ψ + 16Ψ/N (stage 2) vs the paper's 2Ψ + 14Ψ/N, the difference being "
+                  "the fp32 gradient shard (as DeepSpeed holds). Reduce-scatter and all-gather in the compute dtype"
+                  + (", reduce-scatter on every micro-batch." if stage == 2 else ", communication on the last micro-batch only."),
+        )
+    return fn
+
+
+def ref_sharded_expectation(variant: str):
+    def fn(cfg, case, o, dp):
+        p, b, mixed = psi(cfg), BYTES[case.precision], case.precision != "fp32"
+        n = o.shard_size if variant == "hsdp" else dp
+        root, block = _ref_units(cfg, n)
+        units = [root] + [block] * cfg.n_layers
+        psi_p, shard = sum(units), sum(units) // n
+        regathered = units[1:] + ([root] if variant == "zero3" else [])
+        comm = {"all_gather": case.grad_accum * volume(b * u for u in units + regathered),
+                "reduce_scatter": case.grad_accum * volume(b * u for u in units)}
+        if variant == "hsdp":  # one all-reduce per unit's fp32 gradient shard
+            comm["all_reduce"] = volume(4 * u // n for u in units)
+        in_flight = o.in_flight
+        return Expectation(
+            state_bytes={"params": 4 * shard, "grads": 4 * shard, "optimizer": 8 * shard},
+            comm_payload_bytes=comm,
+            paper_state_bytes=zero_paper_state_bytes(3, p, n),
+            # Transient, on top of the model state, in the compute dtype: the gathered units alive at
+            # once (the root and up to three blocks: in backward the block whose last gradients are
+            # landing, the one computing, the one prefetched) and the gradients before their
+            # reduce-scatter: the root's (autograd's own tensors, then for a moment also its flat
+            # buffer) and the flat buffers of up to in_flight + 1 blocks; in 16-bit each of the
+            # in_flight outstanding reduce-scatters has a receive shard too.
+            working_set_bytes={"gathered_params": b * (root + 3 * block),
+                               "grad_buffers": b * (2 * root + (in_flight + 1) * block)
+                               + (b * in_flight * max(root, block) // n if mixed else 0)},
+            notes=f"units (root + one per block) padded to a multiple of {'S' if variant == 'hsdp' else 'N'} "
+                  f"(Ψp = {psi_p}); in every precision the fp32 shard 4Ψp/n is the only persistent copy of the "
+                  "parameters (the master weights; cast into the all-gather buffer before each gather), fp32 "
+                  "main-gradient shard 4Ψp/n (allocated unit by unit in backward, freed after the update), Adam "
+                  "8Ψp/n: 16Ψp/n (paper 16Ψ/N). Per micro-batch: "
+                  "all-gather of every unit for forward and of every block again for backward"
+                  + (" and of the root too" if variant == "zero3" else " (the root stays gathered)")
+                  + ", reduce-scatter of every unit, in the compute dtype"
+                  + ("; once per step an fp32 all-reduce of each unit's gradient shard across the N/S replicas"
+                     if variant == "hsdp" else "") + ".",
+        )
+    return fn
+
+
+# --- expectations: CPU offload (device-resident model state) -------------------------------------
+# What stays on the device when the optimizer (and for FSDP2 the sharded parameters) live in CPU
+# memory. On a CPU-only machine "device" and "CPU" are the same memory: the offload is then a copy
+# within it, and these figures describe the layout, not a saving.
+
+def expect_ref_zero2_offload(cfg, case, o, dp):
+    base = ref_zero_expectation(2)(cfg, case, o, dp)
+    p, b = psi(cfg), BYTES[case.precision]
+    buckets = ref_bucket_sizes(cfg, b, float(o.bucket_mb), dp)
+    psi_p, shard = sum(buckets), sum(buckets) // dp
+    return Expectation(
+        state_bytes={"params": b * psi_p, "grads": 4 * shard, "optimizer": 0},
+        comm_payload_bytes=base["comm_payload_bytes"],
+        paper_state_bytes=2 * p,  # ZeRO-Offload, Sec. 4: only the 16-bit parameters stay (2Ψ)
+        cpu_state_bytes={"master": 4 * shard, "grads": 4 * shard, "optimizer": 8 * shard},
+        notes="ZeRO-2 on the device: bΨp compute parameters + the fp32 main-gradient shard 4Ψp/N (reduce-scattered "
+              "there, then copied out); on the CPU: fp32 master 4Ψp/N, Adam 8Ψp/N and a 4Ψp/N gradient copy. The "
+              "paper's 2Ψ counts 16-bit parameters only (its gradients stream to the CPU bucket by bucket). Same "
+              "collectives as ref.zero2.",
+    )
+
+
+def deepspeed_offload_expectation(stage: int):
+    def fn(cfg, case, o, dp):
+        base = deepspeed_expectation(stage)(cfg, case, o, dp)
+        p, b = psi(cfg), BYTES[case.precision]
+        device_params = b * p if stage == 2 else b * shard_numel(p, dp)
+        return Expectation(
+            state_bytes=None,  # read from the engine (its "optimizer" figure includes the CPU-resident part)
+            comm_payload_bytes=base["comm_payload_bytes"],
+            paper_state_bytes=device_params,
+            device_state_bytes={"params": device_params, "grads": None, "optimizer": 0},
+            notes=f"DeepSpeed ZeRO-{stage} with offload_optimizer=cpu: fp32 master partitions, Adam moments and the "
+                  "update on the CPU; the device keeps the "
+                  + ("16-bit parameters (bΨ)" if stage == 2 else "16-bit parameter partition (bΨ/N)")
+                  + " plus gradient buckets in flight. Client torch AdamW runs on the CPU.",
+        )
+    return fn
+
+
+def expect_torch_fsdp2_offload(cfg, case, o, dp):
+    base = expect_torch_fsdp2(cfg, case, o, dp)
+    return Expectation(
+        state_bytes=None,
+        comm_payload_bytes=base["comm_payload_bytes"],
+        paper_state_bytes=0,
+        device_state_bytes={"params": 0, "grads": 0, "optimizer": 0},
+        notes="FSDP2 CPUOffloadPolicy: sharded fp32 parameters, their gradients and the AdamW step stay in CPU memory; "
+              "the device holds only the gathered block being computed (transient, not model state). Same "
+              "collectives as torch.fsdp2.",
+    )
+
+
+def _row(name, builder, kind, description, expect, **kw):
+    return StrategySpec(name, "sharded", builder, kind, description, precisions=DP_PRECISIONS,
+                        options=ShardedOptions, expect=expect, **kw)
+
+
+_DS = "parabench.peers.deepspeed_zero"
+_REF = "parabench.families.sharded"
+ROWS = (
+    _row("torch.fsdp2", "parabench.peers.torch_fsdp2:build", "peer",
+         "PyTorch FSDP2 fully_shard per transformer block + root (ZeRO-3 style)", expect_torch_fsdp2),
+    _row("torch.hsdp", "parabench.peers.torch_fsdp2:build_hsdp", "peer",
+         "PyTorch FSDP2 hybrid shard: 2-D (replicate, shard) mesh, option shard_size (default 2)",
+         expect_torch_hsdp, min_world_size=4),
+    _row("deepspeed.zero0", f"{_DS}:build_zero0", "peer", "DeepSpeed engine, ZeRO disabled (plain data parallel)",
+         deepspeed_expectation(0),
+         caveats=(("fp16", "DeepSpeed 0.19.8, stage 0 fp16 with a client optimizer (FP16_UnfusedOptimizer): "
+                   "engine.backward never multiplies the loss by the loss scale, but the optimizer step "
+                   "still divides the gradients by it (2**16), so Adam sees gradients 65536x too small and "
+                   "the loss barely moves (upstream PR deepspeedai/DeepSpeed#8393; "
+                   "tests/test_mixed_precision.py::test_deepspeed_zero0_fp16_mechanism)."),)),
+    _row("deepspeed.zero1", f"{_DS}:build_zero1", "peer", "DeepSpeed ZeRO stage 1 (optimizer states partitioned)",
+         deepspeed_expectation(1)),
+    _row("deepspeed.zero2", f"{_DS}:build_zero2", "peer", "DeepSpeed ZeRO stage 2 (+ gradients partitioned)",
+         deepspeed_expectation(2)),
+    _row("deepspeed.zero3", f"{_DS}:build_zero3", "peer", "DeepSpeed ZeRO stage 3 (+ parameters partitioned)",
+         deepspeed_expectation(3), shares_launch=False),
+    _row("ref.zero1", f"{_REF}:build_zero1", "reference",
+         "reference ZeRO-1: optimizer states + fp32 master sharded per bucket; reduce-scatter, all-gather",
+         ref_zero_expectation(1), version="2"),
+    _row("ref.zero2", f"{_REF}:build_zero2", "reference",
+         "reference ZeRO-2: + gradients reduce-scattered in buckets during backward and freed",
+         ref_zero_expectation(2), version="2"),
+    _row("ref.zero3", f"{_REF}:build_zero3", "reference",
+         "reference ZeRO-3: per-block flat parameters gathered for forward and backward, every unit resharded",
+         ref_sharded_expectation("zero3"), version="3"),
+    _row("ref.fsdp", f"{_REF}:build_fsdp", "reference",
+         "reference FSDP full shard: as ref.zero3 but the root unit stays gathered from forward to backward",
+         ref_sharded_expectation("fsdp"), version="3"),
+    _row("ref.hsdp", f"{_REF}:build_hsdp", "reference",
+         "reference hybrid shard: FSDP within shard groups (option shard_size), all-reduce across replicas",
+         ref_sharded_expectation("hsdp"), min_world_size=4, version="3"),
+    _row("ref.zero2_offload", f"{_REF}:build_zero2_offload", "reference",
+         "reference ZeRO-Offload: ZeRO-2 with fp32 master, Adam states and the AdamW update on the CPU",
+         expect_ref_zero2_offload, version="2"),
+    _row("deepspeed.zero2_offload", f"{_DS}:build_zero2_offload", "peer",
+         "DeepSpeed ZeRO-2 + offload_optimizer to CPU (ZeRO-Offload)", deepspeed_offload_expectation(2)),
+    _row("deepspeed.zero3_offload", f"{_DS}:build_zero3_offload", "peer",
+         "DeepSpeed ZeRO-3 + offload_optimizer to CPU", deepspeed_offload_expectation(3), shares_launch=False),
+    _row("torch.fsdp2_offload", "parabench.peers.torch_fsdp2:build_offload", "peer",
+         "PyTorch FSDP2 with CPUOffloadPolicy (sharded params, grads and AdamW on the CPU)",
+         expect_torch_fsdp2_offload),
+)
