@@ -123,7 +123,7 @@ def test_resume_skips_recorded_cases(tmp_path):
     (["run", "suite", "no-such-suite"], "valid suites: "),
     (["run", "case", "--model", "tiny", "--strategy", "torch.nope"], "valid strategies: "),
     (["run", "case", "--model", "gpt-9t", "--strategy", "torch.ddp"], "valid models: "),
-    (["run", "case", "--model", "tiny", "--strategy", "torch.ddp", "--world-size", "3", "--options", '{"tp": 2}'],
+    (["run", "case", "--model", "tiny", "--strategy", "ref.tp", "--world-size", "3", "--options", '{"tp": 2}'],
      "not dp x pp x tp"),
 ])
 def test_bad_names_exit_2_and_list_valid_ones(args, message, tmp_path):
