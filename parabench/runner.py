@@ -12,7 +12,7 @@ Failure handling, the part a benchmark harness is judged by:
 - the suite always goes on with the next case; records already written are never touched, so
   Ctrl-C loses nothing finished and ``--resume`` continues where the last run stopped.
 
-The runner owns its launches:
+The runner owns its launches (``LaunchOwner``, which collectives suites launch through too):
 - one runner per run folder: ``.lock`` is flock'ed for the runner's life, a second runner fails
   at once (``RunFolderBusy``, exit 2) naming the holder's pid;
 - every process of a launch carries ``PARABENCH_LAUNCH=<invocation id>`` in its environment.
