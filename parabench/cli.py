@@ -141,7 +141,14 @@ def _run_suite(suite: Suite, args) -> int:
                   f"changed; move the damaged file away (its case then runs again) and resume", file=sys.stderr)
             return 2
     if suite.kind == "collectives":
-        counts = _run_collectives(suite, run_dir)
+        try:
+            counts = _run_collectives(suite, run_dir)
+        except OutputError as exc:
+            print(f"parabench: error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print(f"\nparabench: interrupted; finished world sizes are kept in {run_dir}", file=sys.stderr)
+            return 130
     else:
         print(f"parabench: suite {suite.name}: {len(suite.cases)} cases -> {run_dir}", flush=True)
         runner = Runner(suite, run_dir, _launch_options(args), resume=args.resume, retry_failed=args.retry_failed)
@@ -169,29 +176,33 @@ def _run_suite(suite: Suite, args) -> int:
 
 
 def _run_collectives(suite: Suite, run_dir: Path) -> dict:
-    """One torchrun launch per world size; each writes collectives-w<N>.json in the run folder."""
+    """One torchrun launch per world size; each writes collectives-w<N>.json in the run folder.
+    The run folder is the runner's for the whole run: locked (``RunFolderBusy`` when another
+    runner has it), its launches ended on a signal."""
     import torch
 
     from parabench.collectives_bench import run_collectives_suite, suite_config
     from parabench.results import make_manifest, write_json_atomic
+    from parabench.runner import LaunchOwner
 
     cfg = suite_config(suite)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(run_dir / "manifest.json", make_manifest(suite, run_dir.name, sys.argv))
     counts = {"ok": 0, "skipped": 0, "crashed": 0}
     on_gpu = cfg.get("device", "auto") != "cpu" and torch.cuda.is_available()
-    for n in suite.raw["collectives"].get("world_sizes", [2]):
-        if on_gpu and n > torch.cuda.device_count():
-            print(f"parabench: collectives w{n}: skipped, this machine has {torch.cuda.device_count()} GPUs")
-            counts["skipped"] += 1
-            continue
-        try:
-            out = run_collectives_suite(suite, run_dir, n)
-            print(f"parabench: collectives w{n}: {out}")
-            counts["ok"] += 1
-        except RuntimeError as exc:
-            print(f"parabench: collectives w{n} failed: {exc}", file=sys.stderr)
-            counts["crashed"] += 1
+    owner = LaunchOwner(run_dir)
+    with owner.owning():
+        write_json_atomic(run_dir / "manifest.json", make_manifest(suite, run_dir.name, sys.argv))
+        for n in suite.raw["collectives"].get("world_sizes", [2]):
+            if on_gpu and n > torch.cuda.device_count():
+                print(f"parabench: collectives w{n}: skipped, this machine has {torch.cuda.device_count()} GPUs")
+                counts["skipped"] += 1
+                continue
+            try:
+                out = run_collectives_suite(suite, run_dir, n, owner=owner)
+                print(f"parabench: collectives w{n}: {out}")
+                counts["ok"] += 1
+            except RuntimeError as exc:
+                print(f"parabench: collectives w{n} failed: {exc}", file=sys.stderr)
+                counts["crashed"] += 1
     return counts
 
 

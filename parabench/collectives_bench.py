@@ -65,11 +65,8 @@ import argparse
 import datetime
 import json
 import math
-import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -440,36 +437,43 @@ def suite_config(suite) -> dict:
 
 
 def run_collectives_suite(suite, run_dir, world_size: int, *, device: str | None = None,
-                          timeout_s: float = 1800.0, python: str = sys.executable) -> Path:
+                          timeout_s: float = 1800.0, python: str = sys.executable, owner=None) -> Path:
     """Launch torchrun with ``world_size`` ranks for ``suite``; return the result path.
 
     Writes ``run_dir/collectives-w{N}.config.json`` and ``run_dir/collectives-w{N}.json``
-    (outside ``cases/``: it is not a training-case record). The launch runs in its own session
-    and the whole process group is killed after ``timeout_s``. Raises RuntimeError when torchrun
-    fails, including when a cell is incorrect (the result file is still there in that case).
+    (outside ``cases/``: it is not a training-case record). The launch is the runner's
+    (``runner.LaunchOwner``): ``owner``, which must be inside ``owner.owning()``, or one made for
+    this call, holding the run folder's lock (``RunFolderBusy`` when another runner has it). Every
+    process of the launch is ended after ``timeout_s``, on SIGINT/SIGTERM/SIGHUP
+    (``KeyboardInterrupt``) and when the call returns. Raises RuntimeError when torchrun fails,
+    including when a cell is incorrect (the result file is still there in that case).
     """
+    from parabench.runner import LaunchOptions, LaunchOwner
+
+    if owner is None:
+        owner = LaunchOwner(run_dir)
+        with owner.owning():
+            return run_collectives_suite(suite, run_dir, world_size, device=device, timeout_s=timeout_s,
+                                         python=python, owner=owner)
     cfg = suite_config(suite)
     if device is not None:
         cfg["device"] = device
-    run_dir = Path(run_dir)
+    run_dir = Path(run_dir).resolve()
     config_path = run_dir / f"collectives-w{world_size}.config.json"
     out_path = run_dir / f"collectives-w{world_size}.json"
     write_json_atomic(config_path, cfg)
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size),
+    cmd = [python, "-m", "torch.distributed.run", *LaunchOptions().torchrun_args(world_size),
            "-m", "parabench.collectives_bench", "--config", str(config_path), "--out", str(out_path)]
-    proc = subprocess.Popen(cmd, cwd=root, env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise RuntimeError(f"collectives bench (world {world_size}) timed out after {timeout_s} s") from None
-    if proc.returncode != 0:
-        raise RuntimeError(f"collectives bench (world {world_size}) failed with exit code {proc.returncode}:\n"
-                           + output[-4000:])
+    log_path = owner.scratch / f"collectives-w{world_size}.log"  # its tail goes into the error
+    rc, timed_out = owner.run_torchrun(cmd, owner.launch_env(cfg["device"]), log_path, timeout_s)
+    if timed_out:
+        raise RuntimeError(f"collectives bench (world {world_size}) timed out after {timeout_s} s")
+    if rc != 0:
+        try:
+            log_tail = log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            log_tail = ""
+        raise RuntimeError(f"collectives bench (world {world_size}) failed with exit code {rc}:\n" + log_tail)
     return out_path
 
 

@@ -12,7 +12,7 @@ Failure handling, the part a benchmark harness is judged by:
 - the suite always goes on with the next case; records already written are never touched, so
   Ctrl-C loses nothing finished and ``--resume`` continues where the last run stopped.
 
-The runner owns its launches:
+The runner owns its launches (``LaunchOwner``, which collectives suites launch through too):
 - one runner per run folder: ``.lock`` is flock'ed for the runner's life, a second runner fails
   at once (``RunFolderBusy``, exit 2) naming the holder's pid;
 - every process of a launch carries ``PARABENCH_LAUNCH=<invocation id>`` in its environment.
@@ -55,6 +55,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -641,54 +642,57 @@ def _delta(before: int | None, after: int | None) -> int | None:
     return None if before is None or after is None else after - before
 
 
-class Runner:
-    def __init__(self, suite: Suite, run_dir: Path, launch: LaunchOptions, resume: bool = False,
-                 retry_failed: bool = False, echo=print):
-        self.suite, self.run_dir, self.launch = suite, Path(run_dir), launch
-        self.resume, self.retry_failed, self.echo = resume, retry_failed, echo
+class LaunchOwner:
+    """One launcher's hold on a run folder, shared by the suite runner and the collectives bench:
+    the folder's lock, this invocation's id and scratch, SIGTERM/SIGHUP turned into
+    ``KeyboardInterrupt``, and its torchrun launches (marked, recorded in ``launch.json`` for a
+    later runner, ended completely). Use it as ``with owner.owning(): ...``."""
+
+    def __init__(self, run_dir: Path, echo=print):
+        self.run_dir, self.echo = Path(run_dir), echo
         # this invocation's id: names its scratch folder and marks every process it launches
         self.invocation = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{secrets.token_hex(4)}"
         self.scratch_root = self.run_dir / ".scratch"
         self.scratch = self.scratch_root / self.invocation
-        self.logs = self.run_dir / "logs"
         self.lock = RunFolderLock(self.run_dir)
-        self.n_launches = 0
         self._stopping = False
-        self.done = 0
-        self.counts = {**{s: 0 for s in STATUSES}, "kept": 0}  # kept: recorded by an earlier launch (--resume)
 
-    # -- set-up -------------------------------------------------------------------------
+    @contextmanager
+    def owning(self):
+        """Signals caught, the folder claimed; on the way out, however it is left, every process of
+        this invocation's launches ended, its scratch removed, the lock released."""
+        previous = self._catch_signals()
+        try:
+            self.claim()
+            try:
+                yield self
+            finally:
+                end_launch(self.invocation)  # a launch a signal caught half-started, if any
+                shutil.rmtree(self.scratch, ignore_errors=True)
+                try:
+                    self.scratch_root.rmdir()  # only when no other invocation's scratch is left
+                except OSError:
+                    pass
+        finally:
+            self.lock.release()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
     def claim(self) -> None:
-        """Lock the run folder, end what a dead runner left running there, and clear its scratch."""
+        """Lock the run folder, end what a dead runner left running there, clear its scratch, and
+        record this invocation as the owner of its own."""
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise OutputError(f"output folder {self.run_dir} is not writable: {exc}") from None
         self.lock.acquire()
         clear_dead_invocations(self.scratch_root, self.invocation, self.echo)
-
-    def prepare(self) -> None:
         try:
-            for d in (self.run_dir / "cases", self.scratch, self.logs):
-                d.mkdir(parents=True, exist_ok=True)
-            probe = self.run_dir / ".write-test"
-            probe.write_text("ok")
-            probe.unlink()
+            self.scratch.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise OutputError(f"output folder {self.run_dir} is not writable: {exc}") from None
         self._save(self.scratch / "owner.json", {"invocation": self.invocation, "pid": os.getpid(),
                                                  "start_ticks": process_start_ticks(os.getpid())}, "the scratch owner")
-        manifest_path = self.run_dir / "manifest.json"
-        if not manifest_path.exists():
-            self._save(manifest_path, make_manifest(self.suite, self.run_dir.name, sys.argv), "the manifest")
-        elif self.resume:
-            # Cases recorded from now on may run another commit or suite file than the manifest's:
-            # each resumption is kept beside it (the records' started_at says which cases it ran).
-            manifest = load_json(manifest_path)
-            now = make_manifest(self.suite, self.run_dir.name, sys.argv)
-            manifest.setdefault("resumed", []).append(
-                {k: now[k] for k in ("created_at", "git", "suite_file_sha256", "versions", "argv", "n_cases")})
-            self._save(manifest_path, manifest, "the manifest")
 
     # -- signals: SIGTERM and SIGHUP take Ctrl-C's path ----------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -701,6 +705,100 @@ class Runner:
         if threading.current_thread() is not threading.main_thread():
             return {}
         return {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+    # -- launches -------------------------------------------------------------------------
+    def launch_env(self, device: str) -> dict:
+        env = dict(os.environ)
+        env[LAUNCH_MARK] = self.invocation
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        if device == "cpu":
+            env["DS_ACCELERATOR"] = "cpu"
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        return env
+
+    def start_torchrun(self, cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+        """Start ``cmd`` (``env`` from ``launch_env``: it carries the mark) in a session of its own,
+        its output in ``log_path``, and record it as this invocation's live launch. End it with
+        ``end_torchrun``, whatever happens."""
+        clear_stale_extension_locks(env, self.echo)
+        try:
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        except OSError as exc:
+            raise OutputError(f"cannot start the launch (log {log_path}): {exc}") from None
+        try:
+            self._save(self.scratch / "launch.json", {"invocation": self.invocation, "pid": proc.pid,
+                                                      "start_ticks": process_start_ticks(proc.pid),
+                                                      "started_at": time.time()}, "the live launch's pid")
+        except BaseException:
+            end_launch(self.invocation, proc)
+            raise
+        return proc
+
+    def end_torchrun(self, proc: subprocess.Popen) -> None:
+        end_launch(self.invocation, proc)
+        (self.scratch / "launch.json").unlink(missing_ok=True)
+
+    def run_torchrun(self, cmd: list[str], env: dict, log_path: Path, timeout_s: float) -> tuple[int | None, bool]:
+        """One launch with one deadline: (torchrun's exit status, whether it timed out). Nothing of
+        the launch outlives the call, whether it exits, times out or is interrupted."""
+        proc = self.start_torchrun(cmd, env, log_path)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while (rc := proc.poll()) is None:
+                if time.monotonic() > deadline:
+                    end_launch(self.invocation, proc)
+                    return proc.poll(), True
+                time.sleep(0.1)
+            return rc, False
+        finally:
+            self.end_torchrun(proc)
+
+    def _save(self, path: Path, data: dict, what: str) -> None:
+        """Write atomically; a full disk or any other write error stops the run with a clear error
+        (the caller's launch is ended on the way out), never half a file."""
+        try:
+            write_json_atomic(path, data)
+        except OSError as exc:
+            raise OutputError(f"cannot write {what} to {path}: {exc.strerror or exc}; the run stopped, finished "
+                              "records are kept (continue with --resume once the cause is fixed)") from None
+
+
+class Runner(LaunchOwner):
+    def __init__(self, suite: Suite, run_dir: Path, launch: LaunchOptions, resume: bool = False,
+                 retry_failed: bool = False, echo=print):
+        super().__init__(run_dir, echo)
+        self.suite, self.launch = suite, launch
+        self.resume, self.retry_failed = resume, retry_failed
+        self.logs = self.run_dir / "logs"
+        self.n_launches = 0
+        self.done = 0
+        self.counts = {**{s: 0 for s in STATUSES}, "kept": 0}  # kept: recorded by an earlier launch (--resume)
+
+    # -- set-up -------------------------------------------------------------------------
+    def prepare(self) -> None:
+        try:
+            for d in (self.run_dir / "cases", self.scratch, self.logs):
+                d.mkdir(parents=True, exist_ok=True)
+            probe = self.run_dir / ".write-test"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as exc:
+            raise OutputError(f"output folder {self.run_dir} is not writable: {exc}") from None
+        manifest_path = self.run_dir / "manifest.json"
+        if not manifest_path.exists():
+            self._save(manifest_path, make_manifest(self.suite, self.run_dir.name, sys.argv), "the manifest")
+        elif self.resume:
+            # Cases recorded from now on may run another commit or suite file than the manifest's:
+            # each resumption is kept beside it (the records' started_at says which cases it ran).
+            manifest = load_json(manifest_path)
+            now = make_manifest(self.suite, self.run_dir.name, sys.argv)
+            manifest.setdefault("resumed", []).append(
+                {k: now[k] for k in ("created_at", "git", "suite_file_sha256", "versions", "argv", "n_cases")})
+            self._save(manifest_path, manifest, "the manifest")
 
     def _recorded(self, case: Case) -> bool:
         path = case_record_path(self.run_dir, case.record_key)
@@ -715,22 +813,8 @@ class Runner:
 
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> dict:
-        previous = self._catch_signals()
-        try:
-            self.claim()
-            try:
-                return self._run_cases()
-            finally:
-                end_launch(self.invocation)  # a launch a signal caught half-started, if any
-                shutil.rmtree(self.scratch, ignore_errors=True)
-                try:
-                    self.scratch_root.rmdir()  # only when no other invocation's scratch is left
-                except OSError:
-                    pass
-        finally:
-            self.lock.release()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        with self.owning():
+            return self._run_cases()
 
     def _run_cases(self) -> dict:
         self.prepare()
@@ -779,34 +863,20 @@ class Runner:
                     pending.remove(c)
         return batch
 
-    def _env(self, device: str) -> dict:
-        env = dict(os.environ)
-        env[LAUNCH_MARK] = self.invocation
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        if device == "cpu":
-            env["DS_ACCELERATOR"] = "cpu"
-        root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        return env
-
     def _run_batch(self, batch: list[Case]) -> list[Case]:
         """Run ``batch`` in one launch; return the cases to run again (not the one to blame)."""
         launch = self._start_launch(batch)
         try:
             finished, rc, timed_out = self._watch(launch, batch)
         finally:  # whatever happened (a signal, a full disk), nothing of the launch outlives it
-            end_launch(self.invocation, launch.proc)
-            (self.scratch / "launch.json").unlink(missing_ok=True)
+            self.end_torchrun(launch.proc)
         return self._settle(launch, batch, finished, rc, timed_out)
 
     def _start_launch(self, batch: list[Case]) -> _Launch:
         nproc = batch[0].world_size // self.launch.nnodes
         device = resolve_device(batch[0])
         tag = batch[0].record_key
-        env = self._env(device)
-        clear_stale_extension_locks(env, self.echo)
+        env = self.launch_env(device)
         self.n_launches += 1
         # A folder per launch: a result, error or start stamp is only ever read from the launch
         # that wrote it.
@@ -830,20 +900,8 @@ class Runner:
                 "device": device, "log": str(log_path.relative_to(self.run_dir))}
         oom_kills = kernel_oom_kills()
         started = time.time()
-        try:
-            with open(log_path, "wb") as log:
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        except OSError as exc:
-            raise OutputError(f"cannot start the launch (log {log_path}): {exc}") from None
-        launch = _Launch(proc, folder, log_path, retired_file, started, info, oom_kills)
-        try:
-            self._save(self.scratch / "launch.json", {"invocation": self.invocation, "pid": proc.pid,
-                                                      "start_ticks": process_start_ticks(proc.pid),
-                                                      "started_at": started}, "the live launch's pid")
-        except BaseException:
-            end_launch(self.invocation, proc)
-            raise
-        return launch
+        proc = self.start_torchrun(cmd, env, log_path)
+        return _Launch(proc, folder, log_path, retired_file, started, info, oom_kills)
 
     def _watch(self, launch: _Launch, batch: list[Case]) -> tuple[set[str], int | None, bool]:
         """Record each case's result as it appears; end the launch on a timeout. Returns the
@@ -919,15 +977,6 @@ class Runner:
             return float(p.read_text())
         except (OSError, ValueError):
             return None
-
-    def _save(self, path: Path, data: dict, what: str) -> None:
-        """Write atomically; a full disk or any other write error stops the run with a clear error
-        (the caller's launch is ended on the way out), never half a file."""
-        try:
-            write_json_atomic(path, data)
-        except OSError as exc:
-            raise OutputError(f"cannot write {what} to {path}: {exc.strerror or exc}; the run stopped, finished "
-                              "records are kept (continue with --resume once the cause is fixed)") from None
 
     def _write(self, case: Case, record: dict) -> None:
         self._save(case_record_path(self.run_dir, case.record_key), record, f"the record of {case.label}")

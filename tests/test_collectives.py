@@ -7,6 +7,8 @@ assertions are made here, in the test process, so a failure names the algorithm 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import textwrap
 
 import pytest
@@ -196,3 +198,106 @@ def test_bench_end_to_end_under_torchrun(tmp_path):
         factor = 2 * (2 - 1) / 2 if r["op"] == "all_reduce" else (2 - 1) / 2
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor)
         assert r["algbw_GBps"] == pytest.approx(r["bytes"] / r["time_s_median"] / 1e9)
+
+
+def _busy_suite(tmp_path):
+    """A collectives suite whose one launch runs far longer than any test waits for it."""
+    from parabench.suite import load_suite
+
+    suite_file = tmp_path / "busy-collectives.toml"
+    suite_file.write_text(textwrap.dedent("""
+        [suite]
+        name = "busy-collectives"
+        kind = "collectives"
+        description = "test"
+        [collectives]
+        world_sizes = [2]
+        ops = ["all_reduce"]
+        algorithms = ["backend"]
+        min_bytes = 65536
+        max_bytes = 65536
+        iters = 10000000
+        warmup = 0
+        cell_budget_s = 100000.0
+        device = "cpu"
+    """))
+    return load_suite(str(suite_file))
+
+
+class _MarkedProcessWatch:
+    """Counts the live processes of ``invocation``'s launches from a thread; ``then`` runs once
+    torchrun and both ranks are up."""
+
+    def __init__(self, invocation: str, then=None):
+        import threading
+
+        self.invocation, self.then, self.most = invocation, then, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self):
+        from parabench.runner import marked_processes
+
+        while not self.stop.wait(0.2):
+            self.most = max(self.most, len(marked_processes(self.invocation)))
+            if self.most >= 3 and self.then is not None:
+                self.then()
+                self.then = None
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+@pytest.mark.parametrize("stop_by", ["timeout", "sigterm"])
+def test_a_collectives_launch_is_ended_completely_on_timeout_and_on_sigterm(tmp_path, stop_by):
+    """The runner's launch ownership: torchrun and the ranks (in sessions of their own) all end,
+    the scratch goes, the lock and the signal handlers are given back."""
+    from parabench.runner import LaunchOwner, RunFolderLock, Stopped, marked_processes
+
+    suite = _busy_suite(tmp_path)
+    owner = LaunchOwner(tmp_path / "run")
+    handler_before = signal.getsignal(signal.SIGTERM)
+    if stop_by == "timeout":
+        with _MarkedProcessWatch(owner.invocation) as watch, owner.owning():
+            with pytest.raises(RuntimeError, match=r"collectives bench \(world 2\) timed out after 25 s"):
+                bench.run_collectives_suite(suite, owner.run_dir, 2, timeout_s=25, owner=owner)
+            assert marked_processes(owner.invocation) == []
+            assert not (owner.scratch / "launch.json").exists()
+    else:
+        def sigterm():
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        with _MarkedProcessWatch(owner.invocation, then=sigterm) as watch, pytest.raises(Stopped), owner.owning():
+            bench.run_collectives_suite(suite, owner.run_dir, 2, timeout_s=600, owner=owner)
+    assert watch.most >= 3, "torchrun and its 2 ranks were never seen running: the test proved nothing"
+    assert marked_processes(owner.invocation) == []
+    assert not (owner.run_dir / ".scratch").exists()
+    assert not (owner.run_dir / "collectives-w2.json").exists()
+    assert signal.getsignal(signal.SIGTERM) is handler_before
+    lock = RunFolderLock(owner.run_dir)
+    lock.acquire()  # given back
+    lock.release()
+
+
+def test_a_second_runner_on_a_collectives_run_folder_exits_2(tmp_path, capsys):
+    from parabench import cli
+    from parabench.runner import RunFolderLock
+
+    suite = _busy_suite(tmp_path)
+    run_dir = tmp_path / "out" / suite.name / "r"
+    run_dir.mkdir(parents=True)
+    held = RunFolderLock(run_dir)
+    held.acquire()
+    try:
+        rc = cli.main(["run", "suite", str(suite.path), "--out", str(tmp_path / "out"), "--run-id", "r",
+                       "--no-report"])
+    finally:
+        held.release()
+    assert rc == 2
+    assert f"run folder {run_dir} is in use by another parabench runner (pid {os.getpid()})" in capsys.readouterr().err
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]  # nothing written, nothing launched
