@@ -45,7 +45,7 @@ def test_data_parallel_degree_is_the_grid_s_and_sets_the_global_batch():
 def test_record_of_another_schema_version_is_refused_naming_the_file(tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(PP_RUN, run)
-    victim = sorted((run / "cases").glob("*.json"))[0]
+    victim = min((run / "cases").glob("*.json"))
     data = json.loads(victim.read_text())
     data["schema_version"] = SCHEMA_VERSION + 1
     victim.write_text(json.dumps(data))
