@@ -76,6 +76,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from parabench.record import rank0_comm
 from parabench.results import SchemaError, load_run
 from parabench.stats import combine_launches, launch_samples, mann_whitney_greater, smallest_p
 
@@ -130,12 +131,10 @@ def metric_value(record: dict, name: str):
     """A metric of a record by the gate's name (a few live outside ``metrics``)."""
     m = record.get("metrics") or {}
     if name == "comm_payload_bytes":
-        pr = record.get("per_rank") or []
-        comm = pr[0].get("comm") if pr else None
+        comm = rank0_comm(record)
         return comm.get("payload_bytes") if comm else None
     if name.startswith("comm_bytes[") and name.endswith("]"):
-        pr = record.get("per_rank") or []
-        comm = pr[0].get("comm") if pr else None
+        comm = rank0_comm(record)
         if not comm:
             return None
         return (comm.get("by_kind", {}).get(name[11:-1]) or {}).get("payload_bytes", 0)
@@ -145,9 +144,9 @@ def metric_value(record: dict, name: str):
 def _comm_kinds(*records: dict) -> list[str]:
     kinds: set[str] = set()
     for r in records:
-        pr = r.get("per_rank") or []
-        if pr and pr[0].get("comm"):
-            kinds |= set(pr[0]["comm"].get("by_kind", {}))
+        comm = rank0_comm(r)
+        if comm:
+            kinds |= set(comm.get("by_kind", {}))
     return sorted(kinds)
 
 

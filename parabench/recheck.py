@@ -14,8 +14,8 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
+from parabench.record import checks_for, theory_for
 from parabench.results import _git, case_record_path, load_run, write_json_atomic
-from parabench.runner import checks_for, theory_for
 from parabench.stats import launch_index
 from parabench.suite import Case, launch_key
 

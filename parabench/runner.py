@@ -59,13 +59,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from parabench.metrics import check_against_theory, model_section, summarize
-from parabench.models import model_config
-from parabench.results import (SCHEMA_VERSION, case_record_path, load_json, make_manifest, new_run_id,
-                               write_json_atomic)
+from parabench.record import build_record
+from parabench.results import case_record_path, load_json, make_manifest, new_run_id, write_json_atomic
 from parabench.strategies import get_strategy
 from parabench.suite import Case, Suite
-from parabench import theory
 
 STATUSES = ("ok", "oom", "crashed", "timeout", "skipped", "error")
 
@@ -125,75 +122,6 @@ def skip_reason(case: Case, launch: LaunchOptions) -> str | None:
         if per_node > have:
             return f"needs {per_node} GPUs per node, this machine has {have}"
     return None
-
-
-def _base_record(case: Case) -> dict:
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "case",
-        "case": case.to_dict(),
-        "case_hash": case.case_hash,
-        "label": case.label,
-    }
-
-
-def theory_for(case: Case, per_rank: list[dict] | None = None) -> dict | None:
-    """The analytic expectation of a case (``parabench.theory``), as the record stores it. Given
-    the measured per-rank records, traffic that depends on a data-dependent decision (expert
-    routing) is made exact per rank from what the ranks recorded of that decision."""
-    cfg = model_config(case.model, case.seq_len)
-    dp = case.global_batch // (case.micro_batch * case.grad_accum)
-    expect = theory.expected(case, cfg, dp)
-    if expect is None:
-        return None
-    out = dict(expect)
-    routed = theory.routed_comm_per_rank(case, cfg, per_rank) if per_rank else None
-    if routed:
-        out["comm_payload_bytes_range"] = out.get("comm_payload_bytes")
-        out["comm_payload_bytes"], out["comm_payload_bytes_per_rank"] = routed[0], routed
-        out["comm_exact_from"] = "the routing each rank recorded on the instrumented step (strategy_stats)"
-    return out
-
-
-def checks_for(expect: dict | None, per_rank: list[dict], loss_scale_steps: list | None) -> dict:
-    """Measured per-rank figures against the expectation (``metrics.check_against_theory``)."""
-    checks = check_against_theory(expect, per_rank)
-    steps = loss_scale_steps or []
-    if steps and steps[-1].get("skipped_on_ranks") and checks.get("comm_ok") is False:
-        # An fp16 overflow on the instrumented step skips the update, and with it the parameter
-        # all-gathers of the ZeRO stages: the theory describes an applied step, so no verdict.
-        checks["comm_ok"] = None
-        checks["comm_note"] = ("instrumented step skipped on ranks "
-                               f"{steps[-1]['skipped_on_ranks']} (fp16 overflow): theory not applicable")
-        checks["ok"] = checks.get("state_ok", True)
-    return checks
-
-
-def build_record(case: Case, status: str, raw: dict | None = None, error: dict | None = None,
-                 started_at: float | None = None, duration_s: float | None = None, launch: dict | None = None) -> dict:
-    rec = _base_record(case)
-    rec.update(status=status, error=error, started_at=started_at, duration_s=duration_s, launch=launch or {})
-    rec["model"] = model_section(case)
-    rec["caveats"] = get_strategy(case.strategy).caveats_for(case.precision)
-    if raw is not None and raw.get("debug_slowdown"):  # PARABENCH_DEBUG_SLOWDOWN (worker.py): not the code's speed
-        rec["debug_slowdown"] = raw["debug_slowdown"]
-        rec["caveats"] = [*rec["caveats"], (f"timed steps deliberately slowed by {raw['debug_slowdown']:.1%} "
-                                            "(PARABENCH_DEBUG_SLOWDOWN, a regression-gate check)")]
-    rec["theory"] = theory_for(case, raw["per_rank"] if raw is not None else None)
-    if raw is not None:
-        rec["device"] = {"name": raw["device_name"], "type": raw["device_type"]}
-        rec["topology"] = raw["topology"]
-        rec["metrics"] = summarize(case, raw)
-        if rec["metrics"].get("throttled"):
-            rec["caveats"].append("the GPU held its clocks down during the timed steps ("
-                                  + ", ".join(rec["metrics"]["clocks_event_reasons"])
-                                  + "): its tokens/s describe a throttled card, not only the strategy")
-        rec["per_rank"] = raw["per_rank"]
-        for key in ("pipeline", "loss_scale"):
-            if key in raw:
-                rec[key] = raw[key]
-        rec["checks"] = checks_for(rec["theory"], rec["per_rank"], rec.get("loss_scale"))
-    return rec
 
 
 _ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)

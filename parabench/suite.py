@@ -105,9 +105,13 @@ class Case:
                 + (f" ga{self.grad_accum}" if self.grad_accum > 1 else "") + (f" [{opts}]" if opts else ""))
 
     @property
+    def dp(self) -> int:
+        """The data-parallel degree: world size over the pipeline and tensor-parallel degrees."""
+        return Topology.check(self.world_size, self.options.get("pp", 1), self.options.get("tp", 1))
+
+    @property
     def global_batch(self) -> int:
-        dp = Topology.check(self.world_size, self.options.get("pp", 1), self.options.get("tp", 1))
-        return self.micro_batch * self.grad_accum * dp
+        return self.micro_batch * self.grad_accum * self.dp
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -8,7 +8,7 @@ def test_caveat_reaches_the_record_and_the_report(tmp_path):
     the records of that precision only and shown in the report."""
     from parabench.report.html import render_report
     from parabench.results import make_manifest, write_json_atomic
-    from parabench.runner import build_record
+    from parabench.record import build_record
     from parabench.suite import Case, load_suite
 
     fp16 = build_record(Case(model="tiny", strategy="deepspeed.zero0", world_size=2, precision="fp16"), "skipped")

@@ -19,7 +19,7 @@ from parabench.compare import compare_metric, compare_runs
 from parabench.report.html import render_report
 from parabench.report.spread import ratio_rows, spread_rows
 from parabench.results import load_run
-from parabench.runner import build_record
+from parabench.record import build_record
 from parabench.stats import combine_launches, mann_whitney_greater, median_ci, ratio_ci, smallest_p
 from parabench.suite import Case, SuiteError, launch_key, load_suite
 from parabench.worker import debug_slowdown

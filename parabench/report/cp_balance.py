@@ -100,7 +100,7 @@ def balance_rows(runs) -> tuple[list[dict], list[dict], list[str]]:
         split = str((c.get("options") or {}).get("cp_split", "zigzag"))
         cp = c.get("world_size")
         seq_len = c.get("seq_len") or _get(r, "model", "config", "seq_len")
-        stats = [pr.get("strategy_stats") or {} for pr in r.get("per_rank") or [] if isinstance(pr, dict)]
+        stats = [pr.get("strategy_stats") or {} for pr in r.get("per_rank") or []]
         known = isinstance(cp, int) and split in SPLIT_ORDER
         analytic = analytic_flops_per_rank(cp, split, _get(r, "model", "config") or {}, c.get("micro_batch"),
                                            c.get("grad_accum", 1)) if known else None

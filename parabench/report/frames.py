@@ -1,13 +1,15 @@
 """Result files -> pandas frames and plain rows for the report (reads results only).
 
-Everything here is defensive: records come from several versions of the worker, from failed
-cases without metrics, from other machines. A missing key gives None, never an exception.
+Records are read by the keys ``parabench.record`` documents. Which sections a record has depends
+on its status (a failed case has no metrics): a missing section gives None, never an exception.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from parabench.record import byte_high, pipeline_stages, rank0_comm, theory_state_total
 
 MiB = 2**20
 
@@ -46,17 +48,9 @@ def records_of(runs, strategies):
                 yield idx, run_name(manifest), r
 
 
-def _hi(v):
-    """A byte figure that may be a number or a [low, high] range (theory gives ranges where the
-    implementation may legitimately do either): the high end, or None."""
-    if isinstance(v, (list, tuple)):
-        nums = [x for x in v if _num(x) is not None]
-        return max(nums) if nums else None
-    return _num(v)
-
-
 def _bytes_text(v):
-    if isinstance(v, (list, tuple)):
+    """A byte figure or a [low, high] range (``record.byte_high``) as text."""
+    if isinstance(v, list):
         return " – ".join(f"{x:,}" if _num(x) is not None else "?" for x in v)
     return v
 
@@ -66,24 +60,13 @@ def short_case(r: dict) -> str:
     return f"{c.get('strategy')} w{c.get('world_size')} {c.get('precision')}"
 
 
-def theory_state_bytes(r: dict):
-    s = _get(r, "theory", "state_bytes")
-    if isinstance(s, list):  # per rank: the largest
-        tot = [sum(_hi(x) for x in v.values()) for v in s
-               if isinstance(v, dict) and all(_hi(x) is not None for x in v.values())]
-        return max(tot) if tot else None
-    if isinstance(s, dict) and s and all(_hi(v) is not None for v in s.values()):
-        return sum(_hi(v) for v in s.values())
-    return None
-
-
 def case_rows(runs) -> list[dict]:
     rows = []
     for idx, (manifest, records) in enumerate(runs):
         for r in records:
             m = r.get("metrics") or {}
             c = r.get("case") or {}
-            comm_pb = _get(r, "per_rank", 0, "comm", "payload_bytes")
+            comm_pb = (rank0_comm(r) or {}).get("payload_bytes")
             theory_comm = _get(r, "theory", "comm_payload_bytes")
             peak = _num(m.get("peak_alloc_bytes")) or _num(m.get("peak_rss_bytes"))
             mfu, roof = _num(m.get("mfu")), _num(m.get("roofline_fraction"))
@@ -104,7 +87,7 @@ def case_rows(runs) -> list[dict]:
                 "step_time_ms_median": _num(m.get("step_time_s_median")) and m["step_time_s_median"] * 1e3,
                 "step_time_ms_p10": _num(m.get("step_time_s_p10")) and m["step_time_s_p10"] * 1e3,
                 "step_time_ms_p90": _num(m.get("step_time_s_p90")) and m["step_time_s_p90"] * 1e3,
-                "step_times_s": m.get("step_times_s") if isinstance(m.get("step_times_s"), list) else None,
+                "step_times_s": m.get("step_times_s"),
                 "mfu_pct": mfu * 100 if mfu is not None else None,
                 "roofline_pct": roof * 100 if roof is not None else None,
                 "peak_mem_MiB": _mib(peak),
@@ -114,20 +97,20 @@ def case_rows(runs) -> list[dict]:
                 "device_used_MiB": _mib(m.get("device_used_bytes")),
                 "peak_rss_MiB": _mib(m.get("peak_rss_bytes")),
                 "model_state_MiB": _mib(m.get("model_state_bytes_max")),
-                "theory_state_MiB": _mib(theory_state_bytes(r)),
+                "theory_state_MiB": _mib(theory_state_total(r)),
                 "paper_state_MiB": _mib(_get(r, "theory", "paper_state_bytes")),
                 "comm_MiB": _mib(comm_pb),
-                "theory_comm_MiB": _mib(sum(_hi(v) or 0 for v in theory_comm.values()))
-                if isinstance(theory_comm, dict) else None,
+                "theory_comm_MiB": _mib(sum(byte_high(v) or 0 for v in theory_comm.values()))
+                if theory_comm is not None else None,
                 "comm_check": _get(r, "checks", "comm_ok"),
                 "state_check": _get(r, "checks", "state_ok"),
                 "final_loss": _num(m.get("final_loss")),
-                "losses": m.get("losses") if isinstance(m.get("losses"), list) else None,
-                "error": err.get("message") if isinstance(err, dict) else str(err),
-                "error_type": err.get("type") if isinstance(err, dict) else None,
-                "first_failing_rank": err.get("first_failing_rank") if isinstance(err, dict) else None,
-                "error_detail": (err.get("traceback_tail") or err.get("log_tail")) if isinstance(err, dict) else None,
-                "loss_scale": r.get("loss_scale") if isinstance(r.get("loss_scale"), list) else None,
+                "losses": m.get("losses"),
+                "error": err.get("message"),
+                "error_type": err.get("type"),
+                "first_failing_rank": err.get("first_failing_rank"),
+                "error_detail": err.get("traceback_tail") or err.get("log_tail"),
+                "loss_scale": r.get("loss_scale"),
                 "pipeline": pipeline_rows(r),
             })
     add_scaling_efficiency(rows)
@@ -137,8 +120,8 @@ def case_rows(runs) -> list[dict]:
 def launch_columns(r: dict) -> dict:
     """Launch count, the interval of the median tokens/s per device and the launch-to-launch CV,
     from ``launch_stats`` (``parabench.stats.combine_launches``); None where absent."""
-    stats = r.get("launch_stats") if isinstance(r.get("launch_stats"), dict) else {}
-    tps = stats.get("tokens_per_s_per_device") if isinstance(stats.get("tokens_per_s_per_device"), dict) else {}
+    stats = r.get("launch_stats") or {}
+    tps = stats.get("tokens_per_s_per_device") or {}
     low, high, cover = _num(tps.get("ci_low")), _num(tps.get("ci_high")), _num(tps.get("ci_coverage"))
     interval = (f"{low:,.0f} – {high:,.0f} ({cover:.0%})" if low is not None and high is not None
                 and cover is not None and (stats.get("n") or 0) >= 2 else None)
@@ -161,28 +144,10 @@ def add_scaling_efficiency(rows: list[dict]) -> None:
 
 
 def pipeline_rows(r: dict) -> list[dict]:
-    """Per stage, measured vs theoretical bubble; from per_rank[i]["pipeline"] (or a record-level
-    "pipeline" dict or list). Key names vary: accept the likely spellings."""
+    """Per pipeline stage, measured vs theoretical bubble (``record.pipeline_stages``)."""
     out = []
-    cands = []
-    for pr in r.get("per_rank") or []:
-        if isinstance(pr, dict) and isinstance(pr.get("pipeline"), dict):
-            cands.append((pr.get("rank"), pr["pipeline"]))
-    top = r.get("pipeline")
-    if isinstance(top, dict):
-        cands.append((None, top))
-    elif isinstance(top, list):
-        cands += [(None, p) for p in top if isinstance(p, dict)]
-    theory_bubble = _num(_get(r, "theory", "pipeline", "bubble_fraction"))
-    on_gpu = (_get(r, "device", "type") or "") == "cuda"
-    for rank, p in cands:
-        if on_gpu and p.get("timeline_synchronized") is False:
-            p = {k: v for k, v in p.items() if k != "bubble_fraction_measured"}  # host clock saw launches only
-        meas = next((_num(p.get(k)) for k in ("bubble_fraction_measured", "bubble_measured", "measured_bubble",
-                                                "bubble_fraction", "bubble") if _num(p.get(k)) is not None), None)
-        theo = next((_num(p.get(k)) for k in ("bubble_fraction_theory", "bubble_theory", "theoretical_bubble",
-                                                "bubble_fraction_theoretical") if _num(p.get(k)) is not None),
-                    theory_bubble)
+    for rank, p in pipeline_stages(r):
+        meas, theo = _num(p.get("bubble_fraction_measured")), _num(p.get("bubble_fraction_theory"))
         if meas is None and theo is None:
             continue
         out.append({"rank": rank, "stage": p.get("stage", rank), "stages": p.get("stages"),
@@ -196,18 +161,16 @@ def comm_check_rows(runs) -> list[dict]:
     for manifest, records in runs:
         for r in records:
             checks = _get(r, "checks", "comm")
-            by_kind = _get(r, "per_rank", 0, "comm", "by_kind") or {}
-            if not isinstance(checks, dict) or not checks:
+            by_kind = (rank0_comm(r) or {}).get("by_kind") or {}
+            if not checks:
                 continue
             for kind, c in sorted(checks.items()):
-                if not isinstance(c, dict):
-                    continue
                 k = by_kind.get(kind) or {}
                 rows.append({"run": run_name(manifest), "label": r.get("label", ""),
                              "short": short_case(r), "model": _get(r, "case", "model"), "kind": kind,
-                             "expected_MiB": _mib(_hi(c.get("expected_bytes"))),
-                             "measured_MiB": _mib(_hi(c.get("measured_bytes"))),
-                             "expected_range": isinstance(c.get("expected_bytes"), (list, tuple)),
+                             "expected_MiB": _mib(byte_high(c.get("expected_bytes"))),
+                             "measured_MiB": _mib(byte_high(c.get("measured_bytes"))),
+                             "expected_range": isinstance(c.get("expected_bytes"), list),
                              "expected_bytes": _bytes_text(c.get("expected_bytes")),
                              "measured_bytes": _bytes_text(c.get("measured_bytes")),
                              "ratio": _num(c.get("ratio")), "ok": c.get("ok"), "calls": k.get("calls"),
@@ -219,7 +182,7 @@ def comm_check_rows(runs) -> list[dict]:
 def theory_source(r: dict) -> str:
     routed = " + recorded routing" if _get(r, "theory", "comm_exact_from") else ""
     recheck = r.get("theory_recheck")
-    if not isinstance(recheck, dict):
+    if recheck is None:
         return "run" + routed
     return (f"recheck {str(recheck.get('at', ''))[:10]} {str(recheck.get('parabench_commit') or '')[:8]}".rstrip()
             + routed)
@@ -286,9 +249,7 @@ def loss_scale_points(rows: list[dict]) -> list[dict]:
     pts = []
     for r in rows:
         for step, e in enumerate(r.get("loss_scale") or []):
-            if isinstance(e, dict) and _num(e.get("scale")):
+            if _num(e.get("scale")):
                 pts.append({"case": r["short"], "model": r["model"], "step": step, "scale": e["scale"],
                             "skipped": bool(e.get("skipped"))})
-            elif _num(e):
-                pts.append({"case": r["short"], "model": r["model"], "step": step, "scale": e, "skipped": False})
     return pts

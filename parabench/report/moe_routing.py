@@ -121,14 +121,14 @@ def routing_rows(runs) -> tuple[list[dict], list[dict], list[dict]]:
         sort_key = (idx, model, str(c.get("precision")), c.get("micro_batch") or 0, c.get("seq_len") or 0, strategy,
                     r.get("label", ""))
         if r.get("status") != "ok":
-            err = r.get("error")
+            err = r.get("error") or {}
             failed.append({
                 "_sort": sort_key, "run": run, "label": r.get("label", ""), "status": r.get("status", "?"),
-                "error": (err.get("message") if isinstance(err, dict) else (str(err) if err else None)),
-                "diagnosis": err.get("diagnosis") if isinstance(err, dict) else None,
+                "error": err.get("message"),
+                "diagnosis": err.get("diagnosis"),
             })
             continue
-        per_rank = [pr for pr in r.get("per_rank") or [] if isinstance(pr, dict)]
+        per_rank = r.get("per_rank") or []
         stats = [pr.get("strategy_stats") or {} for pr in per_rank]
         E, k = _num(cfg.get("n_experts")), _num(cfg.get("top_k"))
         per_layer = layer_stats(stats, E, k) if stats else []

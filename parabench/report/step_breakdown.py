@@ -59,8 +59,7 @@ def breakdown_rows(runs) -> list[dict]:
     for idx, (manifest, records) in enumerate(runs):
         run = run_name(manifest)
         for r in records:
-            per_rank = [pr.get("step_breakdown") for pr in r.get("per_rank") or [] if isinstance(pr, dict)]
-            per_rank = [b for b in per_rank if isinstance(b, dict)]
+            per_rank = [pr["step_breakdown"] for pr in r.get("per_rank") or [] if pr.get("step_breakdown") is not None]
             if not per_rank:
                 continue
 

@@ -1,0 +1,228 @@
+"""The case record: one JSON object per case launch, ``cases/<hash>.json`` in a run folder.
+
+It is built here and nowhere else (``build_record`` for the runner, ``theory_for`` and
+``checks_for`` for ``parabench recheck`` as well), and its shape is written down once, in
+``CaseRecord`` and ``RECORD_KEYS``: the report and the regression gate read these keys and no
+other spellings. ``results.load_json`` refuses a file of any schema version but
+``results.SCHEMA_VERSION``, naming the file, so every record a reader sees has this shape.
+
+Which keys a record carries depends on how far its case got, not on guesswork: every record has
+the identity keys, the outcome and ``model``/``theory``; a case that ran to the end (``status``
+ok) adds the measured sections; a failed or skipped case has ``error`` instead.
+
+The builders import the theory, models and strategies (and with them torch) when called: the
+report and ``parabench compare`` read records through this module without torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, TypedDict
+
+from parabench.results import SCHEMA_VERSION
+
+if TYPE_CHECKING:
+    from parabench.suite import Case
+
+# Every top-level key a case record may carry, in the order ``build_record`` writes them, with
+# its meaning. Keys marked "(ok)" are present only when the case ran (the worker returned).
+RECORD_KEYS: dict[str, str] = {
+    "schema_version": "results.SCHEMA_VERSION when written",
+    "kind": 'always "case"',
+    "case": "Case.to_dict(): the case spec as run",
+    "case_hash": "Case.case_hash: hash of the spec and the strategy's version (compare matches on it)",
+    "label": "Case.label: the human-readable name",
+    "status": "one of runner.STATUSES: ok, oom, crashed, timeout, skipped, error",
+    "error": "None when ok; else {message, type, first_failing_rank, traceback_tail, log_tail, diagnosis, ...}",
+    "started_at": "epoch seconds rank 0 started the case, or None",
+    "duration_s": "wall seconds of the case, or None",
+    "launch": "the torchrun launch that ran it (command, pid, ...); {} when none",
+    "model": "metrics.model_section: name, config, params{total, ...}, tied_head, FLOP convention",
+    "caveats": "list of sentences a reader must see beside the figures (absent in records made before caveats existed)",
+    "debug_slowdown": "fraction the timed steps were slowed on purpose (PARABENCH_DEBUG_SLOWDOWN); absent otherwise",
+    "theory": "theory_for(): the analytic expectation, or None where there is none (see THEORY_KEYS)",
+    "device": "(ok) {name, type}",
+    "topology": "(ok) {dp, pp, tp}",
+    "metrics": "(ok) metrics.summarize: tokens/s, step times, peaks, MFU, losses, ...",
+    "per_rank": "(ok) one dict per rank as the worker gathered it (see PER_RANK_KEYS)",
+    "loss_scale": "(ok) per step {step, loss, scale_used, scale, overflow, skipped, skipped_on_ranks} "
+                  "(fp16 cases), else None",
+    "checks": "(ok) checks_for(): measured vs theory, with ok / comm_ok / state_ok and per-kind comm rows",
+    "theory_recheck": "set by parabench recheck: {at, parabench_commit, original_checks}",
+    "leftover_after_case": "set by the runner when this case left memory allocated and ended its launch",
+}
+
+# The parts of ``theory`` the report reads. A byte figure is an int or a [low, high] range where
+# the implementation may legitimately do either (``byte_high`` reads both).
+THEORY_KEYS: dict[str, str] = {
+    "state_bytes": "model-state bytes by part ({params, grads, optimizer, ...}), or a list of such dicts, "
+                   "one per rank, where ranks differ (pipeline stages), or None",
+    "paper_state_bytes": "the paper's figure (ZeRO's 16 psi...), or None",
+    "comm_payload_bytes": "rank 0's payload bytes per collective kind",
+    "comm_payload_bytes_per_rank": "the same per rank where ranks differ",
+    "comm_exact_from": "set when routed traffic was made exact from the recorded routing",
+    "pipeline": "{schedule, microbatches, bubble_fraction, peak_live_microbatches_per_stage} for pp > 1",
+    "notes": "what the expectation assumes",
+}
+
+# The parts of a ``per_rank`` entry the report and the gate read.
+PER_RANK_KEYS: dict[str, str] = {
+    "rank": "global rank",
+    "comm": "{payload_bytes, by_kind{kind: {calls, payload_bytes, wire_bytes, dtypes}}} of the instrumented step",
+    "pipeline": "pipeline ranks: reference_impls.pipeline stats (bubble_fraction_measured, "
+                "bubble_fraction_theory, timeline_synchronized, ...); absent or None elsewhere",
+    "step_breakdown": "profiler time per category, when the case asked for it",
+    "strategy_stats": "what a strategy reports of its own (expert routing, context-parallel load)",
+}
+
+
+class CaseRecord(TypedDict, total=False):
+    """The keys of ``RECORD_KEYS`` with their types (the record stays a plain dict on disk)."""
+
+    schema_version: int
+    kind: str
+    case: dict[str, Any]
+    case_hash: str
+    label: str
+    status: str
+    error: dict[str, Any] | None
+    started_at: float | None
+    duration_s: float | None
+    launch: dict[str, Any]
+    model: dict[str, Any]
+    caveats: list[str]
+    debug_slowdown: float
+    theory: dict[str, Any] | None
+    device: dict[str, Any]
+    topology: dict[str, int]
+    metrics: dict[str, Any]
+    per_rank: list[dict[str, Any]]
+    loss_scale: list[dict[str, Any]] | None
+    checks: dict[str, Any]
+    theory_recheck: dict[str, Any]
+    leftover_after_case: dict[str, Any]
+
+
+def _base_record(case: Case) -> CaseRecord:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "case",
+        "case": case.to_dict(),
+        "case_hash": case.case_hash,
+        "label": case.label,
+    }
+
+
+def theory_for(case: Case, per_rank: list[dict] | None = None) -> dict | None:
+    """The analytic expectation of a case (``parabench.theory``), as the record stores it. Given
+    the measured per-rank records, traffic that depends on a data-dependent decision (expert
+    routing) is made exact per rank from what the ranks recorded of that decision."""
+    from parabench import theory
+    from parabench.models import model_config
+
+    cfg = model_config(case.model, case.seq_len)
+    expect = theory.expected(case, cfg, case.dp)
+    if expect is None:
+        return None
+    out = dict(expect)
+    routed = theory.routed_comm_per_rank(case, cfg, per_rank) if per_rank else None
+    if routed:
+        out["comm_payload_bytes_range"] = out.get("comm_payload_bytes")
+        out["comm_payload_bytes"], out["comm_payload_bytes_per_rank"] = routed[0], routed
+        out["comm_exact_from"] = "the routing each rank recorded on the instrumented step (strategy_stats)"
+    return out
+
+
+def checks_for(expect: dict | None, per_rank: list[dict], loss_scale_steps: list | None) -> dict:
+    """Measured per-rank figures against the expectation (``metrics.check_against_theory``)."""
+    from parabench.metrics import check_against_theory
+
+    checks = check_against_theory(expect, per_rank)
+    steps = loss_scale_steps or []
+    if steps and steps[-1].get("skipped_on_ranks") and checks.get("comm_ok") is False:
+        # An fp16 overflow on the instrumented step skips the update, and with it the parameter
+        # all-gathers of the ZeRO stages: the theory describes an applied step, so no verdict.
+        checks["comm_ok"] = None
+        checks["comm_note"] = ("instrumented step skipped on ranks "
+                               f"{steps[-1]['skipped_on_ranks']} (fp16 overflow): theory not applicable")
+        checks["ok"] = checks.get("state_ok", True)
+    return checks
+
+
+def build_record(case: Case, status: str, raw: dict | None = None, error: dict | None = None,
+                 started_at: float | None = None, duration_s: float | None = None,
+                 launch: dict | None = None) -> CaseRecord:
+    """The record of one case launch: ``raw`` is what the worker returned (rank 0), None when the
+    case did not finish (then ``error`` says why)."""
+    from parabench.metrics import model_section, summarize
+    from parabench.strategies import get_strategy
+
+    rec = _base_record(case)
+    rec.update(status=status, error=error, started_at=started_at, duration_s=duration_s, launch=launch or {})
+    rec["model"] = model_section(case)
+    rec["caveats"] = get_strategy(case.strategy).caveats_for(case.precision)
+    if raw is not None and raw.get("debug_slowdown"):  # PARABENCH_DEBUG_SLOWDOWN (worker.py): not the code's speed
+        rec["debug_slowdown"] = raw["debug_slowdown"]
+        rec["caveats"] = [*rec["caveats"], (f"timed steps deliberately slowed by {raw['debug_slowdown']:.1%} "
+                                            "(PARABENCH_DEBUG_SLOWDOWN, a regression-gate check)")]
+    rec["theory"] = theory_for(case, raw["per_rank"] if raw is not None else None)
+    if raw is not None:
+        rec["device"] = {"name": raw["device_name"], "type": raw["device_type"]}
+        rec["topology"] = raw["topology"]
+        rec["metrics"] = summarize(case, raw)
+        if rec["metrics"].get("throttled"):
+            rec["caveats"].append("the GPU held its clocks down during the timed steps ("
+                                  + ", ".join(rec["metrics"]["clocks_event_reasons"])
+                                  + "): its tokens/s describe a throttled card, not only the strategy")
+        rec["per_rank"] = raw["per_rank"]
+        if "loss_scale" in raw:
+            rec["loss_scale"] = raw["loss_scale"]
+        rec["checks"] = checks_for(rec["theory"], rec["per_rank"], rec.get("loss_scale"))
+    return rec
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+def _number(v):
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def byte_high(v):
+    """A theory byte figure (an int, or a [low, high] range): its high end, or None."""
+    if isinstance(v, list):
+        nums = [x for x in v if _number(x) is not None]
+        return max(nums) if nums else None
+    return _number(v)
+
+
+def theory_state_total(rec: CaseRecord):
+    """Expected model-state bytes of the heaviest rank (``theory.state_bytes`` summed), or None."""
+    state = (rec.get("theory") or {}).get("state_bytes")
+    if isinstance(state, list):  # per rank
+        totals = [sum(byte_high(v) for v in s.values()) for s in state
+                  if all(byte_high(v) is not None for v in s.values())]
+        return max(totals) if totals else None
+    if state and all(byte_high(v) is not None for v in state.values()):
+        return sum(byte_high(v) for v in state.values())
+    return None
+
+
+def rank0_comm(rec: CaseRecord) -> dict | None:
+    """Rank 0's communication on the instrumented step (``per_rank[0].comm``), or None."""
+    per_rank = rec.get("per_rank") or []
+    return per_rank[0].get("comm") if per_rank else None
+
+
+def pipeline_stages(rec: CaseRecord) -> list[tuple[int, dict]]:
+    """(rank, per-rank pipeline stats) of every pipeline rank. On a GPU a stage whose timeline did
+    not synchronise measured kernel launches only: its ``bubble_fraction_measured`` is dropped (the
+    worker has recorded None there since it learnt this; older records carry the host-clock figure)."""
+    on_gpu = (rec.get("device") or {}).get("type") == "cuda"
+    out = []
+    for pr in rec.get("per_rank") or []:
+        p = pr.get("pipeline")
+        if not p:
+            continue
+        if on_gpu and p.get("timeline_synchronized") is False:
+            p = {**p, "bubble_fraction_measured": None}
+        out.append((pr.get("rank"), p))
+    return out
