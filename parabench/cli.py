@@ -22,6 +22,7 @@ DEFAULT_OUT = Path("results")
 
 # --- argument types: every value checked at parse time, argparse names the flag ------------------
 
+
 def _int_at_least(low: int):
     def parse(text: str) -> int:
         try:
@@ -61,8 +62,9 @@ def _json_object(text: str) -> dict:
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"bucket_mb\": 25}}', "
-                                         f"got a JSON {type(value).__name__}: {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON object such as '{{\"bucket_mb\": 25}}', got a JSON {type(value).__name__}: {text!r}"
+        )
     return value
 
 
@@ -96,8 +98,14 @@ def _resume_command(args, run_dir: Path) -> str:
 def _launch_options(args):
     from parabench.runner import LaunchOptions
 
-    return LaunchOptions(nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
-                         rdzv_id=args.rdzv_id, extra_args=args.torchrun_arg or [], batch=not args.no_batch)
+    return LaunchOptions(
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+        extra_args=args.torchrun_arg or [],
+        batch=not args.no_batch,
+    )
 
 
 def _add_launch_flags(p: argparse.ArgumentParser) -> None:
@@ -137,8 +145,11 @@ def _run_suite(suite: Suite, args) -> int:
         try:  # an unreadable file stops the run before anything is written, and names the file
             load_run(run_dir)
         except (SchemaError, OSError) as exc:
-            print(f"parabench: error: cannot resume {run_dir}: {exc}\nparabench: nothing was run and no file was "
-                  f"changed; move the damaged file away (its case then runs again) and resume", file=sys.stderr)
+            print(
+                f"parabench: error: cannot resume {run_dir}: {exc}\nparabench: nothing was run and no file was "
+                f"changed; move the damaged file away (its case then runs again) and resume",
+                file=sys.stderr,
+            )
             return 2
     if suite.kind == "collectives":
         try:
@@ -158,8 +169,11 @@ def _run_suite(suite: Suite, args) -> int:
             print(f"parabench: error: {exc}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
-            print(f"\nparabench: interrupted; finished cases are kept in {run_dir}; continue with: "
-                  f"{_resume_command(args, run_dir)}", file=sys.stderr)
+            print(
+                f"\nparabench: interrupted; finished cases are kept in {run_dir}; continue with: "
+                f"{_resume_command(args, run_dir)}",
+                file=sys.stderr,
+            )
             if not args.no_report and (run_dir / "manifest.json").exists():
                 path = _write_run_report(run_dir)
                 if path:
@@ -234,8 +248,14 @@ def _cpu_proxy(suite: Suite, model: str) -> Suite:
     model_config(model)
     seen, dropped = {}, []
     for c in suite.cases:
-        p = replace(c, model=model, seq_len=None, device="cpu", timeout_s=min(c.timeout_s, 600),
-                    micro_batch=min(c.micro_batch, 8) if not c.options.get("pp") else c.micro_batch)
+        p = replace(
+            c,
+            model=model,
+            seq_len=None,
+            device="cpu",
+            timeout_s=min(c.timeout_s, 600),
+            micro_batch=min(c.micro_batch, 8) if not c.options.get("pp") else c.micro_batch,
+        )
         try:
             validate_case(p)
         except (SuiteError, ValueError) as exc:
@@ -244,19 +264,42 @@ def _cpu_proxy(suite: Suite, model: str) -> Suite:
         seen.setdefault(p.case_hash, p)
     for d in dropped:
         print(f"parabench: proxy: dropped {d}")
-    return Suite(name=f"{suite.name}-cpu-proxy", path=suite.path, description=f"CPU proxy ({model}) of: {suite.description}",
-                 cases=list(seen.values()), kind=suite.kind, raw=suite.raw)
+    return Suite(
+        name=f"{suite.name}-cpu-proxy",
+        path=suite.path,
+        description=f"CPU proxy ({model}) of: {suite.description}",
+        cases=list(seen.values()),
+        kind=suite.kind,
+        raw=suite.raw,
+    )
 
 
 def cmd_run_case(args) -> int:
-    fields = {k: getattr(args, k) for k in ("model", "strategy", "world_size", "precision", "micro_batch",
-                                             "grad_accum", "seq_len", "steps", "warmup", "seed", "lr", "device",
-                                             "timeout_s", "repeats") if getattr(args, k) is not None}
+    fields = {
+        k: getattr(args, k)
+        for k in (
+            "model",
+            "strategy",
+            "world_size",
+            "precision",
+            "micro_batch",
+            "grad_accum",
+            "seq_len",
+            "steps",
+            "warmup",
+            "seed",
+            "lr",
+            "device",
+            "timeout_s",
+            "repeats",
+        )
+        if getattr(args, k) is not None
+    }
     try:
         fields["options"] = args.options or {}
         case = Case(**fields)
-        from parabench.strategies import get_strategy
         from parabench.models import model_config
+        from parabench.strategies import get_strategy
 
         get_strategy(case.strategy)
         model_config(case.model)
@@ -277,8 +320,10 @@ def cmd_list(args) -> int:
         print(f"  {name:<22} {info.kind:<9} {info.description}")
     print("models:")
     for name, cfg in MODEL_LADDER.items():
-        print(f"  {name:<10} {parameter_count(cfg)['total'] / 1e6:>9.1f} M params  L={cfg.n_layers} d={cfg.d_model} "
-              f"heads={cfg.n_heads} seq={cfg.seq_len} vocab={cfg.vocab_size}")
+        print(
+            f"  {name:<10} {parameter_count(cfg)['total'] / 1e6:>9.1f} M params  L={cfg.n_layers} d={cfg.d_model} "
+            f"heads={cfg.n_heads} seq={cfg.seq_len} vocab={cfg.vocab_size}"
+        )
     print("suites:")
     for name in list_suites():
         try:
@@ -343,9 +388,16 @@ def build_parser() -> argparse.ArgumentParser:
         p = run_sub.add_parser(name)
         if name == "suite":
             p.add_argument("suite", help="suite name (see `parabench list`) or path to a .toml file")
-            p.add_argument("--proxy-model", help="run the suite's cases on CPU processes with this small model "
-                           "(e.g. tiny-deep), to prove a GPU suite's code paths without GPUs")
-            p.add_argument("--filter", action="append", help="run only cases whose label contains this text (repeatable; a case must contain every one)")
+            p.add_argument(
+                "--proxy-model",
+                help="run the suite's cases on CPU processes with this small model "
+                "(e.g. tiny-deep), to prove a GPU suite's code paths without GPUs",
+            )
+            p.add_argument(
+                "--filter",
+                action="append",
+                help="run only cases whose label contains this text (repeatable; a case must contain every one)",
+            )
             p.set_defaults(func=cmd_run_suite)
         else:
             p.add_argument("--model", required=True)
@@ -361,21 +413,32 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--lr", type=_finite_float)
             p.add_argument("--device", choices=("auto", "cpu", "cuda"))
             p.add_argument("--timeout-s", type=_positive_seconds)
-            p.add_argument("--options", type=_json_object,
-                           help="strategy options as a JSON object, e.g. '{\"bucket_mb\": 25}'")
-            p.add_argument("--name", default="adhoc", type=_folder_name("--name"),
-                           help="results go to <out>/<name>/<run-id> (one folder name)")
+            p.add_argument(
+                "--options", type=_json_object, help="strategy options as a JSON object, e.g. '{\"bucket_mb\": 25}'"
+            )
+            p.add_argument(
+                "--name",
+                default="adhoc",
+                type=_folder_name("--name"),
+                help="results go to <out>/<name>/<run-id> (one folder name)",
+            )
             p.set_defaults(func=cmd_run_case)
         p.add_argument("--out", default=str(DEFAULT_OUT), help="results root (default: results)")
         p.add_argument("--run-id", type=_folder_name("--run-id"), help="run folder name (default: a timestamp)")
         p.add_argument("--resume", action="store_true", help="skip cases already recorded in the run folder")
         p.add_argument("--retry-failed", action="store_true", help="with --resume: run failed cases again")
         p.add_argument("--no-report", action="store_true")
-        p.add_argument("--strict", action="store_true",
-                       help="exit 1 also when a case was skipped (e.g. more ranks than devices); "
-                            "a failed case always exits 1")
-        p.add_argument("--repeats", type=_int_at_least(1), help="separate launches per case, interleaved over the suite "
-                       "(overrides the suite's repeats; the regression gate needs >= 3)")
+        p.add_argument(
+            "--strict",
+            action="store_true",
+            help="exit 1 also when a case was skipped (e.g. more ranks than devices); a failed case always exits 1",
+        )
+        p.add_argument(
+            "--repeats",
+            type=_int_at_least(1),
+            help="separate launches per case, interleaved over the suite "
+            "(overrides the suite's repeats; the regression gate needs >= 3)",
+        )
         _add_launch_flags(p)
 
     p = sub.add_parser("list", help="strategies, models and suites")
@@ -386,11 +449,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="report.html")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("recheck", help="recompute theory and checks of recorded runs with this parabench "
-                                       "(measurements untouched; rerun `parabench report` afterwards)")
+    p = sub.add_parser(
+        "recheck",
+        help="recompute theory and checks of recorded runs with this parabench "
+        "(measurements untouched; rerun `parabench report` afterwards)",
+    )
     p.add_argument("runs", nargs="+")
-    p.add_argument("--strategy", action="append", metavar="NAME",
-                   help="only these strategies (repeatable; 'ref.tp*' matches a prefix)")
+    p.add_argument(
+        "--strategy",
+        action="append",
+        metavar="NAME",
+        help="only these strategies (repeatable; 'ref.tp*' matches a prefix)",
+    )
     p.set_defaults(func=cmd_recheck)
 
     p = sub.add_parser("compare", help="regression gate: compare a candidate run with a baseline")

@@ -82,7 +82,7 @@ from reference_impls._compat import all_gather_into, reduce_scatter_into
 MiB = 1 << 20
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 # largest integer every value up to which the dtype represents exactly
-EXACT_INT = {torch.float32: 2 ** 24, torch.float64: 2 ** 53, torch.bfloat16: 256, torch.float16: 2048}
+EXACT_INT = {torch.float32: 2**24, torch.float64: 2**53, torch.bfloat16: 256, torch.float16: 2048}
 LOOSE_RTOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -98,8 +98,11 @@ IMPLS = {
     "all_gather": {"backend": lambda out, inp: all_gather_into(out, inp), "ring": ref.ring_allgather},
     "reduce_scatter": {"backend": lambda out, inp: reduce_scatter_into(out, inp), "ring": ref.ring_reduce_scatter},
 }
-BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-                "reduce_scatter": lambda n: (n - 1) / n}
+BUSBW_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+}
 
 DEFAULTS = {
     "ops": list(OPS),
@@ -142,8 +145,15 @@ def validate_config(raw: dict) -> dict:
         raise ConfigError(f"'dtype' {cfg['dtype']!r}; valid: {list(DTYPES)}")
     if cfg["device"] not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"'device' {cfg['device']!r}; valid: auto, cpu, cuda")
-    for key, lo in (("min_bytes", 1), ("max_bytes", 1), ("iters", 1), ("warmup", 0), ("min_iters", 1),
-                    ("iters_full_bytes", 1), ("seed", 0)):
+    for key, lo in (
+        ("min_bytes", 1),
+        ("max_bytes", 1),
+        ("iters", 1),
+        ("warmup", 0),
+        ("min_iters", 1),
+        ("iters_full_bytes", 1),
+        ("seed", 0),
+    ):
         v = cfg[key]
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise ConfigError(f"'{key}' must be an integer >= {lo}, got {v!r}")
@@ -155,8 +165,11 @@ def validate_config(raw: dict) -> dict:
     if cfg["min_bytes"] > max(cfg["max_bytes"], cfg["max_bytes_gpu"] or 0):
         raise ConfigError("'min_bytes' is larger than 'max_bytes'")
     ws = cfg["world_sizes"]
-    if ws is not None and (not isinstance(ws, list) or not ws
-                           or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in ws)):
+    if ws is not None and (
+        not isinstance(ws, list)
+        or not ws
+        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in ws)
+    ):
         raise ConfigError(f"'world_sizes' must be a non-empty list of positive integers, got {ws!r}")
     cfg["min_iters"] = min(cfg["min_iters"], cfg["iters"])
     return cfg
@@ -205,7 +218,7 @@ def expected_output(op: str, seed: int, count: int, dtype, device, rank: int, wo
         total = x if total is None else total.add_(x)
     if op == "reduce_scatter":
         shard = count // world
-        return total[rank * shard:(rank + 1) * shard].clone()
+        return total[rank * shard : (rank + 1) * shard].clone()
     return total
 
 
@@ -240,8 +253,15 @@ class Cell:
             self.reset = lambda: None
 
 
-def check_algorithm(op: str, fn, count: int, dtype: torch.dtype = torch.float32, device=None,
-                    seed: int = 0, against: torch.Tensor | None = None):
+def check_algorithm(
+    op: str,
+    fn,
+    count: int,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+    seed: int = 0,
+    against: torch.Tensor | None = None,
+):
     """Run ``fn`` once on fresh inputs on every rank of the default group.
 
     ``count`` is the element count of the input (all_reduce, reduce_scatter) or of the shard
@@ -306,31 +326,43 @@ def run_bench(cfg: dict, device: torch.device) -> dict:
         for si, nbytes in enumerate(message_sizes(cfg, device.type)):
             count = nbytes // itemsize if op == "all_reduce" else nbytes // (itemsize * world)
             moved = count * itemsize * (1 if op == "all_reduce" else world)
-            base = {"op": op, "bytes": moved, "count": count * (1 if op == "all_reduce" else world),
-                    "dtype": cfg["dtype"]}
+            base = {
+                "op": op,
+                "bytes": moved,
+                "count": count * (1 if op == "all_reduce" else world),
+                "dtype": cfg["dtype"],
+            }
             if count == 0:
                 for a in algos:
-                    rows.append(_skipped_row(base, a, f"{nbytes} bytes is less than one {cfg['dtype']} element per rank"))
+                    rows.append(
+                        _skipped_row(base, a, f"{nbytes} bytes is less than one {cfg['dtype']} element per rank")
+                    )
                 continue
             seed = cfg["seed"] * 1_000 + oi * 100 + si + 1
             in_count = count * world if op == "reduce_scatter" else count
             # the backend first: its output is what the reference algorithms must reproduce
-            ok, err, t_backend, backend_cell = check_algorithm(op, IMPLS[op]["backend"], in_count, dtype,
-                                                               device, seed)
+            ok, err, t_backend, backend_cell = check_algorithm(op, IMPLS[op]["backend"], in_count, dtype, device, seed)
             backend_out = backend_cell.out.clone()  # the timing below reuses backend_cell
             if not ok:
                 failures.append({"op": op, "algorithm": "backend", "bytes": moved, "max_abs_err": err})
             for algo in algos:
                 if (op, algo) in over_budget:
-                    rows.append(_skipped_row(base, algo, f"a smaller message ({over_budget[op, algo]} bytes) "
-                                                         f"exceeded cell_budget_s={cfg['cell_budget_s']}"))
+                    rows.append(
+                        _skipped_row(
+                            base,
+                            algo,
+                            f"a smaller message ({over_budget[op, algo]} bytes) "
+                            f"exceeded cell_budget_s={cfg['cell_budget_s']}",
+                        )
+                    )
                     continue
                 fn = IMPLS[op][algo]
                 if algo == "backend":
                     correct, max_err, t_est, cell = ok, err, t_backend, backend_cell
                 else:
-                    correct, max_err, t_est, cell = check_algorithm(op, fn, in_count, dtype, device, seed,
-                                                                    against=backend_out)
+                    correct, max_err, t_est, cell = check_algorithm(
+                        op, fn, in_count, dtype, device, seed, against=backend_out
+                    )
                     if not correct:
                         failures.append({"op": op, "algorithm": algo, "bytes": moved, "max_abs_err": max_err})
                 # the checked call is the estimate of one call's time (first calls err on the slow side);
@@ -339,9 +371,13 @@ def run_bench(cfg: dict, device: torch.device) -> dict:
                 fit = int(cfg["cell_budget_s"] / max(t_est, 1e-9)) - warmup
                 if fit < cfg["min_iters"]:
                     over_budget[op, algo] = moved
-                    row = _skipped_row(base, algo, f"one call took {t_est:.3g} s: {warmup} warmup + "
-                                                   f"{cfg['min_iters']} iterations exceed cell_budget_s="
-                                                   f"{cfg['cell_budget_s']}")
+                    row = _skipped_row(
+                        base,
+                        algo,
+                        f"one call took {t_est:.3g} s: {warmup} warmup + "
+                        f"{cfg['min_iters']} iterations exceed cell_budget_s="
+                        f"{cfg['cell_budget_s']}",
+                    )
                     row.update(correct=correct, max_abs_err=max_err)
                     rows.append(row)
                     continue
@@ -352,10 +388,21 @@ def run_bench(cfg: dict, device: torch.device) -> dict:
                 times = local.tolist()
                 med = statistics.median(times)
                 algbw = moved / med / 1e9 if med > 0 else math.inf
-                rows.append({**base, "algorithm": algo, "iters": iters, "warmup": warmup, "time_s_median": med,
-                             "time_s_all": times, "algbw_GBps": algbw,
-                             "busbw_GBps": algbw * BUSBW_FACTOR[op](world), "correct": correct,
-                             "max_abs_err": max_err, "skipped": None})
+                rows.append(
+                    {
+                        **base,
+                        "algorithm": algo,
+                        "iters": iters,
+                        "warmup": warmup,
+                        "time_s_median": med,
+                        "time_s_all": times,
+                        "algbw_GBps": algbw,
+                        "busbw_GBps": algbw * BUSBW_FACTOR[op](world),
+                        "correct": correct,
+                        "max_abs_err": max_err,
+                        "skipped": None,
+                    }
+                )
                 del cell
             del backend_out, backend_cell
     return {
@@ -367,8 +414,12 @@ def run_bench(cfg: dict, device: torch.device) -> dict:
         "world_size": world,
         "backend": dist.get_backend(),
         "device": {"type": device.type, "name": _device_name(device)},
-        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": _nccl_version(device),
-                     "python": platform.python_version()},
+        "versions": {
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "nccl": _nccl_version(device),
+            "python": platform.python_version(),
+        },
         "env": recorded_env(),
         "wall_s": time.perf_counter() - t_start,
         "rows": rows,
@@ -377,8 +428,19 @@ def run_bench(cfg: dict, device: torch.device) -> dict:
 
 
 def _skipped_row(base: dict, algo: str, reason: str) -> dict:
-    return {**base, "algorithm": algo, "iters": 0, "warmup": 0, "time_s_median": None, "time_s_all": [],
-            "algbw_GBps": None, "busbw_GBps": None, "correct": None, "max_abs_err": None, "skipped": reason}
+    return {
+        **base,
+        "algorithm": algo,
+        "iters": 0,
+        "warmup": 0,
+        "time_s_median": None,
+        "time_s_all": [],
+        "algbw_GBps": None,
+        "busbw_GBps": None,
+        "correct": None,
+        "max_abs_err": None,
+        "skipped": reason,
+    }
 
 
 def _device_name(device: torch.device) -> str:
@@ -436,8 +498,16 @@ def suite_config(suite) -> dict:
     return cfg
 
 
-def run_collectives_suite(suite, run_dir, world_size: int, *, device: str | None = None,
-                          timeout_s: float = 1800.0, python: str = sys.executable, owner=None) -> Path:
+def run_collectives_suite(
+    suite,
+    run_dir,
+    world_size: int,
+    *,
+    device: str | None = None,
+    timeout_s: float = 1800.0,
+    python: str = sys.executable,
+    owner=None,
+) -> Path:
     """Launch torchrun with ``world_size`` ranks for ``suite``; return the result path.
 
     Writes ``run_dir/collectives-w{N}.config.json`` and ``run_dir/collectives-w{N}.json``
@@ -453,8 +523,9 @@ def run_collectives_suite(suite, run_dir, world_size: int, *, device: str | None
     if owner is None:
         owner = LaunchOwner(run_dir)
         with owner.owning():
-            return run_collectives_suite(suite, run_dir, world_size, device=device, timeout_s=timeout_s,
-                                         python=python, owner=owner)
+            return run_collectives_suite(
+                suite, run_dir, world_size, device=device, timeout_s=timeout_s, python=python, owner=owner
+            )
     cfg = suite_config(suite)
     if device is not None:
         cfg["device"] = device
@@ -462,8 +533,18 @@ def run_collectives_suite(suite, run_dir, world_size: int, *, device: str | None
     config_path = run_dir / f"collectives-w{world_size}.config.json"
     out_path = run_dir / f"collectives-w{world_size}.json"
     write_json_atomic(config_path, cfg)
-    cmd = [python, "-m", "torch.distributed.run", *LaunchOptions().torchrun_args(world_size),
-           "-m", "parabench.collectives_bench", "--config", str(config_path), "--out", str(out_path)]
+    cmd = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        *LaunchOptions().torchrun_args(world_size),
+        "-m",
+        "parabench.collectives_bench",
+        "--config",
+        str(config_path),
+        "--out",
+        str(out_path),
+    ]
     log_path = owner.scratch / f"collectives-w{world_size}.log"  # its tail goes into the error
     rc, timed_out = owner.run_torchrun(cmd, owner.launch_env(cfg["device"]), log_path, timeout_s)
     if timed_out:

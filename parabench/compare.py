@@ -103,6 +103,7 @@ ALLOCATOR_SLACK_BYTES = 64 << 20
 
 # --- the comparison ---------------------------------------------------------------------------
 
+
 @dataclass
 class MetricDelta:
     metric: str
@@ -155,20 +156,38 @@ def _launch_test(name: str, base: dict, cand: dict, cand_larger: bool, alpha: fl
     over the launch samples; (None, why) when the launch counts cannot reach ``alpha``."""
     b, c = launch_samples(base, name), launch_samples(cand, name)
     if smallest_p(len(b), len(c)) > alpha:
-        return None, (f"not enough repeats to judge: {len(b)} vs {len(c)} launches (the launch-level test needs "
-                      f"a smallest possible p <= {alpha}: 3 launches per side at 0.05)")
+        return None, (
+            f"not enough repeats to judge: {len(b)} vs {len(c)} launches (the launch-level test needs "
+            f"a smallest possible p <= {alpha}: 3 launches per side at 0.05)"
+        )
     return (mann_whitney_greater(c, b) if cand_larger else mann_whitney_greater(b, c)), ""
 
 
-def compare_metric(name: str, direction: int, rule: str, base: dict, cand: dict, *, threshold: float,
-                   mem_threshold: float, alpha: float) -> MetricDelta:
+def compare_metric(
+    name: str,
+    direction: int,
+    rule: str,
+    base: dict,
+    cand: dict,
+    *,
+    threshold: float,
+    mem_threshold: float,
+    alpha: float,
+) -> MetricDelta:
     bv, cv = metric_value(base, name), metric_value(cand, name)
     if bv is None or cv is None:
-        return MetricDelta(name, rule, direction, bv, cv, None, "n/a" if bv is None and cv is None else "changed",
-                           note="" if bv is None and cv is None else "measured on one side only")
+        return MetricDelta(
+            name,
+            rule,
+            direction,
+            bv,
+            cv,
+            None,
+            "n/a" if bv is None and cv is None else "changed",
+            note="" if bv is None and cv is None else "measured on one side only",
+        )
     rel = (cv - bv) / abs(bv) if bv else (0.0 if cv == bv else math.copysign(math.inf, cv - bv))
     worse = (cv - bv) * direction < 0
-    better = (cv - bv) * direction > 0
     d = MetricDelta(name, rule, direction, bv, cv, rel, "same")
     if rule == "exact":
         if cv != bv:
@@ -179,7 +198,9 @@ def compare_metric(name: str, direction: int, rule: str, base: dict, cand: dict,
         if cv != bv:
             beyond = abs(cv - bv) > ALLOCATOR_SLACK_BYTES
             d.verdict = ("regression" if worse else "improvement") if beyond else "noise"
-            d.note = f"{cv - bv:+,} bytes" + ("" if beyond else f" (within the allocator's {ALLOCATOR_SLACK_BYTES >> 20} MiB slack)")
+            d.note = f"{cv - bv:+,} bytes" + (
+                "" if beyond else f" (within the allocator's {ALLOCATOR_SLACK_BYTES >> 20} MiB slack)"
+            )
         return d
     if rule == "info":
         if cv != bv:
@@ -204,17 +225,26 @@ def compare_metric(name: str, direction: int, rule: str, base: dict, cand: dict,
 DEFAULT_THRESHOLD = 0.03
 DEFAULT_MEM_THRESHOLD = 0.05
 DEFAULT_ALPHA = 0.05
-TEST_NAME = ("one-sided Mann-Whitney U on launch medians (one sample per launch) and the threshold "
-             "on the median of launch medians")
+TEST_NAME = (
+    "one-sided Mann-Whitney U on launch medians (one sample per launch) and the threshold "
+    "on the median of launch medians"
+)
 
 
-def compare_records(base: dict | None, cand: dict | None, *, threshold: float = DEFAULT_THRESHOLD,
-                    mem_threshold: float | None = None, alpha: float = DEFAULT_ALPHA) -> CaseComparison:
+def compare_records(
+    base: dict | None,
+    cand: dict | None,
+    *,
+    threshold: float = DEFAULT_THRESHOLD,
+    mem_threshold: float | None = None,
+    alpha: float = DEFAULT_ALPHA,
+) -> CaseComparison:
     """Compare two case-level records (``parabench.stats.combine_launches``: one per case hash)."""
     mem_threshold = DEFAULT_MEM_THRESHOLD if mem_threshold is None else mem_threshold
     ref = base or cand
-    out = CaseComparison(ref["case_hash"], ref.get("label", ""), base and base.get("status"),
-                         cand and cand.get("status"), "same")
+    out = CaseComparison(
+        ref["case_hash"], ref.get("label", ""), base and base.get("status"), cand and cand.get("status"), "same"
+    )
     if base is None:
         out.verdict = "only-candidate"
         return out
@@ -238,8 +268,9 @@ def compare_records(base: dict | None, cand: dict | None, *, threshold: float = 
     names = [(n, d, r) for n, d, r, _ in METRICS]
     names += [(f"comm_bytes[{k}]", -1, "exact") for k in _comm_kinds(base, cand)]
     for name, direction, rule in names:
-        d = compare_metric(name, direction, rule, base, cand, threshold=threshold, mem_threshold=mem_threshold,
-                           alpha=alpha)
+        d = compare_metric(
+            name, direction, rule, base, cand, threshold=threshold, mem_threshold=mem_threshold, alpha=alpha
+        )
         if d.verdict != "n/a":
             out.metrics.append(d)
     verdicts = {d.verdict for d in out.metrics}
@@ -250,9 +281,15 @@ def compare_records(base: dict | None, cand: dict | None, *, threshold: float = 
     return out
 
 
-def compare_runs(baseline: tuple[dict, list[dict]], candidate: tuple[dict, list[dict]], *,
-                 threshold: float = DEFAULT_THRESHOLD, mem_threshold: float | None = None, alpha: float = DEFAULT_ALPHA,
-                 fail_unjudged: bool = False) -> dict:
+def compare_runs(
+    baseline: tuple[dict, list[dict]],
+    candidate: tuple[dict, list[dict]],
+    *,
+    threshold: float = DEFAULT_THRESHOLD,
+    mem_threshold: float | None = None,
+    alpha: float = DEFAULT_ALPHA,
+    fail_unjudged: bool = False,
+) -> dict:
     """The whole comparison as plain data (what ``--json`` writes). Takes runs as ``load_run``
     gives them (one record per launch) and compares them case by case. ``regression`` is true on
     any regression, and with ``fail_unjudged`` also on any timing change the launches cannot judge."""
@@ -261,8 +298,10 @@ def compare_runs(baseline: tuple[dict, list[dict]], candidate: tuple[dict, list[
     bmap = {r["case_hash"]: r for r in brecs}
     cmap = {r["case_hash"]: r for r in crecs}
     hashes = sorted(set(bmap) | set(cmap), key=lambda h: ((bmap.get(h) or cmap.get(h)).get("label", ""), h))
-    cases = [compare_records(bmap.get(h), cmap.get(h), threshold=threshold, mem_threshold=mem_threshold, alpha=alpha)
-             for h in hashes]
+    cases = [
+        compare_records(bmap.get(h), cmap.get(h), threshold=threshold, mem_threshold=mem_threshold, alpha=alpha)
+        for h in hashes
+    ]
     counts: dict[str, int] = {}
     for c in cases:
         counts[c.verdict] = counts.get(c.verdict, 0) + 1
@@ -272,19 +311,27 @@ def compare_runs(baseline: tuple[dict, list[dict]], candidate: tuple[dict, list[
     if bdev != cdev:
         notes.append(f"the runs used different devices ({bdev} vs {cdev})")
     if counts.get("unjudged"):
-        notes.append(f"{counts['unjudged']} case(s) changed beyond the threshold with too few launches to judge; "
-                     f"run both sides with repeats >= 3 (suite [suite] repeats = 3, or run case --repeats 3)")
+        notes.append(
+            f"{counts['unjudged']} case(s) changed beyond the threshold with too few launches to judge; "
+            f"run both sides with repeats >= 3 (suite [suite] repeats = 3, or run case --repeats 3)"
+        )
     for side, recs in (("baseline", brecs), ("candidate", crecs)):
         slowed = sorted({r["debug_slowdown"] for r in recs if r.get("debug_slowdown")})
         if slowed:
-            notes.append(f"the {side} ran with a deliberate debug slowdown (PARABENCH_DEBUG_SLOWDOWN = "
-                         f"{', '.join(f'{x:g}' for x in slowed)}): its timings are not the code's")
+            notes.append(
+                f"the {side} ran with a deliberate debug slowdown (PARABENCH_DEBUG_SLOWDOWN = "
+                f"{', '.join(f'{x:g}' for x in slowed)}): its timings are not the code's"
+            )
     return {
         "baseline": {"suite": bm.get("suite"), "run_id": bm.get("run_id"), "git": bm.get("git"), "devices": bdev},
         "candidate": {"suite": cm.get("suite"), "run_id": cm.get("run_id"), "git": cm.get("git"), "devices": cdev},
-        "settings": {"threshold": threshold,
-                     "mem_threshold": DEFAULT_MEM_THRESHOLD if mem_threshold is None else mem_threshold,
-                     "alpha": alpha, "test": TEST_NAME, "fail_unjudged": fail_unjudged},
+        "settings": {
+            "threshold": threshold,
+            "mem_threshold": DEFAULT_MEM_THRESHOLD if mem_threshold is None else mem_threshold,
+            "alpha": alpha,
+            "test": TEST_NAME,
+            "fail_unjudged": fail_unjudged,
+        },
         "counts": counts,
         "regression": counts.get("regression", 0) > 0 or (fail_unjudged and counts.get("unjudged", 0) > 0),
         "notes": notes,
@@ -307,9 +354,13 @@ def missing_data(baseline: tuple[dict, list[dict]], candidate: tuple[dict, list[
     absent = [r.get("label") or r.get("case_hash") for r in brecs if r.get("case_hash") not in cmap]
     if absent and crecs:
         matched = len(brecs) - len(absent)
-        problems.append(f"{len(absent)} of {len(brecs)} baseline cases are not in the candidate"
-                        + (" (no case in common: another suite or changed case hashes?)" if not matched else "")
-                        + ": " + ", ".join(map(str, absent[:5])) + (", ..." if len(absent) > 5 else ""))
+        problems.append(
+            f"{len(absent)} of {len(brecs)} baseline cases are not in the candidate"
+            + (" (no case in common: another suite or changed case hashes?)" if not matched else "")
+            + ": "
+            + ", ".join(map(str, absent[:5]))
+            + (", ..." if len(absent) > 5 else "")
+        )
     elif absent:
         problems.append(f"all {len(brecs)} baseline cases are missing from the candidate")
     gated = [name for name, _, rule, _ in METRICS if rule != "info"]
@@ -329,6 +380,7 @@ def missing_data(baseline: tuple[dict, list[dict]], candidate: tuple[dict, list[
 
 
 # --- output -----------------------------------------------------------------------------------
+
 
 def _fmt(v) -> str:
     if v is None:
@@ -356,8 +408,18 @@ def _rows(result: dict, everything: bool = False) -> list[list[str]]:
         for m in shown:
             rel = "" if m["rel_change"] is None else f"{m['rel_change'] * 100:+.2f}%"
             p = "" if m["p_value"] is None else f"{m['p_value']:.3g}"
-            rows.append([c["label"], m["metric"], m["verdict"], _fmt(m["baseline"]), _fmt(m["candidate"]), rel, p,
-                         "; ".join(x for x in [m["note"], *c["notes"]] if x)])
+            rows.append(
+                [
+                    c["label"],
+                    m["metric"],
+                    m["verdict"],
+                    _fmt(m["baseline"]),
+                    _fmt(m["candidate"]),
+                    rel,
+                    p,
+                    "; ".join(x for x in [m["note"], *c["notes"]] if x),
+                ]
+            )
     return rows
 
 
@@ -379,8 +441,10 @@ def _summary(result: dict) -> str:
     b, c = result["baseline"], result["candidate"]
     counts = ", ".join(f"{v} {k}" for k, v in sorted(result["counts"].items()))
     s = result["settings"]
-    return (f"baseline {b['suite']}/{b['run_id']} vs candidate {c['suite']}/{c['run_id']}: {counts} "
-            f"(threshold {s['threshold'] * 100:g}%, memory {s['mem_threshold'] * 100:g}%, alpha {s['alpha']})")
+    return (
+        f"baseline {b['suite']}/{b['run_id']} vs candidate {c['suite']}/{c['run_id']}: {counts} "
+        f"(threshold {s['threshold'] * 100:g}%, memory {s['mem_threshold'] * 100:g}%, alpha {s['alpha']})"
+    )
 
 
 def format_markdown(result: dict) -> str:
@@ -399,19 +463,37 @@ def format_markdown(result: dict) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("baseline", help="baseline run folder (with manifest.json)")
     p.add_argument("candidate", help="candidate run folder")
-    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
-                   help="relative change of the median of launch medians that counts for timings (default 3%%)")
-    p.add_argument("--mem-threshold", type=float, default=None,
-                   help="relative growth that counts for noisy memory figures (peak RSS, reserved, NVML); default 5%%")
-    p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
-                   help="level of the launch-level timing test (default 0.05; 3 launches per side reach it exactly)")
-    p.add_argument("--fail-unjudged", action="store_true",
-                   help="exit 1 also when a timing changed beyond the threshold with too few launches to judge")
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=DEFAULT_THRESHOLD,
+        help="relative change of the median of launch medians that counts for timings (default 3%%)",
+    )
+    p.add_argument(
+        "--mem-threshold",
+        type=float,
+        default=None,
+        help="relative growth that counts for noisy memory figures (peak RSS, reserved, NVML); default 5%%",
+    )
+    p.add_argument(
+        "--alpha",
+        type=float,
+        default=DEFAULT_ALPHA,
+        help="level of the launch-level timing test (default 0.05; 3 launches per side reach it exactly)",
+    )
+    p.add_argument(
+        "--fail-unjudged",
+        action="store_true",
+        help="exit 1 also when a timing changed beyond the threshold with too few launches to judge",
+    )
     p.add_argument("--json", help="write the comparison as JSON here")
     p.add_argument("--markdown", help="write the comparison as a Markdown table here")
     p.add_argument("--all", action="store_true", help="print unchanged metrics too")
-    p.add_argument("--allow-missing", action="store_true",
-                   help="pass even when the candidate lacks baseline cases or metrics (by default that exits 1)")
+    p.add_argument(
+        "--allow-missing",
+        action="store_true",
+        help="pass even when the candidate lacks baseline cases or metrics (by default that exits 1)",
+    )
 
 
 def main(args) -> int:
@@ -421,8 +503,14 @@ def main(args) -> int:
     except (FileNotFoundError, SchemaError, json.JSONDecodeError, KeyError) as exc:
         print(f"parabench compare: error: {exc}", file=sys.stderr)
         return 2
-    result = compare_runs(base, cand, threshold=args.threshold, mem_threshold=getattr(args, "mem_threshold", None),
-                          alpha=getattr(args, "alpha", DEFAULT_ALPHA), fail_unjudged=getattr(args, "fail_unjudged", False))
+    result = compare_runs(
+        base,
+        cand,
+        threshold=args.threshold,
+        mem_threshold=getattr(args, "mem_threshold", None),
+        alpha=getattr(args, "alpha", DEFAULT_ALPHA),
+        fail_unjudged=getattr(args, "fail_unjudged", False),
+    )
     allow_missing = getattr(args, "allow_missing", False)
     result["missing"] = missing_data(base, cand)
     result["notes"] += [f"missing data{' (allowed)' if allow_missing else ''}: {m}" for m in result["missing"]]
@@ -438,8 +526,11 @@ def main(args) -> int:
         Path(args.markdown).write_text(format_markdown(result))
     print("parabench compare: REGRESSION" if result["regression"] else "parabench compare: no regression")
     if result["missing"] and not allow_missing:
-        print(f"parabench compare: MISSING DATA: the candidate lacks what the baseline measured "
-              f"({len(result['missing'])} problems, listed above); --allow-missing accepts that", file=sys.stderr)
+        print(
+            f"parabench compare: MISSING DATA: the candidate lacks what the baseline measured "
+            f"({len(result['missing'])} problems, listed above); --allow-missing accepts that",
+            file=sys.stderr,
+        )
         return 1
     return 1 if result["regression"] else 0
 

@@ -44,8 +44,14 @@ def free_port() -> int:
 
 
 def _spawn_entry(rank, world_size, port, fn, args, result_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     torch.set_num_threads(1)
     path = os.path.join(result_dir, f"{rank}.pt")
     try:
@@ -69,8 +75,10 @@ def run_on_gloo(fn, world_size: int, *args):
     with tempfile.TemporaryDirectory() as result_dir:
         ctx = mp.get_context("spawn")
         port = free_port()
-        procs = [ctx.Process(target=_spawn_entry, args=(r, world_size, port, fn, args, result_dir))
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_spawn_entry, args=(r, world_size, port, fn, args, result_dir))
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         for p in procs:

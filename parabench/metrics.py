@@ -19,8 +19,15 @@ from __future__ import annotations
 
 import statistics
 
-from parabench.models import (FLOPS_CONVENTION, HFU_CONVENTION, MOE_FLOPS_CONVENTION, hardware_flops_per_token, model_config,
-                              model_flops_per_token, parameter_count)
+from parabench.models import (
+    FLOPS_CONVENTION,
+    HFU_CONVENTION,
+    MOE_FLOPS_CONVENTION,
+    hardware_flops_per_token,
+    model_config,
+    model_flops_per_token,
+    parameter_count,
+)
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -188,9 +195,14 @@ def loss_deviation(record: dict, reference: dict) -> dict | None:
     if not pairs:
         return None
     rel = [abs(x - y) / abs(y) for x, y in pairs]
-    return {"per_step_rel": rel, "max_rel": max(rel), "final_rel": rel[-1], "mean_rel": sum(rel) / len(rel),
-            "precision": ((record or {}).get("case") or {}).get("precision"),
-            "reference_precision": ((reference or {}).get("case") or {}).get("precision")}
+    return {
+        "per_step_rel": rel,
+        "max_rel": max(rel),
+        "final_rel": rel[-1],
+        "mean_rel": sum(rel) / len(rel),
+        "precision": ((record or {}).get("case") or {}).get("precision"),
+        "reference_precision": ((reference or {}).get("case") or {}).get("precision"),
+    }
 
 
 def model_section(case) -> dict:
@@ -214,8 +226,11 @@ def check_against_theory(theory: dict | None, per_rank: list[dict], allowance: f
     # Pipeline stages and expert-parallel ranks move different volumes: where the theory gives
     # one expectation per rank, every rank is checked against its own; else rank 0 stands for all.
     per_rank_exp = theory.get("comm_payload_bytes_per_rank")
-    if (per_rank_exp is not None and all(e is not None for e in per_rank_exp)
-            and all(r.get("comm") is not None for r in per_rank)):
+    if (
+        per_rank_exp is not None
+        and all(e is not None for e in per_rank_exp)
+        and all(r.get("comm") is not None for r in per_rank)
+    ):
         ranks = [_comm_rows(per_rank_exp[r["rank"]], r["comm"], allowance) for r in per_rank]
         out["comm"] = ranks[0]
         out["comm_per_rank"] = ranks
@@ -247,10 +262,18 @@ def _comm_rows(comm_exp: dict, comm_meas: dict, allowance: float) -> dict:
         meas = comm_meas["by_kind"].get(k, {}).get("payload_bytes", 0)
         if isinstance(exp, (list, tuple)):
             lo, hi = exp
-            rows[k] = {"expected_bytes": [lo, hi], "measured_bytes": meas, "ratio": meas / hi if hi else None,
-                       "ok": lo * (1 - allowance) <= meas <= hi * (1 + allowance)}
+            rows[k] = {
+                "expected_bytes": [lo, hi],
+                "measured_bytes": meas,
+                "ratio": meas / hi if hi else None,
+                "ok": lo * (1 - allowance) <= meas <= hi * (1 + allowance),
+            }
             continue
         ratio = meas / exp if exp else (None if meas == 0 else float("inf"))
-        rows[k] = {"expected_bytes": exp, "measured_bytes": meas, "ratio": ratio,
-                   "ok": (meas == 0) if not exp else abs(ratio - 1) <= allowance}
+        rows[k] = {
+            "expected_bytes": exp,
+            "measured_bytes": meas,
+            "ratio": ratio,
+            "ok": (meas == 0) if not exp else abs(ratio - 1) <= allowance,
+        }
     return rows

@@ -76,21 +76,25 @@ MODEL_LADDER: dict[str, GPTConfig] = {
     "gpt-13b": GPTConfig(n_layers=40, d_model=5120, n_heads=40),
     # Mixture-of-experts variants (every second block an MoE of 4 / 8 experts, top-2, dropless).
     "tiny-moe": GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64, n_experts=4, top_k=2),
-    "tiny-moe-cap1": GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64, n_experts=4, top_k=2,
-                               capacity_factor=1.0),
+    "tiny-moe-cap1": GPTConfig(
+        n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64, n_experts=4, top_k=2, capacity_factor=1.0
+    ),
     "gpt-350m-moe": GPTConfig(n_layers=24, d_model=1024, n_heads=16, n_experts=8, top_k=2),
     # Capacity variants (ref.ep and deepspeed.moe compared in capacity mode; the models above are dropless).
     # capacity_factor 2.0 = E/k with 4 experts: capacity = all of a rank's tokens, so nothing is ever dropped.
-    "tiny-moe-cap2": GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64, n_experts=4, top_k=2,
-                               capacity_factor=2.0),
+    "tiny-moe-cap2": GPTConfig(
+        n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64, n_experts=4, top_k=2, capacity_factor=2.0
+    ),
     "gpt-350m-moe-cap1": GPTConfig(n_layers=24, d_model=1024, n_heads=16, n_experts=8, top_k=2, capacity_factor=1.0),
     # Balanced-routing benchmark variants (see balanced_routing_bias): routing at initialisation
     # collapses onto few experts on synthetic data; these give every expert s*k/E tokens per sequence.
-    "tiny-moe-bal": GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64, n_experts=4, top_k=2,
-                              balanced_routing=True),
+    "tiny-moe-bal": GPTConfig(
+        n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64, n_experts=4, top_k=2, balanced_routing=True
+    ),
     "gpt-350m-moe-bal": GPTConfig(n_layers=24, d_model=1024, n_heads=16, n_experts=8, top_k=2, balanced_routing=True),
-    "gpt-350m-moe-bal-cap1": GPTConfig(n_layers=24, d_model=1024, n_heads=16, n_experts=8, top_k=2,
-                                       capacity_factor=1.0, balanced_routing=True),
+    "gpt-350m-moe-bal-cap1": GPTConfig(
+        n_layers=24, d_model=1024, n_heads=16, n_experts=8, top_k=2, capacity_factor=1.0, balanced_routing=True
+    ),
     # Long sequence for context parallelism.
     "gpt-125m-8k": GPTConfig(n_layers=12, d_model=768, n_heads=12, seq_len=8192),
 }
@@ -170,8 +174,9 @@ def router_logits(router: nn.Module, flat: torch.Tensor, cfg: GPTConfig, seq_len
     plus the balanced-routing bias when the model asks for it."""
     logits = router(flat)
     if cfg.balanced_routing:
-        logits = logits + balanced_routing_bias(flat.shape[0], seq_len, cfg.n_experts, cfg.top_k,
-                                                flat.device).to(logits.dtype)
+        logits = logits + balanced_routing_bias(flat.shape[0], seq_len, cfg.n_experts, cfg.top_k, flat.device).to(
+            logits.dtype
+        )
     return logits
 
 
@@ -198,7 +203,7 @@ def route(logits: torch.Tensor, top_k: int, capacity_factor: float | None, n_sam
     if capacity_factor is not None:
         capacity = math.ceil(capacity_factor * T * top_k / E)
         position = onehot.reshape(T * top_k, E).cumsum(0).reshape(T, top_k, E)  # 1-based rank within its expert
-        keep = ((position * onehot).sum(-1) <= capacity)
+        keep = (position * onehot).sum(-1) <= capacity
     f = onehot.float().sum(1).view(n_samples, -1, E).mean(1) / top_k  # [n, E]
     p = probs.view(n_samples, -1, E).mean(1)
     aux = (E * (f * p).sum(-1)).mean()
@@ -242,8 +247,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         flat = x.reshape(b * s, d)
-        experts, gates, keep, aux = route(router_logits(self.router, flat, self.cfg, s), self.cfg.top_k,
-                                          self.cfg.capacity_factor, b)
+        experts, gates, keep, aux = route(
+            router_logits(self.router, flat, self.cfg, s), self.cfg.top_k, self.cfg.capacity_factor, b
+        )
         out = torch.zeros_like(flat)
         tok = torch.arange(b * s, device=x.device).unsqueeze(1).expand_as(experts)
         for e, expert in enumerate(self.experts):
@@ -441,5 +447,6 @@ def global_batch(step: int, batch_size: int, cfg: GPTConfig, seed: int) -> tuple
 
 # The pieces of the MoE layer an expert-parallel shard needs to route exactly as the full layer
 # (``reference_impls.expert_parallel`` takes them from its caller; it imports nothing from parabench).
-MOE_ROUTING = types.SimpleNamespace(moe_type=MoE, route=route, router_logits=router_logits,
-                                    add_aux_loss=AuxLossInjector.apply)
+MOE_ROUTING = types.SimpleNamespace(
+    moe_type=MoE, route=route, router_logits=router_logits, add_aux_loss=AuxLossInjector.apply
+)

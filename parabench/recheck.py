@@ -31,8 +31,10 @@ def recheck_record(rec: dict) -> dict | None:
         return None
     case = Case.from_dict(rec["case"])
     if case.case_hash != rec.get("case_hash"):
-        raise StaleImplementation(f"{rec.get('label')}: case hash {rec.get('case_hash')} was made by another "
-                                  f"version of {case.strategy} (now {case.case_hash}); not rechecked")
+        raise StaleImplementation(
+            f"{rec.get('label')}: case hash {rec.get('case_hash')} was made by another "
+            f"version of {case.strategy} (now {case.case_hash}); not rechecked"
+        )
     new = dict(rec)
     new["theory"] = theory_for(case, rec["per_rank"])
     new["checks"] = checks_for(new["theory"], rec["per_rank"], rec.get("loss_scale"))

@@ -45,7 +45,7 @@ RECORD_KEYS: dict[str, str] = {
     "metrics": "(ok) metrics.summarize: tokens/s, step times, peaks, MFU, losses, ...",
     "per_rank": "(ok) one dict per rank as the worker gathered it (see PER_RANK_KEYS)",
     "loss_scale": "(ok) per step {step, loss, scale_used, scale, overflow, skipped, skipped_on_ranks} "
-                  "(fp16 cases), else None",
+    "(fp16 cases), else None",
     "checks": "(ok) checks_for(): measured vs theory, with ok / comm_ok / state_ok and per-kind comm rows",
     "theory_recheck": "set by parabench recheck: {at, parabench_commit, original_checks}",
     "leftover_after_case": "set by the runner when this case left memory allocated and ended its launch",
@@ -55,7 +55,7 @@ RECORD_KEYS: dict[str, str] = {
 # the implementation may legitimately do either (``byte_high`` reads both).
 THEORY_KEYS: dict[str, str] = {
     "state_bytes": "model-state bytes by part ({params, grads, optimizer, ...}), or a list of such dicts, "
-                   "one per rank, where ranks differ (pipeline stages), or None",
+    "one per rank, where ranks differ (pipeline stages), or None",
     "paper_state_bytes": "the paper's figure (ZeRO's 16 psi...), or None",
     "comm_payload_bytes": "rank 0's payload bytes per collective kind",
     "comm_payload_bytes_per_rank": "the same per rank where ranks differ",
@@ -69,7 +69,7 @@ PER_RANK_KEYS: dict[str, str] = {
     "rank": "global rank",
     "comm": "{payload_bytes, by_kind{kind: {calls, payload_bytes, wire_bytes, dtypes}}} of the instrumented step",
     "pipeline": "pipeline ranks: reference_impls.pipeline stats (bubble_fraction_measured, "
-                "bubble_fraction_theory, timeline_synchronized, ...); absent or None elsewhere",
+    "bubble_fraction_theory, timeline_synchronized, ...); absent or None elsewhere",
     "step_breakdown": "profiler time per category, when the case asked for it",
     "strategy_stats": "what a strategy reports of its own (expert routing, context-parallel load)",
 }
@@ -142,15 +142,22 @@ def checks_for(expect: dict | None, per_rank: list[dict], loss_scale_steps: list
         # An fp16 overflow on the instrumented step skips the update, and with it the parameter
         # all-gathers of the ZeRO stages: the theory describes an applied step, so no verdict.
         checks["comm_ok"] = None
-        checks["comm_note"] = ("instrumented step skipped on ranks "
-                               f"{steps[-1]['skipped_on_ranks']} (fp16 overflow): theory not applicable")
+        checks["comm_note"] = (
+            f"instrumented step skipped on ranks {steps[-1]['skipped_on_ranks']} (fp16 overflow): theory not applicable"
+        )
         checks["ok"] = checks.get("state_ok", True)
     return checks
 
 
-def build_record(case: Case, status: str, raw: dict | None = None, error: dict | None = None,
-                 started_at: float | None = None, duration_s: float | None = None,
-                 launch: dict | None = None) -> CaseRecord:
+def build_record(
+    case: Case,
+    status: str,
+    raw: dict | None = None,
+    error: dict | None = None,
+    started_at: float | None = None,
+    duration_s: float | None = None,
+    launch: dict | None = None,
+) -> CaseRecord:
     """The record of one case launch: ``raw`` is what the worker returned (rank 0), None when the
     case did not finish (then ``error`` says why)."""
     from parabench.metrics import model_section, summarize
@@ -162,17 +169,24 @@ def build_record(case: Case, status: str, raw: dict | None = None, error: dict |
     rec["caveats"] = get_strategy(case.strategy).caveats_for(case.precision)
     if raw is not None and raw.get("debug_slowdown"):  # PARABENCH_DEBUG_SLOWDOWN (worker.py): not the code's speed
         rec["debug_slowdown"] = raw["debug_slowdown"]
-        rec["caveats"] = [*rec["caveats"], (f"timed steps deliberately slowed by {raw['debug_slowdown']:.1%} "
-                                            "(PARABENCH_DEBUG_SLOWDOWN, a regression-gate check)")]
+        rec["caveats"] = [
+            *rec["caveats"],
+            (
+                f"timed steps deliberately slowed by {raw['debug_slowdown']:.1%} "
+                "(PARABENCH_DEBUG_SLOWDOWN, a regression-gate check)"
+            ),
+        ]
     rec["theory"] = theory_for(case, raw["per_rank"] if raw is not None else None)
     if raw is not None:
         rec["device"] = {"name": raw["device_name"], "type": raw["device_type"]}
         rec["topology"] = raw["topology"]
         rec["metrics"] = summarize(case, raw)
         if rec["metrics"].get("throttled"):
-            rec["caveats"].append("the GPU held its clocks down during the timed steps ("
-                                  + ", ".join(rec["metrics"]["clocks_event_reasons"])
-                                  + "): its tokens/s describe a throttled card, not only the strategy")
+            rec["caveats"].append(
+                "the GPU held its clocks down during the timed steps ("
+                + ", ".join(rec["metrics"]["clocks_event_reasons"])
+                + "): its tokens/s describe a throttled card, not only the strategy"
+            )
         rec["per_rank"] = raw["per_rank"]
         if "loss_scale" in raw:
             rec["loss_scale"] = raw["loss_scale"]
@@ -181,6 +195,7 @@ def build_record(case: Case, status: str, raw: dict | None = None, error: dict |
 
 
 # --- reading ----------------------------------------------------------------------------------
+
 
 def _number(v):
     return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
@@ -198,8 +213,9 @@ def theory_state_total(rec: CaseRecord):
     """Expected model-state bytes of the heaviest rank (``theory.state_bytes`` summed), or None."""
     state = (rec.get("theory") or {}).get("state_bytes")
     if isinstance(state, list):  # per rank
-        totals = [sum(byte_high(v) for v in s.values()) for s in state
-                  if all(byte_high(v) is not None for v in s.values())]
+        totals = [
+            sum(byte_high(v) for v in s.values()) for s in state if all(byte_high(v) is not None for v in s.values())
+        ]
         return max(totals) if totals else None
     if state and all(byte_high(v) is not None for v in state.values()):
         return sum(byte_high(v) for v in state.values())

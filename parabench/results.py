@@ -28,17 +28,62 @@ SCHEMA_VERSION = 1
 # Environment variables worth recording, never the whole environment: tokens and keys live there,
 # and results get shared. A variable is recorded when its name is listed or starts with a listed
 # prefix; its value is still replaced when the name looks like a credential (NCCL_IB_PASSWD).
-ENV_NAMES = frozenset({"WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                       "NODE_RANK", "SLURM_NNODES", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SLURM_NODEID",
-                       "SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_JOB_NUM_NODES",
-                       "SLURM_JOB_NODELIST", "SLURM_JOB_PARTITION", "PARABENCH_GIT_COMMIT"})
-ENV_PREFIXES = ("NCCL_", "TORCH_", "TORCHELASTIC_", "CUDA_", "OMP_", "DS_", "PYTORCH_", "MASTER_", "NVSHMEM_",
-                "GLOO_", "MKL_", "KMP_", "OPENBLAS_")
+ENV_NAMES = frozenset(
+    {
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "NODE_RANK",
+        "SLURM_NNODES",
+        "SLURM_NTASKS",
+        "SLURM_NTASKS_PER_NODE",
+        "SLURM_NODEID",
+        "SLURM_PROCID",
+        "SLURM_LOCALID",
+        "SLURM_JOB_ID",
+        "SLURM_JOB_NUM_NODES",
+        "SLURM_JOB_NODELIST",
+        "SLURM_JOB_PARTITION",
+        "PARABENCH_GIT_COMMIT",
+    }
+)
+ENV_PREFIXES = (
+    "NCCL_",
+    "TORCH_",
+    "TORCHELASTIC_",
+    "CUDA_",
+    "OMP_",
+    "DS_",
+    "PYTORCH_",
+    "MASTER_",
+    "NVSHMEM_",
+    "GLOO_",
+    "MKL_",
+    "KMP_",
+    "OPENBLAS_",
+)
 # A name component (split on _ - .) equal to one of these marks a credential; the short ones must
 # match a whole component (KEY, not MONKEY; PAT, not PATH), the long ones may sit inside one (APITOKEN).
 CREDENTIAL_COMPONENTS = frozenset({"PASS", "PWD", "KEY", "KEYS", "PAT", "SIG"})
-CREDENTIAL_WORDS = ("PASSWD", "PASSWORD", "PASSPHRASE", "SECRET", "TOKEN", "APIKEY", "AUTH", "BEARER", "PRIVATE",
-                    "CREDENTIAL", "ACCOUNT", "COOKIE", "SESSION", "SIGNATURE")
+CREDENTIAL_WORDS = (
+    "PASSWD",
+    "PASSWORD",
+    "PASSPHRASE",
+    "SECRET",
+    "TOKEN",
+    "APIKEY",
+    "AUTH",
+    "BEARER",
+    "PRIVATE",
+    "CREDENTIAL",
+    "ACCOUNT",
+    "COOKIE",
+    "SESSION",
+    "SIGNATURE",
+)
 REDACTED = "<redacted>"
 
 
@@ -84,8 +129,11 @@ def _scrub(value: str) -> str:
 
 def recorded_env(environ=None) -> dict:
     environ = os.environ if environ is None else environ
-    return {k: REDACTED if looks_like_credential(k) else _scrub(v) for k, v in sorted(environ.items())
-            if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
+    return {
+        k: REDACTED if looks_like_credential(k) else _scrub(v)
+        for k, v in sorted(environ.items())
+        if k in ENV_NAMES or k.startswith(ENV_PREFIXES)
+    }
 
 
 def _redact_word(word: str) -> str:
@@ -170,8 +218,9 @@ def load_json(path: str | os.PathLike) -> dict:
 def _git(*args: str) -> str | None:
     try:
         root = Path(__file__).resolve().parent.parent
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
     except Exception:
         return None
 
@@ -201,9 +250,15 @@ def _devices() -> list[dict]:
 
     if not torch.cuda.is_available():
         return [{"type": "cpu", "name": platform.processor() or platform.machine(), "count": os.cpu_count()}]
-    return [{"type": "cuda", "index": i, "name": torch.cuda.get_device_name(i),
-             "memory_bytes": torch.cuda.get_device_properties(i).total_memory}
-            for i in range(torch.cuda.device_count())]
+    return [
+        {
+            "type": "cuda",
+            "index": i,
+            "name": torch.cuda.get_device_name(i),
+            "memory_bytes": torch.cuda.get_device_properties(i).total_memory,
+        }
+        for i in range(torch.cuda.device_count())
+    ]
 
 
 def _git_identity(status: str | None) -> dict:

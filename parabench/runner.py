@@ -95,8 +95,16 @@ class LaunchOptions:
         if self.nnodes == 1 and not self.rdzv_endpoint:
             base = ["--standalone", "--nnodes", "1"]
         else:
-            base = ["--nnodes", str(self.nnodes), "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", self.rdzv_endpoint or "", "--rdzv-id", self.rdzv_id]
+            base = [
+                "--nnodes",
+                str(self.nnodes),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                self.rdzv_endpoint or "",
+                "--rdzv-id",
+                self.rdzv_id,
+            ]
             if self.node_rank is not None:
                 base += ["--node-rank", str(self.node_rank)]
         return base + ["--nproc-per-node", str(nproc), "--max-restarts", "0", *self.extra_args]
@@ -135,8 +143,10 @@ def _root_cause(log_tail: str) -> tuple[int, int] | None:
 
 # A collective that never completes: NCCL's watchdog names it (the worker's collective timeout is
 # shorter than the case's, so the watchdog fires first); gloo raises from the waiting call.
-_STUCK_COLLECTIVE = re.compile(r"(Watchdog caught collective operation timeout: WorkNCCL\([^)]*\)"
-                               r"|Timed out waiting \d+ms for (?:send|recv) operation to complete)")
+_STUCK_COLLECTIVE = re.compile(
+    r"(Watchdog caught collective operation timeout: WorkNCCL\([^)]*\)"
+    r"|Timed out waiting \d+ms for (?:send|recv) operation to complete)"
+)
 
 
 def _stuck_collective(*texts: str) -> str | None:
@@ -176,12 +186,22 @@ def out_of_space(run_dir: Path) -> str | None:
 
 def is_oom_error(error: dict) -> bool:
     """Whether a rank's error file describes an out-of-memory, on any device."""
-    return bool(error.get("oom")) or error.get("type") == "MemoryError" or \
-        bool(_CPU_OOM.search(error.get("message") or ""))
+    return (
+        bool(error.get("oom"))
+        or error.get("type") == "MemoryError"
+        or bool(_CPU_OOM.search(error.get("message") or ""))
+    )
 
 
-def _classify(case: Case, scratch: Path, rc: int | None, timed_out: bool, log_tail: str, elapsed: float,
-              oom_kills: int | None = None) -> tuple[str, dict]:
+def _classify(
+    case: Case,
+    scratch: Path,
+    rc: int | None,
+    timed_out: bool,
+    log_tail: str,
+    elapsed: float,
+    oom_kills: int | None = None,
+) -> tuple[str, dict]:
     """Status and cause of a case that produced no result.
 
     A rank that raises writes an error file; its peers then often raise too (connection reset)
@@ -201,26 +221,41 @@ def _classify(case: Case, scratch: Path, rc: int | None, timed_out: bool, log_ta
             continue
     stuck = _stuck_collective(log_tail, *(e.get("message", "") + e.get("traceback", "") for e in errors))
     if stuck:  # a hang, whatever way the ranks then went down
-        return "timeout", {"message": f"a collective hung until its timeout ({stuck}); the ranks had issued "
-                                      "different collectives or sizes, or one stopped issuing them",
-                           "stuck_collective": stuck, "ranks_reporting": sorted(e["rank"] for e in errors),
-                           "log_tail": log_tail[-1500:]}
+        return "timeout", {
+            "message": f"a collective hung until its timeout ({stuck}); the ranks had issued "
+            "different collectives or sizes, or one stopped issuing them",
+            "stuck_collective": stuck,
+            "ranks_reporting": sorted(e["rank"] for e in errors),
+            "log_tail": log_tail[-1500:],
+        }
     root = _root_cause(log_tail)
     silent_death = root is not None and root[1] != 1 and all(e["rank"] != root[0] for e in errors)
     if errors and not silent_death:
         first = min(errors, key=lambda e: e["time"])
         status = "oom" if is_oom_error(first) else "crashed"
-        return status, {"first_failing_rank": first["rank"], "type": first["type"], "message": first["message"],
-                        "traceback_tail": first["traceback"][-2000:], "ranks_reporting": sorted(e["rank"] for e in errors),
-                        "log_tail": log_tail[-1500:]}
+        return status, {
+            "first_failing_rank": first["rank"],
+            "type": first["type"],
+            "message": first["message"],
+            "traceback_tail": first["traceback"][-2000:],
+            "ranks_reporting": sorted(e["rank"] for e in errors),
+            "log_tail": log_tail[-1500:],
+        }
     if timed_out:
-        return "timeout", {"message": f"no result after {elapsed:.0f} s (timeout {case.timeout_s:.0f} s): hang or too slow; "
-                                      "the process group was killed", "log_tail": log_tail[-1500:]}
+        return "timeout", {
+            "message": f"no result after {elapsed:.0f} s (timeout {case.timeout_s:.0f} s): hang or too slow; "
+            "the process group was killed",
+            "log_tail": log_tail[-1500:],
+        }
     rank, code = root if root else (None, rc)
     sig = -code if code is not None and code < 0 else None
     signame = signal.Signals(sig).name if sig and sig in signal.Signals._value2member_map_ else None
-    msg = (f"rank {rank} " if rank is not None else "launcher ") + f"exited with status {code}" + \
-        (f" ({signame})" if signame else "") + " and no Python exception (killed, aborted or segfaulted)"
+    msg = (
+        (f"rank {rank} " if rank is not None else "launcher ")
+        + f"exited with status {code}"
+        + (f" ({signame})" if signame else "")
+        + " and no Python exception (killed, aborted or segfaulted)"
+    )
     status = "crashed"
     if signame == "SIGKILL":
         if oom_kills is None:
@@ -234,8 +269,13 @@ def _classify(case: Case, scratch: Path, rc: int | None, timed_out: bool, log_ta
     if errors:
         later = min(errors, key=lambda e: e["time"])
         msg += f"; then rank {later['rank']} reported {later['type']}: {later['message'][:200]}"
-    return status, {"first_failing_rank": rank, "message": msg, "exit_code": code, "log_tail": log_tail[-1500:],
-                    "kernel_oom_kills": oom_kills}
+    return status, {
+        "first_failing_rank": rank,
+        "message": msg,
+        "exit_code": code,
+        "log_tail": log_tail[-1500:],
+        "kernel_oom_kills": oom_kills,
+    }
 
 
 def _tail(path: Path, n: int = 4000) -> str:
@@ -263,7 +303,7 @@ def process_start_ticks(pid: int) -> int | None:
             stat = f.read()
     except OSError:
         return None
-    fields = stat[stat.rindex(b")") + 2:].split()  # the command name may hold spaces and ')'
+    fields = stat[stat.rindex(b")") + 2 :].split()  # the command name may hold spaces and ')'
     if fields[0] in (b"Z", b"X"):
         return None
     return int(fields[19])
@@ -281,8 +321,7 @@ def _carries_mark(pid: int, invocation: str) -> bool:
 def marked_processes(invocation: str) -> list[int]:
     """Live processes started by the launches of ``invocation`` (zombies have no environment)."""
     own = os.getpid()
-    return [int(d) for d in os.listdir("/proc")
-            if d.isdigit() and int(d) != own and _carries_mark(int(d), invocation)]
+    return [int(d) for d in os.listdir("/proc") if d.isdigit() and int(d) != own and _carries_mark(int(d), invocation)]
 
 
 def _signal_exact(pid: int, sig: int, is_it) -> bool:
@@ -311,8 +350,9 @@ def _signal_exact(pid: int, sig: int, is_it) -> bool:
         os.close(fd)
 
 
-def end_launch(invocation: str, proc: subprocess.Popen | None = None, leader: dict | None = None,
-               grace_s: float = 10.0) -> None:
+def end_launch(
+    invocation: str, proc: subprocess.Popen | None = None, leader: dict | None = None, grace_s: float = 10.0
+) -> None:
     """End every process of a launch. torchrun (``proc``, or ``leader`` = {pid, start_ticks} of one
     this runner did not start) gets SIGTERM first: it stops its ranks and reaps them. Whatever
     still carries the launch's mark after ``grace_s`` (ranks in their own sessions, a compiler of
@@ -367,6 +407,7 @@ def kernel_oom_kills() -> int | None:
 
 # -- the run folder: one runner at a time, scratch per invocation -----------------------------
 
+
 class RunFolderLock:
     """An exclusive flock on ``<run folder>/.lock``, held for the runner's life. The kernel drops
     it when the runner dies, however it dies (kill -9 included); the descriptor is not inherited
@@ -387,8 +428,10 @@ class RunFolderLock:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise RunFolderBusy(f"run folder {self.run_dir} is in use by another parabench runner (pid {holder}); "
-                                "wait for it to finish, or pick another --run-id") from None
+            raise RunFolderBusy(
+                f"run folder {self.run_dir} is in use by another parabench runner (pid {holder}); "
+                "wait for it to finish, or pick another --run-id"
+            ) from None
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -439,8 +482,10 @@ def clear_dead_invocations(scratch_root: Path, own: str, echo=print) -> list[str
         leader = _read_json(entry / "launch.json")
         left = marked_processes(invocation)
         if left or (leader and _owner_alive({"pid": leader.get("pid"), "start_ticks": leader.get("start_ticks")})):
-            echo(f"parabench: ending the launch left behind by runner pid {owner.get('pid', '?')} "
-                 f"(torchrun pid {leader.get('pid', '?')}, {len(left)} process(es))")
+            echo(
+                f"parabench: ending the launch left behind by runner pid {owner.get('pid', '?')} "
+                f"(torchrun pid {leader.get('pid', '?')}, {len(left)} process(es))"
+            )
             end_launch(invocation, leader=leader or None)
         shutil.rmtree(entry, ignore_errors=True)
         cleared.append(entry.name)
@@ -462,8 +507,24 @@ def torch_extensions_root(env: dict | None = None) -> Path:
 
 
 # File systems other machines may write too: a builder there is invisible in this /proc.
-_SHARED_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "9p",
-              "fuse.sshfs", "fuse.glusterfs", "fuse.ceph", "virtiofs", "afs")
+_SHARED_FS = (
+    "nfs",
+    "nfs4",
+    "cifs",
+    "smb3",
+    "smbfs",
+    "lustre",
+    "gpfs",
+    "beegfs",
+    "ceph",
+    "glusterfs",
+    "9p",
+    "fuse.sshfs",
+    "fuse.glusterfs",
+    "fuse.ceph",
+    "virtiofs",
+    "afs",
+)
 
 
 def _on_shared_filesystem(path: Path) -> bool:
@@ -550,8 +611,10 @@ def clear_stale_extension_locks(env: dict | None = None, echo=print, now: float 
         except FileNotFoundError:
             continue
         removed.append(lock)
-        echo(f"parabench: removed the stale build lock {lock} (no live process holds it; a JIT build was "
-             "killed half-way): the next load of this op builds it again")
+        echo(
+            f"parabench: removed the stale build lock {lock} (no live process holds it; a JIT build was "
+            "killed half-way): the next load of this op builds it again"
+        )
     return removed
 
 
@@ -619,8 +682,11 @@ class LaunchOwner:
             self.scratch.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise OutputError(f"output folder {self.run_dir} is not writable: {exc}") from None
-        self._save(self.scratch / "owner.json", {"invocation": self.invocation, "pid": os.getpid(),
-                                                 "start_ticks": process_start_ticks(os.getpid())}, "the scratch owner")
+        self._save(
+            self.scratch / "owner.json",
+            {"invocation": self.invocation, "pid": os.getpid(), "start_ticks": process_start_ticks(os.getpid())},
+            "the scratch owner",
+        )
 
     # -- signals: SIGTERM and SIGHUP take Ctrl-C's path ----------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -658,9 +724,16 @@ class LaunchOwner:
         except OSError as exc:
             raise OutputError(f"cannot start the launch (log {log_path}): {exc}") from None
         try:
-            self._save(self.scratch / "launch.json", {"invocation": self.invocation, "pid": proc.pid,
-                                                      "start_ticks": process_start_ticks(proc.pid),
-                                                      "started_at": time.time()}, "the live launch's pid")
+            self._save(
+                self.scratch / "launch.json",
+                {
+                    "invocation": self.invocation,
+                    "pid": proc.pid,
+                    "start_ticks": process_start_ticks(proc.pid),
+                    "started_at": time.time(),
+                },
+                "the live launch's pid",
+            )
         except BaseException:
             end_launch(self.invocation, proc)
             raise
@@ -691,13 +764,22 @@ class LaunchOwner:
         try:
             write_json_atomic(path, data)
         except OSError as exc:
-            raise OutputError(f"cannot write {what} to {path}: {exc.strerror or exc}; the run stopped, finished "
-                              "records are kept (continue with --resume once the cause is fixed)") from None
+            raise OutputError(
+                f"cannot write {what} to {path}: {exc.strerror or exc}; the run stopped, finished "
+                "records are kept (continue with --resume once the cause is fixed)"
+            ) from None
 
 
 class Runner(LaunchOwner):
-    def __init__(self, suite: Suite, run_dir: Path, launch: LaunchOptions, resume: bool = False,
-                 retry_failed: bool = False, echo=print):
+    def __init__(
+        self,
+        suite: Suite,
+        run_dir: Path,
+        launch: LaunchOptions,
+        resume: bool = False,
+        retry_failed: bool = False,
+        echo=print,
+    ):
         super().__init__(run_dir, echo)
         self.suite, self.launch = suite, launch
         self.resume, self.retry_failed = resume, retry_failed
@@ -725,7 +807,8 @@ class Runner(LaunchOwner):
             manifest = load_json(manifest_path)
             now = make_manifest(self.suite, self.run_dir.name, sys.argv)
             manifest.setdefault("resumed", []).append(
-                {k: now[k] for k in ("created_at", "git", "suite_file_sha256", "versions", "argv", "n_cases")})
+                {k: now[k] for k in ("created_at", "git", "suite_file_sha256", "versions", "argv", "n_cases")}
+            )
             self._save(manifest_path, manifest, "the manifest")
 
     def _recorded(self, case: Case) -> bool:
@@ -747,8 +830,12 @@ class Runner(LaunchOwner):
     def _run_cases(self) -> dict:
         self.prepare()
         # one entry per launch, round-robin over the suite: every case's launch 0, then launch 1...
-        cases = [replace(c, repeat=k) if k else c for k in range(max((c.repeats for c in self.suite.cases), default=1))
-                 for c in self.suite.cases if k < c.repeats]
+        cases = [
+            replace(c, repeat=k) if k else c
+            for k in range(max((c.repeats for c in self.suite.cases), default=1))
+            for c in self.suite.cases
+            if k < c.repeats
+        ]
         self.total = len(cases)
         pending: list[Case] = []
         for case in cases:
@@ -776,8 +863,13 @@ class Runner(LaunchOwner):
             fault = (c.options.get("inject_fault") or {}).get("kind")
             faulty = fault not in (None, "leak")  # an injected leak must share a launch to show
             # a repeated case's launches are its samples of launch-to-launch variance: each its own
-            return (not faulty and not profiled_on_gpu and not c.own_launch and c.repeats == 1
-                    and get_strategy(c.strategy).shares_launch)
+            return (
+                not faulty
+                and not profiled_on_gpu
+                and not c.own_launch
+                and c.repeats == 1
+                and get_strategy(c.strategy).shares_launch
+            )
 
         first = pending.pop(0)
         batch = [first]
@@ -814,18 +906,37 @@ class Runner(LaunchOwner):
             folder.mkdir(parents=True)
             # The ranks get the resolved device ("auto" -> "cpu"/"cuda"), which changes the case's hash:
             # they name their files by the runner's hash, handed over with each case.
-            cases_file.write_text(json.dumps([{**c.to_dict(), "device": device, "scratch_key": c.record_key}
-                                              for c in batch]))
+            cases_file.write_text(
+                json.dumps([{**c.to_dict(), "device": device, "scratch_key": c.record_key} for c in batch])
+            )
         except OSError as exc:
-            raise OutputError(f"cannot write the launch's cases to {cases_file}: {exc}; the run stopped, "
-                              "finished records are kept (continue with --resume)") from None
+            raise OutputError(
+                f"cannot write the launch's cases to {cases_file}: {exc}; the run stopped, "
+                "finished records are kept (continue with --resume)"
+            ) from None
         log_path = self.logs / f"{tag}.log"
         retired_file = folder / "retired.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", *self.launch.torchrun_args(nproc),
-               "-m", "parabench.worker", "--cases", str(cases_file), "--scratch", str(folder),
-               "--retired", str(retired_file)]
-        info = {"batch_size": len(batch), "nproc_per_node": nproc, "nnodes": self.launch.nnodes,
-                "device": device, "log": str(log_path.relative_to(self.run_dir))}
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *self.launch.torchrun_args(nproc),
+            "-m",
+            "parabench.worker",
+            "--cases",
+            str(cases_file),
+            "--scratch",
+            str(folder),
+            "--retired",
+            str(retired_file),
+        ]
+        info = {
+            "batch_size": len(batch),
+            "nproc_per_node": nproc,
+            "nnodes": self.launch.nnodes,
+            "device": device,
+            "log": str(log_path.relative_to(self.run_dir)),
+        }
         oom_kills = kernel_oom_kills()
         started = time.time()
         proc = self.start_torchrun(cmd, env, log_path)
@@ -845,8 +956,17 @@ class Runner(LaunchOwner):
                 if result.exists():
                     raw = json.loads(result.read_text())
                     started = self._started_at(case, launch) or current_start
-                    self._write(case, build_record(case, "ok", raw=raw, started_at=started,
-                                                   duration_s=time.time() - started, launch=launch.info))
+                    self._write(
+                        case,
+                        build_record(
+                            case,
+                            "ok",
+                            raw=raw,
+                            started_at=started,
+                            duration_s=time.time() - started,
+                            launch=launch.info,
+                        ),
+                    )
                     finished.add(case.record_key)
                     current_start = time.time()
             if rc is not None:
@@ -860,8 +980,9 @@ class Runner(LaunchOwner):
                     return finished, launch.proc.poll(), True
             time.sleep(0.1)
 
-    def _settle(self, launch: _Launch, batch: list[Case], finished: set[str], rc: int | None,
-                timed_out: bool) -> list[Case]:
+    def _settle(
+        self, launch: _Launch, batch: list[Case], finished: set[str], rc: int | None, timed_out: bool
+    ) -> list[Case]:
         """Blame the case a failed launch died in; return the cases to launch again."""
         unfinished = [c for c in batch if c.record_key not in finished]
         if not unfinished:
@@ -876,20 +997,26 @@ class Runner(LaunchOwner):
         oom_kills = _delta(launch.oom_kills_at_start, kernel_oom_kills())
         full = out_of_space(self.run_dir)
         if full:
-            raise OutputError(f"no space left on the disk of {self.run_dir} (a launch failed and {full}); the run "
-                              "stopped, finished records are kept (continue with --resume once there is room)")
+            raise OutputError(
+                f"no space left on the disk of {self.run_dir} (a launch failed and {full}); the run "
+                "stopped, finished records are kept (continue with --resume once there is room)"
+            )
         status, error = _classify(culprit, launch.folder, rc, timed_out, log_tail, elapsed, oom_kills)
-        self._write(culprit, build_record(culprit, status, error=error, started_at=started,
-                                          duration_s=elapsed, launch=launch.info))
+        self._write(
+            culprit,
+            build_record(culprit, status, error=error, started_at=started, duration_s=elapsed, launch=launch.info),
+        )
         return [c for c in unfinished if c is not culprit]
 
     def _note_leftover(self, retired: dict, n_relaunched: int) -> None:
         """The case after which the worker ended its launch (memory still allocated) gets a caveat
         saying so; the cases it did not run go to a fresh launch, their peaks undisturbed."""
         gib = retired["leftover_bytes"] / 2**30
-        text = (f"left {gib:.2f} GiB allocated on rank {retired['rank']} after it finished (still referenced "
-                f"once its trainer was closed); the {n_relaunched} later case(s) of its launch ran in a fresh "
-                "launch, so its leftover is in no other case's peak memory")
+        text = (
+            f"left {gib:.2f} GiB allocated on rank {retired['rank']} after it finished (still referenced "
+            f"once its trainer was closed); the {n_relaunched} later case(s) of its launch ran in a fresh "
+            "launch, so its leftover is in no other case's peak memory"
+        )
         path = case_record_path(self.run_dir, retired["after_case"])
         if path.exists():
             record = json.loads(path.read_text())
@@ -935,13 +1062,18 @@ def _row(record: dict) -> str:
         return f"{status:<7} {record['label']}  -- {msg[:120]}"
     m = record["metrics"]
     mem = m.get("peak_alloc_bytes") or m.get("peak_rss_bytes")
-    eff = f"MFU {m['mfu'] * 100:.1f}%" if m.get("mfu") is not None else (
-        f"roofline {m['roofline_fraction'] * 100:.1f}%" if m.get("roofline_fraction") is not None else "")
+    eff = (
+        f"MFU {m['mfu'] * 100:.1f}%"
+        if m.get("mfu") is not None
+        else (f"roofline {m['roofline_fraction'] * 100:.1f}%" if m.get("roofline_fraction") is not None else "")
+    )
     comm = record.get("checks", {}).get("comm_ok")
     comm_txt = "" if comm is None else ("  comm=theory" if comm else "  comm!=theory")
-    return (f"ok      {record['label']:<44} {m['tokens_per_s_per_device']:>10,.0f} tok/s/dev  "
-            f"step {m['step_time_s_median'] * 1e3:8.1f} ms  peak {_fmt_bytes(mem):>10}  {eff}  "
-            f"loss {m['final_loss']:.3f}{comm_txt}  ({record['duration_s']:.1f} s)")
+    return (
+        f"ok      {record['label']:<44} {m['tokens_per_s_per_device']:>10,.0f} tok/s/dev  "
+        f"step {m['step_time_s_median'] * 1e3:8.1f} ms  peak {_fmt_bytes(mem):>10}  {eff}  "
+        f"loss {m['final_loss']:.3f}{comm_txt}  ({record['duration_s']:.1f} s)"
+    )
 
 
 def default_run_dir(out_root: Path, suite: Suite, run_id: str | None, resume: bool) -> Path:

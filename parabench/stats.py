@@ -33,8 +33,16 @@ from functools import lru_cache
 
 # The figures each launch contributes one sample of; all are functions of the launch's median
 # step time, so they rank launches alike. The case-level value is the median over its launches.
-TIMING_METRICS = ("step_time_s_median", "tokens_per_s", "tokens_per_s_per_device", "mfu", "hfu",
-                  "model_flops_per_s_per_device", "hardware_flops_per_s_per_device", "roofline_fraction")
+TIMING_METRICS = (
+    "step_time_s_median",
+    "tokens_per_s",
+    "tokens_per_s_per_device",
+    "mfu",
+    "hfu",
+    "model_flops_per_s_per_device",
+    "hardware_flops_per_s_per_device",
+    "roofline_fraction",
+)
 # Memory figures that move between launches of the same code (the allocator's reserved peak moved
 # 10-13 % between two H100 launches, 2026-11-26): the case-level value is their median too.
 NOISY_MEMORY = ("peak_reserved_bytes", "device_used_bytes", "peak_rss_bytes")
@@ -44,6 +52,7 @@ CI_LEVEL = 0.95
 
 
 # --- Mann-Whitney U -----------------------------------------------------------------------------
+
 
 def _ranks(values: list[float]) -> tuple[list[float], list[int]]:
     """Average ranks (1-based) of ``values`` and the sizes of the groups of ties."""
@@ -102,9 +111,9 @@ def mann_whitney_greater(x: list[float], y: list[float]) -> float:
     u = sum(ranks[:n1]) - n1 * (n1 + 1) / 2
     if all(t == 1 for t in ties) and n1 * n2 <= 2500:
         dist = u_distribution(n1, n2)
-        return sum(dist[round(u):]) / sum(dist)
+        return sum(dist[round(u) :]) / sum(dist)
     n = n1 + n2
-    tie_term = sum(t ** 3 - t for t in ties) / (n * (n - 1)) if n > 1 else 0.0
+    tie_term = sum(t**3 - t for t in ties) / (n * (n - 1)) if n > 1 else 0.0
     var = n1 * n2 / 12 * ((n + 1) - tie_term)
     if var <= 0:
         return 1.0
@@ -113,6 +122,7 @@ def mann_whitney_greater(x: list[float], y: list[float]) -> float:
 
 
 # --- intervals ----------------------------------------------------------------------------------
+
 
 def median(xs) -> float:
     return statistics.median(xs)
@@ -137,7 +147,7 @@ def median_ci(xs, level: float = CI_LEVEL) -> tuple[float, float, float]:
         return s[0], s[0], 0.0
 
     def coverage(k: int) -> float:  # of [x_(k), x_(n+1-k)], 1-based
-        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
 
     k = 1
     while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= level:
@@ -167,11 +177,19 @@ def ratio_ci(a, b, level: float = CI_LEVEL) -> tuple[float, float, float, float]
 def summary(xs) -> dict:
     """Median, its interval (with the coverage it has), CV and the samples themselves."""
     low, high, cover = median_ci(xs)
-    return {"median": median(xs), "ci_low": low, "ci_high": high, "ci_coverage": cover, "cv": cv(xs),
-            "n": len(xs), "samples": list(xs)}
+    return {
+        "median": median(xs),
+        "ci_low": low,
+        "ci_high": high,
+        "ci_coverage": cover,
+        "cv": cv(xs),
+        "n": len(xs),
+        "samples": list(xs),
+    }
 
 
 # --- records ------------------------------------------------------------------------------------
+
 
 def launch_index(record: dict) -> int:
     """Which launch of its case a record is (0 for records written before repeats existed)."""
@@ -217,8 +235,15 @@ def _combine(launches: list[dict]) -> dict:
     rows = []
     for r in launches:
         m = r.get("metrics") or {}
-        rows.append({"repeat": launch_index(r), "status": r.get("status"), "started_at": r.get("started_at"),
-                     "duration_s": r.get("duration_s"), **{k: m.get(k) for k in TIMING_METRICS + NOISY_MEMORY}})
+        rows.append(
+            {
+                "repeat": launch_index(r),
+                "status": r.get("status"),
+                "started_at": r.get("started_at"),
+                "duration_s": r.get("duration_s"),
+                **{k: m.get(k) for k in TIMING_METRICS + NOISY_MEMORY},
+            }
+        )
     if ok:
         mid = median([r["metrics"]["step_time_s_median"] for r in ok])
         rep = min(ok, key=lambda r: (abs(r["metrics"]["step_time_s_median"] - mid), launch_index(r)))
@@ -241,7 +266,11 @@ def _combine(launches: list[dict]) -> dict:
     if failed and ok:
         first = failed[0]
         out["status"], out["error"] = first.get("status"), first.get("error")
-        out["caveats"] = [*(out.get("caveats") or []),
-                          (f"{len(failed)} of {len(launches)} launches did not finish ok (first: launch "
-                           f"{launch_index(first)}, {first.get('status')}); the figures are the ok launches'")]
+        out["caveats"] = [
+            *(out.get("caveats") or []),
+            (
+                f"{len(failed)} of {len(launches)} launches did not finish ok (first: launch "
+                f"{launch_index(first)}, {first.get('status')}); the figures are the ok launches'"
+            ),
+        ]
     return out

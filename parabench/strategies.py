@@ -118,7 +118,6 @@ def as_trainer(cls: type) -> type:
 _TRAINER_CLASSES: dict[type, type] = {}
 
 
-
 # --- typed options ------------------------------------------------------------------------------
 # A case's ``options`` stay the dict the suite gave (it is hashed as given, so old records keep
 # their hashes); reading goes through the strategy's options dataclass, which holds each option's
@@ -133,7 +132,8 @@ def _type_name(tp) -> str:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not _NONE)
     return {int: "an int", float: "a number", bool: "true or false", str: "a string", dict: "a table"}.get(
-        tp, getattr(tp, "__name__", str(tp)))
+        tp, getattr(tp, "__name__", str(tp))
+    )
 
 
 def _fits(value, tp) -> bool:
@@ -170,8 +170,10 @@ class CommonOptions:
         known = {f.name for f in fields(cls)}
         for key, value in options.items():
             if key not in known:
-                raise ValueError(f"{strategy + ': ' if strategy else ''}unknown option {key!r}; valid options: "
-                                 f"{', '.join(sorted(known))}")
+                raise ValueError(
+                    f"{strategy + ': ' if strategy else ''}unknown option {key!r}; valid options: "
+                    f"{', '.join(sorted(known))}"
+                )
             if not _fits(value, hints[key]):
                 raise ValueError(f"option {key} must be {_type_name(hints[key])}, got {value!r}")
         return cls(**options)
@@ -192,6 +194,7 @@ def option_defaults(cls: type) -> dict:
 
 
 # --- the registry -------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class StrategySpec:
@@ -231,7 +234,6 @@ class StrategySpec:
     def build(self, spec: TrainSpec) -> Trainer:
         module, func = self.builder.split(":")
         return getattr(importlib.import_module(module), func)(spec)
-
 
 
 class _Registry(dict):

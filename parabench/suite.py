@@ -33,9 +33,10 @@ import itertools
 import json
 import math
 import re
-import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+
+import tomllib
 
 from parabench.models import MODEL_LADDER
 from parabench.results import UnsafeNameError, check_path_component
@@ -101,8 +102,11 @@ class Case:
     @property
     def label(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
-        return (f"{self.strategy} {self.model} w{self.world_size} {self.precision} mb{self.micro_batch}"
-                + (f" ga{self.grad_accum}" if self.grad_accum > 1 else "") + (f" [{opts}]" if opts else ""))
+        return (
+            f"{self.strategy} {self.model} w{self.world_size} {self.precision} mb{self.micro_batch}"
+            + (f" ga{self.grad_accum}" if self.grad_accum > 1 else "")
+            + (f" [{opts}]" if opts else "")
+        )
 
     @property
     def dp(self) -> int:
@@ -131,10 +135,25 @@ def launch_key(case_hash: str, repeat: int = 0) -> str:
 
 CASE_FIELDS = {f.name: f for f in fields(Case) if f.name != "repeat"}  # what suite files may set
 SUITE_KEYS = {"name", "description", "kind"} | (set(CASE_FIELDS) - {"model", "strategy", "world_size"})
-_TYPES = {"world_size": int, "micro_batch": int, "grad_accum": int, "seq_len": int, "steps": int,
-          "warmup": int, "seed": int, "lr": (int, float), "timeout_s": (int, float), "comm_meter": bool,
-          "own_launch": bool, "repeats": int,
-          "model": str, "strategy": str, "precision": str, "device": str, "options": dict}
+_TYPES = {
+    "world_size": int,
+    "micro_batch": int,
+    "grad_accum": int,
+    "seq_len": int,
+    "steps": int,
+    "warmup": int,
+    "seed": int,
+    "lr": (int, float),
+    "timeout_s": (int, float),
+    "comm_meter": bool,
+    "own_launch": bool,
+    "repeats": int,
+    "model": str,
+    "strategy": str,
+    "precision": str,
+    "device": str,
+    "options": dict,
+}
 
 
 @dataclass
@@ -182,9 +201,11 @@ def _read_suite_text(path: Path) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = raw[:exc.start].count(b"\n") + 1
-        raise SuiteError(f"{path}:{line}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); "
-                         f"suite files are UTF-8 TOML") from None
+        line = raw[: exc.start].count(b"\n") + 1
+        raise SuiteError(
+            f"{path}:{line}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); "
+            f"suite files are UTF-8 TOML"
+        ) from None
 
 
 def list_suites() -> list[str]:
@@ -197,7 +218,9 @@ def resolve_suite_path(name_or_path: str) -> Path:
         if not p.exists():
             raise SuiteError(f"suite file {p} does not exist")
         if not p.is_file():
-            raise SuiteError(f"suite path {p} is a folder (or not a regular file); give a .toml suite file or a suite name")
+            raise SuiteError(
+                f"suite path {p} is a folder (or not a regular file); give a .toml suite file or a suite name"
+            )
         return p
     candidate = SUITES_DIR / f"{name_or_path}.toml"
     if not candidate.exists():
@@ -251,7 +274,7 @@ def load_suite(name_or_path: str) -> Suite:
         return Suite(name=name, path=path, description=head.get("description", ""), cases=[], kind=kind, raw=data)
 
     if "collectives" in data:
-        fail("a [collectives] table needs kind = \"collectives\" in [suite]", "collectives", None)
+        fail('a [collectives] table needs kind = "collectives" in [suite]', "collectives", None)
     matrices = data.get("matrix", [])
     if not isinstance(matrices, list) or not matrices:
         raise SuiteError(f"{path}: a training suite needs at least one [[matrix]] table")
@@ -260,7 +283,7 @@ def load_suite(name_or_path: str) -> Suite:
         for key, value in matrix.items():
             if key not in CASE_FIELDS:
                 fail(f"unknown key; valid keys: {', '.join(sorted(CASE_FIELDS))}", key, "matrix", mi)
-            for v in (value if isinstance(value, list) else [value]):
+            for v in value if isinstance(value, list) else [value]:
                 _check_value(key, v, lambda m, k=key: fail(m, k, "matrix", mi))
         for key in ("model", "strategy", "world_size"):
             if key not in matrix:
@@ -304,7 +327,11 @@ def _check_value(key: str, value, fail) -> None:
         fail(f"unknown precision {value!r}; valid precisions: {', '.join(DP_PRECISIONS)}")
     if key == "device" and value not in ("auto", "cpu", "cuda"):
         fail(f"unknown device {value!r}; valid devices: auto, cpu, cuda")
-    if key in ("world_size", "micro_batch", "grad_accum", "steps", "seq_len", "repeats") and isinstance(value, int) and value < 1:
+    if (
+        key in ("world_size", "micro_batch", "grad_accum", "steps", "seq_len", "repeats")
+        and isinstance(value, int)
+        and value < 1
+    ):
         fail("must be >= 1")
     if key == "warmup" and isinstance(value, int) and value < 0:
         fail("must be >= 0")
@@ -321,8 +348,9 @@ def validate_case(case: Case) -> None:
     if case.repeats < 1:
         raise SuiteError(f"repeats must be >= 1 (got {case.repeats})")
     if case.precision not in info.precisions:
-        raise SuiteError(f"{case.strategy} does not support precision {case.precision} "
-                         f"(supported: {', '.join(info.precisions)})")
+        raise SuiteError(
+            f"{case.strategy} does not support precision {case.precision} (supported: {', '.join(info.precisions)})"
+        )
     if case.world_size < info.min_world_size:
         raise SuiteError(f"{case.strategy} needs world_size >= {info.min_world_size}")
     if case.seq_len is not None and case.seq_len > 1 << 20:

@@ -96,8 +96,10 @@ def ref_bucket_shapes(cfg: GPTConfig, elem: int, bucket_mb: float) -> list[list[
 
 def ref_bucket_sizes(cfg: GPTConfig, elem: int, bucket_mb: float, pad_to: int) -> list[int]:
     """Bucket sizes (elements) of :func:`ref_bucket_shapes`, each padded to a multiple of ``pad_to``."""
-    return [-(-n // pad_to) * pad_to
-            for n in (sum(math.prod(s) for s in shapes) for shapes in ref_bucket_shapes(cfg, elem, bucket_mb))]
+    return [
+        -(-n // pad_to) * pad_to
+        for n in (sum(math.prod(s) for s in shapes) for shapes in ref_bucket_shapes(cfg, elem, bucket_mb))
+    ]
 
 
 def expected(case, cfg: GPTConfig, dp: int) -> Expectation | None:

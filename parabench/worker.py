@@ -44,7 +44,6 @@ from parabench.strategies import OptimConfig, TrainSpec, get_strategy
 from parabench.suite import Case
 from parabench.topology import build_topology
 
-
 # What the CUDA caching allocator holds between cases of one launch, from cuBLAS workspaces and the
 # like, is ~65 MiB on H100; a library that keeps a model or its buffers alive leaves gigabytes.
 LEFTOVER_LIMIT_BYTES = 256 << 20
@@ -73,8 +72,9 @@ def _inject_fault(case: Case, step: int) -> None:
         return
     kind = fault["kind"]
     if kind == "leak":
-        _INJECTED_LEAKS.append(torch.empty(int(fault.get("bytes", 512 << 20)), dtype=torch.uint8,
-                                           device=pick_device(case.device)))
+        _INJECTED_LEAKS.append(
+            torch.empty(int(fault.get("bytes", 512 << 20)), dtype=torch.uint8, device=pick_device(case.device))
+        )
         return
     if kind == "oom":
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 EiB (injected by parabench)")
@@ -111,8 +111,11 @@ def is_oom(exc: BaseException) -> bool:
     """An out-of-memory on any device: CUDA's OutOfMemoryError, Python's MemoryError, or the CPU
     allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory")."""
     text = str(exc).lower()
-    return (isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text
-            or "can't allocate memory" in text)
+    return (
+        isinstance(exc, (torch.OutOfMemoryError, MemoryError))
+        or "out of memory" in text
+        or "can't allocate memory" in text
+    )
 
 
 class StepClock:
@@ -148,8 +151,14 @@ def loss_scale_steps(per_rank: list[dict]) -> list[dict] | None:
         seen = [r["losses"][step] for r in per_rank if r["losses"][step] is not None]
         ranks = [r.get("loss_scale") or [] for r in per_rank]
         skipped_on = [i for i, r in enumerate(ranks) if step < len(r) and r[step] and r[step].get("skipped")]
-        out.append({"step": step, "loss": sum(seen) / len(seen) if seen else None,
-                    **(entry or {"scale": None, "overflow": None, "skipped": None}), "skipped_on_ranks": skipped_on})
+        out.append(
+            {
+                "step": step,
+                "loss": sum(seen) / len(seen) if seen else None,
+                **(entry or {"scale": None, "overflow": None, "skipped": None}),
+                "skipped_on_ranks": skipped_on,
+            }
+        )
     return out
 
 
@@ -169,9 +178,17 @@ def make_spec(case: Case, device: torch.device) -> TrainSpec:
     """The strategy's view of ``case`` on this rank (builds the rank grid: a collective)."""
     cfg = model_config(case.model, case.seq_len)
     topo = _topology(device, case.options.get("pp", 1), case.options.get("tp", 1))
-    return TrainSpec(model=cfg, seed=case.seed, device=device, precision=case.precision, topology=topo,
-                     micro_batch=case.micro_batch, grad_accum=case.grad_accum,
-                     optim=OptimConfig(lr=case.lr, **case.options.get("optim", {})), options=case.options)
+    return TrainSpec(
+        model=cfg,
+        seed=case.seed,
+        device=device,
+        precision=case.precision,
+        topology=topo,
+        micro_batch=case.micro_batch,
+        grad_accum=case.grad_accum,
+        optim=OptimConfig(lr=case.lr, **case.options.get("optim", {})),
+        options=case.options,
+    )
 
 
 def local_batches(case: Case, spec: TrainSpec, n_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -181,7 +198,7 @@ def local_batches(case: Case, spec: TrainSpec, n_steps: int) -> list[tuple[torch
     out = []
     for step in range(n_steps):
         x, y = global_batch(step, case.global_batch, spec.model, case.seed)
-        out.append((x[lo:lo + per_rank].to(spec.device), y[lo:lo + per_rank].to(spec.device)))
+        out.append((x[lo : lo + per_rank].to(spec.device), y[lo : lo + per_rank].to(spec.device)))
     return out
 
 
@@ -302,7 +319,9 @@ def run_case(case: Case, device: torch.device, leftover: int | None = None) -> d
         "device_name": device_name(device),
         "device_type": device.type,
         "peak_flops_per_device": peak_flops(device, case.precision),
-        "matmul_roofline_flops": measured_matmul_flops(device, case.precision) if case.options.get("roofline", device.type != "cuda") else None,
+        "matmul_roofline_flops": measured_matmul_flops(device, case.precision)
+        if case.options.get("roofline", device.type != "cuda")
+        else None,
         "topology": {"dp": topo.dp, "pp": topo.pp, "tp": topo.tp},
         "loss_scale": loss_scale_steps(gathered),
         **({"debug_slowdown": slowdown} if slowdown else {}),
@@ -363,10 +382,17 @@ def _retire_launch(leftover: int | None, previous: Case, previous_key: str, reti
     if everyone[worst] <= LEFTOVER_LIMIT_BYTES:
         return False
     if dist.get_rank() == 0 and retired_path:
-        write_json_atomic(retired_path, {
-            "after_case": previous_key, "after_label": previous.label,
-            "rank": worst, "leftover_bytes": everyone[worst], "leftover_bytes_per_rank": everyone,
-            "limit_bytes": LEFTOVER_LIMIT_BYTES})
+        write_json_atomic(
+            retired_path,
+            {
+                "after_case": previous_key,
+                "after_label": previous.label,
+                "rank": worst,
+                "leftover_bytes": everyone[worst],
+                "leftover_bytes_per_rank": everyone,
+                "limit_bytes": LEFTOVER_LIMIT_BYTES,
+            },
+        )
     return True
 
 

@@ -38,8 +38,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["ps_allreduce", "ring_allreduce", "recursive_halving_doubling_allreduce", "tree_allreduce",
-           "ring_allgather", "ring_reduce_scatter"]
+__all__ = [
+    "ps_allreduce",
+    "ring_allreduce",
+    "recursive_halving_doubling_allreduce",
+    "tree_allreduce",
+    "ring_allgather",
+    "ring_reduce_scatter",
+]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -138,13 +144,13 @@ def ring_allreduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
 
     def chunk(i: int) -> torch.Tensor:
         i %= n
-        return flat[off[i]:off[i + 1]]
+        return flat[off[i] : off[i + 1]]
 
     left, right = (rank - 1) % n, (rank + 1) % n
     scratch = torch.empty(off[1] - off[0], dtype=flat.dtype, device=flat.device)  # chunk 0 is the largest
     for s in range(n - 1):  # reduce-scatter
         mine = chunk(rank - s - 1)
-        incoming = scratch[:mine.numel()]
+        incoming = scratch[: mine.numel()]
         _exchange([(chunk(rank - s), right)], [(incoming, left)], group)
         mine.add_(incoming)
     for s in range(n - 1):  # all-gather: rank r starts with the complete chunk r + 1
@@ -197,7 +203,7 @@ def recursive_halving_doubling_allreduce(tensor: torch.Tensor, group=None) -> to
         off = _bounds(flat.numel(), pof2)
 
         def blocks(lo: int, hi: int) -> torch.Tensor:  # chunks lo..hi-1, contiguous
-            return flat[off[lo]:off[hi]]
+            return flat[off[lo] : off[hi]]
 
         # 2. reduce-scatter by recursive halving
         scratch = torch.empty(off[pof2 // 2], dtype=flat.dtype, device=flat.device)  # largest half
@@ -206,7 +212,7 @@ def recursive_halving_doubling_allreduce(tensor: torch.Tensor, group=None) -> to
             partner, mid = newrank ^ d, (lo + hi) // 2
             keep, give = ((mid, hi), (lo, mid)) if newrank & d else ((lo, mid), (mid, hi))
             mine = blocks(*keep)
-            incoming = scratch[:mine.numel()]
+            incoming = scratch[: mine.numel()]
             _exchange([(blocks(*give), real(partner))], [(incoming, real(partner))], group)
             mine.add_(incoming)
             lo, hi = keep
@@ -217,8 +223,9 @@ def recursive_halving_doubling_allreduce(tensor: torch.Tensor, group=None) -> to
         while d < pof2:
             partner = newrank ^ d
             my_lo, their_lo = newrank // d * d, partner // d * d
-            _exchange([(blocks(my_lo, my_lo + d), real(partner))],
-                      [(blocks(their_lo, their_lo + d), real(partner))], group)
+            _exchange(
+                [(blocks(my_lo, my_lo + d), real(partner))], [(blocks(their_lo, their_lo + d), real(partner))], group
+            )
             d *= 2
 
     # 4. unfold: give the folded ranks the result
@@ -276,7 +283,7 @@ def ring_allgather(output: torch.Tensor, input: torch.Tensor, group=None) -> tor
 
     def shard(i: int) -> torch.Tensor:
         i %= n
-        return out[i * size:(i + 1) * size]
+        return out[i * size : (i + 1) * size]
 
     if shard(rank).data_ptr() != inp.data_ptr():
         shard(rank).copy_(inp)
@@ -304,7 +311,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None) -
 
     def shard(i: int) -> torch.Tensor:
         i %= n
-        return inp[i * size:(i + 1) * size]
+        return inp[i * size : (i + 1) * size]
 
     if n == 1:
         out.copy_(inp)

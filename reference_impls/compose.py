@@ -40,15 +40,27 @@ def allreduce_grads_mean(params, group) -> None:
     flat.div_(n)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
 class ParallelGPT:
     """This rank's part of a GPT under TP x PP x DP, and how to run one step's forward/backward."""
 
-    def __init__(self, module: nn.Module, shard_dims: dict, tp_group, dp_group, engine: PipelineEngine | None,
-                 microbatches: int, seq_len: int, d_model: int, sp_params: list, tp: int, sequence_parallel: bool):
+    def __init__(
+        self,
+        module: nn.Module,
+        shard_dims: dict,
+        tp_group,
+        dp_group,
+        engine: PipelineEngine | None,
+        microbatches: int,
+        seq_len: int,
+        d_model: int,
+        sp_params: list,
+        tp: int,
+        sequence_parallel: bool,
+    ):
         self.module, self.shard_dims = module, shard_dims
         self.tp_group, self.dp_group, self.engine = tp_group, dp_group, engine
         self.microbatches, self.seq_len, self.d_model = microbatches, seq_len, d_model
@@ -79,9 +91,17 @@ class ParallelGPT:
         return self.engine.stats() if self.engine is not None else None
 
 
-def parallelize(model: nn.Module, *, tp_group, pp_group, dp_group, sequence_parallel: bool = False,
-                schedule: str = "1f1b", microbatches: int | None = None,
-                record_timeline: bool = False) -> ParallelGPT:
+def parallelize(
+    model: nn.Module,
+    *,
+    tp_group,
+    pp_group,
+    dp_group,
+    sequence_parallel: bool = False,
+    schedule: str = "1f1b",
+    microbatches: int | None = None,
+    record_timeline: bool = False,
+) -> ParallelGPT:
     """Apply TP, then PP, then DP to the full ``model`` (built identically on every rank)."""
     cfg = model.cfg
     tp = dist.get_world_size(tp_group)
@@ -98,11 +118,28 @@ def parallelize(model: nn.Module, *, tp_group, pp_group, dp_group, sequence_para
     if pp > 1:  # 2. pipeline
         stage = dist.get_rank(pp_group)
         model = split_stage(model, stage, pp)
-        engine = PipelineEngine(model, stage, dist.get_process_group_ranks(pp_group), pp_group,
-                                schedule=schedule, record_timeline=record_timeline)
+        engine = PipelineEngine(
+            model,
+            stage,
+            dist.get_process_group_ranks(pp_group),
+            pp_group,
+            schedule=schedule,
+            record_timeline=record_timeline,
+        )
     names = dict(model.named_parameters())
     shard_dims = {n: shard_dims[n] for n in names}
     sp_params = [p for n, p in names.items() if n in sp_names]
     # 3. data parallel: ParallelGPT.reduce_grads, once per step
-    return ParallelGPT(model, shard_dims, tp_group, dp_group, engine, microbatches or 2 * pp,
-                       cfg.seq_len, cfg.d_model, sp_params, tp, sequence_parallel)
+    return ParallelGPT(
+        model,
+        shard_dims,
+        tp_group,
+        dp_group,
+        engine,
+        microbatches or 2 * pp,
+        cfg.seq_len,
+        cfg.d_model,
+        sp_params,
+        tp,
+        sequence_parallel,
+    )

@@ -159,8 +159,8 @@ class OneBitCompressor(Compressor):
         def finish():
             total = torch.zeros_like(p)
             for m in gathered.view(world, -1):
-                s = m[:4 * len(sizes)].clone().view(torch.float32)
-                total += self.decompress(s, m[4 * len(sizes):], sizes)
+                s = m[: 4 * len(sizes)].clone().view(torch.float32)
+                total += self.decompress(s, m[4 * len(sizes) :], sizes)
             grad.copy_(total)
 
         return _Then([work], finish)
@@ -186,8 +186,10 @@ class TopKCompressor(Compressor):
         self._remember(bucket, p, torch.zeros_like(p).index_put_((idx,), values))
         all_values = torch.empty(world * values.numel(), dtype=values.dtype, device=grad.device)
         all_idx = torch.empty(world * idx.numel(), dtype=torch.int32, device=grad.device)
-        works = [all_gather_into(all_values, values, group=group, async_op=True),
-                 all_gather_into(all_idx, idx.to(torch.int32), group=group, async_op=True)]
+        works = [
+            all_gather_into(all_values, values, group=group, async_op=True),
+            all_gather_into(all_idx, idx.to(torch.int32), group=group, async_op=True),
+        ]
 
         def finish():
             total = torch.zeros_like(p).index_add_(0, all_idx.long(), all_values)  # duplicates add up
@@ -219,7 +221,7 @@ class PowerSGDCompressor(Compressor):
         p = self._with_error(bucket, grad)
         mats, vec_slices, start = [], [], 0
         for j, (size, param) in enumerate(zip(_segments(bucket), bucket.params + [None])):
-            view = p[start:start + size]
+            view = p[start : start + size]
             if param is not None and param.dim() == 2:
                 n, m = param.shape
                 mats.append((j, view.view(n, m), min(self.rank, n, m)))
@@ -228,7 +230,7 @@ class PowerSGDCompressor(Compressor):
             start += size
         works = []
         if vec_slices:  # 1-D tensors (and padding): all-reduced as they are, started first
-            flat_vec = torch.cat([p[a:a + s] for a, s in vec_slices])
+            flat_vec = torch.cat([p[a : a + s] for a, s in vec_slices])
             works.append(dist.all_reduce(flat_vec, group=group, async_op=True))
         qs = [self._q((bucket.index, j), M.shape[1], r, p.device) for j, M, r in mats]
         ps_flat = torch.cat([(M @ Q).reshape(-1) for (_, M, _), Q in zip(mats, qs)]) if mats else None
@@ -240,24 +242,24 @@ class PowerSGDCompressor(Compressor):
             if vec_slices:
                 at = 0
                 for a, s in vec_slices:
-                    out[a:a + s] = flat_vec[at:at + s]
+                    out[a : a + s] = flat_vec[at : at + s]
                     at += s
             if mats:
                 ps, at = [], 0
                 for _, M, r in mats:
                     n = M.shape[0]
-                    ps.append(torch.linalg.qr(ps_flat[at:at + n * r].view(n, r)).Q)  # orthogonalise P
+                    ps.append(torch.linalg.qr(ps_flat[at : at + n * r].view(n, r)).Q)  # orthogonalise P
                     at += n * r
                 qs_flat = torch.cat([(M.t() @ P).reshape(-1) for (_, M, _), P in zip(mats, ps)])
                 dist.all_reduce(qs_flat, group=group)  # Q = Σ_i M_iᵀ P
                 at = 0
                 for (j, M, r), P in zip(mats, ps):
                     m = M.shape[1]
-                    Q = qs_flat[at:at + m * r].view(m, r)
+                    Q = qs_flat[at : at + m * r].view(m, r)
                     at += m * r
                     self.q[(bucket.index, j)] = Q / world  # warm start (torch keeps the mean Q too)
                     s0 = sum(_segments(bucket)[:j])
-                    out[s0:s0 + M.numel()] = (P @ Q.t()).reshape(-1)  # P Pᵀ Σ_i M_i
+                    out[s0 : s0 + M.numel()] = (P @ Q.t()).reshape(-1)  # P Pᵀ Σ_i M_i
             self._remember(bucket, p, out / world)
             grad.copy_(out)
 
@@ -275,7 +277,7 @@ class CompressedDDP(DDP):
         self.compressor = compressor
 
     def _launch(self, bucket):
-        grad = self.flat_grad[bucket.offset:bucket.offset + bucket.numel]
+        grad = self.flat_grad[bucket.offset : bucket.offset + bucket.numel]
         self._works.append(self.compressor.launch(bucket, grad, self.group))
 
     def state_bytes(self):
@@ -296,9 +298,20 @@ class LocalSGD(_FlatReplica):
     the averaged gradient. With AdamW it is not (m/√v is not linear in g), whatever H.
     """
 
-    def __init__(self, model, loss_fn, group=None, *, grad_accum=1, compute_dtype=torch.float32, adam: dict,
-                 sync_every: int = 4, average_optimizer_state: bool = True, optimizer: str = "adamw",
-                 momentum: float = 0.9):
+    def __init__(
+        self,
+        model,
+        loss_fn,
+        group=None,
+        *,
+        grad_accum=1,
+        compute_dtype=torch.float32,
+        adam: dict,
+        sync_every: int = 4,
+        average_optimizer_state: bool = True,
+        optimizer: str = "adamw",
+        momentum: float = 0.9,
+    ):
         super().__init__(model, loss_fn, group, grad_accum, compute_dtype, float("inf"), adam, None)
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
@@ -308,8 +321,9 @@ class LocalSGD(_FlatReplica):
 
             self.optimizer = adamw([self.master], **adam)
         elif optimizer == "sgd":
-            self.optimizer = torch.optim.SGD([self.master], lr=adam["lr"], momentum=momentum,
-                                             weight_decay=adam["weight_decay"])
+            self.optimizer = torch.optim.SGD(
+                [self.master], lr=adam["lr"], momentum=momentum, weight_decay=adam["weight_decay"]
+            )
         else:
             raise ValueError(f"local SGD optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
         self.steps_done = 0
@@ -330,8 +344,12 @@ class LocalSGD(_FlatReplica):
     def average(self):
         tensors = [self.master]
         if self.average_optimizer_state:
-            tensors += [v for s in self.optimizer.state.values() for v in s.values()
-                        if isinstance(v, torch.Tensor) and v.dim() > 0]
+            tensors += [
+                v
+                for s in self.optimizer.state.values()
+                for v in s.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            ]
         for t in tensors:
             t.div_(self.world)
             dist.all_reduce(t, group=self.group)

@@ -218,9 +218,15 @@ class RingStats:
         return sum(start.elapsed_time(end) for start, end in self.event_pairs) / 1e3
 
     def as_dict(self) -> dict:
-        return {"attn_pairs_full": self.pairs_full, "attn_pairs_diagonal": self.pairs_diagonal,
-                "attn_calls_fwd": self.calls, "attn_flops_fwd": self.flops, "attn_compute_s_fwd": self.compute_s,
-                "attn_compute_clock": self.clock, "ring_hops": self.hops}
+        return {
+            "attn_pairs_full": self.pairs_full,
+            "attn_pairs_diagonal": self.pairs_diagonal,
+            "attn_calls_fwd": self.calls,
+            "attn_flops_fwd": self.flops,
+            "attn_compute_s_fwd": self.compute_s,
+            "attn_compute_clock": self.clock,
+            "ring_hops": self.hops,
+        }
 
 
 # --- one (query chunk, key chunk) pair: a fused kernel that also returns its log-sum-exp ---------
@@ -239,13 +245,15 @@ def block_forward(q, k, v, diagonal: bool, scale: float):
     same positions (causal mask inside; equal lengths, so torch's top-left causal mask is right)."""
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, dropout_p=0.0, is_causal=diagonal, scale=scale)
+            q, k, v, dropout_p=0.0, is_causal=diagonal, scale=scale
+        )
     if q.dtype in _CUDA_FLASH_DTYPES:
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, diagonal, False, scale=scale)
         return out, lse
     out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, None, True, 0.0, diagonal, scale=scale)
-    return out, lse[..., :q.shape[-2]]
+        q, k, v, None, True, 0.0, diagonal, scale=scale
+    )
+    return out, lse[..., : q.shape[-2]]
 
 
 def block_backward(dout, q, k, v, out, lse, diagonal: bool, scale: float):
@@ -254,16 +262,17 @@ def block_backward(dout, q, k, v, out, lse, diagonal: bool, scale: float):
     rowsum(dout * out) are the global ones, and the pair's gradients are its exact share."""
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, diagonal, scale=scale)
+            dout, q, k, v, out, lse, 0.0, diagonal, scale=scale
+        )
     no_rng = torch.empty((), dtype=torch.long)  # what the forward kernels return without dropout
     if q.dtype in _CUDA_FLASH_DTYPES:
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, diagonal, no_rng, no_rng,
-            scale=scale)
+            dout, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, diagonal, no_rng, no_rng, scale=scale
+        )
     padded_lse = F.pad(lse, (0, -lse.shape[-1] % _EFFICIENT_LSE_ROWS))
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, out, padded_lse, no_rng, no_rng, 0.0, [True, True, True, False], diagonal,
-        scale=scale)
+        dout, q, k, v, None, out, padded_lse, no_rng, no_rng, 0.0, [True, True, True, False], diagonal, scale=scale
+    )
     return dq, dk, dv
 
 
@@ -362,11 +371,20 @@ class _RingAttention(torch.autograd.Function):
             hop = _Hop(kv, nxt, prv, group) if step < cp - 1 else None
             started = stats.compute_started(q.device) if stats is not None else None
             for q_lo, q_hi, k_lo, k_hi, diagonal, n_pairs in fused_pairs(my_chunks, chunks_of(src, cp, split)):
-                out_i, lse_i = block_forward(_span(qs, q_lo, q_hi), _span(kv, k_lo, k_hi),
-                                             _span(kv, n_chunks + k_lo, n_chunks + k_hi), diagonal, scale)
+                out_i, lse_i = block_forward(
+                    _span(qs, q_lo, q_hi),
+                    _span(kv, k_lo, k_hi),
+                    _span(kv, n_chunks + k_lo, n_chunks + k_hi),
+                    diagonal,
+                    scale,
+                )
                 for j, qi in enumerate(range(q_lo, q_hi)):
-                    partial[qi] = merge_partials(*partial[qi], out_i[..., j * c:(j + 1) * c, :].float(),
-                                                 lse_i[..., j * c:(j + 1) * c], correct=lse_correction)
+                    partial[qi] = merge_partials(
+                        *partial[qi],
+                        out_i[..., j * c : (j + 1) * c, :].float(),
+                        lse_i[..., j * c : (j + 1) * c],
+                        correct=lse_correction,
+                    )
                 if stats is not None:
                     b, a, _, d = q.shape
                     stats.flops += 4 * b * a * c * c * d * n_pairs
@@ -406,14 +424,21 @@ class _RingAttention(torch.autograd.Function):
             kv_hop = _Hop(kv, nxt, prv, group) if step < cp - 1 else None
             dkv = [torch.zeros_like(t, dtype=torch.float32) for t in kv]  # this rank's share, block src
             for q_lo, q_hi, k_lo, k_hi, diagonal, _ in fused_pairs(my_chunks, chunks_of(src, cp, ctx.split)):
-                dq, dk, dv = block_backward(_span(douts, q_lo, q_hi), _span(qs, q_lo, q_hi), _span(kv, k_lo, k_hi),
-                                            _span(kv, n_chunks + k_lo, n_chunks + k_hi), _span(outs, q_lo, q_hi),
-                                            _span(lses, q_lo, q_hi), diagonal, scale)
+                dq, dk, dv = block_backward(
+                    _span(douts, q_lo, q_hi),
+                    _span(qs, q_lo, q_hi),
+                    _span(kv, k_lo, k_hi),
+                    _span(kv, n_chunks + k_lo, n_chunks + k_hi),
+                    _span(outs, q_lo, q_hi),
+                    _span(lses, q_lo, q_hi),
+                    diagonal,
+                    scale,
+                )
                 for j, qi in enumerate(range(q_lo, q_hi)):
-                    dqs[qi] += dq[..., j * c:(j + 1) * c, :]
+                    dqs[qi] += dq[..., j * c : (j + 1) * c, :]
                 for j, ki in enumerate(range(k_lo, k_hi)):
-                    dkv[ki] += dk[..., j * c:(j + 1) * c, :]
-                    dkv[n_chunks + ki] += dv[..., j * c:(j + 1) * c, :]
+                    dkv[ki] += dk[..., j * c : (j + 1) * c, :]
+                    dkv[n_chunks + ki] += dv[..., j * c : (j + 1) * c, :]
             if step == 0:
                 own_dkv = dkv  # kept here: the partial sums from the other ranks come home at the end
             else:
@@ -466,8 +491,9 @@ class ContextParallel:
     each rank processes micro_batch x s tokens, as under data parallelism.
     """
 
-    def __init__(self, model: nn.Module, group, mode: str, split: str = "zigzag", broken: str | None = None,
-                 *, loss_fn):
+    def __init__(
+        self, model: nn.Module, group, mode: str, split: str = "zigzag", broken: str | None = None, *, loss_fn
+    ):
         if mode not in ("ring", "ulysses"):
             raise ValueError(f"unknown context-parallel mode {mode!r}")
         self.model, self.group, self.mode = model, group, mode
@@ -482,8 +508,7 @@ class ContextParallel:
 
     def attention(self, q, k, v):
         if self.mode == "ring":
-            return ring_attention(q, k, v, self.group, self.split, self.stats,
-                                  lse_correction=self.broken != "no_lse")
+            return ring_attention(q, k, v, self.group, self.split, self.stats, lse_correction=self.broken != "no_lse")
         return ulysses_attention(q, k, v, self.group, reverse=self.broken != "no_reverse")
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -504,7 +529,11 @@ class ContextParallel:
         both = torch.stack([inputs, targets])  # [2, B, s]
         out = torch.empty((self.cp * 2,) + tuple(both.shape[1:]), dtype=both.dtype, device=both.device)
         all_gather_into(out, both.contiguous(), group=self.group)
-        out = out.view((self.cp,) + tuple(both.shape)).transpose(0, 1).reshape(2, self.cp * inputs.shape[0], inputs.shape[1])  # rank-major samples
+        out = (
+            out.view((self.cp,) + tuple(both.shape))
+            .transpose(0, 1)
+            .reshape(2, self.cp * inputs.shape[0], inputs.shape[1])
+        )  # rank-major samples
         return out[0], out[1]
 
     def forward_backward(self, inputs, targets, grad_accum: int, autocast=None) -> torch.Tensor:
@@ -534,5 +563,5 @@ class ContextParallel:
         off = 0
         for p in params:
             n = p.numel()
-            p.grad.copy_(flat[off:off + n].view_as(p))
+            p.grad.copy_(flat[off : off + n].view_as(p))
             off += n

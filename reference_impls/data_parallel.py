@@ -33,8 +33,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from reference_impls.dp_common import (MiB, adamw, bind_grads, bind_params, flatten, optimizer_state_bytes,
-                                       plan_buckets, tensor_bytes)
+from reference_impls.dp_common import (
+    MiB,
+    adamw,
+    bind_grads,
+    bind_params,
+    flatten,
+    optimizer_state_bytes,
+    plan_buckets,
+    tensor_bytes,
+)
 
 
 class _FlatReplica:
@@ -97,27 +105,43 @@ class _FlatReplica:
 
     def state_bytes(self) -> dict:
         master = self.master.numel() * 4 if self.master is not self.flat_param else 0
-        return {"params": tensor_bytes([self.flat_param]), "grads": self._grad_bytes,
-                "optimizer": master + (optimizer_state_bytes(self.optimizer) if self.optimizer else 0)}
+        return {
+            "params": tensor_bytes([self.flat_param]),
+            "grads": self._grad_bytes,
+            "optimizer": master + (optimizer_state_bytes(self.optimizer) if self.optimizer else 0),
+        }
 
     def _full_parameters_from(self, master: torch.Tensor) -> dict:
         out = {}
         names = {id(p): n for n, p in self.model.named_parameters()}
         for b in self.buckets:
             for p, start in zip(b.params, b.starts):
-                out[names[id(p)]] = master[start:start + p.numel()].view(p.shape).detach().float().cpu().clone()
+                out[names[id(p)]] = master[start : start + p.numel()].view(p.shape).detach().float().cpu().clone()
         return out
 
 
 class DDP(_FlatReplica):
     """Bucketed gradient all-reduce, launched from post-accumulate-grad hooks during backward."""
 
-    def __init__(self, model, loss_fn, group=None, *, grad_accum=1, compute_dtype=torch.float32,
-                 bucket_mb=25.0, adam: dict, grad_scaler=None):
+    def __init__(
+        self,
+        model,
+        loss_fn,
+        group=None,
+        *,
+        grad_accum=1,
+        compute_dtype=torch.float32,
+        bucket_mb=25.0,
+        adam: dict,
+        grad_scaler=None,
+    ):
         super().__init__(model, loss_fn, group, grad_accum, compute_dtype, bucket_mb, adam, grad_scaler)
         self.optimizer = adamw([self.master], **adam)
-        self._hooks = [p.register_post_accumulate_grad_hook(lambda p, b=b: self._grad_ready(b))
-                       for b in self.buckets for p in b.params]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(lambda p, b=b: self._grad_ready(b))
+            for b in self.buckets
+            for p in b.params
+        ]
         self._sync = False
         self._ready = [0] * len(self.buckets)
         self._next = 0  # buckets are launched strictly in order, the same order on every rank
@@ -132,7 +156,7 @@ class DDP(_FlatReplica):
             self._next += 1
 
     def _launch(self, bucket):
-        grad = self.flat_grad[bucket.offset:bucket.offset + bucket.numel]
+        grad = self.flat_grad[bucket.offset : bucket.offset + bucket.numel]
         self._works.append(dist.all_reduce(grad, group=self.group, async_op=True))  # sum of pre-scaled grads
 
     def _arm(self, last: bool):
@@ -142,7 +166,7 @@ class DDP(_FlatReplica):
 
     def train_step(self, inputs, targets):
         loss = self._forward_backward(inputs, targets, before_backward=self._arm)
-        for b in self.buckets[self._next:]:  # a bucket with unused parameters never completes
+        for b in self.buckets[self._next :]:  # a bucket with unused parameters never completes
             self._launch(b)
         for w in self._works:
             w.wait()  # on NCCL: the compute stream waits for the comm stream; the host does not block
@@ -168,8 +192,9 @@ class ParameterServer(_FlatReplica):
     memory does not grow with N, but its time and received bytes do: (N-1) x the gradients.
     """
 
-    def __init__(self, model, loss_fn, group=None, *, grad_accum=1, compute_dtype=torch.float32,
-                 adam: dict, grad_scaler=None):
+    def __init__(
+        self, model, loss_fn, group=None, *, grad_accum=1, compute_dtype=torch.float32, adam: dict, grad_scaler=None
+    ):
         super().__init__(model, loss_fn, group, grad_accum, compute_dtype, float("inf"), adam, grad_scaler)
         self.server = dist.get_global_rank(group or dist.group.WORLD, 0)
         self.is_server = dist.get_rank() == self.server
@@ -199,8 +224,11 @@ class ParameterServer(_FlatReplica):
             # fp16: only the server decides; workers must scale the next loss by the server's new
             # scale, or the server would add up gradients scaled differently (one scalar broadcast).
             last = self.grad_scaler.last if self.is_server else None
-            flag = torch.tensor([last["scale"], float(last["skipped"])] if last else [0.0, 0.0],
-                                dtype=torch.float64, device=self.flat_param.device)
+            flag = torch.tensor(
+                [last["scale"], float(last["skipped"])] if last else [0.0, 0.0],
+                dtype=torch.float64,
+                device=self.flat_param.device,
+            )
             dist.broadcast(flag, src=self.server, group=self.group)
             if not self.is_server:
                 self.grad_scaler.follow(float(flag[0]), not bool(flag[1]))

@@ -82,7 +82,7 @@ def flatten(buckets: list[Bucket], dtype: torch.dtype) -> torch.Tensor:
     flat = torch.zeros(sum(b.numel for b in buckets), dtype=dtype, device=device)
     for b in buckets:
         for p, start in zip(b.params, b.starts):
-            flat[start:start + p.numel()].copy_(p.detach().reshape(-1))
+            flat[start : start + p.numel()].copy_(p.detach().reshape(-1))
     return flat
 
 
@@ -90,7 +90,7 @@ def bind_params(buckets: list[Bucket], flat: torch.Tensor) -> None:
     """Make every parameter a view of its slot in ``flat`` (its dtype becomes ``flat``'s)."""
     for b in buckets:
         for p, start in zip(b.params, b.starts):
-            p.data = flat[start:start + p.numel()].view(p.shape)
+            p.data = flat[start : start + p.numel()].view(p.shape)
 
 
 def bind_grads(buckets: list[Bucket], flat_grad: torch.Tensor) -> None:
@@ -98,7 +98,7 @@ def bind_grads(buckets: list[Bucket], flat_grad: torch.Tensor) -> None:
     bucket (torch DDP's ``gradient_as_bucket_view``), no copy."""
     for b in buckets:
         for p, start in zip(b.params, b.starts):
-            p.grad = flat_grad[start:start + p.numel()].view(p.shape)
+            p.grad = flat_grad[start : start + p.numel()].view(p.shape)
 
 
 def adamw(params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> torch.optim.AdamW:
@@ -114,5 +114,6 @@ def tensor_bytes(tensors) -> int:
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Adam's moments (the 0-d step counters are not model state)."""
-    return tensor_bytes(v for s in optimizer.state.values() for v in s.values()
-                        if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return tensor_bytes(
+        v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+    )

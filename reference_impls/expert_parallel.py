@@ -38,7 +38,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 
-
 def _all_to_all_v(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((sum(out_splits),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -77,7 +76,7 @@ class ExpertParallelMoE(nn.Module):
         self.local = E // self.ep
         self.first = self.rank * self.local
         self.router = full.router
-        self.experts = nn.ModuleList(full.experts[self.first:self.first + self.local])
+        self.experts = nn.ModuleList(full.experts[self.first : self.first + self.local])
         self.aux_grad_scale = 1.0
         self.stats: dict = {}
 
@@ -86,7 +85,9 @@ class ExpertParallelMoE(nn.Module):
         k, E, ep, local = self.cfg.top_k, self.cfg.n_experts, self.ep, self.local
         flat = x.reshape(b * s, d)
         r = self.routing
-        experts, gates, keep, aux = r.route(r.router_logits(self.router, flat, self.cfg, s), k, self.cfg.capacity_factor, b)
+        experts, gates, keep, aux = r.route(
+            r.router_logits(self.router, flat, self.cfg, s), k, self.cfg.capacity_factor, b
+        )
 
         # 1. this rank's kept assignments, sorted by expert (= by destination rank, then local expert)
         tok = torch.arange(b * s, device=x.device).repeat_interleave(k)
@@ -106,12 +107,17 @@ class ExpertParallelMoE(nn.Module):
 
         # 4. local experts; 5. combine: outputs back to the tokens' ranks, gate-weighted sum per token
         back = self.combine(self.run_local_experts(recv, recv_counts), splits)
-        out = torch.zeros_like(flat).index_add(0, tok_sorted, back.to(flat.dtype) * gate_sorted.unsqueeze(1).to(flat.dtype))
+        out = torch.zeros_like(flat).index_add(
+            0, tok_sorted, back.to(flat.dtype) * gate_sorted.unsqueeze(1).to(flat.dtype)
+        )
 
-        self.stats = {"tokens_per_expert": send_counts.reshape(-1).tolist(),  # this rank's routing
-                      "received_per_local_expert": recv_counts.sum(0).tolist(),
-                      "sent_rows": int(sum(in_splits)), "received_rows": int(sum(out_splits)),
-                      "dropped": int((~keep).sum())}
+        self.stats = {
+            "tokens_per_expert": send_counts.reshape(-1).tolist(),  # this rank's routing
+            "received_per_local_expert": recv_counts.sum(0).tolist(),
+            "sent_rows": int(sum(in_splits)),
+            "received_rows": int(sum(out_splits)),
+            "dropped": int((~keep).sum()),
+        }
         if torch.is_grad_enabled() and self.cfg.aux_loss_coef:
             out = self.routing.add_aux_loss(out, aux, self.cfg.aux_loss_coef * self.aux_grad_scale)
         return out.view(b, s, d)
@@ -143,8 +149,12 @@ class ExpertParallelMoE(nn.Module):
         starts = torch.cat([recv_counts.new_zeros(1), recv_counts.reshape(-1).cumsum(0)[:-1]]).view(ep, self.local)
         out_rows = torch.zeros_like(recv)
         for e, expert in enumerate(self.experts):
-            rows = torch.cat([torch.arange(int(starts[src, e]), int(starts[src, e] + recv_counts[src, e]),
-                                           device=recv.device) for src in range(ep)])
+            rows = torch.cat(
+                [
+                    torch.arange(int(starts[src, e]), int(starts[src, e] + recv_counts[src, e]), device=recv.device)
+                    for src in range(ep)
+                ]
+            )
             if rows.numel():
                 out_rows = out_rows.index_copy(0, rows, expert(recv[rows]))
         return out_rows
@@ -198,7 +208,7 @@ class ExpertParallel:
         flat.div_(self.ep)
         off = 0
         for p in self.dense:
-            p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+            p.grad.copy_(flat[off : off + p.numel()].view_as(p))
             off += p.numel()
         for p in self.expert_params:
             if p.grad is not None:  # an expert no token chose keeps no gradient, as in one process

@@ -82,23 +82,36 @@ class _Unit:
         values = torch.cat([p.detach().reshape(-1).float() for p in params])
         values = torch.nn.functional.pad(values, (0, self.padded - self.numel))
         # fp32 shard: master weights and all-gather source (its own storage: ``full`` gets freed).
-        self.master = values[rank * self.shard_numel:(rank + 1) * self.shard_numel].clone()
+        self.master = values[rank * self.shard_numel : (rank + 1) * self.shard_numel].clone()
         self.full = values.to(compute_dtype)
         start = 0
         for p in params:  # parameters become permanent views of the gathered buffer
-            p.data = self.full[start:start + p.numel()].view(p.shape)
+            p.data = self.full[start : start + p.numel()].view(p.shape)
             start += p.numel()
         # This rank's slot of the gathered buffer: the cast shard goes here, then the in-place all-gather.
-        self.slot = self.full[rank * self.shard_numel:(rank + 1) * self.shard_numel]
+        self.slot = self.full[rank * self.shard_numel : (rank + 1) * self.shard_numel]
         self.nbytes = self.full.untyped_storage().nbytes()
         self.gathered, self.work, self.ready = True, None, 0
         self.grad_buf = None  # per micro-batch: the flat gradient buffer that is reduce-scattered
 
 
 class FSDP:
-    def __init__(self, model, loss_fn, blocks, group=None, *, replicate_group=None, reshard_root=False,
-                 prefetch=True, grad_accum=1, compute_dtype=torch.float32, adam: dict, grad_scaler=None,
-                 in_flight: int = 2):
+    def __init__(
+        self,
+        model,
+        loss_fn,
+        blocks,
+        group=None,
+        *,
+        replicate_group=None,
+        reshard_root=False,
+        prefetch=True,
+        grad_accum=1,
+        compute_dtype=torch.float32,
+        adam: dict,
+        grad_scaler=None,
+        in_flight: int = 2,
+    ):
         self.model, self.loss_fn, self.group, self.replicate_group = model, loss_fn, group, replicate_group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.dp_total = self.world * (dist.get_world_size(replicate_group) if replicate_group is not None else 1)
@@ -108,8 +121,10 @@ class FSDP:
         in_blocks = {id(p) for blk in blocks for p in blk.parameters()}
         root_params = [p for p in model.parameters() if id(p) not in in_blocks]
         self.units = [_Unit(0, model, root_params, self.world, self.rank, compute_dtype, reshard_root)]
-        self.units += [_Unit(i + 1, blk, list(blk.parameters()), self.world, self.rank, compute_dtype, True)
-                       for i, blk in enumerate(blocks)]
+        self.units += [
+            _Unit(i + 1, blk, list(blk.parameters()), self.world, self.rank, compute_dtype, True)
+            for i, blk in enumerate(blocks)
+        ]
         for u in self.units:
             self._free(u)
         # The optimizer owns the fp32 shards. Each one's ``.grad`` is its unit's fp32 main-gradient shard,
@@ -179,7 +194,7 @@ class FSDP:
             u.grad_buf = torch.zeros(u.padded, dtype=u.full.dtype, device=u.full.device)
             start = 0
             for p in u.params:
-                view = u.grad_buf[start:start + p.numel()].view(p.shape)
+                view = u.grad_buf[start : start + p.numel()].view(p.shape)
                 if p.grad is not None:  # arrived before the buffer existed
                     view.copy_(p.grad)
                 p.grad = view
@@ -236,7 +251,7 @@ class FSDP:
         scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
         mult = scale / (self.grad_accum * self.dp_total)
         self._written = [False] * len(self.units)
-        for i, (x, y) in enumerate(zip(inputs.chunk(self.grad_accum), targets.chunk(self.grad_accum))):
+        for x, y in zip(inputs.chunk(self.grad_accum), targets.chunk(self.grad_accum)):
             loss = self.loss_fn(self.model(x), y)
             (loss * mult).backward()
             total += loss.detach()
@@ -270,8 +285,11 @@ class FSDP:
 
     def state_bytes(self):
         gathered = sum(u.full.untyped_storage().nbytes() for u in self.units)  # 0 between steps
-        return {"params": gathered + tensor_bytes(u.master for u in self.units), "grads": self._grad_bytes,
-                "optimizer": optimizer_state_bytes(self.optimizer)}
+        return {
+            "params": gathered + tensor_bytes(u.master for u in self.units),
+            "grads": self._grad_bytes,
+            "optimizer": optimizer_state_bytes(self.optimizer),
+        }
 
     def full_parameters(self):
         """All-gather the fp32 master shards of every unit (within the shard group)."""
@@ -282,7 +300,7 @@ class FSDP:
             all_gather_into(full, u.master, group=self.group)
             start = 0
             for p in u.params:
-                out[names[id(p)]] = full[start:start + p.numel()].view(p.shape).cpu().clone()
+                out[names[id(p)]] = full[start : start + p.numel()].view(p.shape).cpu().clone()
                 start += p.numel()
         return out
 

@@ -37,9 +37,17 @@ import torch.distributed as dist
 
 
 class DynamicLossScaler:
-    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, min_scale: float = 2.0 ** -24, check: str = "global",
-                 groups=(), inject_inf: dict | None = None):
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float = 2.0**-24,
+        check: str = "global",
+        groups=(),
+        inject_inf: dict | None = None,
+    ):
         if check not in ("global", "local"):
             raise ValueError(f"check must be 'global' or 'local', not {check!r}")
         self.scale = float(init_scale)
@@ -85,14 +93,22 @@ class DynamicLossScaler:
             if self.clean >= self.growth_interval:
                 self.scale *= self.growth_factor
                 self.clean = 0
-        self.last = {"scale_used": self._scale_used, "scale": self.scale, "overflow": not applied,
-                     "skipped": not applied}
+        self.last = {
+            "scale_used": self._scale_used,
+            "scale": self.scale,
+            "overflow": not applied,
+            "skipped": not applied,
+        }
         self.step += 1
 
     def follow(self, scale: float, applied: bool) -> None:
         """For ranks that never decide (parameter-server workers): adopt the decider's outcome."""
         self._scale_used = self.scale
         self.scale = float(scale)
-        self.last = {"scale_used": self._scale_used, "scale": self.scale, "overflow": not applied,
-                     "skipped": not applied}
+        self.last = {
+            "scale_used": self._scale_used,
+            "scale": self.scale,
+            "overflow": not applied,
+            "skipped": not applied,
+        }
         self.step += 1

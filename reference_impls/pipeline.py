@@ -112,8 +112,15 @@ class PipelineEngine:
     ``ranks`` are the global ranks of the pipeline group in stage order; ``group`` that group.
     """
 
-    def __init__(self, module: nn.Module, stage: int, ranks: list[int], group, schedule: str = "1f1b",
-                 record_timeline: bool = False):
+    def __init__(
+        self,
+        module: nn.Module,
+        stage: int,
+        ranks: list[int],
+        group,
+        schedule: str = "1f1b",
+        record_timeline: bool = False,
+    ):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
         self.module, self.stage, self.ranks, self.group = module, stage, ranks, group
@@ -131,8 +138,14 @@ class PipelineEngine:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor, n_micro: int, act_shape: tuple[int, ...],
-            act_dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    def run(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        n_micro: int,
+        act_shape: tuple[int, ...],
+        act_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor | None:
         """Forward and backward of all ``n_micro`` micro-batches of ``inputs``/``targets`` (``[B, s]``);
         the mean loss on the last stage, None elsewhere. ``act_shape`` is one micro-batch's
         boundary activation (``[B/m, s, h]``, or ``[B/m, s/t, h]`` under sequence parallelism)."""
@@ -211,7 +224,8 @@ class PipelineEngine:
             # On a GPU the host clock only sees kernel launches unless the timeline synchronises
             # (record_timeline): then there is no measurement, never a misleading one.
             "bubble_fraction_measured": (wait_s / step_s if step_s > 0 else None)
-            if (self.record_timeline or device.type != "cuda") else None,
+            if (self.record_timeline or device.type != "cuda")
+            else None,
             "bubble_fraction_host_clock": wait_s / step_s if step_s > 0 else None,
             "bubble_fraction_theory": bubble_fraction_theory(p, m),
             "peak_live_microbatches": peak_live,

@@ -251,8 +251,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits, targets, vocab_start, group):
     """Mean token cross-entropy of ``[b, s, V/t]`` vocab-parallel logits against ``[b, s]``."""
-    per_token = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]),
-                                                 targets.reshape(-1), vocab_start, group)
+    per_token = _VocabParallelCrossEntropy.apply(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), vocab_start, group
+    )
     return per_token.mean()
 
 
@@ -384,11 +385,10 @@ def allreduce_sequence_parallel_grads(params, group) -> None:
     dist.all_reduce(flat, group=group)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
 def apply_tensor_parallel(model, group, sequence_parallel: bool = False) -> TensorParallelGPT:
     """Picotron-style entry point: the full model in, this rank's shard out."""
     return TensorParallelGPT(model, group, sequence_parallel)
-

@@ -39,13 +39,32 @@ import torch
 import torch.distributed as dist
 
 from reference_impls._compat import all_gather_into, reduce_scatter_into
-from reference_impls.dp_common import (MiB, adamw, bind_params, flatten, optimizer_state_bytes,
-                                       plan_buckets, tensor_bytes)
+from reference_impls.dp_common import (
+    MiB,
+    adamw,
+    bind_params,
+    flatten,
+    optimizer_state_bytes,
+    plan_buckets,
+    tensor_bytes,
+)
 
 
 class ZeRO:
-    def __init__(self, model, loss_fn, group=None, *, stage: int, grad_accum=1, compute_dtype=torch.float32,
-                 bucket_mb=25.0, adam: dict, grad_scaler=None, in_flight: int = 2):
+    def __init__(
+        self,
+        model,
+        loss_fn,
+        group=None,
+        *,
+        stage: int,
+        grad_accum=1,
+        compute_dtype=torch.float32,
+        bucket_mb=25.0,
+        adam: dict,
+        grad_scaler=None,
+        in_flight: int = 2,
+    ):
         assert stage in (1, 2)
         self.model, self.loss_fn, self.group, self.stage = model, loss_fn, group, stage
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -78,15 +97,18 @@ class ZeRO:
         # in_flight + the one being filled, never the whole gradient.
         self.in_flight = max(1, int(in_flight))
         self._gbuf = [None] * len(self.buckets)
-        self._hooks = [p.register_post_accumulate_grad_hook(lambda p, b=b, s=s: self._grad_ready(p, b, s))
-                       for b in self.buckets for p, s in zip(b.params, b.starts)]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(lambda p, b=b, s=s: self._grad_ready(p, b, s))
+            for b in self.buckets
+            for p, s in zip(b.params, b.starts)
+        ]
         self._pending = []  # (work, output shard, bucket), oldest first
         self._sync = False
 
     def _mine(self, flat, b):
         """This rank's shard of bucket ``b`` in ``flat`` (a view)."""
         s = b.numel // self.world
-        return flat[b.offset + self.rank * s: b.offset + (self.rank + 1) * s]
+        return flat[b.offset + self.rank * s : b.offset + (self.rank + 1) * s]
 
     # --- backward: gradients into buckets, buckets reduce-scattered in order -------------------
 
@@ -98,7 +120,7 @@ class ZeRO:
             ref = b.params[0]
             buf = self._gbuf[b.index] = torch.zeros(b.numel, dtype=self.flat_param.dtype, device=ref.device)
             for q, start in zip(b.params, b.starts):
-                view = buf[start - b.offset: start - b.offset + q.numel()].view(q.shape)
+                view = buf[start - b.offset : start - b.offset + q.numel()].view(q.shape)
                 if q.grad is not None:  # the parameter that just arrived
                     view.copy_(q.grad)
                 q.grad = view
@@ -126,15 +148,19 @@ class ZeRO:
         keeps its optimizer elsewhere (``self.master`` None: ZeRO-Offload) reads one flat ``main_grad``."""
         if self.master is None:
             if self.main_grad is None:
-                self.main_grad = torch.empty(sum(bb.numel for bb in self.buckets) // self.world,
-                                             dtype=torch.float32, device=self.flat_param.device)
+                self.main_grad = torch.empty(
+                    sum(bb.numel for bb in self.buckets) // self.world,
+                    dtype=torch.float32,
+                    device=self.flat_param.device,
+                )
                 self.main_grads = list(self.main_grad.split([bb.numel // self.world for bb in self.buckets]))
             return self.main_grads[b.index]
         if self.main_grads is None:
             self.main_grads = [None] * len(self.buckets)
         if self.main_grads[b.index] is None:
-            g = self.main_grads[b.index] = torch.empty(b.numel // self.world, dtype=torch.float32,
-                                                       device=self.flat_param.device)
+            g = self.main_grads[b.index] = torch.empty(
+                b.numel // self.world, dtype=torch.float32, device=self.flat_param.device
+            )
             self.master[b.index].grad = g  # fp32 averaged gradient of the owned shard
         return self.main_grads[b.index]
 
@@ -142,7 +168,9 @@ class ZeRO:
         full = self._bucket(b)  # a bucket with unused parameters may have none yet
         first = not self._written[b.index]
         direct = first and full.dtype == torch.float32  # fp32, first contribution: straight into the shard
-        out = self._main_shard(b) if direct else torch.empty(b.numel // self.world, dtype=full.dtype, device=full.device)
+        out = (
+            self._main_shard(b) if direct else torch.empty(b.numel // self.world, dtype=full.dtype, device=full.device)
+        )
         work = reduce_scatter_into(out, full, group=self.group, async_op=True)
         self._pending.append((work, out, b))
         while len(self._pending) > self.in_flight:
@@ -175,7 +203,7 @@ class ZeRO:
             (loss * mult).backward()
             total += loss.detach()
             if self._sync:
-                for b in self.buckets[self._next:]:  # buckets with unused parameters
+                for b in self.buckets[self._next :]:  # buckets with unused parameters
                     self._launch(b)
                 self._drain()
         self._sync = False
@@ -196,7 +224,7 @@ class ZeRO:
             self.optimizer.step()
         works = []
         for b, master in zip(self.buckets, self.master):
-            full = self.flat_param[b.offset:b.offset + b.numel]
+            full = self.flat_param[b.offset : b.offset + b.numel]
             mine = self._mine(self.flat_param, b)
             if master is not mine:
                 mine.copy_(master)  # bf16: cast the updated fp32 master shard into the compute copy
@@ -213,8 +241,11 @@ class ZeRO:
 
     def state_bytes(self):
         master = tensor_bytes([self.master_flat]) if self.master_flat is not None else 0
-        return {"params": tensor_bytes([self.flat_param]), "grads": self._grad_bytes,
-                "optimizer": master + optimizer_state_bytes(self.optimizer)}
+        return {
+            "params": tensor_bytes([self.flat_param]),
+            "grads": self._grad_bytes,
+            "optimizer": master + optimizer_state_bytes(self.optimizer),
+        }
 
     def full_parameters(self):
         """All-gather the fp32 master shards; slice them back into the model's parameters."""
@@ -224,7 +255,7 @@ class ZeRO:
             full = torch.empty(b.numel, dtype=torch.float32, device=master.device)
             all_gather_into(full, master.float().contiguous(), group=self.group)
             for p, start in zip(b.params, b.starts):
-                out[names[id(p)]] = full[start - b.offset: start - b.offset + p.numel()].view(p.shape).cpu().clone()
+                out[names[id(p)]] = full[start - b.offset : start - b.offset + p.numel()].view(p.shape).cpu().clone()
         return out
 
     def close(self):

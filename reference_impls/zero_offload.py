@@ -34,10 +34,29 @@ from reference_impls.zero import ZeRO
 
 
 class ZeROOffload(ZeRO):
-    def __init__(self, model, loss_fn, group=None, *, grad_accum=1, compute_dtype=torch.float32, bucket_mb=25.0,
-                 adam: dict, grad_scaler=None):
-        super().__init__(model, loss_fn, group, stage=2, grad_accum=grad_accum, compute_dtype=compute_dtype,
-                         bucket_mb=bucket_mb, adam=adam, grad_scaler=grad_scaler)
+    def __init__(
+        self,
+        model,
+        loss_fn,
+        group=None,
+        *,
+        grad_accum=1,
+        compute_dtype=torch.float32,
+        bucket_mb=25.0,
+        adam: dict,
+        grad_scaler=None,
+    ):
+        super().__init__(
+            model,
+            loss_fn,
+            group,
+            stage=2,
+            grad_accum=grad_accum,
+            compute_dtype=compute_dtype,
+            bucket_mb=bucket_mb,
+            adam=adam,
+            grad_scaler=grad_scaler,
+        )
         self.pinned = self.flat_param.device.type == "cuda"
         sizes = [m.numel() for m in self.master]
         cpu_master = torch.cat([m.detach().float().cpu() for m in self.master])
@@ -66,8 +85,9 @@ class ZeROOffload(ZeRO):
         for b, master in zip(self.buckets, self.cpu_master):
             mine = self._mine(self.flat_param, b)
             mine.copy_(master)  # CPU -> device, cast to the compute dtype
-            works.append(all_gather_into(self.flat_param[b.offset:b.offset + b.numel], mine, group=self.group,
-                                         async_op=True))
+            works.append(
+                all_gather_into(self.flat_param[b.offset : b.offset + b.numel], mine, group=self.group, async_op=True)
+            )
         for w in works:
             w.wait()
 
@@ -76,8 +96,11 @@ class ZeROOffload(ZeRO):
         return {"params": tensor_bytes([self.flat_param]), "grads": self._grad_bytes, "optimizer": 0}
 
     def cpu_state_bytes(self) -> dict:
-        return {"master": tensor_bytes([self.cpu_master_flat]), "grads": tensor_bytes([self.cpu_grad]),
-                "optimizer": optimizer_state_bytes(self.optimizer)}
+        return {
+            "master": tensor_bytes([self.cpu_master_flat]),
+            "grads": tensor_bytes([self.cpu_grad]),
+            "optimizer": optimizer_state_bytes(self.optimizer),
+        }
 
     def full_parameters(self):
         device = self.flat_param.device

@@ -32,8 +32,17 @@ N_STEPS, LR, OPTIM = 5, 1e-3, {"eps": 1e-6}
 
 
 def _case(strategy: str, precision: str) -> Case:
-    return Case(model="tiny", strategy=strategy, world_size=2, precision=precision, micro_batch=2, grad_accum=1,
-                lr=LR, device="cpu", options={"optim": OPTIM, "bucket_mb": 0.05})
+    return Case(
+        model="tiny",
+        strategy=strategy,
+        world_size=2,
+        precision=precision,
+        micro_batch=2,
+        grad_accum=1,
+        lr=LR,
+        device="cpu",
+        options={"optim": OPTIM, "bucket_mb": 0.05},
+    )
 
 
 def _rank_run(strategies: list[str], precision: str) -> dict:
@@ -41,9 +50,17 @@ def _rank_run(strategies: list[str], precision: str) -> dict:
     out = {}
     for s in strategies:
         case = _case(s, precision)
-        spec = TrainSpec(model=model_config("tiny"), seed=case.seed, device=torch.device("cpu"), precision=precision,
-                         topology=topo, micro_batch=2, grad_accum=1, optim=OptimConfig(lr=LR, **OPTIM),
-                         options=case.options)
+        spec = TrainSpec(
+            model=model_config("tiny"),
+            seed=case.seed,
+            device=torch.device("cpu"),
+            precision=precision,
+            topology=topo,
+            micro_batch=2,
+            grad_accum=1,
+            optim=OptimConfig(lr=LR, **OPTIM),
+            options=case.options,
+        )
         base, _, variant = s.partition("+")
         tr = get_strategy(base).build(spec)
         if "fresh" in variant.split("+"):
@@ -69,9 +86,11 @@ def _rank_run(strategies: list[str], precision: str) -> dict:
 
             def step(*a, _orig=orig, _opt=opt, **k):
                 g = [p.grad.float() for grp in _opt.fp16_groups for p in grp if p.grad is not None]
-                grad_norms.append((float(torch.linalg.vector_norm(torch.stack([x.norm() for x in g]))),
-                                   float(_opt.loss_scale)))
+                grad_norms.append(
+                    (float(torch.linalg.vector_norm(torch.stack([x.norm() for x in g]))), float(_opt.loss_scale))
+                )
                 return _orig(*a, **k)
+
             opt.step = step
         rows = []
         for x, y in local_batches(case, spec, N_STEPS):
@@ -81,8 +100,15 @@ def _rank_run(strategies: list[str], precision: str) -> dict:
             ar = comm["by_kind"].get("all_reduce", {})
             params = tr.full_parameters()
             cks = float(sum(p.double().sum() + (p.double() ** 2).sum() for p in params.values()))
-            rows.append({"loss": loss, "checksum": cks, "allreduce_calls": ar.get("calls", 0),
-                         "allreduce_bytes": ar.get("payload_bytes", 0), "dtypes": sorted(ar.get("dtypes", []))})
+            rows.append(
+                {
+                    "loss": loss,
+                    "checksum": cks,
+                    "allreduce_calls": ar.get("calls", 0),
+                    "allreduce_bytes": ar.get("payload_bytes", 0),
+                    "dtypes": sorted(ar.get("dtypes", [])),
+                }
+            )
         tr.close()
         out[s] = {"rows": rows, "grad_norms_seen_by_step": grad_norms}
     return out
@@ -90,9 +116,17 @@ def _rank_run(strategies: list[str], precision: str) -> dict:
 
 def _single_fp32() -> list[float]:
     cfg = model_config("tiny")
-    spec = TrainSpec(model=cfg, seed=1234, device=torch.device("cpu"), precision="fp32",
-                     topology=Topology(world_size=1, rank=0), micro_batch=4, grad_accum=1,
-                     optim=OptimConfig(lr=LR, **OPTIM), options={})
+    spec = TrainSpec(
+        model=cfg,
+        seed=1234,
+        device=torch.device("cpu"),
+        precision="fp32",
+        topology=Topology(world_size=1, rank=0),
+        micro_batch=4,
+        grad_accum=1,
+        optim=OptimConfig(lr=LR, **OPTIM),
+        options={},
+    )
     tr = get_strategy("single").build(spec)
     return [float(tr.train_step(*global_batch(step, 4, cfg, 1234))) for step in range(N_STEPS)]
 
@@ -107,13 +141,17 @@ def main() -> None:
         r0, r1 = res[0][s], res[1][s]
         for i, (a, b) in enumerate(zip(r0["rows"], r1["rows"])):
             mean = (a["loss"] + b["loss"]) / 2
-            print(f" step {i}: loss r0 {a['loss']:.6f} r1 {b['loss']:.6f} mean {mean:.6f} "
-                  f"rel.dev vs fp32 {abs(mean - fp32[i]) / fp32[i]:.2e} | checksum r0 {a['checksum']:.6f} "
-                  f"r1 {b['checksum']:.6f} equal={a['checksum'] == b['checksum']} | all_reduce "
-                  f"{a['allreduce_calls']} calls {a['allreduce_bytes']} B {a['dtypes']}")
+            print(
+                f" step {i}: loss r0 {a['loss']:.6f} r1 {b['loss']:.6f} mean {mean:.6f} "
+                f"rel.dev vs fp32 {abs(mean - fp32[i]) / fp32[i]:.2e} | checksum r0 {a['checksum']:.6f} "
+                f"r1 {b['checksum']:.6f} equal={a['checksum'] == b['checksum']} | all_reduce "
+                f"{a['allreduce_calls']} calls {a['allreduce_bytes']} B {a['dtypes']}"
+            )
         if r0["grad_norms_seen_by_step"]:
-            print(" FP16_UnfusedOptimizer.step sees |grad| (rank 0) and loss scale:",
-                  [("%.3e" % g, s_) for g, s_ in r0["grad_norms_seen_by_step"]])
+            print(
+                " FP16_UnfusedOptimizer.step sees |grad| (rank 0) and loss scale:",
+                [("%.3e" % g, s_) for g, s_ in r0["grad_norms_seen_by_step"]],
+            )
 
 
 if __name__ == "__main__":

@@ -70,20 +70,36 @@ def main():
     cats = ("parameters", "optimizer", "gradients", "communication", "activations", "temporaries", "other")
     print(f"{'strategy':<14}{'peak':>9}{'rss':>9} " + "".join(f"{c[:8]:>9}" for c in cats) + "  phase / op")
     for strategy in args.strategies:
-        case = Case(model=args.model, strategy=strategy, world_size=2, precision=args.precision,
-                    micro_batch=args.micro_batch, seq_len=args.seq_len, device="cpu",
-                    options=json.loads(args.options))
+        case = Case(
+            model=args.model,
+            strategy=strategy,
+            world_size=2,
+            precision=args.precision,
+            micro_batch=args.micro_batch,
+            seq_len=args.seq_len,
+            device="cpu",
+            options=json.loads(args.options),
+        )
         ranks = run_on_gloo(_measure, 2, case.to_dict())
         out[strategy] = ranks
         r = ranks[0]
-        print(f"{strategy:<14}{r['peak_bytes'] / MiB:9.1f}{r['peak_rss_bytes'] / MiB:9.1f} "
-              + "".join(f"{r['by_category'][c] / MiB:9.1f}" for c in cats) + f"  {r['phase']} / {r['op']}")
+        print(
+            f"{strategy:<14}{r['peak_bytes'] / MiB:9.1f}{r['peak_rss_bytes'] / MiB:9.1f} "
+            + "".join(f"{r['by_category'][c] / MiB:9.1f}" for c in cats)
+            + f"  {r['phase']} / {r['op']}"
+        )
         for phase, ph in r["peak_by_phase"].items():
-            print(f"  {phase:<12}{ph['peak_bytes'] / MiB:9.1f}{'':9} "
-                  + "".join(f"{ph['by_category'][c] / MiB:9.1f}" for c in cats) + f"  {ph['op']}")
+            print(
+                f"  {phase:<12}{ph['peak_bytes'] / MiB:9.1f}{'':9} "
+                + "".join(f"{ph['by_category'][c] / MiB:9.1f}" for c in cats)
+                + f"  {ph['op']}"
+            )
         if r["state_bytes"]:
-            print(" " * 14 + "state_bytes MiB: " + ", ".join(f"{k} {v / MiB:.1f}" for k, v in r["state_bytes"].items()
-                                                             if isinstance(v, (int, float))))
+            print(
+                " " * 14
+                + "state_bytes MiB: "
+                + ", ".join(f"{k} {v / MiB:.1f}" for k, v in r["state_bytes"].items() if isinstance(v, (int, float)))
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

@@ -37,6 +37,7 @@ MiB = 1 << 20
 def _load_ring_attention(path: str | None):
     if path is None:
         from reference_impls.context_parallel import ring_attention
+
         return ring_attention
     spec = importlib.util.spec_from_file_location("ring_impl_under_test", path)
     module = importlib.util.module_from_spec(spec)
@@ -93,8 +94,12 @@ def _measure(args: dict) -> dict:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return {"rank": rank, "saved_bytes": sum(saved.values()),
-            "peak_bytes": breakdown["peak_bytes"] - breakdown["baseline_bytes"], "step_s": statistics.median(times)}
+    return {
+        "rank": rank,
+        "saved_bytes": sum(saved.values()),
+        "peak_bytes": breakdown["peak_bytes"] - breakdown["baseline_bytes"],
+        "step_s": statistics.median(times),
+    }
 
 
 def main():
@@ -113,8 +118,10 @@ def main():
     a = p.parse_args()
     per_rank = run_on_gloo(_measure, a.world, {k: getattr(a, k) for k in vars(a)})
     for r in per_rank:
-        print(f"rank {r['rank']}: saved {r['saved_bytes'] / MiB:8.1f} MiB   peak +{r['peak_bytes'] / MiB:8.1f} "
-              f"MiB   fwd+bwd {r['step_s'] * 1e3:8.1f} ms")
+        print(
+            f"rank {r['rank']}: saved {r['saved_bytes'] / MiB:8.1f} MiB   peak +{r['peak_bytes'] / MiB:8.1f} "
+            f"MiB   fwd+bwd {r['step_s'] * 1e3:8.1f} ms"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "per_rank": per_rank}, f, indent=1)

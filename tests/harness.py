@@ -25,10 +25,21 @@ from parabench.topology import Topology
 from parabench.worker import local_batches, make_spec
 
 
-def train_rank(case: Case, n_steps: int, *, meter_steps=(), measure_state_from: int | None = None,
-               extra_step: bool = False, want_params: bool = True, params_on_every_rank: bool = False,
-               want_state: bool = True, on_build: Callable | None = None, on_step: Callable | None = None,
-               on_end: Callable | None = None, patch: Callable | None = None) -> tuple[dict, dict | None]:
+def train_rank(
+    case: Case,
+    n_steps: int,
+    *,
+    meter_steps=(),
+    measure_state_from: int | None = None,
+    extra_step: bool = False,
+    want_params: bool = True,
+    params_on_every_rank: bool = False,
+    want_state: bool = True,
+    on_build: Callable | None = None,
+    on_step: Callable | None = None,
+    on_end: Callable | None = None,
+    patch: Callable | None = None,
+) -> tuple[dict, dict | None]:
     """Train ``case`` on this rank for ``n_steps`` recorded steps; return (this rank's record, the
     full parameters after those steps, or None).
 
@@ -89,8 +100,15 @@ def _cases_on_rank(cases: dict, n_steps: int, plan: Callable | None, with_truth:
     return out
 
 
-def run_cases(world_size: int, cases: dict[str, Case], n_steps: int, *, plan: Callable | None = None,
-              with_truth: bool = False, **defaults) -> dict[str, dict]:
+def run_cases(
+    world_size: int,
+    cases: dict[str, Case],
+    n_steps: int,
+    *,
+    plan: Callable | None = None,
+    with_truth: bool = False,
+    **defaults,
+) -> dict[str, dict]:
     """Every case of ``cases`` trained on ``world_size`` spawned gloo ranks, one after another in
     one process group. Per case: ``per_rank`` (every rank's record, see :func:`train_rank`),
     ``params`` (rank 0's full parameters) and, ``with_truth``, ``single`` (:func:`single_truth`,
@@ -110,13 +128,31 @@ def single_truth(case: Case, n_steps: int, options: dict | None = None) -> dict:
     single run (an injected inf). Losses, loss scales and full parameters; cached, since many
     cases share one truth."""
     optim = case.options.get("optim", {})
-    key = (case.model, case.seq_len, case.seed, case.lr, tuple(sorted(optim.items())), case.global_batch,
-           case.grad_accum, case.precision, repr(options), n_steps)
+    key = (
+        case.model,
+        case.seq_len,
+        case.seed,
+        case.lr,
+        tuple(sorted(optim.items())),
+        case.global_batch,
+        case.grad_accum,
+        case.precision,
+        repr(options),
+        n_steps,
+    )
     if key not in _TRUTHS:
         cfg = model_config(case.model, case.seq_len)
-        spec = TrainSpec(model=cfg, seed=case.seed, device=torch.device("cpu"), precision=case.precision,
-                         topology=Topology(world_size=1, rank=0), micro_batch=case.global_batch // case.grad_accum,
-                         grad_accum=case.grad_accum, optim=OptimConfig(lr=case.lr, **optim), options=options or {})
+        spec = TrainSpec(
+            model=cfg,
+            seed=case.seed,
+            device=torch.device("cpu"),
+            precision=case.precision,
+            topology=Topology(world_size=1, rank=0),
+            micro_batch=case.global_batch // case.grad_accum,
+            grad_accum=case.grad_accum,
+            optim=OptimConfig(lr=case.lr, **optim),
+            options=options or {},
+        )
         trainer = get_strategy("single").build(spec)
         losses, scales = [], []
         for step in range(n_steps):
@@ -158,14 +194,16 @@ def mismatch(losses: list[float], params: dict, truth: dict, *, rtol: float, ato
     return max_rel_diff(losses, truth["losses"]), params_close(params, truth["params"], rtol=rtol, atol=atol)
 
 
-def assert_matches_single(res: dict, truth: dict, *, loss_rtol: float, rtol: float, atol: float,
-                          losses: list[float] | None = None) -> None:
+def assert_matches_single(
+    res: dict, truth: dict, *, loss_rtol: float, rtol: float, atol: float, losses: list[float] | None = None
+) -> None:
     """The truth learns (its loss falls), every step's loss is within ``loss_rtol`` relative of
     it, and every parameter is allclose(rtol, atol). ``losses`` default to
     :func:`replica_mean_losses`."""
     assert truth["losses"][-1] < truth["losses"][0]  # the data is learnable
-    loss_diff, bad = mismatch(replica_mean_losses(res) if losses is None else losses, res["params"], truth,
-                              rtol=rtol, atol=atol)
+    loss_diff, bad = mismatch(
+        replica_mean_losses(res) if losses is None else losses, res["params"], truth, rtol=rtol, atol=atol
+    )
     assert loss_diff < loss_rtol and bad == [], (loss_diff, bad)
 
 

@@ -8,16 +8,21 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
-
 from harness import max_rel_diff, params_close, train_rank  # noqa: F401  (re-exported for the tests)
+
 from parabench.distributed import run_on_gloo
 from parabench.suite import Case
 
 
 def _train(case_dict: dict, n_steps: int, want_params: bool):
     record, params = train_rank(Case.from_dict(case_dict), n_steps, want_params=want_params)
-    return {"rank": dist.get_rank(), "coords": record["coords"], "losses": record["losses"],
-            "params": params if dist.get_rank() == 0 else None, "state_bytes": record["state"]}
+    return {
+        "rank": dist.get_rank(),
+        "coords": record["coords"],
+        "losses": record["losses"],
+        "params": params if dist.get_rank() == 0 else None,
+        "state_bytes": record["state"],
+    }
 
 
 def train(case: Case, n_steps: int = 5, want_params: bool = True) -> dict:
@@ -37,8 +42,13 @@ def single_reference(case: Case, n_steps: int = 5) -> dict:
     from dataclasses import replace
 
     dp = case.global_batch // (case.micro_batch * case.grad_accum)
-    ref = replace(case, strategy="single", world_size=1, micro_batch=case.micro_batch * dp,
-                  options={k: v for k, v in case.options.items() if k in ("optim",)})
+    ref = replace(
+        case,
+        strategy="single",
+        world_size=1,
+        micro_batch=case.micro_batch * dp,
+        options={k: v for k, v in case.options.items() if k in ("optim",)},
+    )
     return train(ref, n_steps)
 
 
@@ -48,8 +58,13 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_suite_cli(suite: str, out: Path, *args: str, run_id: str = "t", timeout: int = 600) -> Path:
     """``parabench run suite SUITE`` (a name or a file) through the real CLI and torchrun; the
     run folder it wrote under ``out``."""
-    proc = subprocess.run([sys.executable, "-m", "parabench.cli", "run", "suite", suite, "--out", str(out),
-                           "--run-id", run_id, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "parabench.cli", "run", "suite", suite, "--out", str(out), "--run-id", run_id, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = Path(out).glob(f"*/{run_id}")
     return run_dir

@@ -59,7 +59,9 @@ TRAVERSAL = ["../../escaped", "/tmp/parabench-escaped", "a/b", "..", ".hidden", 
 
 @pytest.mark.parametrize("name", TRAVERSAL)
 def test_suite_name_that_is_not_one_folder_is_refused_with_file_and_line(tmp_path, capsys, name):
-    suite = write_suite(tmp_path, f"""
+    suite = write_suite(
+        tmp_path,
+        f"""
         [suite]
         description = "traversal"
         name = {json.dumps(name)}
@@ -67,7 +69,8 @@ def test_suite_name_that_is_not_one_folder_is_refused_with_file_and_line(tmp_pat
         model = "tiny"
         strategy = "single"
         world_size = 1
-        """)
+        """,
+    )
     out = tmp_path / "deep" / "out"
     rc, _, err = cli(capsys, "run", "suite", suite, "--out", out)
     assert rc == 2
@@ -87,39 +90,46 @@ def test_run_id_and_case_name_must_be_one_folder(tmp_path, capsys, flag, name):
 
 
 def test_run_id_is_checked_for_suites_too(tmp_path, capsys):
-    suite = write_suite(tmp_path, """
+    suite = write_suite(
+        tmp_path,
+        """
         [suite]
         name = "ok"
         [[matrix]]
         model = "tiny"
         strategy = "single"
         world_size = 1
-        """)
+        """,
+    )
     rc, _, err = cli(capsys, "run", "suite", suite, "--out", tmp_path / "out", "--run-id", "../../x")
     assert rc == 2 and "argument --run-id" in err and not (tmp_path / "out").exists()
 
 
 # --- run case flags: ranges at parse time ---------------------------------------------------------
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("--micro-batch", "0", "out of range: must be >= 1, got 0"),
-    ("--grad-accum", "0", "out of range: must be >= 1, got 0"),
-    ("--steps", "0", "out of range: must be >= 1, got 0"),
-    ("--steps", "-1", "out of range: must be >= 1, got -1"),
-    ("--warmup", "-1", "out of range: must be >= 0, got -1"),
-    ("--nnodes", "0", "out of range: must be >= 1, got 0"),
-    ("--world-size", "0", "out of range: must be >= 1, got 0"),
-    ("--world-size", "-2", "out of range: must be >= 1, got -2"),
-    ("--seq-len", "0", "out of range: must be >= 1, got 0"),
-    ("--seq-len", "-64", "out of range: must be >= 1, got -64"),
-    ("--timeout-s", "0", "out of range: must be a finite number > 0"),
-    ("--timeout-s", "-3", "out of range: must be a finite number > 0"),
-    ("--timeout-s", "nan", "out of range: must be a finite number > 0"),
-    ("--steps", "two", "expected an integer, got 'two'"),
-    ("--options", "[1]", "must be a JSON object"),
-    ("--options", '"tp"', "must be a JSON object"),
-    ("--options", "{tp: 2", "not valid JSON"),
-])
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--micro-batch", "0", "out of range: must be >= 1, got 0"),
+        ("--grad-accum", "0", "out of range: must be >= 1, got 0"),
+        ("--steps", "0", "out of range: must be >= 1, got 0"),
+        ("--steps", "-1", "out of range: must be >= 1, got -1"),
+        ("--warmup", "-1", "out of range: must be >= 0, got -1"),
+        ("--nnodes", "0", "out of range: must be >= 1, got 0"),
+        ("--world-size", "0", "out of range: must be >= 1, got 0"),
+        ("--world-size", "-2", "out of range: must be >= 1, got -2"),
+        ("--seq-len", "0", "out of range: must be >= 1, got 0"),
+        ("--seq-len", "-64", "out of range: must be >= 1, got -64"),
+        ("--timeout-s", "0", "out of range: must be a finite number > 0"),
+        ("--timeout-s", "-3", "out of range: must be a finite number > 0"),
+        ("--timeout-s", "nan", "out of range: must be a finite number > 0"),
+        ("--steps", "two", "expected an integer, got 'two'"),
+        ("--options", "[1]", "must be a JSON object"),
+        ("--options", '"tp"', "must be a JSON object"),
+        ("--options", "{tp: 2", "not valid JSON"),
+    ],
+)
 def test_run_case_values_out_of_range_name_the_flag(tmp_path, capsys, flag, value, message):
     rc, _, err = cli(capsys, *TINY, "--out", tmp_path / "out", f"{flag}={value}")
     assert rc == 2
@@ -129,21 +139,25 @@ def test_run_case_values_out_of_range_name_the_flag(tmp_path, capsys, flag, valu
 
 # --- suite files: the same ranges with file:line and field ----------------------------------------
 
-@pytest.mark.parametrize("table, field, value, message", [
-    ("suite", "micro_batch", "0", "must be >= 1"),
-    ("suite", "grad_accum", "0", "must be >= 1"),
-    ("suite", "steps", "0", "must be >= 1"),
-    ("suite", "steps", "-1", "must be >= 1"),
-    ("suite", "warmup", "-1", "must be >= 0"),
-    ("suite", "seq_len", "0", "must be >= 1"),
-    ("suite", "timeout_s", "0", "must be > 0 seconds"),
-    ("suite", "timeout_s", "-1.5", "must be > 0 seconds"),
-    ("suite", "timeout_s", "nan", "must be a finite number"),
-    ("suite", "options", "[1]", "expected dict, got list"),
-    ("matrix", "world_size", "0", "must be >= 1"),
-    ("matrix", "steps", "[4, 0]", "must be >= 1"),
-    ("matrix", "options", "[1]", "expected dict, got int"),
-])
+
+@pytest.mark.parametrize(
+    "table, field, value, message",
+    [
+        ("suite", "micro_batch", "0", "must be >= 1"),
+        ("suite", "grad_accum", "0", "must be >= 1"),
+        ("suite", "steps", "0", "must be >= 1"),
+        ("suite", "steps", "-1", "must be >= 1"),
+        ("suite", "warmup", "-1", "must be >= 0"),
+        ("suite", "seq_len", "0", "must be >= 1"),
+        ("suite", "timeout_s", "0", "must be > 0 seconds"),
+        ("suite", "timeout_s", "-1.5", "must be > 0 seconds"),
+        ("suite", "timeout_s", "nan", "must be a finite number"),
+        ("suite", "options", "[1]", "expected dict, got list"),
+        ("matrix", "world_size", "0", "must be >= 1"),
+        ("matrix", "steps", "[4, 0]", "must be >= 1"),
+        ("matrix", "options", "[1]", "expected dict, got int"),
+    ],
+)
 def test_suite_values_out_of_range_name_file_line_and_field(tmp_path, capsys, table, field, value, message):
     head = f"{field} = {value}\n" if table == "suite" else ""
     row = f"{field} = {value}\n" if table == "matrix" else ""
@@ -171,6 +185,7 @@ def test_suite_file_that_is_not_utf8_names_the_line(tmp_path, capsys):
 
 
 # --- result files that cannot be read ------------------------------------------------------------
+
 
 def test_manifest_that_is_not_a_json_object(tmp_path, capsys):
     run = copy_run(tmp_path / "run")
@@ -206,7 +221,9 @@ def test_truncated_record_in_recheck_names_the_file_and_changes_nothing(capsys, 
 
 def test_truncated_record_stops_resume_before_anything_runs(tmp_path, capsys, truncated_run):
     run, record = truncated_run
-    suite = write_suite(tmp_path, """
+    suite = write_suite(
+        tmp_path,
+        """
         [suite]
         name = "resumed"
         [[matrix]]
@@ -214,7 +231,8 @@ def test_truncated_record_stops_resume_before_anything_runs(tmp_path, capsys, tr
         strategy = "single"
         world_size = 1
         device = "cpu"
-        """)
+        """,
+    )
     before = snapshot(run)
     rc, _, err = cli(capsys, "run", "suite", suite, "--out", tmp_path / "out", "--run-id", "r", "--resume")
     assert rc == 2
@@ -234,8 +252,9 @@ def test_report_into_an_existing_folder(tmp_path, capsys):
 def tiny_tmpfs(tmp_path):
     mnt = tmp_path / "full"
     mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True, text=True,
-                          check=False)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True, text=True, check=False
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.strip()}")
     try:
@@ -255,6 +274,7 @@ def test_full_disk_on_report_write(tiny_tmpfs, capsys):
 
 
 # --- the regression gate on missing data ----------------------------------------------------------
+
 
 def _no_cases(run: Path) -> None:
     for p in (run / "cases").glob("*.json"):
@@ -284,12 +304,15 @@ def _lost_metric(run: Path) -> None:
     p.write_text(json.dumps(rec))
 
 
-@pytest.mark.parametrize("damage, message", [
-    (_no_cases, "the candidate has no cases"),
-    (_disjoint, "7 of 7 baseline cases are not in the candidate (no case in common"),
-    (_ok_without_metrics, "status ok but the candidate record has no metrics"),
-    (_lost_metric, "the candidate lacks tokens_per_s (measured in the baseline)"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (_no_cases, "the candidate has no cases"),
+        (_disjoint, "7 of 7 baseline cases are not in the candidate (no case in common"),
+        (_ok_without_metrics, "status ok but the candidate record has no metrics"),
+        (_lost_metric, "the candidate lacks tokens_per_s (measured in the baseline)"),
+    ],
+)
 def test_compare_fails_on_missing_data_unless_allowed(tmp_path, capsys, damage, message):
     cand = copy_run(tmp_path / "cand")
     damage(cand)
@@ -304,23 +327,66 @@ def test_compare_fails_on_missing_data_unless_allowed(tmp_path, capsys, damage, 
 
 # --- exit status, file modes and secrets: one real launch -----------------------------------------
 
-SECRETS = {"NCCL_IB_PASSWD": "s3cr3t-nccl", "DS_PASS": "s3cr3t-ds", "TORCH_AUTH": "s3cr3t-torch",
-           "GLOO_BEARER": "s3cr3t-gloo", "PYTORCH_PAT": "s3cr3t-pat", "CUDA_PRIVATE": "s3cr3t-cuda",
-           "SLURM_JOB_ACCOUNT": "s3cr3t-account", "HF_TOKEN": "s3cr3t-hf", "AWS_SECRET_ACCESS_KEY": "s3cr3t-aws",
-           "MY_API_KEY": "s3cr3t-api", "GITHUB_TOKEN": "s3cr3t-gh"}
+SECRETS = {
+    "NCCL_IB_PASSWD": "s3cr3t-nccl",
+    "DS_PASS": "s3cr3t-ds",
+    "TORCH_AUTH": "s3cr3t-torch",
+    "GLOO_BEARER": "s3cr3t-gloo",
+    "PYTORCH_PAT": "s3cr3t-pat",
+    "CUDA_PRIVATE": "s3cr3t-cuda",
+    "SLURM_JOB_ACCOUNT": "s3cr3t-account",
+    "HF_TOKEN": "s3cr3t-hf",
+    "AWS_SECRET_ACCESS_KEY": "s3cr3t-aws",
+    "MY_API_KEY": "s3cr3t-api",
+    "GITHUB_TOKEN": "s3cr3t-gh",
+}
 
 
 def test_failed_case_exits_1_and_no_secret_reaches_manifest_or_report(tmp_path, capsys, monkeypatch):
     for k, v in SECRETS.items():
         monkeypatch.setenv(k, v)
     # The runner records its own process's command line.
-    monkeypatch.setattr(sys, "argv", ["parabench", "run", "case", "--password=s3cr3t-argv1", "--token", "s3cr3t-argv2",
-                                      "WANDB_API_KEY=s3cr3t-argv3", "--rdzv-endpoint=tcp://u:s3cr3t-argv4@host:1"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "parabench",
+            "run",
+            "case",
+            "--password=s3cr3t-argv1",
+            "--token",
+            "s3cr3t-argv2",
+            "WANDB_API_KEY=s3cr3t-argv3",
+            "--rdzv-endpoint=tcp://u:s3cr3t-argv4@host:1",
+        ],
+    )
     old_mask = os.umask(0o022)
     try:
-        rc, out, err = cli(capsys, "run", "case", "--model", "tiny", "--strategy", "single", "--device", "cpu",
-                           "--steps", "1", "--warmup", "0", "--timeout-s", "120", "--out", tmp_path, "--name", "fault",
-                           "--run-id", "r", "--options", '{"inject_fault": {"kind": "crash", "rank": 0, "step": 0}}')
+        rc, out, err = cli(
+            capsys,
+            "run",
+            "case",
+            "--model",
+            "tiny",
+            "--strategy",
+            "single",
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--timeout-s",
+            "120",
+            "--out",
+            tmp_path,
+            "--name",
+            "fault",
+            "--run-id",
+            "r",
+            "--options",
+            '{"inject_fault": {"kind": "crash", "rank": 0, "step": 0}}',
+        )
     finally:
         os.umask(old_mask)
     assert rc == 1, out + err  # a failed case exits 1 without --strict
@@ -337,24 +403,59 @@ def test_failed_case_exits_1_and_no_secret_reaches_manifest_or_report(tmp_path, 
     for name in ("NCCL_IB_PASSWD", "DS_PASS", "TORCH_AUTH", "GLOO_BEARER", "PYTORCH_PAT", "CUDA_PRIVATE"):
         assert manifest["env"][name] == REDACTED  # set, and shown as such, value withheld
     assert "HF_TOKEN" not in manifest["env"] and "SLURM_JOB_ACCOUNT" not in manifest["env"]
-    assert manifest["argv"][3:] == [f"--password={REDACTED}", "--token", REDACTED, f"WANDB_API_KEY={REDACTED}",
-                                    f"--rdzv-endpoint=tcp://{REDACTED}@host:1"]
+    assert manifest["argv"][3:] == [
+        f"--password={REDACTED}",
+        "--token",
+        REDACTED,
+        f"WANDB_API_KEY={REDACTED}",
+        f"--rdzv-endpoint=tcp://{REDACTED}@host:1",
+    ]
 
 
 def test_allowlist_keeps_what_matters_and_redacts_by_name_component():
-    env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "0,1", "CUDA_PATH": "/usr/local/cuda",
-           "MASTER_ADDR": "10.0.0.1", "WORLD_SIZE": "2", "NCCL_DEBUG": "INFO", "TORCH_NCCL_BLOCKING_WAIT": "1",
-           "NCCL_IB_PASSWD": "x", "DS_SESSION_ID": "x", "TORCH_APITOKEN": "x", "OMP_KEY": "x",
-           "HOME": "/root", "PATH": "/bin", "SSH_AUTH_SOCK": "/tmp/s", "MASTER_URL": "https://me:pw@h/"}
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "CUDA_PATH": "/usr/local/cuda",
+        "MASTER_ADDR": "10.0.0.1",
+        "WORLD_SIZE": "2",
+        "NCCL_DEBUG": "INFO",
+        "TORCH_NCCL_BLOCKING_WAIT": "1",
+        "NCCL_IB_PASSWD": "x",
+        "DS_SESSION_ID": "x",
+        "TORCH_APITOKEN": "x",
+        "OMP_KEY": "x",
+        "HOME": "/root",
+        "PATH": "/bin",
+        "SSH_AUTH_SOCK": "/tmp/s",
+        "MASTER_URL": "https://me:pw@h/",
+    }
     assert recorded_env(env) == {
-        "CUDA_PATH": "/usr/local/cuda", "CUDA_VISIBLE_DEVICES": "0,1", "DS_SESSION_ID": REDACTED,
-        "MASTER_ADDR": "10.0.0.1", "MASTER_URL": f"https://{REDACTED}@h/", "NCCL_DEBUG": "INFO",
-        "NCCL_IB_PASSWD": REDACTED, "OMP_KEY": REDACTED, "OMP_NUM_THREADS": "1", "TORCH_APITOKEN": REDACTED,
-        "TORCH_NCCL_BLOCKING_WAIT": "1", "WORLD_SIZE": "2"}
-    assert redact_argv(["--api-key", "k", "--out", "res", "--secret", "--run-id", "r",
-                        "--torchrun-arg=--rdzv-conf=timeout=5,token=t"]) == [
-        "--api-key", REDACTED, "--out", "res", "--secret", "--run-id", "r",
-        f"--torchrun-arg=--rdzv-conf=timeout=5,token={REDACTED}"]
+        "CUDA_PATH": "/usr/local/cuda",
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "DS_SESSION_ID": REDACTED,
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_URL": f"https://{REDACTED}@h/",
+        "NCCL_DEBUG": "INFO",
+        "NCCL_IB_PASSWD": REDACTED,
+        "OMP_KEY": REDACTED,
+        "OMP_NUM_THREADS": "1",
+        "TORCH_APITOKEN": REDACTED,
+        "TORCH_NCCL_BLOCKING_WAIT": "1",
+        "WORLD_SIZE": "2",
+    }
+    assert redact_argv(
+        ["--api-key", "k", "--out", "res", "--secret", "--run-id", "r", "--torchrun-arg=--rdzv-conf=timeout=5,token=t"]
+    ) == [
+        "--api-key",
+        REDACTED,
+        "--out",
+        "res",
+        "--secret",
+        "--run-id",
+        "r",
+        f"--torchrun-arg=--rdzv-conf=timeout=5,token={REDACTED}",
+    ]
 
 
 def test_interrupt_hint_keeps_suite_out_and_run_id():
@@ -362,9 +463,11 @@ def test_interrupt_hint_keeps_suite_out_and_run_id():
     args = build_parser().parse_args(argv)
     args.argv = argv
     assert _resume_command(args, Path("/data/res/s/old")) == (
-        "parabench run suite 'my suite.toml' --out /data/res --filter ddp --run-id old --resume")
+        "parabench run suite 'my suite.toml' --out /data/res --filter ddp --run-id old --resume"
+    )
     argv = ["run", "suite", "smoke", "--resume", "--out=elsewhere"]  # the run folder was picked by --resume
     args = build_parser().parse_args(argv)
     args.argv = argv
     assert _resume_command(args, Path("elsewhere/smoke/20261127-101010")) == (
-        "parabench run suite smoke --out=elsewhere --run-id 20261127-101010 --resume")
+        "parabench run suite smoke --out=elsewhere --run-id 20261127-101010 --resume"
+    )

@@ -39,7 +39,7 @@ def _broken_ring_allreduce(tensor, group=None):
 
     def chunk(i):
         i %= n
-        return flat[off[i]:off[i + 1]]
+        return flat[off[i] : off[i + 1]]
 
     left, right = (rank - 1) % n, (rank + 1) % n
     for s in range(n - 1):
@@ -94,8 +94,9 @@ def _worker() -> dict:
     # the bench's own check, exact on integer data, on uneven sizes
     out["bench_check"] = {name: bench.check_algorithm("all_reduce", fn, 4099)[:2] for name, fn in ALLREDUCES.items()}
     out["bench_check"]["all_gather/ring"] = bench.check_algorithm("all_gather", C.ring_allgather, 33)[:2]
-    out["bench_check"]["reduce_scatter/ring"] = bench.check_algorithm("reduce_scatter", C.ring_reduce_scatter,
-                                                                      33 * n)[:2]
+    out["bench_check"]["reduce_scatter/ring"] = bench.check_algorithm("reduce_scatter", C.ring_reduce_scatter, 33 * n)[
+        :2
+    ]
     # a deliberately broken ring must be caught, by allclose and by the bench
     torch.manual_seed(dist.get_rank())
     x = torch.randn(1000)
@@ -111,8 +112,17 @@ def _worker() -> dict:
         saved = bench.IMPLS["all_reduce"]["ring"]
         bench.IMPLS["all_reduce"]["ring"] = _broken_ring_allreduce
         try:
-            cfg = bench.validate_config({"ops": ["all_reduce"], "algorithms": ["backend", "ring"], "min_bytes": 256,
-                                         "max_bytes": 512, "iters": 2, "warmup": 1, "device": "cpu"})
+            cfg = bench.validate_config(
+                {
+                    "ops": ["all_reduce"],
+                    "algorithms": ["backend", "ring"],
+                    "min_bytes": 256,
+                    "max_bytes": 512,
+                    "iters": 2,
+                    "warmup": 1,
+                    "device": "cpu",
+                }
+            )
             result = bench.run_bench(cfg, torch.device("cpu"))
         finally:
             bench.IMPLS["all_reduce"]["ring"] = saved
@@ -154,8 +164,14 @@ def test_config_validation_and_sizes():
     assert bench.message_sizes(cfg, "cuda")[-1] == 1 << 30
     assert bench.iterations_for(cfg, 1024) == (cfg["warmup"], cfg["iters"])
     assert bench.iterations_for(cfg, 64 << 20) == (1, cfg["min_iters"])
-    for bad in ({"ops": ["all_to_all"]}, {"algorithms": ["magic"]}, {"dtype": "fp8"}, {"iters": 0},
-                {"typo_key": 1}, {"ops": ["all_gather"], "algorithms": ["tree"]}):
+    for bad in (
+        {"ops": ["all_to_all"]},
+        {"algorithms": ["magic"]},
+        {"dtype": "fp8"},
+        {"iters": 0},
+        {"typo_key": 1},
+        {"ops": ["all_gather"], "algorithms": ["tree"]},
+    ):
         with pytest.raises(bench.ConfigError):
             bench.validate_config(bad)
 
@@ -166,7 +182,8 @@ def test_bench_end_to_end_under_torchrun(tmp_path):
     from parabench.suite import load_suite
 
     suite_file = tmp_path / "tiny-collectives.toml"
-    suite_file.write_text(textwrap.dedent("""
+    suite_file.write_text(
+        textwrap.dedent("""
         [suite]
         name = "tiny-collectives"
         kind = "collectives"
@@ -181,7 +198,8 @@ def test_bench_end_to_end_under_torchrun(tmp_path):
         warmup = 1
         dtype = "fp32"
         device = "cpu"
-    """))
+    """)
+    )
     path = bench.run_collectives_suite(load_suite(str(suite_file)), tmp_path, 2, timeout_s=240)
     data = json.loads(path.read_text())
     assert data["schema_version"] == SCHEMA_VERSION and data["kind"] == "collectives" and data["ok"]
@@ -205,7 +223,8 @@ def _busy_suite(tmp_path):
     from parabench.suite import load_suite
 
     suite_file = tmp_path / "busy-collectives.toml"
-    suite_file.write_text(textwrap.dedent("""
+    suite_file.write_text(
+        textwrap.dedent("""
         [suite]
         name = "busy-collectives"
         kind = "collectives"
@@ -220,7 +239,8 @@ def _busy_suite(tmp_path):
         warmup = 0
         cell_budget_s = 100000.0
         device = "cpu"
-    """))
+    """)
+    )
     return load_suite(str(suite_file))
 
 
@@ -269,6 +289,7 @@ def test_a_collectives_launch_is_ended_completely_on_timeout_and_on_sigterm(tmp_
             assert marked_processes(owner.invocation) == []
             assert not (owner.scratch / "launch.json").exists()
     else:
+
         def sigterm():
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -294,8 +315,7 @@ def test_a_second_runner_on_a_collectives_run_folder_exits_2(tmp_path, capsys):
     held = RunFolderLock(run_dir)
     held.acquire()
     try:
-        rc = cli.main(["run", "suite", str(suite.path), "--out", str(tmp_path / "out"), "--run-id", "r",
-                       "--no-report"])
+        rc = cli.main(["run", "suite", str(suite.path), "--out", str(tmp_path / "out"), "--run-id", "r", "--no-report"])
     finally:
         held.release()
     assert rc == 2

@@ -19,19 +19,19 @@ def _every_op():
     x = torch.randn(1000)
     start = flight_recorder.last_record_id()
     with CommMeter() as meter:
-        dist.all_reduce(x)                                      # payload 4000
-        all_gather_into(torch.empty(1000 * n), x)               # payload 4000 n (full output)
-        reduce_scatter_into(torch.empty(1000 // n), x)          # payload 4000 (full input)
+        dist.all_reduce(x)  # payload 4000
+        all_gather_into(torch.empty(1000 * n), x)  # payload 4000 n (full output)
+        reduce_scatter_into(torch.empty(1000 // n), x)  # payload 4000 (full input)
         dist.reduce_scatter(torch.empty(500), list(x.chunk(n)))  # list form: 4000 (full input)
-        dist.broadcast(x, 0)                                    # 4000
-        dist.all_to_all_single(torch.empty(1000), x)            # 4000
+        dist.broadcast(x, 0)  # 4000
+        dist.all_to_all_single(torch.empty(1000), x)  # 4000
         if r == 0:
             dist.send(x, 1)
         else:
-            dist.recv(x, 0)                                     # 4000 on one side each
+            dist.recv(x, 0)  # 4000 on one side each
         fc.wait_tensor(fc.all_reduce(x, "sum", dist.group.WORLD))  # functional: 4000
         fc.wait_tensor(fc.all_gather_tensor(x, 0, dist.group.WORLD))  # functional: 4000 n
-        dist.all_reduce(torch.ones(4))                          # 16 bytes: a scalar op
+        dist.all_reduce(torch.ones(4))  # 16 bytes: a scalar op
     return meter.summary(), flight_recorder.summary_since(start)
 
 
@@ -67,11 +67,12 @@ def test_bf16_tensor_and_pipeline_parallel_traffic_matches_theory(tmp_path):
         '[suite]\nname = "mp16"\ndevice = "cpu"\nprecision = "bf16"\nsteps = 1\nwarmup = 0\n'
         '[[matrix]]\nmodel = "tiny"\nstrategy = "ref.tp"\nworld_size = 2\nmicro_batch = 8\noptions = {tp = 2}\n'
         '[[matrix]]\nmodel = "tiny"\nstrategy = "ref.pp_1f1b"\nworld_size = 2\nmicro_batch = 8\n'
-        'options = {pp = 2, microbatches = 4}\n'
+        "options = {pp = 2, microbatches = 4}\n"
         '[[matrix]]\nmodel = "tiny"\nstrategy = "ref.tp_sp"\nworld_size = 2\nmicro_batch = 8\noptions = {tp = 2}\n'
         '[[matrix]]\nmodel = "tiny"\nstrategy = "ref.pp_1f1b"\nworld_size = 4\nmicro_batch = 8\n'
-        'options = {pp = 2, tp = 2, sp = true, microbatches = 4}\n'
-        '[[matrix]]\nmodel = "tiny-moe"\nstrategy = "ref.ep"\nworld_size = 2\nmicro_batch = 4\n')
+        "options = {pp = 2, tp = 2, sp = true, microbatches = 4}\n"
+        '[[matrix]]\nmodel = "tiny-moe"\nstrategy = "ref.ep"\nworld_size = 2\nmicro_batch = 4\n'
+    )
     _, records = load_run(run_suite_cli(str(suite), tmp_path, "--no-report", run_id="r"))
     assert len(records) == 5
     for r in records:

@@ -243,7 +243,9 @@ def test_cpu_peak_rss_uses_the_threshold_model_state_is_exact():
         return out
 
     # three launches a side, every candidate launch 20 % higher: a regression
-    assert compare_runs((man, launches(base, [1000, 1010, 990])), (man, launches(base, [1200, 1190, 1210])))["regression"]
+    assert compare_runs((man, launches(base, [1000, 1010, 990])), (man, launches(base, [1200, 1190, 1210])))[
+        "regression"
+    ]
     # the same medians with overlapping launches: not significant, not a regression
     mixed = compare_runs((man, launches(base, [1000, 1300, 990])), (man, launches(base, [1200, 980, 1250])))
     assert not mixed["regression"]

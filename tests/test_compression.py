@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from harness import payload_by_kind, replica_mean_losses, run_cases
+
 from parabench.distributed import run_on_gloo
 from parabench.models import model_config
 from parabench.suite import Case
@@ -38,8 +38,17 @@ LR = 3e-3
 
 
 def mk(strategy, sgd_ddp=False, **options):
-    return Case(model="tiny", strategy=strategy, world_size=2, micro_batch=2, lr=LR, device="cpu",
-                steps=N_STEPS - 1, warmup=0, options={"optim": OPTIM, **options, **({"sgd": True} if sgd_ddp else {})})
+    return Case(
+        model="tiny",
+        strategy=strategy,
+        world_size=2,
+        micro_batch=2,
+        lr=LR,
+        device="cpu",
+        steps=N_STEPS - 1,
+        warmup=0,
+        options={"optim": OPTIM, **options, **({"sgd": True} if sgd_ddp else {})},
+    )
 
 
 CASES = {
@@ -61,8 +70,17 @@ CASES = {
     "torch-powersgd": mk("torch.ddp_powersgd_hook"),
     "torch-ddp": mk("torch.ddp"),
 }
-REFERENCE_COMPRESSORS = ["fp16", "onebit", "topk", "powersgd", "onebit-noef", "topk-noef", "powersgd-r4-noef",
-                         "local-h4", "local-h3"]
+REFERENCE_COMPRESSORS = [
+    "fp16",
+    "onebit",
+    "topk",
+    "powersgd",
+    "onebit-noef",
+    "topk-noef",
+    "powersgd-r4-noef",
+    "local-h4",
+    "local-h3",
+]
 
 
 def _prepare(trainer, case, spec) -> dict:
@@ -88,8 +106,16 @@ def _powersgd_iter(trainer, case, record):
 @pytest.fixture(scope="module")
 def group():
     """Every case N_STEPS steps on 2 ranks, the last one metered and with state sampled."""
-    return run_cases(2, CASES, N_STEPS, meter_steps=(N_STEPS - 1,), measure_state_from=N_STEPS - 1,
-                     on_build=_prepare, on_step=_snapshot, on_end=_powersgd_iter)
+    return run_cases(
+        2,
+        CASES,
+        N_STEPS,
+        meter_steps=(N_STEPS - 1,),
+        measure_state_from=N_STEPS - 1,
+        on_build=_prepare,
+        on_step=_snapshot,
+        on_end=_powersgd_iter,
+    )
 
 
 def _final(res, last: int = 3) -> float:
@@ -181,6 +207,7 @@ def test_torch_powersgd_hook_compressed_the_measured_step(group):
 
 # --- the error-feedback invariants, on one rank (all-gather of one = identity) ----------------------
 
+
 def _invariants(method: str, broken: str | None, steps: int = 6) -> dict:
     from reference_impls.compression import OneBitCompressor, PowerSGDCompressor, TopKCompressor
     from reference_impls.dp_common import plan_buckets
@@ -189,8 +216,11 @@ def _invariants(method: str, broken: str | None, steps: int = 6) -> dict:
     shapes = [(32, 16), (16,), (8, 24)]
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     (bucket,) = plan_buckets(params, float("inf"), 4)
-    comp = {"onebit": lambda: OneBitCompressor(), "topk": lambda: TopKCompressor(0.05),
-            "powersgd": lambda: PowerSGDCompressor(2)}[method]()
+    comp = {
+        "onebit": lambda: OneBitCompressor(),
+        "topk": lambda: TopKCompressor(0.05),
+        "powersgd": lambda: PowerSGDCompressor(2),
+    }[method]()
     if broken == "no_scale":  # signs only: forgets ||p||_1 / d
         plain = comp.compress
         comp.compress = lambda p, sizes: (torch.ones_like(plain(p, sizes)[0]), plain(p, sizes)[1])
@@ -240,6 +270,7 @@ def test_compression_bug_is_caught(invariants, broken):
 
 
 # --- DeepSpeed 1-bit Adam ----------------------------------------------------------------------------
+
 
 def test_deepspeed_onebit_adam_status():
     """DeepSpeed 0.19.8 no longer ships 1-bit Adam: the builder raises a clear error naming why (the

@@ -30,10 +30,13 @@ GPU_RUN = ROOT / "results" / "cp-ep-gpu" / "20261126-031027"
 def test_chunks_mirror_the_implementation_and_closed_forms():
     for cp in range(1, 9):
         for split in ("contiguous", "zigzag"):
-            assert [cp_balance.chunks_held(r, cp, split) for r in range(cp)] == \
-                [chunks_of(r, cp, split) for r in range(cp)]
+            assert [cp_balance.chunks_held(r, cp, split) for r in range(cp)] == [
+                chunks_of(r, cp, split) for r in range(cp)
+            ]
         assert cp_balance.analytic_imbalance(cp, "contiguous") == pytest.approx(2 * cp / (cp + 1))
-        assert cp_balance.analytic_imbalance(cp, "contiguous", masked_half_skipped=True) == pytest.approx((2 * cp - 1) / cp)
+        assert cp_balance.analytic_imbalance(cp, "contiguous", masked_half_skipped=True) == pytest.approx(
+            (2 * cp - 1) / cp
+        )
         assert cp_balance.analytic_imbalance(cp, "zigzag") == 1.0
         assert cp_balance.analytic_imbalance(cp, "zigzag", masked_half_skipped=True) == 1.0
         # zig-zag: 2 pairs per foreign block + 3 on its own (2 diagonal); contiguous: r + diagonal
@@ -60,8 +63,17 @@ def _ring_stats(cases: dict) -> dict:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_analytic_imbalance_matches_measured_flops(world):
-    cases = {split: Case(model="tiny", strategy="ref.cp_ring", world_size=world, micro_batch=2, grad_accum=2,
-                         options={"cp_split": split}) for split in ("contiguous", "zigzag")}
+    cases = {
+        split: Case(
+            model="tiny",
+            strategy="ref.cp_ring",
+            world_size=world,
+            micro_batch=2,
+            grad_accum=2,
+            options={"cp_split": split},
+        )
+        for split in ("contiguous", "zigzag")
+    }
     measured = run_on_gloo(_ring_stats, world, {s: c.to_dict() for s, c in cases.items()})[0]
     config = asdict(model_config("tiny"))
     for split, per_rank in measured.items():
@@ -69,8 +81,9 @@ def test_analytic_imbalance_matches_measured_flops(world):
         assert flops == cp_balance.analytic_flops_per_rank(world, split, config, micro_batch=2, grad_accum=2)
         assert max(flops) / (sum(flops) / world) == pytest.approx(cp_balance.analytic_imbalance(world, split))
         layers = config["n_layers"]
-        assert [(s["attn_pairs_full"], s["attn_pairs_diagonal"]) for s in per_rank] == \
-            [(layers * 2 * f, layers * 2 * d) for f, d in cp_balance.chunk_pairs(world, split)]  # x2 micro-batches
+        assert [(s["attn_pairs_full"], s["attn_pairs_diagonal"]) for s in per_rank] == [
+            (layers * 2 * f, layers * 2 * d) for f, d in cp_balance.chunk_pairs(world, split)
+        ]  # x2 micro-batches
         assert all(s["attn_compute_clock"] == "host" and s["attn_compute_s_fwd"] > 0 for s in per_rank)
     ct = [s["attn_flops_fwd"] for s in measured["contiguous"]]
     assert ct == sorted(ct) and max(ct) / (sum(ct) / world) == pytest.approx(2 * world / (world + 1))
@@ -133,7 +146,12 @@ def test_section_puts_contiguous_beside_zigzag_from_a_cpu_run(cpu_ring_run):
         assert r["flops_ratio"] == pytest.approx(r["flops_ratio_analytic"])
         assert r["time_ratio"] is not None and r["time_ratio"] >= 1.0
     assert cases[0]["flops_ratio"] == pytest.approx(4 / 3) and cases[1]["flops_ratio"] == 1.0
-    assert [(r["split"], r["rank"]) for r in ranks] == [("contiguous", 0), ("contiguous", 1), ("zigzag", 0), ("zigzag", 1)]
+    assert [(r["split"], r["rank"]) for r in ranks] == [
+        ("contiguous", 0),
+        ("contiguous", 1),
+        ("zigzag", 0),
+        ("zigzag", 1),
+    ]
     html = render_report([cpu_ring_run], with_figures=False)
     assert 'id="tbl-cp-balance"' in html and 'id="tbl-cp-balance-ranks"' in html
     assert "Not trusted" not in html

@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 from parabench.distributed import run_on_gloo
+from parabench.families.expert import deepspeed_moe_capacity, deepspeed_moe_ops
 from parabench.meters.comm import CommMeter
 from parabench.models import model_config, parameter_count
 from parabench.strategies import get_strategy
 from parabench.suite import Case, SuiteError, validate_case
-from parabench.families.expert import deepspeed_moe_capacity, deepspeed_moe_ops
 from parabench.theory import BYTES, expected, sum_ops
 from parabench.worker import local_batches, make_spec
 
@@ -30,8 +30,16 @@ N_STEPS = 5
 
 
 def mk(strategy, model, micro_batch=2, grad_accum=1, precision="fp32"):
-    return Case(model=model, strategy=strategy, world_size=2, micro_batch=micro_batch, grad_accum=grad_accum,
-                precision=precision, lr=1e-3, options={"optim": {"eps": 1e-6}})
+    return Case(
+        model=model,
+        strategy=strategy,
+        world_size=2,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        precision=precision,
+        lr=1e-3,
+        options={"optim": {"eps": 1e-6}},
+    )
 
 
 CASES = {
@@ -47,8 +55,12 @@ CASES = {
     "ds_bal": mk("deepspeed.moe", "tiny-moe-bal"),
 }
 DS_CASES = [n for n, c in CASES.items() if c.strategy == "deepspeed.moe"]
-PAIRS = [("tiny-moe-cap2", "ds_cap2", "ep_cap2"), ("tiny-moe-cap1", "ds_cap1", "ep_cap1"), ("tiny-moe", "ds_drop", "ep_drop"),
-         ("tiny-moe-bal", "ds_bal", "ep_bal")]
+PAIRS = [
+    ("tiny-moe-cap2", "ds_cap2", "ep_cap2"),
+    ("tiny-moe-cap1", "ds_cap1", "ep_cap1"),
+    ("tiny-moe", "ds_drop", "ep_drop"),
+    ("tiny-moe-bal", "ds_bal", "ep_bal"),
+]
 
 
 def _run(cases: dict, n_steps: int) -> dict:
@@ -64,8 +76,10 @@ def _run(cases: dict, n_steps: int) -> dict:
         batches = local_batches(case, spec, n_steps)
         capacities = []  # deepspeed.moe: the capacity of every MoE layer and micro-batch of step 0
         slots = getattr(trainer, "slots", {})
-        hooks = [s.moe.deepspeed_moe.gate.register_forward_hook(lambda m, i, o: capacities.append(int(o[1])))
-                 for s in slots.values()]
+        hooks = [
+            s.moe.deepspeed_moe.gate.register_forward_hook(lambda m, i, o: capacities.append(int(o[1])))
+            for s in slots.values()
+        ]
         with CommMeter() as meter:  # step 0: both strategies still route with the same weights
             losses = [float(trainer.train_step(*batches[0]))]
         for h in hooks:
@@ -73,9 +87,15 @@ def _run(cases: dict, n_steps: int) -> dict:
         stats0 = trainer.strategy_stats()
         losses += [float(trainer.train_step(*batches[i])) for i in range(1, n_steps)]
         events = [(e.kind, e.payload_bytes, e.group_size) for e in meter.events]
-        out[name] = {"losses": losses, "comm": meter.summary(), "events": events, "stats0": stats0,
-                     "capacities": capacities,
-                     "state": trainer.state_bytes(), "params0": params0 if dist.get_rank() == 0 else None}
+        out[name] = {
+            "losses": losses,
+            "comm": meter.summary(),
+            "events": events,
+            "stats0": stats0,
+            "capacities": capacities,
+            "state": trainer.state_bytes(),
+            "params0": params0 if dist.get_rank() == 0 else None,
+        }
         trainer.close()
     return out
 
@@ -133,7 +153,9 @@ def test_measured_comm_equals_theory(runs, name):
         assert comm["scalar_ops"] == exp["comm_scalar_ops"]
         # gradients: the non-expert all-reduce over the world, the local experts' over their one-rank group
         grads = sorted((b, n) for kind, b, n in r[name]["events"] if kind == "all_reduce" and b > 64)
-        assert grads == sorted([(exp["comm_payload_bytes_dense_grads"], 2), (exp["comm_payload_bytes_expert_grads"], 1)])
+        assert grads == sorted(
+            [(exp["comm_payload_bytes_dense_grads"], 2), (exp["comm_payload_bytes_expert_grads"], 1)]
+        )
         assert comm["by_kind"]["all_reduce"]["wire_bytes"] == exp["comm_payload_bytes_dense_grads"]  # 2(n-1)/n = 1
         if case.precision == "fp32":
             state = r[name]["state"]

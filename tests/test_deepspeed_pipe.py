@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from harness import assert_matches_single, max_rel_diff, payload_by_kind, run_cases
+
 from parabench.models import model_config
 from parabench.suite import Case, SuiteError, validate_case
 from parabench.theory import expected
@@ -23,12 +23,20 @@ PARAM_ATOL = 1e-5
 
 
 def mk(model="tiny", micro_batch=4, grad_accum=1, precision="fp32", **options):
-    return Case(model=model, strategy="deepspeed.pp", world_size=2, micro_batch=micro_batch, grad_accum=grad_accum,
-                precision=precision, lr=1e-3, options={"optim": {"eps": 1e-6}, "pp": 2, **options})
+    return Case(
+        model=model,
+        strategy="deepspeed.pp",
+        world_size=2,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        precision=precision,
+        lr=1e-3,
+        options={"optim": {"eps": 1e-6}, "pp": 2, **options},
+    )
 
 
 CASES = {
-    "p2_m4": mk(microbatches=4),                                         # m = 2p
+    "p2_m4": mk(microbatches=4),  # m = 2p
     "p2_m8_deep_ga2": mk(model="tiny-deep", micro_batch=4, grad_accum=2),  # default m = 2p = 4, x2 accumulation
     "p2_m4_bf16": mk(microbatches=4, precision="bf16"),
 }
@@ -39,8 +47,9 @@ FP32 = ["p2_m4", "p2_m8_deep_ga2"]
 def group():
     """Step 0 under the comm meter (it also carries DeepSpeed's one-off tensor-meta message), then
     one more step after N_STEPS under the meter with state sampled; rank 0 adds the truth."""
-    return run_cases(2, CASES, N_STEPS, with_truth=True, meter_steps=(0, N_STEPS), extra_step=True,
-                     measure_state_from=N_STEPS)
+    return run_cases(
+        2, CASES, N_STEPS, with_truth=True, meter_steps=(0, N_STEPS), extra_step=True, measure_state_from=N_STEPS
+    )
 
 
 def _losses(res) -> list[float]:

@@ -42,8 +42,12 @@ def _round_trip(counts):
     recv, recv_counts, splits = moe.dispatch(rows, send_counts)
     expected_recv_counts = torch.stack([torch.tensor(counts[src][rank]) for src in range(dist.get_world_size())])
     back = moe.combine(recv.clone(), splits)  # identity experts
-    return {"bitwise": torch.equal(back, rows), "recv_counts": torch.equal(recv_counts, expected_recv_counts),
-            "recv_rows": recv.shape[0], "expected_rows": int(expected_recv_counts.sum())}
+    return {
+        "bitwise": torch.equal(back, rows),
+        "recv_counts": torch.equal(recv_counts, expected_recv_counts),
+        "recv_rows": recv.shape[0],
+        "expected_rows": int(expected_recv_counts.sum()),
+    }
 
 
 @pytest.mark.parametrize("name", sorted(ROUND_TRIP_COUNTS))
@@ -110,11 +114,14 @@ def _ep_grads_vs_one_process(banned):
     return out
 
 
-@pytest.mark.parametrize("banned", [
-    pytest.param({1: [1]}, id="one-expert-starved"),
-    pytest.param({1: [0, 1]}, id="rank0-experts-all-starved-in-a-layer"),
-    pytest.param({1: [0, 1], 3: [2, 3]}, id="each-rank-starved-in-one-layer"),
-])
+@pytest.mark.parametrize(
+    "banned",
+    [
+        pytest.param({1: [1]}, id="one-expert-starved"),
+        pytest.param({1: [0, 1]}, id="rank0-experts-all-starved-in-a-layer"),
+        pytest.param({1: [0, 1], 3: [2, 3]}, id="each-rank-starved-in-one-layer"),
+    ],
+)
 def test_starved_experts_match_one_process(banned):
     res = run_on_gloo(_ep_grads_vs_one_process, 2, banned)[0]
     assert abs(res["loss"] - res["ref_loss"]) <= 1e-5 * abs(res["ref_loss"])

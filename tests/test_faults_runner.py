@@ -65,15 +65,28 @@ def write_suite(tmp_path: Path, name: str, long_steps: int = 500, extra: str = "
 
 
 def cli(*args: str, env=None, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "parabench.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=env, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "parabench.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
 
 
 def start_cli(log: Path, *args: str, env=None) -> subprocess.Popen:
     """A runner in a session of its own, as from a terminal: signals sent to it reach it alone."""
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "parabench.cli", *args], cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "parabench.cli", *args],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
 
 
 def wait_for(condition, timeout: float, what: str):
@@ -201,19 +214,23 @@ def test_sigterm_ends_the_launch_and_keeps_records_and_a_second_runner_is_refuse
 def test_a_full_disk_stops_the_run_with_a_clear_error_and_no_half_record(tmp_path, no_leftovers):
     disk = tmp_path / "disk"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(disk)], capture_output=True,
-                             check=False)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(disk)], capture_output=True, check=False
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs: {mounted.stderr.decode().strip()}")
     try:
-        extra = "".join(f"""
+        extra = "".join(
+            f"""
 [[matrix]]
 model = "tiny"
 strategy = "torch.ddp"
 world_size = 2
 steps = 2
 options = {{bucket_mb = {mb}}}
-""" for mb in range(4, 9))
+"""
+            for mb in range(4, 9)
+        )
         suite = write_suite(tmp_path, "full", long_steps=2, extra=extra)  # 8 records of ~20 KiB: too many
         proc = cli("run", "suite", str(suite), "--out", str(disk), "--run-id", "r", "--no-report")
         assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -242,8 +259,10 @@ def test_a_stale_build_lock_goes_and_a_held_one_stays(tmp_path):
     held = tmp_path / "py311_cpu" / "cpu_adam" / "lock"
     for lock in (stale, held):
         lock.parent.mkdir(parents=True)
-    hold = (f"import os, time\nfd = os.open({str(held)!r}, os.O_CREAT | os.O_EXCL)\n"  # as FileBaton does
-            "print('held', flush=True)\ntime.sleep(60)")
+    hold = (
+        f"import os, time\nfd = os.open({str(held)!r}, os.O_CREAT | os.O_EXCL)\n"  # as FileBaton does
+        "print('held', flush=True)\ntime.sleep(60)"
+    )
     holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -268,8 +287,10 @@ def test_cpu_out_of_memory_is_recorded_as_oom(tmp_path):
     from parabench.results import write_json_atomic
     from parabench.worker import is_oom
 
-    for allocate in (lambda: __import__("torch").empty(1 << 62, dtype=__import__("torch").uint8),
-                     lambda: bytearray(1 << 62)):
+    for allocate in (
+        lambda: __import__("torch").empty(1 << 62, dtype=__import__("torch").uint8),
+        lambda: bytearray(1 << 62),
+    ):
         with pytest.raises((RuntimeError, MemoryError)) as raised:
             allocate()
         assert is_oom(raised.value)
@@ -277,18 +298,23 @@ def test_cpu_out_of_memory_is_recorded_as_oom(tmp_path):
 
     case = Case(model="tiny", strategy="torch.ddp", world_size=2)
     error_file = tmp_path / f"{case.case_hash}.rank1.error.json"
-    allocator = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
-                 "you tried to allocate 4611686018427387904 bytes.")
+    allocator = (
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+        "you tried to allocate 4611686018427387904 bytes."
+    )
     for kind, message in (("RuntimeError", allocator), ("MemoryError", "")):
         # "oom": False, as an error file written before the worker knew CPU allocation failures
-        write_json_atomic(error_file, {"rank": 1, "type": kind, "message": message, "traceback": "...", "time": 1.0,
-                                       "oom": False})
+        write_json_atomic(
+            error_file, {"rank": 1, "type": kind, "message": message, "traceback": "...", "time": 1.0, "oom": False}
+        )
         status, error = _classify(case, tmp_path, 1, False, "", 3.0)
         assert (status, error["first_failing_rank"], error["type"]) == ("oom", 1, kind)
     error_file.unlink()
 
-    killed = ("Root Cause (first observed failure):\n[0]:\n  time      : 2026-11-26_12:00:00\n  host      : h\n"
-              "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 4242)\n")
+    killed = (
+        "Root Cause (first observed failure):\n[0]:\n  time      : 2026-11-26_12:00:00\n  host      : h\n"
+        "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 4242)\n"
+    )
     status, error = _classify(case, tmp_path, 1, False, killed, 3.0, oom_kills=1)
     assert status == "oom" and "out-of-memory killer killed 1 process" in error["message"]
     assert error["first_failing_rank"] == 1 and error["exit_code"] == -9

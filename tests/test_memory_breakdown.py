@@ -21,8 +21,16 @@ BUCKET_MB = 0.125
 
 
 def _case(strategy):
-    return Case(model="small", strategy=strategy, world_size=2, precision="bf16", micro_batch=4, seq_len=64,
-                device="cpu", options={"bucket_mb": BUCKET_MB})
+    return Case(
+        model="small",
+        strategy=strategy,
+        world_size=2,
+        precision="bf16",
+        micro_batch=4,
+        seq_len=64,
+        device="cpu",
+        options={"bucket_mb": BUCKET_MB},
+    )
 
 
 def _measure(case_dicts):
@@ -50,8 +58,11 @@ def _measure(case_dicts):
         trainer._grad_ready = sample
         for h in trainer._hooks:
             h.remove()
-        trainer._hooks = [p.register_post_accumulate_grad_hook(lambda p, b=b, s=s: trainer._grad_ready(p, b, s))
-                          for b in trainer.buckets for p, s in zip(b.params, b.starts)]
+        trainer._hooks = [
+            p.register_post_accumulate_grad_hook(lambda p, b=b, s=s: trainer._grad_ready(p, b, s))
+            for b in trainer.buckets
+            for p, s in zip(b.params, b.starts)
+        ]
         _, res = measure_step(trainer, x1, y1)
         elem = trainer.flat_param.element_size()
         res["bucket_bytes_max"] = max(b.numel for b in trainer.buckets) * elem
@@ -73,8 +84,11 @@ def test_memory_breakdown_zero():
         z2 = rank["ref.zero2"]
         # in_flight outstanding buckets (+ their receive shard) and at most two being filled.
         bound_buckets = z2["in_flight"] + 2
-        bound = (z2["main_shard_bytes"] + bound_buckets * z2["bucket_bytes_max"]
-                 + z2["in_flight"] * z2["bucket_bytes_max"] // z2["world"])
+        bound = (
+            z2["main_shard_bytes"]
+            + bound_buckets * z2["bucket_bytes_max"]
+            + z2["in_flight"] * z2["bucket_bytes_max"] // z2["world"]
+        )
         assert z2["by_category"]["gradients"] <= bound, (z2["by_category"], bound)
         assert z2["live"]["buckets"] <= bound_buckets, z2["live"]
         assert z2["live"]["bytes"] <= bound - z2["main_shard_bytes"], (z2["live"], bound)
@@ -92,8 +106,15 @@ FSDP_SHAPES = {"like-1.3b": (128, 4), "like-6.7b": (64, 1), "between": (64, 4)}
 
 def _fsdp_case(strategy, shape):
     seq_len, micro_batch = FSDP_SHAPES[shape]
-    return Case(model="small", strategy=strategy, world_size=2, precision="bf16", micro_batch=micro_batch,
-                seq_len=seq_len, device="cpu")
+    return Case(
+        model="small",
+        strategy=strategy,
+        world_size=2,
+        precision="bf16",
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        device="cpu",
+    )
 
 
 def _measure_plain(named_cases):
@@ -133,9 +154,17 @@ def test_memory_breakdown_zero3_not_above_fsdp2():
     from parabench.models import model_config
     from parabench.theory import expected
 
-    refs = run_on_gloo(_measure_plain, 2, {**{f"ref.zero3 {k}": _fsdp_case("ref.zero3", k).to_dict() for k in FSDP_SHAPES},
-                                           "ref.fsdp between": _fsdp_case("ref.fsdp", "between").to_dict()})
-    peers = run_on_gloo(_measure_plain, 2, {f"torch.fsdp2 {k}": _fsdp_case("torch.fsdp2", k).to_dict() for k in FSDP_SHAPES})
+    refs = run_on_gloo(
+        _measure_plain,
+        2,
+        {
+            **{f"ref.zero3 {k}": _fsdp_case("ref.zero3", k).to_dict() for k in FSDP_SHAPES},
+            "ref.fsdp between": _fsdp_case("ref.fsdp", "between").to_dict(),
+        },
+    )
+    peers = run_on_gloo(
+        _measure_plain, 2, {f"torch.fsdp2 {k}": _fsdp_case("torch.fsdp2", k).to_dict() for k in FSDP_SHAPES}
+    )
     for rank, peer in zip(refs, peers):
         for shape, (seq_len, _) in FSDP_SHAPES.items():
             exp = expected(_fsdp_case("ref.zero3", shape), model_config("small", seq_len=seq_len), 2)

@@ -33,8 +33,8 @@ import os
 
 import pytest
 import torch
-
 from harness import replica_mean_losses, run_cases, single_truth
+
 from parabench.metrics import loss_deviation, loss_scale_summary
 from parabench.suite import Case
 
@@ -46,16 +46,34 @@ LR = 1e-3
 OPTIM = {"eps": 1e-6}
 LOSS_RTOL = 1e-3
 REFS = ("ref.ps", "ref.ddp", "ref.zero1", "ref.zero2", "ref.zero3", "ref.fsdp", "ref.zero2_offload")
-PEERS = ("torch.ddp", "torch.fsdp2", "torch.fsdp2_offload", "deepspeed.zero0", "deepspeed.zero1", "deepspeed.zero2",
-         "deepspeed.zero3", "deepspeed.zero2_offload", "deepspeed.zero3_offload")
+PEERS = (
+    "torch.ddp",
+    "torch.fsdp2",
+    "torch.fsdp2_offload",
+    "deepspeed.zero0",
+    "deepspeed.zero1",
+    "deepspeed.zero2",
+    "deepspeed.zero3",
+    "deepspeed.zero2_offload",
+    "deepspeed.zero3_offload",
+)
 ALL = REFS + PEERS
 INJECT = {"rank": 1, "step": K}
 
 
 def mk(strategy, precision="fp32", grad_accum=1, micro_batch=2, **options):
     opts = {"optim": OPTIM, "bucket_mb": 0.05, **options}
-    return Case(model="tiny", strategy=strategy, world_size=2, precision=precision, micro_batch=micro_batch,
-                grad_accum=grad_accum, lr=LR, device="cpu", options=opts)
+    return Case(
+        model="tiny",
+        strategy=strategy,
+        world_size=2,
+        precision=precision,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        lr=LR,
+        device="cpu",
+        options=opts,
+    )
 
 
 CASES: dict[str, tuple[Case, bool]] = {}  # name -> (case, want per-rank parameters)
@@ -79,7 +97,9 @@ CASES["torch.ddp-inf-shard"] = (mk("torch.ddp", "fp16", inject_inf=INJECT), True
 CASES["deepspeed.zero0-fp16"] = (mk("deepspeed.zero0", "fp16", ds_probe=True), True)
 CASES["deepspeed.zero0-fp16-prescale"] = (mk("deepspeed.zero0", "fp16", ds_probe=True, ds_undo=["prescale"]), True)
 CASES["deepspeed.zero0-fp16-prescale-fresh"] = (
-    mk("deepspeed.zero0", "fp16", ds_probe=True, ds_undo=["prescale", "fresh"]), True)
+    mk("deepspeed.zero0", "fp16", ds_probe=True, ds_undo=["prescale", "fresh"]),
+    True,
+)
 # fp16 + accumulation: the same inf skips the whole (accumulated) step.
 for s in ("ref.ddp", "ref.zero1", "ref.zero2", "ref.fsdp", "torch.ddp", "torch.fsdp2", "deepspeed.zero2"):
     CASES[f"{s}-fp16-ga2"] = (mk(s, "fp16", grad_accum=2, micro_batch=1), False)
@@ -120,8 +140,15 @@ def _ds_unfused_probe(trainer, undo: list[str]) -> list[tuple[float, float]]:
 
 # Strategies whose every rank holds its own replica (DeepSpeed 0-2: the fp16 module copy); sharded
 # ones gather the masters, one copy identical by construction.
-REPLICATED = ("ref.ddp", "torch.ddp", "deepspeed.zero0", "deepspeed.zero1", "deepspeed.zero2",
-              "deepspeed.zero2_offload", "ref.ps")
+REPLICATED = (
+    "ref.ddp",
+    "torch.ddp",
+    "deepspeed.zero0",
+    "deepspeed.zero1",
+    "deepspeed.zero2",
+    "deepspeed.zero2_offload",
+    "ref.ps",
+)
 
 
 def _probe(trainer, case, spec) -> dict:
@@ -140,8 +167,15 @@ def _plan(name: str, case: Case) -> dict:
 
 @pytest.fixture(scope="module")
 def group():
-    return run_cases(2, {n: c for n, (c, _) in CASES.items()}, N_STEPS, plan=_plan, want_state=False,
-                     on_build=_probe, on_step=_record_scale)
+    return run_cases(
+        2,
+        {n: c for n, (c, _) in CASES.items()},
+        N_STEPS,
+        plan=_plan,
+        want_state=False,
+        on_build=_probe,
+        on_step=_record_scale,
+    )
 
 
 def _single(precision: str, grad_accum: int = 1, inject: bool = False) -> dict:
@@ -176,6 +210,7 @@ def _ranks_identical(res, fp16_view: bool = False) -> bool:
 
 # --- the injected inf -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("strategy", ALL)
 def test_injected_inf_skips_everywhere(group, strategy):
     res = group[f"{strategy}-inf"]
@@ -183,7 +218,7 @@ def test_injected_inf_skips_everywhere(group, strategy):
     for r in res["per_rank"]:
         s = r["scales"]
         if strategy != "deepspeed.zero0":  # FP16_UnfusedOptimizer starts at 2**16 whatever it is told
-            assert s[0]["scale_used"] == 2.0 ** 16
+            assert s[0]["scale_used"] == 2.0**16
         assert s[K]["scale"] == s[K]["scale_used"] / 2  # halved
         assert all(e["scale"] == s[K]["scale"] for e in s[K:])  # and not grown back (interval 2000)
     assert _ranks_identical(res, fp16_view=strategy == "ref.ps")
@@ -224,6 +259,7 @@ def test_torch_ddp_gradscaler_is_per_rank(group):
 
 # --- clean runs track fp32 ----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("strategy", ALL)
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_low_precision_tracks_fp32(group, strategy, precision):
@@ -247,7 +283,7 @@ def test_low_precision_tracks_fp32(group, strategy, precision):
     if precision == "fp16":
         assert not any(e["skipped"] for r in res["per_rank"] for e in r["scales"])
         summary = loss_scale_summary(res["per_rank"][0]["scales"])
-        assert summary["skipped_steps"] == 0 and summary["scale_final"] == 2.0 ** 16
+        assert summary["skipped_steps"] == 0 and summary["scale_final"] == 2.0**16
 
 
 def test_deepspeed_zero0_fp16_mechanism(group):
@@ -283,20 +319,23 @@ def test_deepspeed_zero0_fp16_mechanism(group):
     plain, pre, fresh = (group[f"deepspeed.zero0-fp16{v}"] for v in ("", "-prescale", "-prescale-fresh"))
     for r in plain["per_rank"]:
         for norm, scale in r["seen"]:
-            assert scale == 2.0 ** 16 and norm < 100, (norm, scale)  # unscaled gradients, |g| ~ 1.2
+            assert scale == 2.0**16 and norm < 100, (norm, scale)  # unscaled gradients, |g| ~ 1.2
     for a, b in zip(plain["per_rank"], pre["per_rank"]):  # step 0: same parameters, same data
         ratio = b["seen"][0][0] / a["seen"][0][0]
-        assert abs(ratio / 2.0 ** 16 - 1) < 1e-2, ratio
+        assert abs(ratio / 2.0**16 - 1) < 1e-2, ratio
     for res in (plain, pre, fresh):
         assert _ranks_identical(res)
         assert not any(e["skipped"] for r in res["per_rank"] for e in r["scales"])
     assert _rel(replica_mean_losses(plain), fp32) > 10 * LOSS_RTOL
     assert LOSS_RTOL < _rel(replica_mean_losses(pre), fp32) < 5e-3  # trains; the residual is the initial step (4)
     assert _rel(replica_mean_losses(fresh), fp32) < LOSS_RTOL
-    assert _rel(replica_mean_losses(fresh), replica_mean_losses(group["deepspeed.zero1-fp16"])) < 1e-5  # fp16 rounding level
+    assert (
+        _rel(replica_mean_losses(fresh), replica_mean_losses(group["deepspeed.zero1-fp16"])) < 1e-5
+    )  # fp16 rounding level
 
 
 # --- activation checkpointing and accumulation: the same numbers ------------------------------
+
 
 @pytest.mark.parametrize("strategy", ALL)
 @pytest.mark.parametrize("variant", ["ac", "ga2"])
@@ -306,8 +345,9 @@ def test_checkpointing_and_accumulation_equal_plain(group, strategy, variant):
     assert _rel(other, plain) < 1e-5, (other, plain)
 
 
-@pytest.mark.parametrize("strategy", ["ref.ddp", "ref.zero1", "ref.zero2", "ref.fsdp", "torch.ddp", "torch.fsdp2",
-                                      "deepspeed.zero2"])
+@pytest.mark.parametrize(
+    "strategy", ["ref.ddp", "ref.zero1", "ref.zero2", "ref.fsdp", "torch.ddp", "torch.fsdp2", "deepspeed.zero2"]
+)
 def test_fp16_with_accumulation(group, strategy):
     clean = replica_mean_losses(group[f"{strategy}-fp16-ga2"])
     assert _rel(clean, _single("fp32")["losses"]) < LOSS_RTOL
@@ -319,9 +359,12 @@ def test_fp16_with_accumulation(group, strategy):
 
 
 def test_loss_scale_summary_and_deviation():
-    steps = [{"step": i, "loss": 5.0 - i * 0.1, "scale": s, "scale_used": u, "overflow": o, "skipped": o}
-             for i, (u, s, o) in enumerate([(8.0, 4.0, True), (4.0, 2.0, True), (2.0, 2.0, False), (2.0, 4.0, False),
-                                            (4.0, 4.0, False)])]
+    steps = [
+        {"step": i, "loss": 5.0 - i * 0.1, "scale": s, "scale_used": u, "overflow": o, "skipped": o}
+        for i, (u, s, o) in enumerate(
+            [(8.0, 4.0, True), (4.0, 2.0, True), (2.0, 2.0, False), (2.0, 4.0, False), (4.0, 4.0, False)]
+        )
+    ]
     s = loss_scale_summary(steps)
     assert s["skipped_steps"] == 2 and s["scale_min"] == 2.0 and s["scale_max"] == 4.0 and s["scale_final"] == 4.0
     assert s["steps_to_recover"] == [2]  # skipped steps 0 and 1, applied again at step 2

@@ -19,65 +19,161 @@ ROOT = Path(__file__).resolve().parent.parent
 GPU_RUN = ROOT / "results" / "cp-ep-gpu" / "20261126-064921"
 
 
-def _record(strategy, model, per_rank_layers, *, n_experts, top_k, capacity_factor=None, status="ok", error=None,
-            a2a=(1000, 4), tokens_per_s=1234.5, step_s=0.02):
+def _record(
+    strategy,
+    model,
+    per_rank_layers,
+    *,
+    n_experts,
+    top_k,
+    capacity_factor=None,
+    status="ok",
+    error=None,
+    a2a=(1000, 4),
+    tokens_per_s=1234.5,
+    step_s=0.02,
+):
     """A result record as the runner writes it, with ``per_rank_layers[rank][layer]`` as the routing stats."""
     label = f"{strategy} {model} w2 fp32 mb2"
-    case = {"model": model, "strategy": strategy, "world_size": 2, "precision": "fp32", "micro_batch": 2,
-            "grad_accum": 1, "seq_len": 64, "options": {}}
-    rec = {"schema_version": 1, "kind": "case", "case": case, "case_hash": label.replace(" ", "-"), "label": label,
-           "status": status, "error": error,
-           "model": {"name": model, "config": {"n_layers": 4, "d_model": 32, "seq_len": 64, "n_experts": n_experts,
-                                               "top_k": top_k, "capacity_factor": capacity_factor}}}
+    case = {
+        "model": model,
+        "strategy": strategy,
+        "world_size": 2,
+        "precision": "fp32",
+        "micro_batch": 2,
+        "grad_accum": 1,
+        "seq_len": 64,
+        "options": {},
+    }
+    rec = {
+        "schema_version": 1,
+        "kind": "case",
+        "case": case,
+        "case_hash": label.replace(" ", "-"),
+        "label": label,
+        "status": status,
+        "error": error,
+        "model": {
+            "name": model,
+            "config": {
+                "n_layers": 4,
+                "d_model": 32,
+                "seq_len": 64,
+                "n_experts": n_experts,
+                "top_k": top_k,
+                "capacity_factor": capacity_factor,
+            },
+        },
+    }
     if status == "ok":
         rec["metrics"] = {"tokens_per_s": tokens_per_s, "step_time_s_median": step_s}
-        rec["per_rank"] = [{"rank": i, "strategy_stats": {"ep": len(per_rank_layers), "moe_layers": layers},
-                            "comm": {"by_kind": {"all_to_all": {"payload_bytes": a2a[0] + 8 * i, "calls": a2a[1]}}}}
-                           for i, layers in enumerate(per_rank_layers)]
+        rec["per_rank"] = [
+            {
+                "rank": i,
+                "strategy_stats": {"ep": len(per_rank_layers), "moe_layers": layers},
+                "comm": {"by_kind": {"all_to_all": {"payload_bytes": a2a[0] + 8 * i, "calls": a2a[1]}}},
+            }
+            for i, layers in enumerate(per_rank_layers)
+        ]
     return rec
 
 
 def _write_run(root: Path, run_id: str, records: list[dict]) -> Path:
     run = root / run_id
     (run / "cases").mkdir(parents=True)
-    (run / "manifest.json").write_text(json.dumps({"schema_version": 1, "kind": "manifest", "suite": "moe-test",
-                                                   "run_id": run_id, "devices": []}))
+    (run / "manifest.json").write_text(
+        json.dumps({"schema_version": 1, "kind": "manifest", "suite": "moe-test", "run_id": run_id, "devices": []})
+    )
     for i, r in enumerate(records):
         (run / "cases" / f"{i:02d}.json").write_text(json.dumps(r))
     return run
 
 
 def _ds(tokens, dropped, padding, sent=48):
-    return {"tokens_per_expert": tokens, "routed_per_expert": tokens, "capacity": 12, "dropped": dropped,
-            "sent_rows": sent, "received_rows": sent, "padding_rows": padding}
+    return {
+        "tokens_per_expert": tokens,
+        "routed_per_expert": tokens,
+        "capacity": 12,
+        "dropped": dropped,
+        "sent_rows": sent,
+        "received_rows": sent,
+        "padding_rows": padding,
+    }
 
 
 def _ep(tokens, dropped=0):
-    return {"tokens_per_expert": tokens, "received_per_local_expert": [0, 0], "sent_rows": sum(tokens),
-            "received_rows": sum(tokens), "dropped": dropped}
+    return {
+        "tokens_per_expert": tokens,
+        "received_per_local_expert": [0, 0],
+        "sent_rows": sum(tokens),
+        "received_rows": sum(tokens),
+        "dropped": dropped,
+    }
 
 
-BALANCED = _record("deepspeed.moe", "tiny-moe-cap1", [
-    {"1": _ds([10, 10, 10, 10], 2, 3), "3": _ds([12, 8, 10, 10], 1, 5)},
-    {"1": _ds([10, 10, 10, 10], 0, 2), "3": _ds([12, 8, 10, 10], 3, 4)},
-], n_experts=4, top_k=2, capacity_factor=1.0, a2a=(196608, 4))
-COLLAPSED = _record("ref.ep", "wide-moe", [  # layer 1: every token to experts 6 and 7, both on rank 1
-    {"1": _ep([0, 0, 0, 0, 0, 0, 30, 30]), "3": _ep([5] * 8)},
-    {"1": _ep([0, 0, 0, 0, 0, 0, 34, 34]), "3": _ep([5] * 8)},
-], n_experts=8, top_k=2)
-STARVED = _record("ref.ep", "top1-moe", [  # 2.0 is far below E/k = 4, but rank 0's experts got nothing
-    {"1": _ep([0, 0, 6, 4])}, {"1": _ep([0, 0, 4, 6])},
-], n_experts=4, top_k=1)
-UNEVEN = _record("ref.ep", "uneven-moe", [  # 3.5 < 0.9 * 8/2 = 3.6 and no rank starved: not collapsed
-    {"1": _ep([14, 2, 0, 0, 2, 0, 0, 14])}, {"1": _ep([14, 2, 0, 0, 2, 0, 0, 14])},
-], n_experts=8, top_k=2)
-FAILED = _record("ref.ep", "tiny-moe", [], n_experts=4, top_k=2, status="crashed",
-                 error={"message": "launcher exited with status -6 <SIGABRT> & no exception",
-                        "diagnosis": "A deadlock: rank 0's experts got <no rows> in layer 5."})
-DENSE = {"schema_version": 1, "kind": "case", "label": "ref.ddp tiny w2 fp32 mb2", "status": "ok",
-         "case": {"model": "tiny", "strategy": "ref.ddp", "world_size": 2, "precision": "fp32", "micro_batch": 2},
-         "metrics": {"tokens_per_s": 1000.0, "step_time_s_median": 0.01},
-         "per_rank": [{"rank": 0, "strategy_stats": {"ep": 2, "moe_layers": {"1": _ep([1, 0])}}}]}
+BALANCED = _record(
+    "deepspeed.moe",
+    "tiny-moe-cap1",
+    [
+        {"1": _ds([10, 10, 10, 10], 2, 3), "3": _ds([12, 8, 10, 10], 1, 5)},
+        {"1": _ds([10, 10, 10, 10], 0, 2), "3": _ds([12, 8, 10, 10], 3, 4)},
+    ],
+    n_experts=4,
+    top_k=2,
+    capacity_factor=1.0,
+    a2a=(196608, 4),
+)
+COLLAPSED = _record(
+    "ref.ep",
+    "wide-moe",
+    [  # layer 1: every token to experts 6 and 7, both on rank 1
+        {"1": _ep([0, 0, 0, 0, 0, 0, 30, 30]), "3": _ep([5] * 8)},
+        {"1": _ep([0, 0, 0, 0, 0, 0, 34, 34]), "3": _ep([5] * 8)},
+    ],
+    n_experts=8,
+    top_k=2,
+)
+STARVED = _record(
+    "ref.ep",
+    "top1-moe",
+    [  # 2.0 is far below E/k = 4, but rank 0's experts got nothing
+        {"1": _ep([0, 0, 6, 4])},
+        {"1": _ep([0, 0, 4, 6])},
+    ],
+    n_experts=4,
+    top_k=1,
+)
+UNEVEN = _record(
+    "ref.ep",
+    "uneven-moe",
+    [  # 3.5 < 0.9 * 8/2 = 3.6 and no rank starved: not collapsed
+        {"1": _ep([14, 2, 0, 0, 2, 0, 0, 14])},
+        {"1": _ep([14, 2, 0, 0, 2, 0, 0, 14])},
+    ],
+    n_experts=8,
+    top_k=2,
+)
+FAILED = _record(
+    "ref.ep",
+    "tiny-moe",
+    [],
+    n_experts=4,
+    top_k=2,
+    status="crashed",
+    error={
+        "message": "launcher exited with status -6 <SIGABRT> & no exception",
+        "diagnosis": "A deadlock: rank 0's experts got <no rows> in layer 5.",
+    },
+)
+DENSE = {
+    "schema_version": 1,
+    "kind": "case",
+    "label": "ref.ddp tiny w2 fp32 mb2",
+    "status": "ok",
+    "case": {"model": "tiny", "strategy": "ref.ddp", "world_size": 2, "precision": "fp32", "micro_batch": 2},
+    "metrics": {"tokens_per_s": 1000.0, "step_time_s_median": 0.01},
+    "per_rank": [{"rank": 0, "strategy_stats": {"ep": 2, "moe_layers": {"1": _ep([1, 0])}}}],
+}
 
 
 @pytest.fixture()
@@ -98,7 +194,12 @@ def test_rows_from_synthetic_routing(synthetic_run):
     assert b["padding_pct"] == pytest.approx(14 / (4 * 48) * 100)
     assert (b["a2a_bytes"], b["a2a_calls"], b["a2a_MiB"]) == (196608, 4, 0.1875)  # rank 0's, not rank 1's
     assert (b["ceiling"], b["collapsed_layers"], b["starved_layers"], b["collapsed"]) == (2.0, 0, 0, "no")
-    assert (b["shape"], b["experts"], b["capacity"], b["step_time_ms"]) == ("2 x 64", "4 (top-2, ep 2)", "factor 1.0", 20.0)
+    assert (b["shape"], b["experts"], b["capacity"], b["step_time_ms"]) == (
+        "2 x 64",
+        "4 (top-2, ep 2)",
+        "factor 1.0",
+        20.0,
+    )
 
     c = by["wide-moe"]  # layer 1: [0]*6 + [64, 64] over 128 assignments: max/mean = 64/16 = 4.0 = E/k
     assert c["per_layer"][0]["load"] == [0, 0, 0, 0, 0, 0, 64, 64]
@@ -114,8 +215,10 @@ def test_rows_from_synthetic_routing(synthetic_run):
     u = by["uneven-moe"]  # [28, 4, 0, 0, 4, 0, 0, 28]: 28/8 = 3.5 < 3.6, both ranks hold a busy expert
     assert (u["worst_imbalance"], u["worst_zero_experts"], u["collapsed"]) == (3.5, 4, "no")
 
-    assert [(r["model"], r["layer"], r["load"], r["starved_ranks"]) for r in layers if r["model"] == "wide-moe"] == \
-        [("wide-moe", 1, "0 0 0 0 0 0 64 64", "0"), ("wide-moe", 3, "10 10 10 10 10 10 10 10", "none")]
+    assert [(r["model"], r["layer"], r["load"], r["starved_ranks"]) for r in layers if r["model"] == "wide-moe"] == [
+        ("wide-moe", 1, "0 0 0 0 0 0 64 64", "0"),
+        ("wide-moe", 3, "10 10 10 10 10 10 10 10", "none"),
+    ]
     assert [(f["label"], f["status"]) for f in failed] == [("ref.ep tiny-moe w2 fp32 mb2", "crashed")]
     assert failed[0]["diagnosis"] == "A deadlock: rank 0's experts got <no rows> in layer 5."
 
@@ -124,13 +227,18 @@ def test_section_flags_collapse_and_escapes_text(synthetic_run):
     page = render_report([synthetic_run], with_figures=False)
     for id_ in ("moe-routing", "moe-routing-layers", "moe-routing-failed"):
         assert f'id="tbl-{id_}"' in page
-    assert "Routing collapsed at initialisation on this synthetic data in ref.ep top1-moe w2 fp32 mb2; " \
-           "ref.ep wide-moe w2 fp32 mb2:" in page  # the collapsed cases only, in row order
-    assert page.index('id="tbl-moe-routing"') < page.index("Routing collapsed at initialisation") \
-        < page.index('id="tbl-moe-routing-layers"')  # under its table
+    assert (
+        "Routing collapsed at initialisation on this synthetic data in ref.ep top1-moe w2 fp32 mb2; "
+        "ref.ep wide-moe w2 fp32 mb2:" in page
+    )  # the collapsed cases only, in row order
+    assert (
+        page.index('id="tbl-moe-routing"')
+        < page.index("Routing collapsed at initialisation")
+        < page.index('id="tbl-moe-routing-layers"')
+    )  # under its table
     assert "<SIGABRT>" not in page and "&lt;SIGABRT&gt; &amp; no exception" in page
     assert "got &lt;no rows&gt; in layer 5" in page and "<no rows>" not in page
-    table = page[page.index('id="tbl-moe-routing"'):page.index('id="tbl-moe-routing-layers"')]
+    table = page[page.index('id="tbl-moe-routing"') : page.index('id="tbl-moe-routing-layers"')]
     assert 'data-v="4.0">4.000<' in table and 'data-v="3.5">3.500<' in table and "ref.ddp" not in table
 
 
@@ -164,8 +272,20 @@ def test_committed_gpu_run_shows_the_collapse():
     assert (d["dropped"], d["padding_rows"], d["a2a_bytes"], d["a2a_calls"]) == (0, 1176720, 6430457856, 48)
 
     c = by["gpt-350m-moe-cap1"]  # capacity factor 1: 2048 slots per expert and rank, most assignments dropped
-    assert [round(lay["imbalance"], 4) for lay in c["per_layer"]] == \
-        [3.8478, 3.2009, 4.0, 3.9304, 4.0, 4.0, 3.999, 2.9627, 4.0, 3.9907, 3.9743, 3.9098]
+    assert [round(lay["imbalance"], 4) for lay in c["per_layer"]] == [
+        3.8478,
+        3.2009,
+        4.0,
+        3.9304,
+        4.0,
+        4.0,
+        3.999,
+        2.9627,
+        4.0,
+        3.9907,
+        3.9743,
+        3.9098,
+    ]
     assert (c["worst_layer"], c["worst_imbalance"], c["worst_zero_experts"]) == ("5", 4.0, 6)
     assert (c["dropped"], c["padding_rows"], c["a2a_bytes"], c["collapsed"]) == (289267, 289267, 1610612736, "yes")
 
@@ -173,5 +293,7 @@ def test_committed_gpu_run_shows_the_collapse():
     assert failed[0]["diagnosis"].startswith("Not a crash of its own: a deadlock")
 
     page = render_report([GPU_RUN], with_figures=False)
-    assert "Routing collapsed at initialisation on this synthetic data in deepspeed.moe gpt-350m-moe w2 bf16 mb4;" in page
+    assert (
+        "Routing collapsed at initialisation on this synthetic data in deepspeed.moe gpt-350m-moe w2 bf16 mb4;" in page
+    )
     assert str(escape(failed[0]["diagnosis"])) in page  # as Jinja's autoescape writes it

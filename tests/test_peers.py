@@ -4,8 +4,8 @@ one process on the same global batch: fp32, 2 gloo ranks, 1e-4 relative at every
 import os
 
 import pytest
-
 from helpers import max_rel_diff, params_close, single_reference, train
+
 from parabench.suite import Case
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

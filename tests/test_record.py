@@ -37,8 +37,9 @@ def test_built_record_uses_documented_keys_in_order():
 
 def test_data_parallel_degree_is_the_grid_s_and_sets_the_global_batch():
     """dp comes from the rank grid once (Topology.check); the global batch and the theory both use it."""
-    case = Case(model="tiny", strategy="ref.pp_1f1b", world_size=8, micro_batch=2, grad_accum=3,
-                options={"pp": 2, "tp": 2})
+    case = Case(
+        model="tiny", strategy="ref.pp_1f1b", world_size=8, micro_batch=2, grad_accum=3, options={"pp": 2, "tp": 2}
+    )
     assert case.dp == 2 and case.global_batch == 2 * 3 * 2
 
 
@@ -61,8 +62,12 @@ def test_record_of_another_schema_version_is_refused_naming_the_file(tmp_path, c
 
 def test_pipeline_stages_drop_a_gpu_bubble_seen_by_the_host_clock_only():
     _, records = load_run(PP_RUN)
-    unsynced = [r for r in records if r["device"]["type"] == "cuda"
-                and any((pr.get("pipeline") or {}).get("timeline_synchronized") is False for pr in r["per_rank"])]
+    unsynced = [
+        r
+        for r in records
+        if r["device"]["type"] == "cuda"
+        and any((pr.get("pipeline") or {}).get("timeline_synchronized") is False for pr in r["per_rank"])
+    ]
     assert unsynced, "the committed pp-profile run has unsynchronised GPU timelines"
     for _, stage in pipeline_stages(unsynced[0]):
         assert stage["bubble_fraction_measured"] is None

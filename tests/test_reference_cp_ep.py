@@ -15,15 +15,13 @@ import dataclasses
 
 import pytest
 import torch
+from harness import assert_matches_single, max_rel_diff, params_close, payload_by_kind, replica_mean_losses, run_cases
 
-from harness import (assert_matches_single, max_rel_diff, params_close, payload_by_kind, replica_mean_losses,
-                     run_cases)
-from parabench.models import (GPT, build_model, model_config, model_flops_per_token,
-                              parameter_count)
-from parabench.strategies import TrainSpec, get_strategy
-from parabench.suite import Case, SuiteError, validate_case
 from parabench.families.context import cp_ops
 from parabench.families.expert import ep_ops
+from parabench.models import GPT, build_model, model_config, model_flops_per_token, parameter_count
+from parabench.strategies import TrainSpec, get_strategy
+from parabench.suite import Case, SuiteError, validate_case
 from parabench.theory import expected, sum_ops
 from parabench.topology import Topology
 
@@ -34,34 +32,48 @@ PARAM_ATOL = 1e-5
 
 
 def mk(name, strategy, world, model="tiny", micro_batch=2, grad_accum=1, **options):
-    return name, Case(model=model, strategy=strategy, world_size=world, micro_batch=micro_batch,
-                      grad_accum=grad_accum, lr=1e-3, options={"optim": OPTIM, **options})
+    return name, Case(
+        model=model,
+        strategy=strategy,
+        world_size=world,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        lr=1e-3,
+        options={"optim": OPTIM, **options},
+    )
 
 
-CASES_2 = dict([
-    mk("ring_zz2", "ref.cp_ring", 2, cp_split="zigzag"),
-    mk("ring_ct2", "ref.cp_ring", 2, cp_split="contiguous"),
-    mk("uly2", "ref.cp_ulysses", 2),
-    mk("ring_zz2_ga2", "ref.cp_ring", 2, micro_batch=1, grad_accum=2),
-    mk("ep2", "ref.ep", 2, model="tiny-moe"),
-    mk("ep2_cap", "ref.ep", 2, model="tiny-moe-cap1"),
-    mk("ep2_bal", "ref.ep", 2, model="tiny-moe-bal"),
-    mk("broken_ring", "ref.cp_ring", 2, **{"break": "no_lse"}),
-    mk("broken_uly", "ref.cp_ulysses", 2, **{"break": "no_reverse"}),
-    mk("ds_uly2", "deepspeed.ulysses", 2),
-    mk("ep2_bf16", "ref.ep", 2, model="tiny-moe"),
-    mk("ring_zz2_bf16", "ref.cp_ring", 2, cp_split="zigzag"),
-])
+CASES_2 = dict(
+    [
+        mk("ring_zz2", "ref.cp_ring", 2, cp_split="zigzag"),
+        mk("ring_ct2", "ref.cp_ring", 2, cp_split="contiguous"),
+        mk("uly2", "ref.cp_ulysses", 2),
+        mk("ring_zz2_ga2", "ref.cp_ring", 2, micro_batch=1, grad_accum=2),
+        mk("ep2", "ref.ep", 2, model="tiny-moe"),
+        mk("ep2_cap", "ref.ep", 2, model="tiny-moe-cap1"),
+        mk("ep2_bal", "ref.ep", 2, model="tiny-moe-bal"),
+        mk("broken_ring", "ref.cp_ring", 2, **{"break": "no_lse"}),
+        mk("broken_uly", "ref.cp_ulysses", 2, **{"break": "no_reverse"}),
+        mk("ds_uly2", "deepspeed.ulysses", 2),
+        mk("ep2_bf16", "ref.ep", 2, model="tiny-moe"),
+        mk("ring_zz2_bf16", "ref.cp_ring", 2, cp_split="zigzag"),
+    ]
+)
 CASES_2["ep2_bf16"] = dataclasses.replace(CASES_2["ep2_bf16"], precision="bf16")
 CASES_2["ring_zz2_bf16"] = dataclasses.replace(CASES_2["ring_zz2_bf16"], precision="bf16")
-CASES_4 = dict([
-    mk("ring_zz4", "ref.cp_ring", 4, micro_batch=1, cp_split="zigzag"),
-    mk("ring_ct4", "ref.cp_ring", 4, micro_batch=1, cp_split="contiguous"),
-    mk("uly4", "ref.cp_ulysses", 4, micro_batch=1),
-    mk("ep4", "ref.ep", 4, model="tiny-moe", micro_batch=1),
-])
-EQUIVALENT = [n for n in {**CASES_2, **CASES_4}
-              if not n.startswith("broken") and n not in ("ep2_cap", "ep2_bf16", "ring_zz2_bf16")]
+CASES_4 = dict(
+    [
+        mk("ring_zz4", "ref.cp_ring", 4, micro_batch=1, cp_split="zigzag"),
+        mk("ring_ct4", "ref.cp_ring", 4, micro_batch=1, cp_split="contiguous"),
+        mk("uly4", "ref.cp_ulysses", 4, micro_batch=1),
+        mk("ep4", "ref.ep", 4, model="tiny-moe", micro_batch=1),
+    ]
+)
+EQUIVALENT = [
+    n
+    for n in {**CASES_2, **CASES_4}
+    if not n.startswith("broken") and n not in ("ep2_cap", "ep2_bf16", "ring_zz2_bf16")
+]
 
 
 def _stats(trainer, case, record):
@@ -74,8 +86,9 @@ def _group(cases: dict, world: int) -> dict:
     import os
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before the ranks import DeepSpeed (deepspeed.ulysses)
-    return run_cases(world, cases, N_STEPS, with_truth=True, extra_step=True, meter_steps=(N_STEPS,),
-                     want_state=False, on_end=_stats)
+    return run_cases(
+        world, cases, N_STEPS, with_truth=True, extra_step=True, meter_steps=(N_STEPS,), want_state=False, on_end=_stats
+    )
 
 
 @pytest.fixture(scope="module")
@@ -207,8 +220,13 @@ def test_moe_parameter_counts_and_flops():
             assert counts["active"] == counts["total"] - cfg.n_moe_layers * (cfg.n_experts - cfg.top_k) * per_expert
             dense = model_config("tiny")
             assert model_flops_per_token(cfg) > model_flops_per_token(dense)
-    assert parameter_count(model_config("tiny")) == {"total": 136832, "blocks": 99840, "embeddings": 20480,
-                                                     "head": 16384, "matmul": 114688}
+    assert parameter_count(model_config("tiny")) == {
+        "total": 136832,
+        "blocks": 99840,
+        "embeddings": 20480,
+        "head": 16384,
+        "matmul": 114688,
+    }
 
 
 def test_dense_model_unchanged_by_moe_fields():
@@ -218,15 +236,18 @@ def test_dense_model_unchanged_by_moe_fields():
     assert model_config("gpt-125m-8k").seq_len == 8192
 
 
-@pytest.mark.parametrize("case,msg", [
-    (Case(model="tiny", strategy="ref.cp_ulysses", world_size=8), "heads"),
-    (Case(model="tiny-moe", strategy="ref.cp_ring", world_size=2), "dense models only"),
-    (Case(model="tiny", strategy="ref.ep", world_size=2), "MoE model"),
-    (Case(model="tiny", strategy="ref.cp_ring", world_size=2, seq_len=30), "chunks"),
-    (Case(model="tiny", strategy="ref.cp_ring", world_size=4, options={"cp": 2}), "must equal"),
-    (Case(model="tiny", strategy="ref.cp_ring", world_size=4, options={"tp": 2}), "unknown option .tp."),
-    (Case(model="tiny-moe", strategy="ref.ep", world_size=8), "experts"),
-])
+@pytest.mark.parametrize(
+    "case,msg",
+    [
+        (Case(model="tiny", strategy="ref.cp_ulysses", world_size=8), "heads"),
+        (Case(model="tiny-moe", strategy="ref.cp_ring", world_size=2), "dense models only"),
+        (Case(model="tiny", strategy="ref.ep", world_size=2), "MoE model"),
+        (Case(model="tiny", strategy="ref.cp_ring", world_size=2, seq_len=30), "chunks"),
+        (Case(model="tiny", strategy="ref.cp_ring", world_size=4, options={"cp": 2}), "must equal"),
+        (Case(model="tiny", strategy="ref.cp_ring", world_size=4, options={"tp": 2}), "unknown option .tp."),
+        (Case(model="tiny-moe", strategy="ref.ep", world_size=8), "experts"),
+    ],
+)
 def test_unsupported_cases_rejected_before_launch(case, msg):
     with pytest.raises(SuiteError, match=msg):
         validate_case(case)
@@ -234,7 +255,13 @@ def test_unsupported_cases_rejected_before_launch(case, msg):
 
 def test_torch_cp_refuses_cpu_with_the_reason():
     cfg = model_config("tiny")
-    spec = TrainSpec(model=cfg, seed=1, device=torch.device("cpu"), precision="fp32",
-                     topology=Topology(world_size=2, rank=0), micro_batch=2)
+    spec = TrainSpec(
+        model=cfg,
+        seed=1,
+        device=torch.device("cpu"),
+        precision="fp32",
+        topology=Topology(world_size=2, rank=0),
+        micro_batch=2,
+    )
     with pytest.raises(NotImplementedError, match="sharding strategy"):
         get_strategy("torch.cp").build(spec)

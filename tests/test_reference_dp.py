@@ -20,9 +20,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import (
+    assert_matches_single,
+    max_rel_diff,
+    mismatch,
+    payload_by_kind,
+    replica_mean_losses,
+    run_cases,
+    single_truth,
+)
 
-from harness import (assert_matches_single, max_rel_diff, mismatch, payload_by_kind, replica_mean_losses,
-                     run_cases, single_truth)
 from parabench.models import model_config, parameter_count
 from parabench.suite import Case
 from parabench.theory import expected
@@ -38,16 +45,28 @@ def mk(strategy, world, precision="fp32", grad_accum=1, broken=None, **options):
     opts = {"optim": OPTIM, "bucket_mb": 0.05, **options}
     if broken:
         opts["broken"] = broken
-    return name, Case(model="tiny", strategy=strategy, world_size=world, precision=precision, micro_batch=2,
-                      grad_accum=grad_accum, lr=1e-3, device="cpu", options=opts)
+    return name, Case(
+        model="tiny",
+        strategy=strategy,
+        world_size=world,
+        precision=precision,
+        micro_batch=2,
+        grad_accum=grad_accum,
+        lr=1e-3,
+        device="cpu",
+        options=opts,
+    )
 
 
-CASES_2 = dict([mk(s, 2, grad_accum=ga) for s in FAMILY for ga in (1, 2)]
-               + [mk(s, 2, precision="bf16") for s in FAMILY]
-               + [mk("ref.ddp", 2, broken="skip_bucket"), mk("ref.zero2", 2, broken="no_average")])
-CASES_4 = dict([mk(s, 4) for s in FAMILY + ("ref.hsdp",)]
-               + [mk("ref.hsdp", 4, grad_accum=2), mk("ref.hsdp", 4, precision="bf16"),
-                  mk("ref.zero2", 4, grad_accum=2)])
+CASES_2 = dict(
+    [mk(s, 2, grad_accum=ga) for s in FAMILY for ga in (1, 2)]
+    + [mk(s, 2, precision="bf16") for s in FAMILY]
+    + [mk("ref.ddp", 2, broken="skip_bucket"), mk("ref.zero2", 2, broken="no_average")]
+)
+CASES_4 = dict(
+    [mk(s, 4) for s in FAMILY + ("ref.hsdp",)]
+    + [mk("ref.hsdp", 4, grad_accum=2), mk("ref.hsdp", 4, precision="bf16"), mk("ref.zero2", 4, grad_accum=2)]
+)
 
 # Three ranks: the tiny model's parameter counts are multiples of 64, so only an odd world size makes
 # the per-bucket (ZeRO) and per-unit (FSDP) padding non-empty.
@@ -91,8 +110,9 @@ def _instrument(trainer, case, spec) -> dict:
 
 def _group(cases: dict, world: int) -> dict:
     """Every rank trains each case for N_STEPS, the last one metered and with state sampled."""
-    return run_cases(world, cases, N_STEPS, meter_steps=(N_STEPS - 1,), measure_state_from=N_STEPS - 1,
-                     on_build=_instrument)
+    return run_cases(
+        world, cases, N_STEPS, meter_steps=(N_STEPS - 1,), measure_state_from=N_STEPS - 1, on_build=_instrument
+    )
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,9 @@ import dataclasses
 
 import pytest
 import torch
-
-from harness import (assert_matches_single, max_rel_diff, params_close, payload_by_kind, replica_mean_losses,
-                     run_cases)
+from harness import assert_matches_single, max_rel_diff, params_close, payload_by_kind, replica_mean_losses, run_cases
 from helpers import single_reference
+
 from parabench.distributed import run_on_gloo
 from parabench.models import model_config
 from parabench.strategies import get_strategy
@@ -41,45 +40,72 @@ PARAM_ATOL = 1e-5
 
 
 def mk(name, strategy, world, model="tiny", micro_batch=4, grad_accum=1, seq_len=None, **options):
-    return name, Case(model=model, strategy=strategy, world_size=world, micro_batch=micro_batch,
-                      grad_accum=grad_accum, seq_len=seq_len, lr=1e-3, options={"optim": OPTIM, **options})
+    return name, Case(
+        model=model,
+        strategy=strategy,
+        world_size=world,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        seq_len=seq_len,
+        lr=1e-3,
+        options={"optim": OPTIM, **options},
+    )
 
 
-CASES_2 = dict([
-    mk("tp2", "ref.tp", 2, tp=2),
-    mk("tp_sp2", "ref.tp_sp", 2, tp=2),
-    mk("tp2_ga2", "ref.tp", 2, micro_batch=2, grad_accum=2, tp=2),
-    mk("gpipe_p2_m4", "ref.pp_gpipe", 2, pp=2),
-    mk("1f1b_p2_m4", "ref.pp_1f1b", 2, pp=2),
-    mk("gpipe_p2_m8", "ref.pp_gpipe", 2, micro_batch=8, pp=2, microbatches=8),
-    mk("1f1b_p2_m8", "ref.pp_1f1b", 2, micro_batch=8, pp=2, microbatches=8),
-    mk("broken_f", "ref.tp", 2, tp=2, break_operator="f"),
-    mk("torch.tp2", "torch.tp", 2, tp=2),
-    mk("torch.tp_sp2", "torch.tp_sp", 2, tp=2),
-    mk("torch.gpipe2", "torch.pp_gpipe", 2, pp=2),
-    mk("torch.1f1b2", "torch.pp_1f1b", 2, pp=2),
-    mk("torch.interleaved2", "torch.pp_interleaved", 2, model="small", seq_len=32, pp=2),
-    mk("tp_sp2_bf16", "ref.tp_sp", 2, tp=2),
-    mk("1f1b_p2_bf16", "ref.pp_1f1b", 2, pp=2),
-])
+CASES_2 = dict(
+    [
+        mk("tp2", "ref.tp", 2, tp=2),
+        mk("tp_sp2", "ref.tp_sp", 2, tp=2),
+        mk("tp2_ga2", "ref.tp", 2, micro_batch=2, grad_accum=2, tp=2),
+        mk("gpipe_p2_m4", "ref.pp_gpipe", 2, pp=2),
+        mk("1f1b_p2_m4", "ref.pp_1f1b", 2, pp=2),
+        mk("gpipe_p2_m8", "ref.pp_gpipe", 2, micro_batch=8, pp=2, microbatches=8),
+        mk("1f1b_p2_m8", "ref.pp_1f1b", 2, micro_batch=8, pp=2, microbatches=8),
+        mk("broken_f", "ref.tp", 2, tp=2, break_operator="f"),
+        mk("torch.tp2", "torch.tp", 2, tp=2),
+        mk("torch.tp_sp2", "torch.tp_sp", 2, tp=2),
+        mk("torch.gpipe2", "torch.pp_gpipe", 2, pp=2),
+        mk("torch.1f1b2", "torch.pp_1f1b", 2, pp=2),
+        mk("torch.interleaved2", "torch.pp_interleaved", 2, model="small", seq_len=32, pp=2),
+        mk("tp_sp2_bf16", "ref.tp_sp", 2, tp=2),
+        mk("1f1b_p2_bf16", "ref.pp_1f1b", 2, pp=2),
+    ]
+)
 for _name in ("tp_sp2_bf16", "1f1b_p2_bf16"):
     CASES_2[_name] = dataclasses.replace(CASES_2[_name], precision="bf16")
-CASES_4 = dict([
-    mk("tp4", "ref.tp", 4, model="small", seq_len=32, tp=4),
-    mk("gpipe_p4_m4", "ref.pp_gpipe", 4, model="small", seq_len=32, pp=4, microbatches=4),
-    mk("1f1b_p4_m4", "ref.pp_1f1b", 4, model="small", seq_len=32, pp=4, microbatches=4),
-    mk("gpipe_p4_m8", "ref.pp_gpipe", 4, model="small", seq_len=32, micro_batch=8, pp=4),
-    mk("1f1b_p4_m8", "ref.pp_1f1b", 4, model="small", seq_len=32, micro_batch=8, pp=4),
-    mk("tp2xdp2", "ref.tp", 4, micro_batch=2, tp=2),
-    mk("pp2xdp2", "ref.pp_1f1b", 4, pp=2),
-    mk("sp2xpp2", "ref.pp_1f1b", 4, pp=2, tp=2, sp=True),
-])
-CASES_8 = dict([
-    mk("tp2xpp2xdp2", "ref.pp_1f1b", 8, pp=2, tp=2),
-])
+CASES_4 = dict(
+    [
+        mk("tp4", "ref.tp", 4, model="small", seq_len=32, tp=4),
+        mk("gpipe_p4_m4", "ref.pp_gpipe", 4, model="small", seq_len=32, pp=4, microbatches=4),
+        mk("1f1b_p4_m4", "ref.pp_1f1b", 4, model="small", seq_len=32, pp=4, microbatches=4),
+        mk("gpipe_p4_m8", "ref.pp_gpipe", 4, model="small", seq_len=32, micro_batch=8, pp=4),
+        mk("1f1b_p4_m8", "ref.pp_1f1b", 4, model="small", seq_len=32, micro_batch=8, pp=4),
+        mk("tp2xdp2", "ref.tp", 4, micro_batch=2, tp=2),
+        mk("pp2xdp2", "ref.pp_1f1b", 4, pp=2),
+        mk("sp2xpp2", "ref.pp_1f1b", 4, pp=2, tp=2, sp=True),
+    ]
+)
+CASES_8 = dict(
+    [
+        mk("tp2xpp2xdp2", "ref.pp_1f1b", 8, pp=2, tp=2),
+    ]
+)
 # Cases whose measured bytes are compared with parabench.theory.
-METERED = {"tp2", "tp_sp2", "tp2_ga2", "gpipe_p2_m4", "1f1b_p2_m8", "tp4", "gpipe_p4_m4", "1f1b_p4_m8",
-           "tp2xdp2", "pp2xdp2", "sp2xpp2", "tp2xpp2xdp2", "torch.interleaved2"}
+METERED = {
+    "tp2",
+    "tp_sp2",
+    "tp2_ga2",
+    "gpipe_p2_m4",
+    "1f1b_p2_m8",
+    "tp4",
+    "gpipe_p4_m4",
+    "1f1b_p4_m8",
+    "tp2xdp2",
+    "pp2xdp2",
+    "sp2xpp2",
+    "tp2xpp2xdp2",
+    "torch.interleaved2",
+}
 
 
 @contextlib.contextmanager
@@ -170,6 +196,7 @@ def test_inprocess_truth_is_helpers_single_reference(group2):
 
 # --- schedules ---------------------------------------------------------------------------------
 
+
 def textbook_order(schedule: str, stage: int, p: int, m: int) -> list[str]:
     """Written from the papers, independently of reference_impls.pipeline."""
     if schedule == "gpipe":  # Huang et al. 2019 Fig. 2c: all forwards, then all backwards
@@ -196,8 +223,19 @@ def test_textbook_1f1b_by_hand():
     assert textbook_order("1f1b", 1, 4, 4) == "F0 F1 F2 B0 F3 B1 B2 B3".split()
 
 
-@pytest.mark.parametrize("name", ["gpipe_p2_m4", "1f1b_p2_m4", "gpipe_p2_m8", "1f1b_p2_m8",
-                                  "gpipe_p4_m4", "1f1b_p4_m4", "gpipe_p4_m8", "1f1b_p4_m8"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gpipe_p2_m4",
+        "1f1b_p2_m4",
+        "gpipe_p2_m8",
+        "1f1b_p2_m8",
+        "gpipe_p4_m4",
+        "1f1b_p4_m4",
+        "gpipe_p4_m8",
+        "1f1b_p4_m8",
+    ],
+)
 def test_schedule_executes_textbook_order(group2, group4, name):
     res = (group2 if name in group2 else group4)[name]
     sched, p, m = name.split("_")[0], int(name.split("_")[1][1:]), int(name.split("_")[2][1:])
@@ -214,6 +252,7 @@ def test_schedule_executes_textbook_order(group2, group4, name):
 
 
 # --- communication vs theory -----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", sorted(METERED))
 def test_measured_comm_and_state_equal_theory(group2, group4, group8, name):
@@ -239,14 +278,19 @@ def test_measured_comm_and_state_equal_theory(group2, group4, group8, name):
 
 # --- validation ------------------------------------------------------------------------------
 
+
 def test_validate_rejects_microbatches_not_dividing_micro_batch():
     with pytest.raises(SuiteError, match="micro-batches do not divide"):
         validate_case(Case(model="tiny", strategy="ref.pp_1f1b", world_size=2, micro_batch=2, options={"pp": 2}))
     with pytest.raises(SuiteError, match="micro-batches do not divide"):
-        validate_case(Case(model="tiny", strategy="ref.pp_gpipe", world_size=2, micro_batch=6,
-                           options={"pp": 2, "microbatches": 4}))
-    validate_case(Case(model="tiny", strategy="ref.pp_gpipe", world_size=2, micro_batch=8,
-                       options={"pp": 2, "microbatches": 4}))
+        validate_case(
+            Case(
+                model="tiny", strategy="ref.pp_gpipe", world_size=2, micro_batch=6, options={"pp": 2, "microbatches": 4}
+            )
+        )
+    validate_case(
+        Case(model="tiny", strategy="ref.pp_gpipe", world_size=2, micro_batch=8, options={"pp": 2, "microbatches": 4})
+    )
     with pytest.raises(SuiteError, match="sequence parallel"):
         validate_case(Case(model="tiny", strategy="ref.tp_sp", world_size=4, seq_len=30, options={"tp": 4}))
 
@@ -267,7 +311,13 @@ def _timeline_steps(case_dict):
 def test_record_timeline_synchronises_the_instrumented_step_only():
     """record_timeline puts a device synchronisation around every pipeline event: on the
     instrumented step only, so the timed steps of such a case run at full speed."""
-    case = Case(model="tiny", strategy="ref.pp_1f1b", world_size=2, micro_batch=4, lr=1e-3,
-                options={"pp": 2, "microbatches": 4, "record_timeline": True})
+    case = Case(
+        model="tiny",
+        strategy="ref.pp_1f1b",
+        world_size=2,
+        micro_batch=4,
+        lr=1e-3,
+        options={"pp": 2, "microbatches": 4, "record_timeline": True},
+    )
     for seen in run_on_gloo(_timeline_steps, 2, case.to_dict()):
         assert seen == [(False, False), (True, True)]

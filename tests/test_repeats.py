@@ -16,10 +16,10 @@ import pytest
 
 from parabench.cli import main as cli_main
 from parabench.compare import compare_metric, compare_runs
+from parabench.record import build_record
 from parabench.report.html import render_report
 from parabench.report.spread import ratio_rows, spread_rows
 from parabench.results import load_run
-from parabench.record import build_record
 from parabench.stats import combine_launches, mann_whitney_greater, median_ci, ratio_ci, smallest_p
 from parabench.suite import Case, SuiteError, launch_key, load_suite
 from parabench.worker import debug_slowdown
@@ -30,14 +30,27 @@ TRIALS = 2000
 
 def _case_record(samples: list[float]) -> dict:
     """A combined record of tokens/s launch samples, as ``combine_launches`` leaves it."""
-    return {"metrics": {"tokens_per_s": sorted(samples)[len(samples) // 2] if len(samples) % 2
-                        else sum(sorted(samples)[len(samples) // 2 - 1:len(samples) // 2 + 1]) / 2},
-            "launches": [{"status": "ok", "tokens_per_s": s} for s in samples]}
+    return {
+        "metrics": {
+            "tokens_per_s": sorted(samples)[len(samples) // 2]
+            if len(samples) % 2
+            else sum(sorted(samples)[len(samples) // 2 - 1 : len(samples) // 2 + 1]) / 2
+        },
+        "launches": [{"status": "ok", "tokens_per_s": s} for s in samples],
+    }
 
 
 def _verdict(base: list[float], cand: list[float], **kw) -> str:
-    return compare_metric("tokens_per_s", +1, "timing", _case_record(base), _case_record(cand),
-                          threshold=kw.get("threshold", 0.03), mem_threshold=0.05, alpha=kw.get("alpha", 0.05)).verdict
+    return compare_metric(
+        "tokens_per_s",
+        +1,
+        "timing",
+        _case_record(base),
+        _case_record(cand),
+        threshold=kw.get("threshold", 0.03),
+        mem_threshold=0.05,
+        alpha=kw.get("alpha", 0.05),
+    ).verdict
 
 
 def _draws(rng: random.Random, n: int, cv: float, scale: float = 1.0) -> list[float]:
@@ -47,8 +60,10 @@ def _draws(rng: random.Random, n: int, cv: float, scale: float = 1.0) -> list[fl
 def _rate(n: int, cv: float, slowdown: float, seed: int) -> float:
     """Fraction of TRIALS in which the gate calls a regression (tokens/s down by ``slowdown``)."""
     rng = random.Random(seed)
-    return sum(_verdict(_draws(rng, n, cv), _draws(rng, n, cv, 1 - slowdown)) == "regression"
-               for _ in range(TRIALS)) / TRIALS
+    return (
+        sum(_verdict(_draws(rng, n, cv), _draws(rng, n, cv, 1 - slowdown)) == "regression" for _ in range(TRIALS))
+        / TRIALS
+    )
 
 
 @pytest.mark.parametrize("cv", [0.01, 0.05, 0.3])
@@ -110,11 +125,22 @@ def test_ratio_interval_has_the_coverage_it_claims():
 
 
 def _launch(hash_: str, k: int, step_s: float, status: str = "ok") -> dict:
-    return {"case_hash": hash_, "label": "x", "status": status, "case": {"repeat": k, "repeats": 3},
-            "metrics": {"step_time_s_median": step_s, "tokens_per_s": 100 / step_s,
-                        "tokens_per_s_per_device": 50 / step_s, "peak_alloc_bytes": k,
-                        "peak_reserved_bytes": (50, 10, 90)[k]} if status == "ok" else None,
-            "error": None if status == "ok" else {"message": "boom"}}
+    return {
+        "case_hash": hash_,
+        "label": "x",
+        "status": status,
+        "case": {"repeat": k, "repeats": 3},
+        "metrics": {
+            "step_time_s_median": step_s,
+            "tokens_per_s": 100 / step_s,
+            "tokens_per_s_per_device": 50 / step_s,
+            "peak_alloc_bytes": k,
+            "peak_reserved_bytes": (50, 10, 90)[k],
+        }
+        if status == "ok"
+        else None,
+        "error": None if status == "ok" else {"message": "boom"},
+    }
 
 
 def test_launches_combine_into_one_case_record():
@@ -128,7 +154,7 @@ def test_launches_combine_into_one_case_record():
     assert a["launch_stats"]["tokens_per_s"]["ci_coverage"] == 0.75
     assert b["launch_stats"]["n"] == 1 and b["launch_stats"]["tokens_per_s"]["cv"] is None
     assert combine_launches([a]) == [a]  # already combined: unchanged
-    flaky, = combine_launches([_launch("a", 0, 1.0), _launch("a", 1, 0, "crashed"), _launch("a", 2, 1.2)])
+    (flaky,) = combine_launches([_launch("a", 0, 1.0), _launch("a", 1, 0, "crashed"), _launch("a", 2, 1.2)])
     assert flaky["status"] == "crashed" and flaky["launch_stats"]["n"] == 2
     assert "1 of 3 launches did not finish ok" in flaky["caveats"][-1]
     assert flaky["metrics"]["step_time_s_median"] == pytest.approx(1.1)
@@ -136,13 +162,30 @@ def test_launches_combine_into_one_case_record():
 
 def test_reference_peer_ratio_rows_need_two_launches_each():
     def rec(strategy, tps):
-        return {"status": "ok", "case": {"strategy": strategy, "model": "m", "world_size": 2, "precision": "bf16",
-                                         "micro_batch": 4, "repeats": len(tps)},
-                "label": strategy, "metrics": {"tokens_per_s": tps[0]},
-                "launches": [{"status": "ok", "tokens_per_s": t} for t in tps]}
+        return {
+            "status": "ok",
+            "case": {
+                "strategy": strategy,
+                "model": "m",
+                "world_size": 2,
+                "precision": "bf16",
+                "micro_batch": 4,
+                "repeats": len(tps),
+            },
+            "label": strategy,
+            "metrics": {"tokens_per_s": tps[0]},
+            "launches": [{"status": "ok", "tokens_per_s": t} for t in tps],
+        }
 
-    run = ({"suite": "s", "run_id": "1"}, [rec("ref.zero3", [90, 92, 91]), rec("deepspeed.zero3", [100, 101, 99]),
-                                           rec("torch.fsdp2", [95, 96, 94]), rec("torch.ddp", [200])])
+    run = (
+        {"suite": "s", "run_id": "1"},
+        [
+            rec("ref.zero3", [90, 92, 91]),
+            rec("deepspeed.zero3", [100, 101, 99]),
+            rec("torch.fsdp2", [95, 96, 94]),
+            rec("torch.ddp", [200]),
+        ],
+    )
     rows = {(r["reference"], r["peer"]): r for r in ratio_rows([run])}
     assert set(rows) == {("ref.zero3", "deepspeed.zero3"), ("ref.zero3", "torch.fsdp2")}
     r = rows[("ref.zero3", "deepspeed.zero3")]
@@ -174,10 +217,23 @@ def test_debug_slowdown_is_read_from_the_environment_and_recorded(monkeypatch):
     with pytest.raises(ValueError, match="PARABENCH_DEBUG_SLOWDOWN"):
         debug_slowdown()
     case = Case(model="tiny", strategy="single", world_size=1, device="cpu", steps=2)
-    raw = {"per_rank": [{"rank": 0, "step_times_s": [0.1, 0.1], "losses": [5.0, 5.0, 5.0], "setup_s": 0.1,
-                         "memory": {"peak_rss_bytes": 1}, "state_bytes": {"params": 1}, "comm": None}],
-           "device_name": "cpu", "device_type": "cpu", "topology": {"dp": 1, "pp": 1, "tp": 1},
-           "debug_slowdown": 0.05}
+    raw = {
+        "per_rank": [
+            {
+                "rank": 0,
+                "step_times_s": [0.1, 0.1],
+                "losses": [5.0, 5.0, 5.0],
+                "setup_s": 0.1,
+                "memory": {"peak_rss_bytes": 1},
+                "state_bytes": {"params": 1},
+                "comm": None,
+            }
+        ],
+        "device_name": "cpu",
+        "device_type": "cpu",
+        "topology": {"dp": 1, "pp": 1, "tp": 1},
+        "debug_slowdown": 0.05,
+    }
     rec = build_record(case, "ok", raw=raw)
     assert rec["debug_slowdown"] == 0.05 and "PARABENCH_DEBUG_SLOWDOWN" in rec["caveats"][-1]
 
@@ -203,8 +259,25 @@ def test_a_suite_with_repeats_runs_interleaved_launches_and_passes_against_itsel
     suite = tmp_path / "repeated.toml"
     suite.write_text(textwrap.dedent(REPEATED))
 
-    proc = subprocess.run([sys.executable, "-m", "parabench.cli", "run", "suite", str(suite), "--out", str(tmp_path),
-                           "--run-id", "a", "--no-report"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "parabench.cli",
+            "run",
+            "suite",
+            str(suite),
+            "--out",
+            str(tmp_path),
+            "--run-id",
+            "a",
+            "--no-report",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     run = tmp_path / "repeated" / "a"
     _, records = load_run(run)
@@ -225,7 +298,9 @@ def test_a_suite_with_repeats_runs_interleaved_launches_and_passes_against_itsel
     assert compare_runs(load_run(run), load_run(run))["counts"] == {"same": 2}
     assert "launches 2 vs 2" in capsys.readouterr().out
     # --resume finds every launch recorded and runs nothing
-    assert cli_main(["run", "suite", str(suite), "--out", str(tmp_path), "--run-id", "a", "--resume", "--no-report"]) == 0
+    assert (
+        cli_main(["run", "suite", str(suite), "--out", str(tmp_path), "--run-id", "a", "--resume", "--no-report"]) == 0
+    )
     assert "4 kept" in capsys.readouterr().out
     html = render_report([run], with_figures=False)
     assert "launch CV %" in html and "Run-to-run spread of repeated cases" in html

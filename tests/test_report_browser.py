@@ -24,9 +24,18 @@ from parabench.report import write_report
 ROOT = Path(__file__).resolve().parent.parent
 GPU_RUN = ROOT / "results" / "gpu-spine" / "20261126-020214"
 ARTIFACTS = ROOT / "tests" / "artifacts"
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--hide-scrollbars", "--virtual-time-budget=15000"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--virtual-time-budget=15000",
+]
 
 PROBE = """
 <script>
@@ -74,7 +83,9 @@ def browser():
     path = _chromium()
     if path is None:
         if os.environ.get("CI"):
-            pytest.fail("no chromium on this CI machine (.ci/run installs the Debian packages chromium chromium-driver)")
+            pytest.fail(
+                "no chromium on this CI machine (.ci/run installs the Debian packages chromium chromium-driver)"
+            )
         pytest.skip("no chromium: apt-get install -y chromium chromium-driver")
     return path
 
@@ -82,8 +93,9 @@ def browser():
 def _run_chromium(browser: str, tmp: Path, *args: str) -> subprocess.CompletedProcess:
     profile = tmp / "chromium-profile"
     profile.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args], capture_output=True,
-                          text=True, timeout=180)
+    return subprocess.run(
+        [browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True, timeout=180
+    )
 
 
 def probe(browser: str, report: Path, tmp: Path) -> dict:

@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from parabench.distributed import run_on_gloo
-from reference_impls.context_parallel import (block_attention_reference, block_backward, block_forward,
-                                              merge_partials)
+from reference_impls.context_parallel import block_attention_reference, block_backward, block_forward, merge_partials
 
 RTOL = ATOL = 1e-5
 
@@ -26,8 +25,8 @@ def _close(got, want, rtol=RTOL, atol=ATOL) -> bool:
 def test_block_forward_matches_the_written_out_block(diagonal):
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 16, 8) for _ in range(3))
-    out, lse = block_forward(q, k, v, diagonal, scale=8 ** -0.5)
-    want_out, want_lse = block_attention_reference(q, k, v, diagonal, scale=8 ** -0.5)
+    out, lse = block_forward(q, k, v, diagonal, scale=8**-0.5)
+    want_out, want_lse = block_attention_reference(q, k, v, diagonal, scale=8**-0.5)
     assert lse.shape == (2, 3, 16) and lse.dtype == torch.float32
     assert _close(out, want_out) and _close(lse, want_lse)
 
@@ -37,13 +36,15 @@ def test_block_backward_with_final_out_and_lse_gives_exact_shares():
     causal SDPA over both, and the two blocks' backward calls (each given the merged out and lse)
     sum to SDPA's gradients."""
     torch.manual_seed(1)
-    n, d, scale = 16, 8, 8 ** -0.5
+    n, d, scale = 16, 8, 8**-0.5
     q = torch.randn(1, 2, n, d)
     k, v = torch.randn(1, 2, 2 * n, d), torch.randn(1, 2, 2 * n, d)
     dout = torch.randn(1, 2, n, d)
     k_past, k_here, v_past, v_here = k[..., :n, :], k[..., n:, :], v[..., :n, :], v[..., n:, :]
 
-    out, lse = merge_partials(*block_forward(q, k_past, v_past, False, scale), *block_forward(q, k_here, v_here, True, scale))
+    out, lse = merge_partials(
+        *block_forward(q, k_past, v_past, False, scale), *block_forward(q, k_here, v_here, True, scale)
+    )
     dq_past, dk_past, dv_past = block_backward(dout, q, k_past, v_past, out, lse, False, scale)
     dq_here, dk_here, dv_here = block_backward(dout, q, k_here, v_here, out, lse, True, scale)
 
@@ -159,8 +160,9 @@ def test_fused_calls_cover_exactly_the_causal_pairs(cp, split):
         for src in range(cp):
             theirs = chunks_of(src, cp, split)
             calls = fused_pairs(mine, theirs)
-            covered = [(qi, ki, diagonal) for a, b, ka, kb, diagonal, n in calls
-                       for qi in range(a, b) for ki in range(ka, kb)]
+            covered = [
+                (qi, ki, diagonal) for a, b, ka, kb, diagonal, n in calls for qi in range(a, b) for ki in range(ka, kb)
+            ]
             assert sorted(covered) == sorted(chunk_pairs(mine, theirs))
             assert all(n == (b - a) * (kb - ka) and (not diagonal or n == 1) for a, b, ka, kb, diagonal, n in calls)
             if split == "zigzag":

@@ -37,8 +37,9 @@ def test_a_wrong_routing_record_fails_the_check(moe_run, tmp_path):
     import shutil
 
     shutil.copytree(moe_run, run)
-    path = next(p for p in (run / "cases").glob("*.json")
-                if json.loads(p.read_text())["label"] == "ref.ep tiny-moe w2 fp32 mb2")
+    path = next(
+        p for p in (run / "cases").glob("*.json") if json.loads(p.read_text())["label"] == "ref.ep tiny-moe w2 fp32 mb2"
+    )
     rec = json.loads(path.read_text())
     layer = next(iter(rec["per_rank"][0]["strategy_stats"]["moe_layers"].values()))
     layer["sent_rows"] += 100
@@ -47,7 +48,6 @@ def test_a_wrong_routing_record_fails_the_check(moe_run, tmp_path):
     rec = json.loads(path.read_text())
     assert rec["checks"]["comm_ok"] is False
     assert rec["checks"]["comm_per_rank"][1]["all_to_all"]["ok"] is True  # rank 1's record is untouched
-
 
 
 def test_report_says_where_the_expectation_came_from(moe_run):

@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def parabench(*args, cwd=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "parabench.cli", *args], cwd=cwd or ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "parabench.cli", *args], cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def write_suite(tmp_path: Path, body: str, name="t") -> Path:
@@ -90,7 +91,9 @@ def test_faults_are_recorded_and_the_suite_goes_on(tmp_path):
 
 
 def test_resume_skips_recorded_cases(tmp_path):
-    suite = write_suite(tmp_path, """
+    suite = write_suite(
+        tmp_path,
+        """
         [suite]
         name = "resume"
         device = "cpu"
@@ -100,7 +103,8 @@ def test_resume_skips_recorded_cases(tmp_path):
         model = "tiny"
         strategy = ["torch.ddp", "torch.fsdp2"]
         world_size = 2
-        """)
+        """,
+    )
     out = tmp_path / "res"
     first = parabench("run", "suite", str(suite), "--out", str(out), "--run-id", "r", "--no-report")
     assert first.returncode == 0, first.stderr
@@ -119,13 +123,18 @@ def test_resume_skips_recorded_cases(tmp_path):
     assert resumed["argv"][-2:] == ["--resume", "--no-report"] and "commit" in resumed["git"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["run", "suite", "no-such-suite"], "valid suites: "),
-    (["run", "case", "--model", "tiny", "--strategy", "torch.nope"], "valid strategies: "),
-    (["run", "case", "--model", "gpt-9t", "--strategy", "torch.ddp"], "valid models: "),
-    (["run", "case", "--model", "tiny", "--strategy", "ref.tp", "--world-size", "3", "--options", '{"tp": 2}'],
-     "not dp x pp x tp"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "suite", "no-such-suite"], "valid suites: "),
+        (["run", "case", "--model", "tiny", "--strategy", "torch.nope"], "valid strategies: "),
+        (["run", "case", "--model", "gpt-9t", "--strategy", "torch.ddp"], "valid models: "),
+        (
+            ["run", "case", "--model", "tiny", "--strategy", "ref.tp", "--world-size", "3", "--options", '{"tp": 2}'],
+            "not dp x pp x tp",
+        ),
+    ],
+)
 def test_bad_names_exit_2_and_list_valid_ones(args, message, tmp_path):
     proc = parabench(*args, "--out", str(tmp_path))
     assert proc.returncode == 2
@@ -136,13 +145,16 @@ def test_bad_names_exit_2_and_list_valid_ones(args, message, tmp_path):
 def test_unwritable_output_fails_before_any_case(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    proc = parabench("run", "case", "--model", "tiny", "--strategy", "torch.ddp", "--world-size", "2",
-                     "--out", str(blocker / "sub"))
+    proc = parabench(
+        "run", "case", "--model", "tiny", "--strategy", "torch.ddp", "--world-size", "2", "--out", str(blocker / "sub")
+    )
     assert proc.returncode == 2 and "not writable" in proc.stderr
 
 
 def test_world_size_beyond_devices_is_skipped(tmp_path):
-    suite = write_suite(tmp_path, """
+    suite = write_suite(
+        tmp_path,
+        """
         [suite]
         name = "gpu"
         device = "cuda"
@@ -150,7 +162,8 @@ def test_world_size_beyond_devices_is_skipped(tmp_path):
         model = "tiny"
         strategy = "torch.ddp"
         world_size = 64
-        """)
+        """,
+    )
     proc = parabench("run", "suite", str(suite), "--out", str(tmp_path / "res"), "--run-id", "r", "--no-report")
     assert proc.returncode == 0
     _, records = load_run(tmp_path / "res" / "gpu" / "r")
@@ -166,7 +179,11 @@ def test_manifest_names_the_commit_the_device_copy_was_sent_from(monkeypatch):
 
     monkeypatch.setenv("PARABENCH_GIT_COMMIT", "0123456789abcdef0123456789abcdef01234567")
     git = make_manifest(load_suite("smoke"), "r")["git"]
-    assert git == {"commit": "0123456789abcdef0123456789abcdef01234567", "dirty": None, "source": "PARABENCH_GIT_COMMIT"}
+    assert git == {
+        "commit": "0123456789abcdef0123456789abcdef01234567",
+        "dirty": None,
+        "source": "PARABENCH_GIT_COMMIT",
+    }
     monkeypatch.delenv("PARABENCH_GIT_COMMIT")
     assert make_manifest(load_suite("smoke"), "r")["git"]["commit"] != "0123456789abcdef0123456789abcdef01234567"
 
@@ -174,21 +191,31 @@ def test_manifest_names_the_commit_the_device_copy_was_sent_from(monkeypatch):
 def test_a_hung_collective_is_recorded_as_a_timeout_naming_it(tmp_path):
     """NCCL's watchdog (its timeout is shorter than the case's) or gloo's waiting call names the
     collective that never completed; the record says hang, not crash, whatever killed the ranks."""
-    from parabench.runner import _classify
     from parabench.results import write_json_atomic
+    from parabench.runner import _classify
     from parabench.suite import Case
 
     case = Case(model="tiny", strategy="ref.ep", world_size=2)
-    nccl = ("[rank0]:[E1126 06:44:00.1 ProcessGroupNCCL.cpp:685] [PG ID 0 PG GUID 0(default_pg) Rank 0] Watchdog caught "
-            "collective operation timeout: WorkNCCL(SeqNum=1234, OpType=ALLTOALL_BASE, NumelIn=8388608, NumelOut=0, "
-            "Timeout(ms)=240000) ran for 240011 milliseconds before timing out.\nFatal Python error: Aborted\n")
+    nccl = (
+        "[rank0]:[E1126 06:44:00.1 ProcessGroupNCCL.cpp:685] [PG ID 0 PG GUID 0(default_pg) Rank 0] Watchdog caught "
+        "collective operation timeout: WorkNCCL(SeqNum=1234, OpType=ALLTOALL_BASE, NumelIn=8388608, NumelOut=0, "
+        "Timeout(ms)=240000) ran for 240011 milliseconds before timing out.\nFatal Python error: Aborted\n"
+    )
     status, error = _classify(case, tmp_path, -6, False, nccl, 250.0)
     assert status == "timeout" and "OpType=ALLTOALL_BASE" in error["stuck_collective"]
 
-    write_json_atomic(tmp_path / f"{case.case_hash}.rank1.error.json", {
-        "rank": 1, "type": "RuntimeError", "time": 1.0, "oom": False,
-        "message": "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 120000ms for "
-                   "recv operation to complete", "traceback": "..."})
+    write_json_atomic(
+        tmp_path / f"{case.case_hash}.rank1.error.json",
+        {
+            "rank": 1,
+            "type": "RuntimeError",
+            "time": 1.0,
+            "oom": False,
+            "message": "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 120000ms for "
+            "recv operation to complete",
+            "traceback": "...",
+        },
+    )
     status, error = _classify(case, tmp_path, 1, False, "", 130.0)
     assert status == "timeout" and error["stuck_collective"].startswith("Timed out waiting 120000ms for recv")
     assert error["ranks_reporting"] == [1]
@@ -202,8 +229,25 @@ def test_run_case_with_the_default_device_records_its_result(tmp_path):
     """device "auto" reaches the ranks resolved (cpu here), which changes the case's hash; the
     ranks must still name their result by the runner's hash, or the runner never finds it (every
     `parabench run case` without --device was recorded as crashed with exit status 0)."""
-    proc = parabench("run", "case", "--model", "tiny", "--strategy", "torch.ddp", "--world-size", "2", "--steps", "2",
-                     "--warmup", "1", "--out", str(tmp_path), "--name", "auto", "--no-report")
+    proc = parabench(
+        "run",
+        "case",
+        "--model",
+        "tiny",
+        "--strategy",
+        "torch.ddp",
+        "--world-size",
+        "2",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "auto",
+        "--no-report",
+    )
     assert proc.returncode == 0, proc.stderr
     (run,) = (tmp_path / "auto").iterdir()
     _, records = load_run(run)
@@ -214,7 +258,9 @@ def test_a_case_that_leaves_memory_allocated_ends_its_launch(tmp_path):
     """A case that keeps device memory alive after it finishes (as deepspeed.pp did on 2x H100:
     11.7 GiB on rank 1, added to the next case's peak) must not share its launch with later cases;
     a small leftover (under the limit) keeps the launch going."""
-    suite = write_suite(tmp_path, """
+    suite = write_suite(
+        tmp_path,
+        """
         [suite]
         name = "leak"
         device = "cpu"
@@ -230,16 +276,22 @@ def test_a_case_that_leaves_memory_allocated_ends_its_launch(tmp_path):
           {bucket_mb = 1},
           {bucket_mb = 2},
         ]
-        """)
+        """,
+    )
     proc = parabench("run", "suite", str(suite), "--out", str(tmp_path / "res"), "--run-id", "r", "--no-report")
     assert proc.returncode == 0, proc.stderr
     _, records = load_run(tmp_path / "res" / "leak" / "r")
     assert [r["status"] for r in records] == ["ok"] * 4
     by_opts = {json.dumps(r["case"]["options"], sort_keys=True): r for r in records}
-    small, big, after, last = (by_opts[json.dumps(o, sort_keys=True)] for o in (
-        {"inject_fault": {"kind": "leak", "rank": 1, "step": 0, "bytes": 1048576}},
-        {"inject_fault": {"kind": "leak", "rank": 1, "step": 1, "bytes": 314572800}},
-        {"bucket_mb": 1}, {"bucket_mb": 2}))
+    small, big, after, last = (
+        by_opts[json.dumps(o, sort_keys=True)]
+        for o in (
+            {"inject_fault": {"kind": "leak", "rank": 1, "step": 0, "bytes": 1048576}},
+            {"inject_fault": {"kind": "leak", "rank": 1, "step": 1, "bytes": 314572800}},
+            {"bucket_mb": 1},
+            {"bucket_mb": 2},
+        )
+    )
     assert small["launch"]["log"] == big["launch"]["log"]  # 1 MiB left behind: same launch
     assert after["launch"]["log"] == last["launch"]["log"] != big["launch"]["log"]
     assert [p["allocated_at_start_bytes"] for p in big["per_rank"]] == [None, 1048576]

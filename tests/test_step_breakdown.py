@@ -22,8 +22,8 @@ from parabench.distributed import run_on_gloo
 from parabench.meters.step_breakdown import STEP_MARK, Span, _kind, breakdown, clip, length, merge, subtract
 from parabench.suite import Case
 
-
 # --- interval arithmetic --------------------------------------------------------------------------
+
 
 def test_merge_nested_overlapping_touching_and_empty():
     assert merge([]) == []
@@ -90,8 +90,11 @@ def test_cpu_ops_breakdown():
     assert r["memcpy_s"] is None
     # On a CPU the step is compute + exposed communication + idle, exactly.
     assert r["compute_s"] + r["exposed_comm_s"] + r["idle_s"] == pytest.approx(r["step_s"])
-    assert [(t["name"], t["calls"]) for t in r["top_comm"]] == \
-        [("gloo:all_reduce", 2), ("gloo:send", 1), ("c10d::allreduce_", 2)]
+    assert [(t["name"], t["calls"]) for t in r["top_comm"]] == [
+        ("gloo:all_reduce", 2),
+        ("gloo:send", 1),
+        ("c10d::allreduce_", 2),
+    ]
     assert r["top_comm"][0]["total_s"] == pytest.approx(6.3)
 
 
@@ -123,8 +126,10 @@ def test_cuda_kernels_breakdown():
     assert r["memcpy_s"] == pytest.approx(1)
     assert r["idle_s"] == pytest.approx(1)
     assert r["top_comm"][0]["name"].startswith("ncclDevKernel_AllReduce") and len(r["top_comm"]) == 1
-    assert [(t["name"][:12], t["calls"], t["total_s"]) for t in r["top_compute"]] == \
-        [("ampere_sgemm", 1, pytest.approx(2)), ("void at::nat", 1, pytest.approx(2))]
+    assert [(t["name"][:12], t["calls"], t["total_s"]) for t in r["top_compute"]] == [
+        ("ampere_sgemm", 1, pytest.approx(2)),
+        ("void at::nat", 1, pytest.approx(2)),
+    ]
 
 
 class _FakeEvent:
@@ -154,9 +159,18 @@ def test_device_event_kinds_by_name_without_activity_type():
 
 # --- the worker option on 2 gloo ranks -------------------------------------------------------------
 
+
 def _case(strategy, world_size=2, **options):
-    return Case(model="tiny", strategy=strategy, world_size=world_size, micro_batch=4, steps=2, warmup=1,
-                device="cpu", options=options)
+    return Case(
+        model="tiny",
+        strategy=strategy,
+        world_size=world_size,
+        micro_batch=4,
+        steps=2,
+        warmup=1,
+        device="cpu",
+        options=options,
+    )
 
 
 def _run_cases(case_dicts):
@@ -216,9 +230,15 @@ def test_profiled_gpu_cases_get_a_launch_of_their_own():
     from parabench.runner import LaunchOptions, Runner
 
     def batches(device):
-        pending = [Case(model="tiny", strategy=s, world_size=2, device=device, options=o)
-                   for s, o in (("ref.ddp", {}), ("torch.ddp", {"step_breakdown": True}), ("ref.zero1", {}),
-                                ("torch.fsdp2", {}))]
+        pending = [
+            Case(model="tiny", strategy=s, world_size=2, device=device, options=o)
+            for s, o in (
+                ("ref.ddp", {}),
+                ("torch.ddp", {"step_breakdown": True}),
+                ("ref.zero1", {}),
+                ("torch.fsdp2", {}),
+            )
+        ]
         runner, out = SimpleNamespace(launch=LaunchOptions()), []
         while pending:
             out.append([c.strategy for c in Runner._next_batch(runner, pending)])
@@ -230,12 +250,15 @@ def test_profiled_gpu_cases_get_a_launch_of_their_own():
 
 # --- through the CLI, into the record and the report ------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def smoke_breakdown_run(tmp_path_factory):
     """The smoke suite's step-breakdown cases (ref.ddp, torch.ddp, torch.fsdp2; tiny, fp32, 2 ranks)."""
     from helpers import run_suite_cli
 
-    return run_suite_cli("smoke", tmp_path_factory.mktemp("step-breakdown"), "--filter", "step_breakdown", "--no-report")
+    return run_suite_cli(
+        "smoke", tmp_path_factory.mktemp("step-breakdown"), "--filter", "step_breakdown", "--no-report"
+    )
 
 
 def test_records_and_report_section(smoke_breakdown_run, tmp_path):

@@ -21,7 +21,9 @@ def test_every_committed_suite_is_valid():
 
 
 def test_matrix_expansion_and_exclude(tmp_path):
-    p = write(tmp_path, """
+    p = write(
+        tmp_path,
+        """
         [suite]
         name = "x"
         steps = 3
@@ -37,7 +39,8 @@ def test_matrix_expansion_and_exclude(tmp_path):
         [[exclude]]
         strategy = "torch.fsdp2"
         world_size = 4
-        """)
+        """,
+    )
     suite = load_suite(str(p))
     assert len(suite.cases) == 2 * 2 * 2 - 2 + 1
     assert all(c.steps == 3 for c in suite.cases)
@@ -51,24 +54,37 @@ def test_case_hash_ignores_timeout_but_not_what_is_measured():
     assert a.case_hash != Case(model="tiny", strategy="torch.ddp", world_size=2, options={"bucket_mb": 1}).case_hash
 
 
-@pytest.mark.parametrize("body, line, field, words", [
-    ("""
+@pytest.mark.parametrize(
+    "body, line, field, words",
+    [
+        (
+            """
      [suite]
      name = "x"
      [[matrix]]
      model = "tiny"
      strategy = "torch.dpp"
      world_size = 2
-     """, 5, "strategy", "valid strategies: "),
-    ("""
+     """,
+            5,
+            "strategy",
+            "valid strategies: ",
+        ),
+        (
+            """
      [suite]
      name = "x"
      [[matrix]]
      model = "tiny"
      strategy = "torch.ddp"
      world_size = "two"
-     """, 6, "world_size", "expected int"),
-    ("""
+     """,
+            6,
+            "world_size",
+            "expected int",
+        ),
+        (
+            """
      [suite]
      name = "x"
      stpes = 3
@@ -76,8 +92,13 @@ def test_case_hash_ignores_timeout_but_not_what_is_measured():
      model = "tiny"
      strategy = "torch.ddp"
      world_size = 2
-     """, 3, "stpes", "unknown key"),
-    ("""
+     """,
+            3,
+            "stpes",
+            "unknown key",
+        ),
+        (
+            """
      [suite]
      name = "x"
      [[matrix]]
@@ -88,32 +109,52 @@ def test_case_hash_ignores_timeout_but_not_what_is_measured():
      model = "gpt-9t"
      strategy = "torch.ddp"
      world_size = 2
-     """, 8, "model", "valid models: "),
-    ("""
+     """,
+            8,
+            "model",
+            "valid models: ",
+        ),
+        (
+            """
      [suite]
      [[matrix]]
      model = "tiny"
      strategy = "ref.tp"
      world_size = 3
      options = {tp = 2}
-     """, 4, "strategy", "not dp x pp x tp"),
-    ("""
+     """,
+            4,
+            "strategy",
+            "not dp x pp x tp",
+        ),
+        (
+            """
      [suite]
      [[matrix]]
      model = "tiny"
      strategy = "ref.ddp"
      world_size = 2
      options = {bucket_mbs = 4}
-     """, 4, "strategy", "ref.ddp: unknown option 'bucket_mbs'; valid options: activation_checkpointing, bucket_mb,"),
-    ("""
+     """,
+            4,
+            "strategy",
+            "ref.ddp: unknown option 'bucket_mbs'; valid options: activation_checkpointing, bucket_mb,",
+        ),
+        (
+            """
      [suite]
      [[matrix]]
      model = "tiny"
      strategy = "ref.tp"
      world_size = 2
      options = {tp = "2"}
-     """, 4, "strategy", "option tp must be an int, got '2'"),
-])
+     """,
+            4,
+            "strategy",
+            "option tp must be an int, got '2'",
+        ),
+    ],
+)
 def test_errors_name_file_line_and_field(tmp_path, body, line, field, words):
     p = write(tmp_path, body)
     with pytest.raises(SuiteError) as err:
@@ -123,10 +164,13 @@ def test_errors_name_file_line_and_field(tmp_path, body, line, field, words):
 
 
 def test_malformed_toml_names_file_and_line(tmp_path):
-    p = write(tmp_path, """
+    p = write(
+        tmp_path,
+        """
         [suite]
         name = "x
-        """)
+        """,
+    )
     with pytest.raises(SuiteError) as err:
         load_suite(str(p))
     assert str(p) in str(err.value) and "line 2" in str(err.value)
@@ -165,11 +209,15 @@ def test_own_launch_isolates_a_case_without_changing_what_it_measures(tmp_path):
     assert batches == [[False, False], [True]]
 
     suite = tmp_path / "ab.toml"
-    suite.write_text('[suite]\nname = "ab"\ndevice = "cpu"\n[[matrix]]\nmodel = "tiny"\nstrategy = "ref.ddp"\n'
-                     'world_size = 2\ncomm_meter = [true, false]\nown_launch = true\n')
+    suite.write_text(
+        '[suite]\nname = "ab"\ndevice = "cpu"\n[[matrix]]\nmodel = "tiny"\nstrategy = "ref.ddp"\n'
+        "world_size = 2\ncomm_meter = [true, false]\nown_launch = true\n"
+    )
     assert [c.own_launch for c in load_suite(str(suite)).cases] == [True, True]
-    suite.write_text('[suite]\nname = "ab"\ndevice = "cpu"\n[[matrix]]\nmodel = "tiny"\nstrategy = "ref.ddp"\n'
-                     'world_size = 2\nown_launch = "yes"\n')
+    suite.write_text(
+        '[suite]\nname = "ab"\ndevice = "cpu"\n[[matrix]]\nmodel = "tiny"\nstrategy = "ref.ddp"\n'
+        'world_size = 2\nown_launch = "yes"\n'
+    )
     with pytest.raises(SuiteError, match="own_launch"):
         load_suite(str(suite))
 
@@ -193,7 +241,8 @@ def test_options_parse_through_the_strategy_dataclass_without_touching_the_dict(
 def test_run_case_rejects_an_unknown_option_with_the_valid_ones(capsys):
     from parabench.cli import main
 
-    rc = main(["run", "case", "--model", "tiny", "--strategy", "ref.ddp", "--world-size", "2",
-               "--options", '{"bucket": 4}'])
+    rc = main(
+        ["run", "case", "--model", "tiny", "--strategy", "ref.ddp", "--world-size", "2", "--options", '{"bucket": 4}']
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "unknown option 'bucket'; valid options:" in err and "bucket_mb" in err, err

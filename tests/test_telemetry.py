@@ -9,8 +9,15 @@ from parabench.metrics import telemetry_summary
 
 
 def _sample(power_w, sm, mask=0):
-    return {"power_mw": power_w * 1000, "sm_clock_mhz": sm, "mem_clock_mhz": 2619, "reasons_mask": mask,
-            "gpu_util_pct": 100, "mem_util_pct": 40, "temperature_c": 60}
+    return {
+        "power_mw": power_w * 1000,
+        "sm_clock_mhz": sm,
+        "mem_clock_mhz": 2619,
+        "reasons_mask": mask,
+        "gpu_util_pct": 100,
+        "mem_util_pct": 40,
+        "temperature_c": 60,
+    }
 
 
 def test_summary_energy_clocks_and_throttle_reasons():

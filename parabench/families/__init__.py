@@ -8,5 +8,4 @@ row in its family here (with its expectation), its test, and a line in a suite.
 
 from parabench.families import compression, context, data_parallel, expert, model_parallel, sharded
 
-ROWS = (data_parallel.ROWS + sharded.ROWS + model_parallel.ROWS + context.ROWS + expert.ROWS
-        + compression.ROWS)
+ROWS = data_parallel.ROWS + sharded.ROWS + model_parallel.ROWS + context.ROWS + expert.ROWS + compression.ROWS

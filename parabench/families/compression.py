@@ -36,21 +36,31 @@ def validate(case, o: CompressionOptions, cfg: GPTConfig) -> None:
 
 # --- reference builders -------------------------------------------------------------------------
 
+
 def _kwargs(spec: TrainSpec) -> dict:
     """fp32 or bf16 (no loss scaler: fp16 training with compressed gradients is not covered)."""
     if spec.precision not in ("fp32", "bf16"):
         raise ValueError(f"compression references support fp32 and bf16, not {spec.precision!r}")
     a = spec.optim
-    return dict(grad_accum=spec.grad_accum, compute_dtype=spec.compute_dtype,
-                adam=dict(lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay))
+    return dict(
+        grad_accum=spec.grad_accum,
+        compute_dtype=spec.compute_dtype,
+        adam=dict(lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay),
+    )
 
 
 def _compressed(spec: TrainSpec, compressor):
     from reference_impls.compression import CompressedDDP
 
     o = CompressionOptions.read(spec.options)
-    return as_trainer(CompressedDDP)(reference_model(spec, o), lm_loss, spec.topology.dp_group, compressor=compressor,
-                                     bucket_mb=float(o.bucket_mb), **_kwargs(spec))
+    return as_trainer(CompressedDDP)(
+        reference_model(spec, o),
+        lm_loss,
+        spec.topology.dp_group,
+        compressor=compressor,
+        bucket_mb=float(o.bucket_mb),
+        **_kwargs(spec),
+    )
 
 
 def build_ddp_fp16_compress(spec: TrainSpec):
@@ -83,9 +93,15 @@ def build_local_sgd(spec: TrainSpec):
     from reference_impls.compression import LocalSGD
 
     o = CompressionOptions.read(spec.options)
-    return as_trainer(LocalSGD)(reference_model(spec, o), lm_loss, spec.topology.dp_group, sync_every=o.sync_every,
-                                average_optimizer_state=o.average_optimizer_state, optimizer=o.local_optimizer,
-                                **_kwargs(spec))
+    return as_trainer(LocalSGD)(
+        reference_model(spec, o),
+        lm_loss,
+        spec.topology.dp_group,
+        sync_every=o.sync_every,
+        average_optimizer_state=o.average_optimizer_state,
+        optimizer=o.local_optimizer,
+        **_kwargs(spec),
+    )
 
 
 # --- expectations -------------------------------------------------------------------------------
@@ -100,7 +116,6 @@ def build_local_sgd(spec: TrainSpec):
 #   local SGD: nothing on a local step; at a sync step (every H-th) all-reduce 4Ψ (fp32 master) + 8Ψ (AdamW
 #             moments) or 4Ψ (SGD momentum) when optimizer states are averaged: (4Ψ + 8Ψ)/H per step on average.
 # Each op is checked against the meter's scalar cut-off (ops ≤ 64 bytes are listed apart) one by one.
-
 
 
 def compression_ops(cfg: GPTConfig, case, dp: int, method: str, buckets=None) -> list[tuple[str, int]]:
@@ -156,15 +171,18 @@ def compressed_expectation(method: str):
             state_bytes=_compressed_state(cfg, case, o, dp, extra),
             comm_payload_bytes=sum_ops(compression_ops(cfg, case, dp, method)),
             paper_state_bytes=zero_paper_state_bytes(0, p, dp),
-            notes={"fp16": "ref.ddp with every bucket cast to fp16, all-reduced, cast back: 2Ψ bytes per step.",
-                   "onebit": "per bucket an all-gather of N x (4 bytes per tensor scale + ⌈numel/8⌉ bytes of packed "
-                             "signs) (≈ NΨ/8); + 4Ψ fp32 error-feedback residual under grads.",
-                   "topk": "per bucket two all-gathers (fp32 values, int32 indices) of N·k elements, "
-                           "k = ⌈topk_ratio·numel⌉ (≈ 8·N·ratio·Ψ bytes); + 4Ψ residual under grads.",
-                   "powersgd": "per bucket all-reduces of P (4·Σ n·r), Q (4·Σ m·r) and the uncompressed 1-D tensors "
-                               "(4·Σ numel); + 4Ψ residual and the warm-start Qs (4·Σ m·r) under grads.",
-                   }[method] + (" Without error feedback, no residual." if method != "fp16" and not ef else ""),
+            notes={
+                "fp16": "ref.ddp with every bucket cast to fp16, all-reduced, cast back: 2Ψ bytes per step.",
+                "onebit": "per bucket an all-gather of N x (4 bytes per tensor scale + ⌈numel/8⌉ bytes of packed "
+                "signs) (≈ NΨ/8); + 4Ψ fp32 error-feedback residual under grads.",
+                "topk": "per bucket two all-gathers (fp32 values, int32 indices) of N·k elements, "
+                "k = ⌈topk_ratio·numel⌉ (≈ 8·N·ratio·Ψ bytes); + 4Ψ residual under grads.",
+                "powersgd": "per bucket all-reduces of P (4·Σ n·r), Q (4·Σ m·r) and the uncompressed 1-D tensors "
+                "(4·Σ numel); + 4Ψ residual and the warm-start Qs (4·Σ m·r) under grads.",
+            }[method]
+            + (" Without error feedback, no residual." if method != "fp16" and not ef else ""),
         )
+
     return fn
 
 
@@ -190,9 +208,9 @@ def expect_ref_local_sgd(cfg, case, o, dp):
         comm_payload_bytes_avg_per_step={"all_reduce": sum(per_sync) / H},
         paper_state_bytes=zero_paper_state_bytes(0, psi, dp),
         notes=f"no gradient communication; every {H} steps an all-reduce of the fp32 parameters (4Ψ)"
-              + (f" and of the optimizer states ({'4Ψ SGD momentum' if sgd else '8Ψ AdamW moments'})" if states else "")
-              + f". The metered step (index {instrumented}) {'is' if synced else 'is not'} a sync step; on average "
-              f"{sum(per_sync) / H:.0f} bytes per step.",
+        + (f" and of the optimizer states ({'4Ψ SGD momentum' if sgd else '8Ψ AdamW moments'})" if states else "")
+        + f". The metered step (index {instrumented}) {'is' if synced else 'is not'} a sync step; on average "
+        f"{sum(per_sync) / H:.0f} bytes per step.",
     )
 
 
@@ -219,38 +237,86 @@ def expect_torch_powersgd_hook(cfg, case, o, dp):
         comm_payload_bytes=sum_ops(compression_ops(cfg, case, dp, "torch_powersgd", buckets=[shapes])),
         paper_state_bytes=zero_paper_state_bytes(0, psi, dp),
         notes="powerSGD_hook after start_powerSGD_iter (2): per bucket all-reduces of the uncompressed tensors "
-              "(1-D, and 2-D with (n+m)·r ≥ n·m), of P and of Q; computed as if all gradients were in one bucket "
-              "(true for models under DDP's 1 MiB first bucket; otherwise exact unless an op falls under 64 bytes).",
+        "(1-D, and 2-D with (n+m)·r ≥ n·m), of P and of Q; computed as if all gradients were in one bucket "
+        "(true for models under DDP's 1 MiB first bucket; otherwise exact unless an op falls under 64 bytes).",
     )
 
 
 def _row(name, builder, kind, description, expect, **kw):
-    return StrategySpec(name, "compression", builder, kind, description, options=CompressionOptions,
-                        validate=validate, expect=expect, **kw)
+    return StrategySpec(
+        name,
+        "compression",
+        builder,
+        kind,
+        description,
+        options=CompressionOptions,
+        validate=validate,
+        expect=expect,
+        **kw,
+    )
 
 
 _REF = "parabench.families.compression"
 _HOOKS = "parabench.peers.torch_ddp_hooks"
 ROWS = (
-    _row("ref.ddp_fp16_compress", f"{_REF}:build_ddp_fp16_compress", "reference",
-         "reference DDP with fp16 gradients on the wire (cast, all-reduce, cast back)", compressed_expectation("fp16")),
-    _row("ref.ddp_onebit", f"{_REF}:build_ddp_onebit", "reference",
-         "reference DDP, 1-bit sign compression + per-tensor scale, error feedback; all-gather of packed "
-         "signs (option error_feedback)", compressed_expectation("onebit")),
-    _row("ref.ddp_topk", f"{_REF}:build_ddp_topk", "reference",
-         "reference DDP, top-k sparsification with residual accumulation; all-gather of values + int32 "
-         "indices (options topk_ratio, error_feedback)", compressed_expectation("topk")),
-    _row("ref.ddp_powersgd", f"{_REF}:build_ddp_powersgd", "reference",
-         "reference DDP, PowerSGD rank-r (P = MQ, all-reduce, orthogonalise, Q = M^T P, all-reduce), "
-         "warm start, error feedback (options powersgd_rank, error_feedback)", compressed_expectation("powersgd")),
-    _row("ref.local_sgd", f"{_REF}:build_local_sgd", "reference",
-         "local SGD: ranks step alone, parameters + optimizer states averaged every sync_every steps "
-         "(options sync_every, average_optimizer_state, local_optimizer)", expect_ref_local_sgd),
-    _row("torch.ddp_fp16_hook", f"{_HOOKS}:build_fp16", "peer",
-         "PyTorch DDP + default_hooks.fp16_compress_hook", expect_torch_fp16_hook),
-    _row("torch.ddp_powersgd_hook", f"{_HOOKS}:build_powersgd", "peer",
-         "PyTorch DDP + powerSGD_hook (rank powersgd_rank, start_powerSGD_iter 2, min_compression_rate 1)",
-         expect_torch_powersgd_hook),
-    _row("deepspeed.onebit_adam", f"{_HOOKS}:build_deepspeed_onebit_adam", "peer",
-         "DeepSpeed 1-bit Adam (\"OneBitAdam\" optimizer); needs a DeepSpeed that ships it (not 0.19.x)", None),
+    _row(
+        "ref.ddp_fp16_compress",
+        f"{_REF}:build_ddp_fp16_compress",
+        "reference",
+        "reference DDP with fp16 gradients on the wire (cast, all-reduce, cast back)",
+        compressed_expectation("fp16"),
+    ),
+    _row(
+        "ref.ddp_onebit",
+        f"{_REF}:build_ddp_onebit",
+        "reference",
+        "reference DDP, 1-bit sign compression + per-tensor scale, error feedback; all-gather of packed "
+        "signs (option error_feedback)",
+        compressed_expectation("onebit"),
+    ),
+    _row(
+        "ref.ddp_topk",
+        f"{_REF}:build_ddp_topk",
+        "reference",
+        "reference DDP, top-k sparsification with residual accumulation; all-gather of values + int32 "
+        "indices (options topk_ratio, error_feedback)",
+        compressed_expectation("topk"),
+    ),
+    _row(
+        "ref.ddp_powersgd",
+        f"{_REF}:build_ddp_powersgd",
+        "reference",
+        "reference DDP, PowerSGD rank-r (P = MQ, all-reduce, orthogonalise, Q = M^T P, all-reduce), "
+        "warm start, error feedback (options powersgd_rank, error_feedback)",
+        compressed_expectation("powersgd"),
+    ),
+    _row(
+        "ref.local_sgd",
+        f"{_REF}:build_local_sgd",
+        "reference",
+        "local SGD: ranks step alone, parameters + optimizer states averaged every sync_every steps "
+        "(options sync_every, average_optimizer_state, local_optimizer)",
+        expect_ref_local_sgd,
+    ),
+    _row(
+        "torch.ddp_fp16_hook",
+        f"{_HOOKS}:build_fp16",
+        "peer",
+        "PyTorch DDP + default_hooks.fp16_compress_hook",
+        expect_torch_fp16_hook,
+    ),
+    _row(
+        "torch.ddp_powersgd_hook",
+        f"{_HOOKS}:build_powersgd",
+        "peer",
+        "PyTorch DDP + powerSGD_hook (rank powersgd_rank, start_powerSGD_iter 2, min_compression_rate 1)",
+        expect_torch_powersgd_hook,
+    ),
+    _row(
+        "deepspeed.onebit_adam",
+        f"{_HOOKS}:build_deepspeed_onebit_adam",
+        "peer",
+        'DeepSpeed 1-bit Adam ("OneBitAdam" optimizer); needs a DeepSpeed that ships it (not 0.19.x)',
+        None,
+    ),
 )

@@ -30,8 +30,9 @@ def validate(case, o: ContextOptions, cfg: GPTConfig) -> None:
     split = o.cp_split if case.strategy == "ref.cp_ring" else "contiguous"
     chunks = 2 * cp if split == "zigzag" else cp
     if seq % chunks:
-        raise ValueError(f"{case.strategy}: seq_len={seq} does not split into {chunks} chunks "
-                         f"({split} split over cp={cp})")
+        raise ValueError(
+            f"{case.strategy}: seq_len={seq} does not split into {chunks} chunks ({split} split over cp={cp})"
+        )
     if case.strategy in ("ref.cp_ulysses", "deepspeed.ulysses") and cfg.n_heads % cp:
         raise ValueError(f"{case.strategy}: cp={cp} does not divide the {cfg.n_heads} heads of {case.model}")
 
@@ -54,6 +55,7 @@ def build_cp_ulysses(spec: TrainSpec) -> CPTrainer:
 # Conventions: c = cp (the whole world for now), B = micro_batch x grad_accum samples handed to a
 # rank per step; the group all-gathers its token ids, so each of the grad_accum micro-batches has
 # b = c x micro_batch samples of which a rank holds n = s/c positions; h = d_model.
+
 
 def cp_ops(cfg: GPTConfig, case, mode: str) -> list[tuple[str, int]]:
     """Every communication op (kind, payload bytes) one rank issues in one training step.
@@ -97,36 +99,68 @@ def cp_expectation(mode: str):
             state_bytes={"params": 4 * p, "grads": 4 * p, "optimizer": 8 * p},
             comm_payload_bytes=sum_ops(cp_ops(cfg, case, mode)) if exact else None,
             paper_state_bytes=zero_paper_state_bytes(0, p, dp),
-            notes=("ring attention: per layer per micro-batch (c-1) hops of K and V (2·b·(s/c)·h elements sent and "
-                   "as many received per hop) forward; backward (a second ring pass) (c-1) hops of K and V again and "
-                   "(c-1) hops of the dK, dV partial sums, all in the compute dtype; "
-                   if mode == "ring" else
-                   "Ulysses: per layer per micro-batch 4 all-to-alls of b·s·h/c elements forward (q, k, v, out) and 4 "
-                   "backward; ")
-                  + "b = cp x micro_batch samples (the group all-gathers its token ids: c·2·B·s int64 per step); one fp32 "
-                  "all-reduce of all gradients. Model state fully replicated: 16Ψ in fp32. Exact for fp32 and bf16.",
+            notes=(
+                "ring attention: per layer per micro-batch (c-1) hops of K and V (2·b·(s/c)·h elements sent and "
+                "as many received per hop) forward; backward (a second ring pass) (c-1) hops of K and V again and "
+                "(c-1) hops of the dK, dV partial sums, all in the compute dtype; "
+                if mode == "ring"
+                else "Ulysses: per layer per micro-batch 4 all-to-alls of b·s·h/c elements forward (q, k, v, out) and 4 "
+                "backward; "
+            )
+            + "b = cp x micro_batch samples (the group all-gathers its token ids: c·2·B·s int64 per step); one fp32 "
+            "all-reduce of all gradients. Model state fully replicated: 16Ψ in fp32. Exact for fp32 and bf16.",
         )
+
     return fn
 
 
 def _row(name, builder, kind, description, expect, **kw):
-    return StrategySpec(name, "context", builder, kind, description, options=ContextOptions, validate=validate,
-                        expect=expect, min_world_size=2, **kw)
+    return StrategySpec(
+        name,
+        "context",
+        builder,
+        kind,
+        description,
+        options=ContextOptions,
+        validate=validate,
+        expect=expect,
+        min_world_size=2,
+        **kw,
+    )
 
 
 ROWS = (
-    _row("ref.cp_ring", "parabench.families.context:build_cp_ring", "reference",
-         "ring attention context parallel: K/V round the ring over send/recv, fused block kernels, "
-         "log-sum-exp merge, ring backward (option cp_split = zigzag | contiguous)", cp_expectation("ring"),
-         version="3"),
-    _row("ref.cp_ulysses", "parabench.families.context:build_cp_ulysses", "reference",
-         "DeepSpeed-Ulysses context parallel: all-to-all sequence shards <-> head shards around attention",
-         cp_expectation("ulysses")),
+    _row(
+        "ref.cp_ring",
+        "parabench.families.context:build_cp_ring",
+        "reference",
+        "ring attention context parallel: K/V round the ring over send/recv, fused block kernels, "
+        "log-sum-exp merge, ring backward (option cp_split = zigzag | contiguous)",
+        cp_expectation("ring"),
+        version="3",
+    ),
+    _row(
+        "ref.cp_ulysses",
+        "parabench.families.context:build_cp_ulysses",
+        "reference",
+        "DeepSpeed-Ulysses context parallel: all-to-all sequence shards <-> head shards around attention",
+        cp_expectation("ulysses"),
+    ),
     # DeepSpeed's DistributedAttention issues the same 4 + 4 all-to-alls per layer; the rest of the
     # step is ref.cp_ulysses's (token all-gather, one gradient all-reduce).
-    _row("deepspeed.ulysses", "parabench.peers.cp_ep_peers:build_deepspeed_ulysses", "peer",
-         "DeepSpeed-Ulysses DistributedAttention (deepspeed.sequence.layer) around SDPA; gradients "
-         "all-reduced over the cp group", cp_expectation("ulysses")),
-    _row("torch.cp", "parabench.peers.cp_ep_peers:build_torch_cp", "peer",
-         "torch.distributed.tensor.experimental.context_parallel (ring attention); CUDA only", None),
+    _row(
+        "deepspeed.ulysses",
+        "parabench.peers.cp_ep_peers:build_deepspeed_ulysses",
+        "peer",
+        "DeepSpeed-Ulysses DistributedAttention (deepspeed.sequence.layer) around SDPA; gradients "
+        "all-reduced over the cp group",
+        cp_expectation("ulysses"),
+    ),
+    _row(
+        "torch.cp",
+        "parabench.peers.cp_ep_peers:build_torch_cp",
+        "peer",
+        "torch.distributed.tensor.experimental.context_parallel (ring attention); CUDA only",
+        None,
+    ),
 )

@@ -18,10 +18,14 @@ from parabench.theory import BYTES, Expectation, psi, ref_bucket_sizes, volume, 
 class LossScaleOptions(CommonOptions):
     """Options of the strategies that train in fp16 (and of the faults that test their scaling)."""
 
-    init_scale: float = 2.0 ** 16  # fp16: the dynamic loss scale to start from
+    init_scale: float = 2.0**16  # fp16: the dynamic loss scale to start from
     growth_interval: int = 2000  # fp16: clean steps before the loss scale doubles
-    scaler_check: Literal["global", "local"] = "global"  # fp16 references: inf check over every shard, or per rank (broken on purpose)
-    inject_inf: dict | None = None  # fp16 test hook {rank, step, where = "shard" | "backward"}: an inf in that rank's gradient
+    scaler_check: Literal["global", "local"] = (
+        "global"  # fp16 references: inf check over every shard, or per rank (broken on purpose)
+    )
+    inject_inf: dict | None = (
+        None  # fp16 test hook {rank, step, where = "shard" | "backward"}: an inf in that rank's gradient
+    )
     lr_spike: dict | None = None  # {step, factor}: that one step's learning rate times factor
     activation_checkpointing: bool = False  # recompute every transformer block in backward
 
@@ -33,6 +37,7 @@ class DataParallelOptions(LossScaleOptions):
 
 # --- shared by the reference builders -----------------------------------------------------------
 
+
 def scaler(spec: TrainSpec, o: LossScaleOptions, groups):
     """fp16: the dynamic loss scaler whose inf check all-reduces over ``groups`` (every group
     holding a shard); None for fp32/bf16, where nothing is scaled and nothing syncs."""
@@ -40,17 +45,25 @@ def scaler(spec: TrainSpec, o: LossScaleOptions, groups):
         return None
     from reference_impls.mixed_precision import DynamicLossScaler
 
-    return DynamicLossScaler(init_scale=float(o.init_scale), growth_interval=int(o.growth_interval),
-                             check=o.scaler_check, groups=[g for g in groups if g is not None], inject_inf=o.inject_inf)
+    return DynamicLossScaler(
+        init_scale=float(o.init_scale),
+        growth_interval=int(o.growth_interval),
+        check=o.scaler_check,
+        groups=[g for g in groups if g is not None],
+        inject_inf=o.inject_inf,
+    )
 
 
 def common_kwargs(spec: TrainSpec, o: LossScaleOptions, groups=()) -> dict:
     if spec.precision not in DP_PRECISIONS:
         raise ValueError(f"reference data-parallel strategies support fp32, bf16 and fp16, not {spec.precision!r}")
     a = spec.optim
-    return dict(grad_accum=spec.grad_accum, compute_dtype=spec.compute_dtype,
-                adam=dict(lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay),
-                grad_scaler=scaler(spec, o, groups))
+    return dict(
+        grad_accum=spec.grad_accum,
+        compute_dtype=spec.compute_dtype,
+        adam=dict(lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay),
+        grad_scaler=scaler(spec, o, groups),
+    )
 
 
 def reference_model(spec: TrainSpec, o: LossScaleOptions):
@@ -94,13 +107,18 @@ def dp_groups(spec: TrainSpec) -> list:
 
 # --- builders -----------------------------------------------------------------------------------
 
+
 def build_ps(spec: TrainSpec):
     from reference_impls.data_parallel import ParameterServer
 
     o = DataParallelOptions.read(spec.options)
     # Only the server decides (it holds the summed gradient): no all-reduce of the inf flag.
-    return with_lr_spike(as_trainer(ParameterServer)(reference_model(spec, o), lm_loss, spec.topology.dp_group,
-                                                     **common_kwargs(spec, o)), o)
+    return with_lr_spike(
+        as_trainer(ParameterServer)(
+            reference_model(spec, o), lm_loss, spec.topology.dp_group, **common_kwargs(spec, o)
+        ),
+        o,
+    )
 
 
 def build_ddp(spec: TrainSpec):
@@ -109,11 +127,20 @@ def build_ddp(spec: TrainSpec):
     o = DataParallelOptions.read(spec.options)
     # Every rank holds the full reduced gradient; the global check still all-reduces the inf flag
     # over the dp group, so an inf that appears on one rank only (after the all-reduce) skips everywhere.
-    return with_lr_spike(as_trainer(DDP)(reference_model(spec, o), lm_loss, spec.topology.dp_group,
-                                         bucket_mb=float(o.bucket_mb), **common_kwargs(spec, o, dp_groups(spec))), o)
+    return with_lr_spike(
+        as_trainer(DDP)(
+            reference_model(spec, o),
+            lm_loss,
+            spec.topology.dp_group,
+            bucket_mb=float(o.bucket_mb),
+            **common_kwargs(spec, o, dp_groups(spec)),
+        ),
+        o,
+    )
 
 
 # --- expectations -------------------------------------------------------------------------------
+
 
 def expect_torch_ddp(cfg, case, o, dp):
     p = psi(cfg)
@@ -125,7 +152,7 @@ def expect_torch_ddp(cfg, case, o, dp):
         comm_payload_bytes=comm,
         paper_state_bytes=zero_paper_state_bytes(0, p, dp),
         notes="fp32 parameters and gradients (autocast for bf16), Adam moments fp32; one fp32 all-reduce of "
-              "all gradients per step (no_sync during accumulation).",
+        "all gradients per step (no_sync during accumulation).",
     )
 
 
@@ -133,25 +160,32 @@ def expect_torch_ddp(cfg, case, o, dp):
 # a mismatch with the measurement. b = bytes of the compute dtype; Ψ the parameter count; N the
 # data-parallel degree.
 
+
 def expect_ref_ddp(cfg, case, o, dp):
     p, b, mixed = psi(cfg), BYTES[case.precision], case.precision != "fp32"
     buckets = ref_bucket_sizes(cfg, b, float(o.bucket_mb), 1)
     return Expectation(
-        state_bytes={"params": b * p, "grads": b * p + (4 * p if mixed else 0),
-                     "optimizer": 8 * p + (4 * p if mixed else 0)},
+        state_bytes={
+            "params": b * p,
+            "grads": b * p + (4 * p if mixed else 0),
+            "optimizer": 8 * p + (4 * p if mixed else 0),
+        },
         comm_payload_bytes={"all_reduce": volume(b * n for n in buckets)},
         paper_state_bytes=zero_paper_state_bytes(0, p, dp),
         notes="flat buffers, no padding. fp32: 4Ψ params (= the master) + 4Ψ grads + 8Ψ Adam = 16Ψ. bf16: 2Ψ "
-              "params + 2Ψ grads + 4Ψ fp32 main gradient (made just before the update) + 4Ψ master + 8Ψ Adam = "
-              "20Ψ (paper 16Ψ: it does not count the fp32 gradient). One all-reduce per bucket per step, in "
-              "the compute dtype (bf16 on the wire for bf16); no_sync during accumulation.",
+        "params + 2Ψ grads + 4Ψ fp32 main gradient (made just before the update) + 4Ψ master + 8Ψ Adam = "
+        "20Ψ (paper 16Ψ: it does not count the fp32 gradient). One all-reduce per bucket per step, in "
+        "the compute dtype (bf16 on the wire for bf16); no_sync during accumulation.",
     )
 
 
 def expect_ref_ps(cfg, case, o, dp):
     p, b, mixed = psi(cfg), BYTES[case.precision], case.precision != "fp32"
-    server_state = {"params": b * p, "grads": 2 * b * p + (4 * p if mixed else 0),
-                    "optimizer": 8 * p + (4 * p if mixed else 0)}
+    server_state = {
+        "params": b * p,
+        "grads": 2 * b * p + (4 * p if mixed else 0),
+        "optimizer": 8 * p + (4 * p if mixed else 0),
+    }
     worker_state = {"params": b * p, "grads": b * p, "optimizer": 0}
     server_comm = {**({"recv": (dp - 1) * b * p} if dp > 1 else {}), "broadcast": b * p}
     worker_comm = {"send": b * p, "broadcast": b * p}
@@ -161,8 +195,8 @@ def expect_ref_ps(cfg, case, o, dp):
         comm_payload_bytes_per_rank=[server_comm] + [worker_comm] * (dp - 1),
         paper_state_bytes=zero_paper_state_bytes(0, p, dp),
         notes="figures for the server (rank 0), the busiest rank: own gradient + one receive buffer (+ the fp32 "
-              "main gradient in bf16), master and Adam moments; it receives (N-1) gradients per step. A worker "
-              "holds bΨ params + bΨ grads, no optimizer state, and moves send bΨ + broadcast bΨ.",
+        "main gradient in bf16), master and Adam moments; it receives (N-1) gradients per step. A worker "
+        "holds bΨ params + bΨ grads, no optimizer state, and moves send bΨ + broadcast bΨ.",
     )
 
 
@@ -172,19 +206,47 @@ def validate_single(case, o, cfg) -> None:
 
 
 def _row(name, builder, kind, description, expect, **kw):
-    return StrategySpec(name, "data_parallel", builder, kind, description, precisions=DP_PRECISIONS,
-                        options=DataParallelOptions, expect=expect, **kw)
+    return StrategySpec(
+        name,
+        "data_parallel",
+        builder,
+        kind,
+        description,
+        precisions=DP_PRECISIONS,
+        options=DataParallelOptions,
+        expect=expect,
+        **kw,
+    )
 
 
 ROWS = (
-    _row("single", "parabench.peers.single:build", "reference",
-         "one process, no parallelism: the ground truth the others are checked against", expect_torch_ddp,
-         validate=validate_single),
-    _row("torch.ddp", "parabench.peers.torch_ddp:build", "peer",
-         "PyTorch DistributedDataParallel (bucketed all-reduce overlapped with backward)", expect_torch_ddp),
-    _row("ref.ps", "parabench.families.data_parallel:build_ps", "reference",
-         "reference parameter server: gradients sent to rank 0, AdamW there, parameters broadcast", expect_ref_ps),
-    _row("ref.ddp", "parabench.families.data_parallel:build_ddp", "reference",
-         "reference DDP: bucketed all-reduce from grad hooks, overlapped with backward (option bucket_mb)",
-         expect_ref_ddp),
+    _row(
+        "single",
+        "parabench.peers.single:build",
+        "reference",
+        "one process, no parallelism: the ground truth the others are checked against",
+        expect_torch_ddp,
+        validate=validate_single,
+    ),
+    _row(
+        "torch.ddp",
+        "parabench.peers.torch_ddp:build",
+        "peer",
+        "PyTorch DistributedDataParallel (bucketed all-reduce overlapped with backward)",
+        expect_torch_ddp,
+    ),
+    _row(
+        "ref.ps",
+        "parabench.families.data_parallel:build_ps",
+        "reference",
+        "reference parameter server: gradients sent to rank 0, AdamW there, parameters broadcast",
+        expect_ref_ps,
+    ),
+    _row(
+        "ref.ddp",
+        "parabench.families.data_parallel:build_ddp",
+        "reference",
+        "reference DDP: bucketed all-reduce from grad hooks, overlapped with backward (option bucket_mb)",
+        expect_ref_ddp,
+    ),
 )

@@ -52,8 +52,11 @@ class EPTrainer(ReplicatedTrainer):
 
     def full_parameters(self):
         """Rank 0 assembles the full MoE: dense parameters from itself, experts from their owners."""
-        mine = {self.ep.global_name(n): p.detach().float().cpu().clone() for n, p in self.module.named_parameters()
-                if any(p is q for q in self.ep.expert_params) or dist.get_rank() == 0}
+        mine = {
+            self.ep.global_name(n): p.detach().float().cpu().clone()
+            for n, p in self.module.named_parameters()
+            if any(p is q for q in self.ep.expert_params) or dist.get_rank() == 0
+        }
         return assemble_on_rank0(mine, self.spec)
 
     def strategy_stats(self) -> dict:
@@ -88,8 +91,13 @@ def ep_ops(cfg: GPTConfig, case, routing: list[tuple[int, int]] | None = None) -
         routing = [(a, a)] * (cfg.n_moe_layers * case.grad_accum)
     ops: list[tuple[str, int]] = []
     for sent, received in routing:
-        ops += [("all_to_all", E * 8), ("all_to_all", sent * h * nb), ("all_to_all", received * h * nb),
-                ("all_to_all", sent * h * nb), ("all_to_all", received * h * nb)]
+        ops += [
+            ("all_to_all", E * 8),
+            ("all_to_all", sent * h * nb),
+            ("all_to_all", received * h * nb),
+            ("all_to_all", sent * h * nb),
+            ("all_to_all", received * h * nb),
+        ]
     ops.append(("all_reduce", 4 * parameter_count(cfg)["dense"]))
     return ops
 
@@ -97,8 +105,9 @@ def ep_ops(cfg: GPTConfig, case, routing: list[tuple[int, int]] | None = None) -
 def expect_ref_ep(cfg, case, o, dp):
     c = parameter_count(cfg)
     if "experts" not in c:
-        return Expectation(state_bytes=None, comm_payload_bytes=None, paper_state_bytes=None,
-                           notes="ref.ep needs an MoE model")
+        return Expectation(
+            state_bytes=None, comm_payload_bytes=None, paper_state_bytes=None, notes="ref.ep needs an MoE model"
+        )
     ep = case.world_size
     local = c["dense"] + c["experts"] // ep
     balanced = sum_ops(ep_ops(cfg, case))
@@ -117,18 +126,20 @@ def expect_ref_ep(cfg, case, o, dp):
         comm_payload_bytes_balanced=balanced,
         paper_state_bytes=None,
         notes="dense parameters replicated + E/ep experts per MoE layer: 16 bytes each in fp32 (an expert no token "
-              "chose has no gradient that step). The all-to-all volume of one rank depends on the routing: the "
-              "expectation is the range [2·A_min, 2·(A_max + R_max)]·h per MoE layer (A: rows routed, b·s·k when "
-              "dropless; R: rows received, at most ep·b·s·min(k, E/ep)); comm_payload_bytes_balanced gives dropless "
-              "balanced routing (A = R = b·s·k), which is the mean over ranks; parabench.theory.ep_ops with the "
-              "measured routing (trainer.strategy_stats) is exact.",
+        "chose has no gradient that step). The all-to-all volume of one rank depends on the routing: the "
+        "expectation is the range [2·A_min, 2·(A_max + R_max)]·h per MoE layer (A: rows routed, b·s·k when "
+        "dropless; R: rows received, at most ep·b·s·min(k, E/ep)); comm_payload_bytes_balanced gives dropless "
+        "balanced routing (A = R = b·s·k), which is the mean over ranks; parabench.theory.ep_ops with the "
+        "measured routing (trainer.strategy_stats) is exact.",
     )
+
 
 # deepspeed.ulysses: DeepSpeed's DistributedAttention issues the same 4 + 4 all-to-alls per layer;
 
 
-def deepspeed_moe_capacity(tokens: int, n_experts: int, top_k: int, capacity_factor: float,
-                           min_capacity: int = 0) -> int:
+def deepspeed_moe_capacity(
+    tokens: int, n_experts: int, top_k: int, capacity_factor: float, min_capacity: int = 0
+) -> int:
     """Slots per expert in DeepSpeed 0.19's ``top2gating`` for ``tokens`` tokens of one rank and
     micro-batch: ``ceil(tokens / E * (capacity_factor * 2))`` evaluated as DeepSpeed does (the
     factor is a float32 tensor), at least ``min_capacity``. With ``min_capacity = 0`` it equals
@@ -164,9 +175,15 @@ def deepspeed_moe_ops(cfg: GPTConfig, case, capacities: list[int] | None = None)
     if capacities is None:
         if dropless:
             raise ValueError("dropless deepspeed.moe: the capacity depends on the routing; pass the measured ones")
-        capacities = [deepspeed_moe_capacity(case.micro_batch * cfg.seq_len, E, cfg.top_k, cfg.capacity_factor,
-                                             ExpertOptions.read(case.options).min_capacity)
-                      ] * (cfg.n_moe_layers * case.grad_accum)
+        capacities = [
+            deepspeed_moe_capacity(
+                case.micro_batch * cfg.seq_len,
+                E,
+                cfg.top_k,
+                cfg.capacity_factor,
+                ExpertOptions.read(case.options).min_capacity,
+            )
+        ] * (cfg.n_moe_layers * case.grad_accum)
     nb = BYTES[case.precision]
     ops: list[tuple[str, int]] = []
     for capacity in capacities:
@@ -192,8 +209,9 @@ def deepspeed_moe_scalar_ops(cfg: GPTConfig, case) -> dict:
 def expect_deepspeed_moe(cfg, case, o, dp):
     c = parameter_count(cfg)
     if "experts" not in c:
-        return Expectation(state_bytes=None, comm_payload_bytes=None, paper_state_bytes=None,
-                           notes="deepspeed.moe needs an MoE model")
+        return Expectation(
+            state_bytes=None, comm_payload_bytes=None, paper_state_bytes=None, notes="deepspeed.moe needs an MoE model"
+        )
     local = c["dense"] + c["experts"] // case.world_size
     nb = BYTES[case.precision]
     state = {"params": 4 * local, "grads": None, "optimizer": 8 * local} if case.precision == "fp32" else None
@@ -217,14 +235,14 @@ def expect_deepspeed_moe(cfg, case, o, dp):
         comm_scalar_ops=deepspeed_moe_scalar_ops(cfg, case),
         paper_state_bytes=None,
         notes="DeepSpeed-MoE: per MoE layer per micro-batch 4 all-to-alls (dispatch, combine, and their backward) of "
-              "the dense [E, C, h] buffer, padding included. Capacity mode: C = ceil(b·s/E · 2·capacity_factor), "
-              "so the volume does not depend on the routing; dropless: C = the largest expert demand over the ep "
-              "group (one int64 all-reduce per layer), the range [ceil(b·s·k/E), b·s] and the balanced value are "
-              "given, parabench.theory.deepspeed_moe_ops with the measured capacities is exact. ref.ep sends only "
-              "the kept rows: summed over ranks its volume is DeepSpeed's minus 4·h per padding slot. Gradients in "
-              "the parameter dtype: non-expert all-reduced over the world, the E/ep local experts over the "
-              "expert-data-parallel group of one rank (payload counted, nothing on the wire). State: dense + local "
-              "experts, 16 bytes each in fp32 (gradients sit in DeepSpeed's buffers, not counted).",
+        "the dense [E, C, h] buffer, padding included. Capacity mode: C = ceil(b·s/E · 2·capacity_factor), "
+        "so the volume does not depend on the routing; dropless: C = the largest expert demand over the ep "
+        "group (one int64 all-reduce per layer), the range [ceil(b·s·k/E), b·s] and the balanced value are "
+        "given, parabench.theory.deepspeed_moe_ops with the measured capacities is exact. ref.ep sends only "
+        "the kept rows: summed over ranks its volume is DeepSpeed's minus 4·h per padding slot. Gradients in "
+        "the parameter dtype: non-expert all-reduced over the world, the E/ep local experts over the "
+        "expert-data-parallel group of one rank (payload counted, nothing on the wire). State: dense + local "
+        "experts, 16 bytes each in fp32 (gradients sit in DeepSpeed's buffers, not counted).",
     )
 
 
@@ -252,17 +270,39 @@ def routed_comm(case, cfg: GPTConfig, per_rank: list[dict]) -> list[dict] | None
         out.append(sum_ops(ops))
     return out
 
+
 def _row(name, builder, kind, description, expect, **kw):
-    return StrategySpec(name, "expert", builder, kind, description, options=ExpertOptions, validate=validate,
-                        expect=expect, routed_comm=routed_comm, min_world_size=2, **kw)
+    return StrategySpec(
+        name,
+        "expert",
+        builder,
+        kind,
+        description,
+        options=ExpertOptions,
+        validate=validate,
+        expect=expect,
+        routed_comm=routed_comm,
+        min_world_size=2,
+        **kw,
+    )
 
 
 ROWS = (
-    _row("ref.ep", "parabench.families.expert:build_ep", "reference",
-         "expert parallel MoE: experts sharded, tokens dispatched/combined with all-to-all (counts first), "
-         "dense parameters all-reduced", expect_ref_ep, version="2"),
-    _row("deepspeed.moe", "parabench.peers.cp_ep_peers:build_deepspeed_moe", "peer",
-         "DeepSpeed-MoE (deepspeed.moe.layer.MoE, top-2, deterministic gate; capacity mode for models with a "
-         "capacity factor, else dropless) in the MoE blocks; ZeRO-0 engine reduces expert / non-expert gradients",
-         expect_deepspeed_moe),
+    _row(
+        "ref.ep",
+        "parabench.families.expert:build_ep",
+        "reference",
+        "expert parallel MoE: experts sharded, tokens dispatched/combined with all-to-all (counts first), "
+        "dense parameters all-reduced",
+        expect_ref_ep,
+        version="2",
+    ),
+    _row(
+        "deepspeed.moe",
+        "parabench.peers.cp_ep_peers:build_deepspeed_moe",
+        "peer",
+        "DeepSpeed-MoE (deepspeed.moe.layer.MoE, top-2, deterministic gate; capacity mode for models with a "
+        "capacity factor, else dropless) in the MoE blocks; ZeRO-0 engine reduces expert / non-expert gradients",
+        expect_deepspeed_moe,
+    ),
 )

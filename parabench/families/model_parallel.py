@@ -52,9 +52,11 @@ def validate(case, o: ModelParallelOptions, cfg: GPTConfig) -> None:
         if m < 1:
             raise ValueError(f"microbatches must be a positive integer (got {m!r})")
         if case.micro_batch % m:
-            raise ValueError(f"{m} pipeline micro-batches do not divide micro_batch={case.micro_batch} "
-                             f"(each pipeline micro-batch is micro_batch / microbatches samples; "
-                             f"the default is 2*pp = {2 * pp})")
+            raise ValueError(
+                f"{m} pipeline micro-batches do not divide micro_batch={case.micro_batch} "
+                f"(each pipeline micro-batch is micro_batch / microbatches samples; "
+                f"the default is 2*pp = {2 * pp})"
+            )
     if case.strategy == "torch.pp_interleaved":
         v = o.virtual_stages
         if pp * v > cfg.n_layers:
@@ -71,12 +73,15 @@ def validate(case, o: ModelParallelOptions, cfg: GPTConfig) -> None:
         raise ValueError(f"{case.strategy} needs options.pp >= 2 (got pp={pp})")
     if case.strategy == "deepspeed.pp":
         if tp != 1 or case.world_size != pp:
-            raise ValueError(f"deepspeed.pp runs one pipeline of pp stages, one per rank: world_size must equal pp "
-                             f"and tp must be 1 (got world_size={case.world_size}, pp={pp}, tp={tp}; data and "
-                             f"tensor parallelism around DeepSpeed's pipeline are not wired)")
+            raise ValueError(
+                f"deepspeed.pp runs one pipeline of pp stages, one per rank: world_size must equal pp "
+                f"and tp must be 1 (got world_size={case.world_size}, pp={pp}, tp={tp}; data and "
+                f"tensor parallelism around DeepSpeed's pipeline are not wired)"
+            )
 
 
 # --- reference builders -------------------------------------------------------------------------
+
 
 def gather_full_parameters(named: dict[str, torch.Tensor], shard_dims: dict, coords) -> dict | None:
     """Rank 0 assembles the full model from every rank's shards (collective over the world).
@@ -84,8 +89,10 @@ def gather_full_parameters(named: dict[str, torch.Tensor], shard_dims: dict, coo
     ``coords`` = (dp, pp, tp) of this rank. Only dp replica 0 is used; each name is owned by one
     pipeline stage; tensor-parallel shards are concatenated along their split dimension in tp order.
     """
-    mine = {"coords": tuple(coords),
-            "params": {n: (t.detach().float().cpu(), shard_dims.get(n)) for n, t in named.items()}}
+    mine = {
+        "coords": tuple(coords),
+        "params": {n: (t.detach().float().cpu(), shard_dims.get(n)) for n, t in named.items()},
+    }
     everything = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, everything, dst=0)
     if dist.get_rank() != 0:
@@ -113,9 +120,15 @@ class ModelParallelTrainer(Trainer):
         topo = spec.topology
         o = ModelParallelOptions.read(spec.options)
         model = build_model(spec.model, spec.seed, spec.device)
-        self.par = parallelize(model, tp_group=topo.tp_group, pp_group=topo.pp_group, dp_group=topo.dp_group,
-                               sequence_parallel=sequence_parallel, schedule=schedule,
-                               microbatches=o.microbatches)
+        self.par = parallelize(
+            model,
+            tp_group=topo.tp_group,
+            pp_group=topo.pp_group,
+            dp_group=topo.dp_group,
+            sequence_parallel=sequence_parallel,
+            schedule=schedule,
+            microbatches=o.microbatches,
+        )
         # The synchronised timeline runs on the instrumented step only (measure_state is set for
         # it), so the timed steps of a record_timeline case keep their speed.
         self._timeline_wanted = o.record_timeline
@@ -136,12 +149,16 @@ class ModelParallelTrainer(Trainer):
         return loss
 
     def state_bytes(self):
-        return {"params": tensor_bytes(self.par.module.parameters()), "grads": self._grad_bytes,
-                "optimizer": optimizer_state_bytes(self.optimizer)}
+        return {
+            "params": tensor_bytes(self.par.module.parameters()),
+            "grads": self._grad_bytes,
+            "optimizer": optimizer_state_bytes(self.optimizer),
+        }
 
     def full_parameters(self):
-        return gather_full_parameters(dict(self.par.module.named_parameters()), self.par.shard_dims,
-                                      self.spec.topology.coords)
+        return gather_full_parameters(
+            dict(self.par.module.named_parameters()), self.par.shard_dims, self.spec.topology.coords
+        )
 
     def pipeline_stats(self) -> dict | None:
         """This stage's last-step schedule record: order, compute/wait seconds, measured and
@@ -154,7 +171,9 @@ class ModelParallelTrainer(Trainer):
 
 
 def build_tp(spec: TrainSpec) -> ModelParallelTrainer:
-    return ModelParallelTrainer(spec, sequence_parallel=False, schedule=ModelParallelOptions.read(spec.options).schedule)
+    return ModelParallelTrainer(
+        spec, sequence_parallel=False, schedule=ModelParallelOptions.read(spec.options).schedule
+    )
 
 
 def build_tp_sp(spec: TrainSpec) -> ModelParallelTrainer:
@@ -178,19 +197,26 @@ def build_pp_1f1b(spec: TrainSpec) -> ModelParallelTrainer:
 # Every op's payload is computed one by one so that the meter's scalar cut-off (ops of at most
 # SCALAR_BYTES are listed apart from volume) is applied exactly as on the measurement.
 
+
 def _mp_local_params(cfg: GPTConfig, t: int, lo: int, hi: int, first: bool, last: bool) -> int:
     """Parameters one rank of a TP x PP grid holds (shapes of reference_impls.tensor_parallel)."""
     h, V, s, r = cfg.d_model, cfg.vocab_size, cfg.seq_len, cfg.mlp_ratio
-    per_layer = (3 * h * h // t + 2 * h // t      # q, k, v column-parallel (k has no bias)
-                 + h * h // t + h                  # attn proj row-parallel, bias replicated
-                 + r * h * h // t + r * h // t     # mlp fc column-parallel
-                 + r * h * h // t + h              # mlp proj row-parallel, bias replicated
-                 + 4 * h)                          # ln1, ln2 replicated
+    per_layer = (
+        3 * h * h // t
+        + 2 * h // t  # q, k, v column-parallel (k has no bias)
+        + h * h // t
+        + h  # attn proj row-parallel, bias replicated
+        + r * h * h // t
+        + r * h // t  # mlp fc column-parallel
+        + r * h * h // t
+        + h  # mlp proj row-parallel, bias replicated
+        + 4 * h
+    )  # ln1, ln2 replicated
     n = (hi - lo) * per_layer
     if first:
-        n += V * h // t + s * h                    # vocab-parallel token embedding, replicated positions
+        n += V * h // t + s * h  # vocab-parallel token embedding, replicated positions
     if last:
-        n += 2 * h + V * h // t                    # ln_f, vocab-parallel head
+        n += 2 * h + V * h // t  # ln_f, vocab-parallel head
     return n
 
 
@@ -200,8 +226,9 @@ def _mp_sp_params(cfg: GPTConfig, lo: int, hi: int, first: bool, last: bool) -> 
     return (hi - lo) * 6 * h + (cfg.seq_len * h if first else 0) + (2 * h if last else 0)
 
 
-def model_parallel_ops(cfg: GPTConfig, case, coords: tuple[int, int, int], sequence_parallel: bool,
-                       microbatches: int | None = None) -> list[tuple[str, int]]:
+def model_parallel_ops(
+    cfg: GPTConfig, case, coords: tuple[int, int, int], sequence_parallel: bool, microbatches: int | None = None
+) -> list[tuple[str, int]]:
     """Every communication op (kind, payload bytes) one rank issues in one training step
     (fp32, or bf16/fp16 under autocast: what travels in the compute dtype is said below).
 
@@ -271,7 +298,6 @@ def model_parallel_ops(cfg: GPTConfig, case, coords: tuple[int, int, int], seque
     return ops
 
 
-
 def model_parallel_expectation(sequence_parallel: bool | None, schedule: str | None):
     def fn(cfg, case, o, dp):
         from reference_impls.pipeline import bubble_fraction_theory, partition_layers
@@ -293,9 +319,9 @@ def model_parallel_expectation(sequence_parallel: bool | None, schedule: str | N
             comm_payload_bytes_per_rank=per_rank,
             paper_state_bytes=None,
             notes="fp32 parameters, gradients and Adam moments of this rank's TP shard of its pipeline stage "
-                  "(bf16 autocasts compute only). Communication: see parabench.theory.model_parallel_ops; under "
-                  "bf16/fp16 the row-parallel outputs (g's forward all-reduce, or SP's forward reduce-scatter and "
-                  "its backward all-gather) travel in the compute dtype, everything else in fp32.",
+            "(bf16 autocasts compute only). Communication: see parabench.theory.model_parallel_ops; under "
+            "bf16/fp16 the row-parallel outputs (g's forward all-reduce, or SP's forward reduce-scatter and "
+            "its backward all-gather) travel in the compute dtype, everything else in fp32.",
         )
         if p > 1:
             n_micro = m * case.grad_accum
@@ -303,12 +329,13 @@ def model_parallel_expectation(sequence_parallel: bool | None, schedule: str | N
                 "schedule": schedule or o.schedule,
                 "microbatches": n_micro,
                 "bubble_fraction": bubble_fraction_theory(p, n_micro),
-                "peak_live_microbatches_per_stage": [n_micro if (schedule or o.schedule) == "gpipe"
-                                                     else min(p - s, n_micro) for s in range(p)],
+                "peak_live_microbatches_per_stage": [
+                    n_micro if (schedule or o.schedule) == "gpipe" else min(p - s, n_micro) for s in range(p)
+                ],
             }
         return out
-    return fn
 
+    return fn
 
 
 # --- DeepSpeed's pipeline engine (parabench/peers/deepspeed_pipe.py) ----------------------------
@@ -372,7 +399,6 @@ def deepspeed_pp_ops(cfg: GPTConfig, case, stage: int) -> list[tuple[str, int]]:
     return ops
 
 
-
 def expect_deepspeed_pp(cfg, case, o, dp):
     from reference_impls.pipeline import bubble_fraction_theory
 
@@ -395,12 +421,11 @@ def expect_deepspeed_pp(cfg, case, o, dp):
         comm_scalar_ops_per_rank=[scalar_ops(x) for x in ops],
         paper_state_bytes=None,
         notes="DeepSpeed PipelineEngine, ZeRO-0, one stage per rank: activations forward and gradients "
-              "backward per micro-batch (send/recv in the module dtype), one all-reduce of the stage's "
-              "gradients over its one-rank data-parallel group, the loss broadcast from the last stage "
-              "(scalar); see parabench.theory.deepspeed_pp_ops. The first step also sends a 1 KiB tensor-meta "
-              "message ahead of the first activation.",
-        pipeline={"schedule": "1f1b", "microbatches": n_micro,
-                  "bubble_fraction": bubble_fraction_theory(p, n_micro)},
+        "backward per micro-batch (send/recv in the module dtype), one all-reduce of the stage's "
+        "gradients over its one-rank data-parallel group, the loss broadcast from the last stage "
+        "(scalar); see parabench.theory.deepspeed_pp_ops. The first step also sends a 1 KiB tensor-meta "
+        "message ahead of the first activation.",
+        pipeline={"schedule": "1f1b", "microbatches": n_micro, "bubble_fraction": bubble_fraction_theory(p, n_micro)},
     )
 
 
@@ -414,6 +439,7 @@ def expect_deepspeed_pp(cfg, case, o, dp):
 # chain sends and receives on both sides of each of its chunks. Shapes are inferred on the first
 # step only (the metered step is a later one). Data parallel: one all-reduce per parameter
 # gradient (fp32) over the dp group, after the schedule.
+
 
 def torch_pipeline_ops(cfg: GPTConfig, case, pp_rank: int, dp: int) -> list[tuple[str, int]]:
     """Every communication op (kind, payload bytes) one rank of a torch pipeline issues in a step."""
@@ -437,7 +463,9 @@ def torch_pipeline_ops(cfg: GPTConfig, case, pp_rank: int, dp: int) -> list[tupl
         bounds = partition_layers(cfg.n_layers, chunks)
         for k in range(v):
             c = pp_rank + k * p
-            ops += [("all_reduce", 4 * numel) for numel in _chunk_param_numels(cfg, *bounds[c], c == 0, c == chunks - 1)]
+            ops += [
+                ("all_reduce", 4 * numel) for numel in _chunk_param_numels(cfg, *bounds[c], c == 0, c == chunks - 1)
+            ]
     return ops
 
 
@@ -466,8 +494,7 @@ def expect_torch_pipeline(cfg, case, o, dp):
     per_rank = [sum_ops(torch_pipeline_ops(cfg, case, pp_rank, dp)) for _, pp_rank in grid]
     state = []
     for _, pp_rank in grid:
-        n = sum(sum(_chunk_param_numels(cfg, *bounds[c], c == 0, c == chunks - 1))
-                for c in range(pp_rank, chunks, p))
+        n = sum(sum(_chunk_param_numels(cfg, *bounds[c], c == 0, c == chunks - 1)) for c in range(pp_rank, chunks, p))
         state.append({"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n})
     n_micro = o.n_microbatches * case.grad_accum
     return Expectation(
@@ -476,47 +503,110 @@ def expect_torch_pipeline(cfg, case, o, dp):
         comm_payload_bytes_per_rank=per_rank,
         paper_state_bytes=None,
         notes=f"torch.distributed.pipelining over {chunks} chunks ({v} per rank): per micro-batch each chunk "
-              "boundary sends the fp32 activation b·s·h forward and its gradient back; fp32 parameters, gradients "
-              "and AdamW moments of the rank's chunks; see parabench.families.model_parallel.torch_pipeline_ops.",
-        pipeline={"schedule": "interleaved_1f1b" if v > 1 else "1f1b", "microbatches": n_micro, "virtual_stages": v,
-                  # Narayanan et al. 2021, Sec. 2.2: v chunks per rank divide the bubble by v.
-                  "bubble_fraction": (p - 1) / (v * n_micro + p - 1)},
+        "boundary sends the fp32 activation b·s·h forward and its gradient back; fp32 parameters, gradients "
+        "and AdamW moments of the rank's chunks; see parabench.families.model_parallel.torch_pipeline_ops.",
+        pipeline={
+            "schedule": "interleaved_1f1b" if v > 1 else "1f1b",
+            "microbatches": n_micro,
+            "virtual_stages": v,
+            # Narayanan et al. 2021, Sec. 2.2: v chunks per rank divide the bubble by v.
+            "bubble_fraction": (p - 1) / (v * n_micro + p - 1),
+        },
     )
 
 
 def _row(name, builder, kind, description, expect, **kw):
-    return StrategySpec(name, "model_parallel", builder, kind, description, options=ModelParallelOptions,
-                        validate=validate, expect=expect, **kw)
+    return StrategySpec(
+        name,
+        "model_parallel",
+        builder,
+        kind,
+        description,
+        options=ModelParallelOptions,
+        validate=validate,
+        expect=expect,
+        **kw,
+    )
 
 
 _REF = "parabench.families.model_parallel"
 _TORCH_PP = "parabench.peers.torch_pipeline"
 ROWS = (
-    _row("ref.tp", f"{_REF}:build_tp", "reference",
-         "Megatron tensor parallel: f/g operators, column/row-parallel layers, vocab-parallel "
-         "embedding and cross-entropy (options tp, pp; x dp)", model_parallel_expectation(False, None)),
-    _row("ref.tp_sp", f"{_REF}:build_tp_sp", "reference",
-         "Megatron tensor + sequence parallel: all-gather/reduce-scatter along the sequence",
-         model_parallel_expectation(True, None)),
-    _row("ref.pp_gpipe", f"{_REF}:build_pp_gpipe", "reference",
-         "GPipe pipeline over send/recv (options pp, microbatches, tp, sp; x dp)",
-         model_parallel_expectation(None, "gpipe")),
-    _row("ref.pp_1f1b", f"{_REF}:build_pp_1f1b", "reference",
-         "1F1B (PipeDream-Flush) pipeline over send/recv (options pp, microbatches, tp, sp; x dp)",
-         model_parallel_expectation(None, "1f1b")),
-    _row("torch.tp", "parabench.peers.torch_tp:build_tp", "peer",
-         "PyTorch DTensor parallelize_module, ColwiseParallel/RowwiseParallel over the tp mesh", None),
-    _row("torch.tp_sp", "parabench.peers.torch_tp:build_tp_sp", "peer",
-         "PyTorch DTensor tensor parallel + SequenceParallel LayerNorms", None),
-    _row("torch.pp_gpipe", f"{_TORCH_PP}:build_gpipe", "peer",
-         "torch.distributed.pipelining PipelineStage + ScheduleGPipe", None, version="2"),
-    _row("torch.pp_1f1b", f"{_TORCH_PP}:build_1f1b", "peer",
-         "torch.distributed.pipelining PipelineStage + Schedule1F1B", None, version="2"),
-    _row("torch.pp_interleaved", f"{_TORCH_PP}:build_interleaved", "peer",
-         "torch.distributed.pipelining ScheduleInterleaved1F1B, virtual_stages (default 2) chunks per rank",
-         expect_torch_pipeline, version="2"),
-    _row("deepspeed.pp", "parabench.peers.deepspeed_pipe:build", "peer",
-         "DeepSpeed pipeline engine: PipelineModule (parabench's stage split) + engine.train_batch, "
-         "TrainSchedule (1F1B), blocking send/recv, ZeRO-0 with the client AdamW (options pp = world_size, "
-         "microbatches; no dp/tp)", expect_deepspeed_pp, min_world_size=2),
+    _row(
+        "ref.tp",
+        f"{_REF}:build_tp",
+        "reference",
+        "Megatron tensor parallel: f/g operators, column/row-parallel layers, vocab-parallel "
+        "embedding and cross-entropy (options tp, pp; x dp)",
+        model_parallel_expectation(False, None),
+    ),
+    _row(
+        "ref.tp_sp",
+        f"{_REF}:build_tp_sp",
+        "reference",
+        "Megatron tensor + sequence parallel: all-gather/reduce-scatter along the sequence",
+        model_parallel_expectation(True, None),
+    ),
+    _row(
+        "ref.pp_gpipe",
+        f"{_REF}:build_pp_gpipe",
+        "reference",
+        "GPipe pipeline over send/recv (options pp, microbatches, tp, sp; x dp)",
+        model_parallel_expectation(None, "gpipe"),
+    ),
+    _row(
+        "ref.pp_1f1b",
+        f"{_REF}:build_pp_1f1b",
+        "reference",
+        "1F1B (PipeDream-Flush) pipeline over send/recv (options pp, microbatches, tp, sp; x dp)",
+        model_parallel_expectation(None, "1f1b"),
+    ),
+    _row(
+        "torch.tp",
+        "parabench.peers.torch_tp:build_tp",
+        "peer",
+        "PyTorch DTensor parallelize_module, ColwiseParallel/RowwiseParallel over the tp mesh",
+        None,
+    ),
+    _row(
+        "torch.tp_sp",
+        "parabench.peers.torch_tp:build_tp_sp",
+        "peer",
+        "PyTorch DTensor tensor parallel + SequenceParallel LayerNorms",
+        None,
+    ),
+    _row(
+        "torch.pp_gpipe",
+        f"{_TORCH_PP}:build_gpipe",
+        "peer",
+        "torch.distributed.pipelining PipelineStage + ScheduleGPipe",
+        None,
+        version="2",
+    ),
+    _row(
+        "torch.pp_1f1b",
+        f"{_TORCH_PP}:build_1f1b",
+        "peer",
+        "torch.distributed.pipelining PipelineStage + Schedule1F1B",
+        None,
+        version="2",
+    ),
+    _row(
+        "torch.pp_interleaved",
+        f"{_TORCH_PP}:build_interleaved",
+        "peer",
+        "torch.distributed.pipelining ScheduleInterleaved1F1B, virtual_stages (default 2) chunks per rank",
+        expect_torch_pipeline,
+        version="2",
+    ),
+    _row(
+        "deepspeed.pp",
+        "parabench.peers.deepspeed_pipe:build",
+        "peer",
+        "DeepSpeed pipeline engine: PipelineModule (parabench's stage split) + engine.train_batch, "
+        "TrainSchedule (1F1B), blocking send/recv, ZeRO-0 with the client AdamW (options pp = world_size, "
+        "microbatches; no dp/tp)",
+        expect_deepspeed_pp,
+        min_world_size=2,
+    ),
 )

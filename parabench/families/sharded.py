@@ -9,8 +9,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from parabench.families.data_parallel import (DataParallelOptions, common_kwargs, dp_groups, reference_model,
-                                              with_lr_spike)
+from parabench.families.data_parallel import (
+    DataParallelOptions,
+    common_kwargs,
+    dp_groups,
+    reference_model,
+    with_lr_spike,
+)
 from parabench.models import lm_loss, parameter_count
 from parabench.strategies import DP_PRECISIONS, StrategySpec, TrainSpec, as_trainer
 from parabench.theory import BYTES, Expectation, psi, ref_bucket_sizes, shard_numel, volume, zero_paper_state_bytes
@@ -27,12 +32,22 @@ class ShardedOptions(DataParallelOptions):
 
 # --- builders -----------------------------------------------------------------------------------
 
+
 def _zero(spec: TrainSpec, stage: int):
     from reference_impls.zero import ZeRO
 
     o = ShardedOptions.read(spec.options)
-    return with_lr_spike(as_trainer(ZeRO)(reference_model(spec, o), lm_loss, spec.topology.dp_group, stage=stage,
-                                          bucket_mb=float(o.bucket_mb), **common_kwargs(spec, o, dp_groups(spec))), o)
+    return with_lr_spike(
+        as_trainer(ZeRO)(
+            reference_model(spec, o),
+            lm_loss,
+            spec.topology.dp_group,
+            stage=stage,
+            bucket_mb=float(o.bucket_mb),
+            **common_kwargs(spec, o, dp_groups(spec)),
+        ),
+        o,
+    )
 
 
 def build_zero1(spec: TrainSpec):
@@ -47,9 +62,16 @@ def build_zero2_offload(spec: TrainSpec):
     from reference_impls.zero_offload import ZeROOffload
 
     o = ShardedOptions.read(spec.options)
-    return with_lr_spike(as_trainer(ZeROOffload)(reference_model(spec, o), lm_loss, spec.topology.dp_group,
-                                                 bucket_mb=float(o.bucket_mb),
-                                                 **common_kwargs(spec, o, dp_groups(spec))), o)
+    return with_lr_spike(
+        as_trainer(ZeROOffload)(
+            reference_model(spec, o),
+            lm_loss,
+            spec.topology.dp_group,
+            bucket_mb=float(o.bucket_mb),
+            **common_kwargs(spec, o, dp_groups(spec)),
+        ),
+        o,
+    )
 
 
 def _fsdp(spec: TrainSpec, reshard_root: bool, shard_group=None, replicate_group=None):
@@ -60,10 +82,20 @@ def _fsdp(spec: TrainSpec, reshard_root: bool, shard_group=None, replicate_group
     group = shard_group or spec.topology.dp_group
     # The inf flag goes round the shard group and, for HSDP, the replica group too.
     groups = [group or dist.group.WORLD] + ([replicate_group] if replicate_group is not None else [])
-    return with_lr_spike(as_trainer(FSDP)(model, lm_loss, list(model.blocks), group,
-                                          replicate_group=replicate_group, reshard_root=reshard_root,
-                                          prefetch=bool(o.prefetch), in_flight=o.in_flight,
-                                          **common_kwargs(spec, o, groups)), o)
+    return with_lr_spike(
+        as_trainer(FSDP)(
+            model,
+            lm_loss,
+            list(model.blocks),
+            group,
+            replicate_group=replicate_group,
+            reshard_root=reshard_root,
+            prefetch=bool(o.prefetch),
+            in_flight=o.in_flight,
+            **common_kwargs(spec, o, groups),
+        ),
+        o,
+    )
 
 
 def build_zero3(spec: TrainSpec):
@@ -88,7 +120,7 @@ def hsdp_groups(world: int, dp: int, pp: int, tp: int, shard_size: int, rank: in
     for p in range(pp):
         for t in range(tp):
             col = grid[:, p, t].tolist()
-            shards += [col[k:k + shard_size] for k in range(0, dp, shard_size)]
+            shards += [col[k : k + shard_size] for k in range(0, dp, shard_size)]
             replicas += [col[j::shard_size] for j in range(shard_size)]
 
     def mine(lists):
@@ -109,17 +141,22 @@ def build_hsdp(spec: TrainSpec):
 
 # --- expectations: peers ------------------------------------------------------------------------
 
+
 def expect_torch_fsdp2(cfg, case, o, dp):
     p = psi(cfg)
     pbytes = BYTES[case.precision]
     accum = case.grad_accum
-    comm = {
-        # forward gathers every parameter group (blocks and root), backward gathers each again
-        # (reshard_after_forward=True, the root included); gradients are reduce-scattered in fp32
-        # after every micro-batch.
-        "all_gather": accum * 2 * p * pbytes,
-        "reduce_scatter": accum * p * 4,
-    } if dp > 1 else {}
+    comm = (
+        {
+            # forward gathers every parameter group (blocks and root), backward gathers each again
+            # (reshard_after_forward=True, the root included); gradients are reduce-scattered in fp32
+            # after every micro-batch.
+            "all_gather": accum * 2 * p * pbytes,
+            "reduce_scatter": accum * p * 4,
+        }
+        if dp > 1
+        else {}
+    )
     return Expectation(
         state_bytes=None,  # per-parameter dim-0 sharding: shard sizes vary by rank, see the measurement
         comm_payload_bytes=comm,
@@ -136,12 +173,12 @@ def expect_torch_hsdp(cfg, case, o, dp):
         state_bytes=None,  # per-parameter dim-0 sharding within the shard group: see the measurement
         comm_payload_bytes={
             "all_gather": accum * 2 * p * BYTES[case.precision],  # within the shard group
-            "reduce_scatter": accum * p * 4,                      # within the shard group, fp32
-            "all_reduce": accum * p * 4 // shard,                 # the shard, across replicas
+            "reduce_scatter": accum * p * 4,  # within the shard group, fp32
+            "all_reduce": accum * p * 4 // shard,  # the shard, across replicas
         },
         paper_state_bytes=zero_paper_state_bytes(3, p, shard),
         notes="FSDP2 on a (replicate, shard) mesh: forward and backward gathers inside the shard group, "
-              "gradient reduce-scatter inside it, then an all-reduce of each shard across replicas.",
+        "gradient reduce-scatter inside it, then an all-reduce of each shard across replicas.",
     )
 
 
@@ -154,22 +191,26 @@ def deepspeed_expectation(stage: int):
     cache has released (measured: nothing on the tiny model, the output head and a few blocks on
     gpt-125m, with stage3_max_reuse_distance=0), so its all-gather is the range [Ψ, 2Ψ] — the
     flight recorder confirms the meter here, the looseness is DeepSpeed's."""
+
     def fn(cfg, case, o, dp):
         p = psi(cfg)
         b = BYTES[case.precision]
         accum = case.grad_accum
         comm = None
         if dp > 1:
-            comm = {0: {"all_reduce": b * p},
-                    1: {"all_reduce": b * p, "all_gather": b * p},
-                    2: {"all_reduce": b * p, "all_gather": b * p},
-                    3: {"all_gather": [accum * b * p, accum * 2 * b * p], "reduce_scatter": accum * b * p}}[stage]
+            comm = {
+                0: {"all_reduce": b * p},
+                1: {"all_reduce": b * p, "all_gather": b * p},
+                2: {"all_reduce": b * p, "all_gather": b * p},
+                3: {"all_gather": [accum * b * p, accum * 2 * b * p], "reduce_scatter": accum * b * p},
+            }[stage]
         return Expectation(
             state_bytes=None,
             comm_payload_bytes=comm,
             paper_state_bytes=zero_paper_state_bytes(stage, p, dp),
             notes="DeepSpeed's internal layout is read from the engine; the paper's figure is given for reference.",
         )
+
     return fn
 
 
@@ -180,6 +221,7 @@ def deepspeed_expectation(stage: int):
 # Padding: ZeRO-1/2 pad each gradient bucket, ZeRO-3/FSDP/HSDP each unit (a block, or the root:
 # embeddings + final LayerNorm + head), to a multiple of N elements; Ψp is the padded total. The
 # collectives run even at N = 1 (group of one), so the payloads below hold for any N.
+
 
 def _ref_units(cfg, n: int) -> tuple[int, int]:
     """(padded root unit, padded block unit) in elements, for shard groups of ``n`` ranks."""
@@ -195,20 +237,32 @@ def ref_zero_expectation(stage: int):
         psi_p, shard = sum(buckets), sum(buckets) // dp
         rs_rounds = 1 if stage == 1 else case.grad_accum
         return Expectation(
-            state_bytes={"params": b * psi_p,
-                         "grads": (b * psi_p if stage == 1 else 0) + 4 * shard,
-                         "optimizer": 8 * shard + (4 * shard if mixed else 0)},
-            comm_payload_bytes={"reduce_scatter": rs_rounds * volume(b * n for n in buckets),
-                                "all_gather": volume(b * n for n in buckets)},
+            state_bytes={
+                "params": b * psi_p,
+                "grads": (b * psi_p if stage == 1 else 0) + 4 * shard,
+                "optimizer": 8 * shard + (4 * shard if mixed else 0),
+            },
+            comm_payload_bytes={
+                "reduce_scatter": rs_rounds * volume(b * n for n in buckets),
+                "all_gather": volume(b * n for n in buckets),
+            },
             paper_state_bytes=zero_paper_state_bytes(stage, p, dp),
             notes=f"buckets padded to a multiple of N (Ψp = {psi_p} vs Ψ = {p}); every bucket split into N shards. "
-                  + ("ZeRO-1: full gradient buffer bΨp + fp32 main-gradient shard 4Ψp/N; " if stage == 1 else
-                     "ZeRO-2: only the fp32 main-gradient shard 4Ψp/N at update time (buckets freed); ")
-                  + "Adam 8Ψp/N, + fp32 master shard 4Ψp/N in bf16 (in fp32 the owned part of the parameter "
-                  "buffer is the master). bf16: 2Ψ + 16Ψ/N (stage 2) vs the paper's 2Ψ + 14Ψ/N, the difference being "
-                  "the fp32 gradient shard (as DeepSpeed holds). Reduce-scatter and all-gather in the compute dtype"
-                  + (", reduce-scatter on every micro-batch." if stage == 2 else ", communication on the last micro-batch only."),
+            + (
+                "ZeRO-1: full gradient buffer bΨp + fp32 main-gradient shard 4Ψp/N; "
+                if stage == 1
+                else "ZeRO-2: only the fp32 main-gradient shard 4Ψp/N at update time (buckets freed); "
+            )
+            + "Adam 8Ψp/N, + fp32 master shard 4Ψp/N in bf16 (in fp32 the owned part of the parameter "
+            "buffer is the master). bf16: 2Ψ + 16Ψ/N (stage 2) vs the paper's 2Ψ + 14Ψ/N, the difference being "
+            "the fp32 gradient shard (as DeepSpeed holds). Reduce-scatter and all-gather in the compute dtype"
+            + (
+                ", reduce-scatter on every micro-batch."
+                if stage == 2
+                else ", communication on the last micro-batch only."
+            ),
         )
+
     return fn
 
 
@@ -220,8 +274,10 @@ def ref_sharded_expectation(variant: str):
         units = [root] + [block] * cfg.n_layers
         psi_p, shard = sum(units), sum(units) // n
         regathered = units[1:] + ([root] if variant == "zero3" else [])
-        comm = {"all_gather": case.grad_accum * volume(b * u for u in units + regathered),
-                "reduce_scatter": case.grad_accum * volume(b * u for u in units)}
+        comm = {
+            "all_gather": case.grad_accum * volume(b * u for u in units + regathered),
+            "reduce_scatter": case.grad_accum * volume(b * u for u in units),
+        }
         if variant == "hsdp":  # one all-reduce per unit's fp32 gradient shard
             comm["all_reduce"] = volume(4 * u // n for u in units)
         in_flight = o.in_flight
@@ -235,20 +291,27 @@ def ref_sharded_expectation(variant: str):
             # reduce-scatter: the root's (autograd's own tensors, then for a moment also its flat
             # buffer) and the flat buffers of up to in_flight + 1 blocks; in 16-bit each of the
             # in_flight outstanding reduce-scatters has a receive shard too.
-            working_set_bytes={"gathered_params": b * (root + 3 * block),
-                               "grad_buffers": b * (2 * root + (in_flight + 1) * block)
-                               + (b * in_flight * max(root, block) // n if mixed else 0)},
+            working_set_bytes={
+                "gathered_params": b * (root + 3 * block),
+                "grad_buffers": b * (2 * root + (in_flight + 1) * block)
+                + (b * in_flight * max(root, block) // n if mixed else 0),
+            },
             notes=f"units (root + one per block) padded to a multiple of {'S' if variant == 'hsdp' else 'N'} "
-                  f"(Ψp = {psi_p}); in every precision the fp32 shard 4Ψp/n is the only persistent copy of the "
-                  "parameters (the master weights; cast into the all-gather buffer before each gather), fp32 "
-                  "main-gradient shard 4Ψp/n (allocated unit by unit in backward, freed after the update), Adam "
-                  "8Ψp/n: 16Ψp/n (paper 16Ψ/N). Per micro-batch: "
-                  "all-gather of every unit for forward and of every block again for backward"
-                  + (" and of the root too" if variant == "zero3" else " (the root stays gathered)")
-                  + ", reduce-scatter of every unit, in the compute dtype"
-                  + ("; once per step an fp32 all-reduce of each unit's gradient shard across the N/S replicas"
-                     if variant == "hsdp" else "") + ".",
+            f"(Ψp = {psi_p}); in every precision the fp32 shard 4Ψp/n is the only persistent copy of the "
+            "parameters (the master weights; cast into the all-gather buffer before each gather), fp32 "
+            "main-gradient shard 4Ψp/n (allocated unit by unit in backward, freed after the update), Adam "
+            "8Ψp/n: 16Ψp/n (paper 16Ψ/N). Per micro-batch: "
+            "all-gather of every unit for forward and of every block again for backward"
+            + (" and of the root too" if variant == "zero3" else " (the root stays gathered)")
+            + ", reduce-scatter of every unit, in the compute dtype"
+            + (
+                "; once per step an fp32 all-reduce of each unit's gradient shard across the N/S replicas"
+                if variant == "hsdp"
+                else ""
+            )
+            + ".",
         )
+
     return fn
 
 
@@ -256,6 +319,7 @@ def ref_sharded_expectation(variant: str):
 # What stays on the device when the optimizer (and for FSDP2 the sharded parameters) live in CPU
 # memory. On a CPU-only machine "device" and "CPU" are the same memory: the offload is then a copy
 # within it, and these figures describe the layout, not a saving.
+
 
 def expect_ref_zero2_offload(cfg, case, o, dp):
     base = ref_zero_expectation(2)(cfg, case, o, dp)
@@ -268,9 +332,9 @@ def expect_ref_zero2_offload(cfg, case, o, dp):
         paper_state_bytes=2 * p,  # ZeRO-Offload, Sec. 4: only the 16-bit parameters stay (2Ψ)
         cpu_state_bytes={"master": 4 * shard, "grads": 4 * shard, "optimizer": 8 * shard},
         notes="ZeRO-2 on the device: bΨp compute parameters + the fp32 main-gradient shard 4Ψp/N (reduce-scattered "
-              "there, then copied out); on the CPU: fp32 master 4Ψp/N, Adam 8Ψp/N and a 4Ψp/N gradient copy. The "
-              "paper's 2Ψ counts 16-bit parameters only (its gradients stream to the CPU bucket by bucket). Same "
-              "collectives as ref.zero2.",
+        "there, then copied out); on the CPU: fp32 master 4Ψp/N, Adam 8Ψp/N and a 4Ψp/N gradient copy. The "
+        "paper's 2Ψ counts 16-bit parameters only (its gradients stream to the CPU bucket by bucket). Same "
+        "collectives as ref.zero2.",
     )
 
 
@@ -285,10 +349,11 @@ def deepspeed_offload_expectation(stage: int):
             paper_state_bytes=device_params,
             device_state_bytes={"params": device_params, "grads": None, "optimizer": 0},
             notes=f"DeepSpeed ZeRO-{stage} with offload_optimizer=cpu: fp32 master partitions, Adam moments and the "
-                  "update on the CPU; the device keeps the "
-                  + ("16-bit parameters (bΨ)" if stage == 2 else "16-bit parameter partition (bΨ/N)")
-                  + " plus gradient buckets in flight. Client torch AdamW runs on the CPU.",
+            "update on the CPU; the device keeps the "
+            + ("16-bit parameters (bΨ)" if stage == 2 else "16-bit parameter partition (bΨ/N)")
+            + " plus gradient buckets in flight. Client torch AdamW runs on the CPU.",
         )
+
     return fn
 
 
@@ -300,60 +365,151 @@ def expect_torch_fsdp2_offload(cfg, case, o, dp):
         paper_state_bytes=0,
         device_state_bytes={"params": 0, "grads": 0, "optimizer": 0},
         notes="FSDP2 CPUOffloadPolicy: sharded fp32 parameters, their gradients and the AdamW step stay in CPU memory; "
-              "the device holds only the gathered block being computed (transient, not model state). Same "
-              "collectives as torch.fsdp2.",
+        "the device holds only the gathered block being computed (transient, not model state). Same "
+        "collectives as torch.fsdp2.",
     )
 
 
 def _row(name, builder, kind, description, expect, **kw):
-    return StrategySpec(name, "sharded", builder, kind, description, precisions=DP_PRECISIONS,
-                        options=ShardedOptions, expect=expect, **kw)
+    return StrategySpec(
+        name,
+        "sharded",
+        builder,
+        kind,
+        description,
+        precisions=DP_PRECISIONS,
+        options=ShardedOptions,
+        expect=expect,
+        **kw,
+    )
 
 
 _DS = "parabench.peers.deepspeed_zero"
 _REF = "parabench.families.sharded"
 ROWS = (
-    _row("torch.fsdp2", "parabench.peers.torch_fsdp2:build", "peer",
-         "PyTorch FSDP2 fully_shard per transformer block + root (ZeRO-3 style)", expect_torch_fsdp2),
-    _row("torch.hsdp", "parabench.peers.torch_fsdp2:build_hsdp", "peer",
-         "PyTorch FSDP2 hybrid shard: 2-D (replicate, shard) mesh, option shard_size (default 2)",
-         expect_torch_hsdp, min_world_size=4),
-    _row("deepspeed.zero0", f"{_DS}:build_zero0", "peer", "DeepSpeed engine, ZeRO disabled (plain data parallel)",
-         deepspeed_expectation(0),
-         caveats=(("fp16", "DeepSpeed 0.19.8, stage 0 fp16 with a client optimizer (FP16_UnfusedOptimizer): "
-                   "engine.backward never multiplies the loss by the loss scale, but the optimizer step "
-                   "still divides the gradients by it (2**16), so Adam sees gradients 65536x too small and "
-                   "the loss barely moves (upstream PR deepspeedai/DeepSpeed#8393; "
-                   "tests/test_mixed_precision.py::test_deepspeed_zero0_fp16_mechanism)."),)),
-    _row("deepspeed.zero1", f"{_DS}:build_zero1", "peer", "DeepSpeed ZeRO stage 1 (optimizer states partitioned)",
-         deepspeed_expectation(1)),
-    _row("deepspeed.zero2", f"{_DS}:build_zero2", "peer", "DeepSpeed ZeRO stage 2 (+ gradients partitioned)",
-         deepspeed_expectation(2)),
-    _row("deepspeed.zero3", f"{_DS}:build_zero3", "peer", "DeepSpeed ZeRO stage 3 (+ parameters partitioned)",
-         deepspeed_expectation(3), shares_launch=False),
-    _row("ref.zero1", f"{_REF}:build_zero1", "reference",
-         "reference ZeRO-1: optimizer states + fp32 master sharded per bucket; reduce-scatter, all-gather",
-         ref_zero_expectation(1), version="2"),
-    _row("ref.zero2", f"{_REF}:build_zero2", "reference",
-         "reference ZeRO-2: + gradients reduce-scattered in buckets during backward and freed",
-         ref_zero_expectation(2), version="2"),
-    _row("ref.zero3", f"{_REF}:build_zero3", "reference",
-         "reference ZeRO-3: per-block flat parameters gathered for forward and backward, every unit resharded",
-         ref_sharded_expectation("zero3"), version="3"),
-    _row("ref.fsdp", f"{_REF}:build_fsdp", "reference",
-         "reference FSDP full shard: as ref.zero3 but the root unit stays gathered from forward to backward",
-         ref_sharded_expectation("fsdp"), version="3"),
-    _row("ref.hsdp", f"{_REF}:build_hsdp", "reference",
-         "reference hybrid shard: FSDP within shard groups (option shard_size), all-reduce across replicas",
-         ref_sharded_expectation("hsdp"), min_world_size=4, version="3"),
-    _row("ref.zero2_offload", f"{_REF}:build_zero2_offload", "reference",
-         "reference ZeRO-Offload: ZeRO-2 with fp32 master, Adam states and the AdamW update on the CPU",
-         expect_ref_zero2_offload, version="2"),
-    _row("deepspeed.zero2_offload", f"{_DS}:build_zero2_offload", "peer",
-         "DeepSpeed ZeRO-2 + offload_optimizer to CPU (ZeRO-Offload)", deepspeed_offload_expectation(2)),
-    _row("deepspeed.zero3_offload", f"{_DS}:build_zero3_offload", "peer",
-         "DeepSpeed ZeRO-3 + offload_optimizer to CPU", deepspeed_offload_expectation(3), shares_launch=False),
-    _row("torch.fsdp2_offload", "parabench.peers.torch_fsdp2:build_offload", "peer",
-         "PyTorch FSDP2 with CPUOffloadPolicy (sharded params, grads and AdamW on the CPU)",
-         expect_torch_fsdp2_offload),
+    _row(
+        "torch.fsdp2",
+        "parabench.peers.torch_fsdp2:build",
+        "peer",
+        "PyTorch FSDP2 fully_shard per transformer block + root (ZeRO-3 style)",
+        expect_torch_fsdp2,
+    ),
+    _row(
+        "torch.hsdp",
+        "parabench.peers.torch_fsdp2:build_hsdp",
+        "peer",
+        "PyTorch FSDP2 hybrid shard: 2-D (replicate, shard) mesh, option shard_size (default 2)",
+        expect_torch_hsdp,
+        min_world_size=4,
+    ),
+    _row(
+        "deepspeed.zero0",
+        f"{_DS}:build_zero0",
+        "peer",
+        "DeepSpeed engine, ZeRO disabled (plain data parallel)",
+        deepspeed_expectation(0),
+        caveats=(
+            (
+                "fp16",
+                "DeepSpeed 0.19.8, stage 0 fp16 with a client optimizer (FP16_UnfusedOptimizer): "
+                "engine.backward never multiplies the loss by the loss scale, but the optimizer step "
+                "still divides the gradients by it (2**16), so Adam sees gradients 65536x too small and "
+                "the loss barely moves (upstream PR deepspeedai/DeepSpeed#8393; "
+                "tests/test_mixed_precision.py::test_deepspeed_zero0_fp16_mechanism).",
+            ),
+        ),
+    ),
+    _row(
+        "deepspeed.zero1",
+        f"{_DS}:build_zero1",
+        "peer",
+        "DeepSpeed ZeRO stage 1 (optimizer states partitioned)",
+        deepspeed_expectation(1),
+    ),
+    _row(
+        "deepspeed.zero2",
+        f"{_DS}:build_zero2",
+        "peer",
+        "DeepSpeed ZeRO stage 2 (+ gradients partitioned)",
+        deepspeed_expectation(2),
+    ),
+    _row(
+        "deepspeed.zero3",
+        f"{_DS}:build_zero3",
+        "peer",
+        "DeepSpeed ZeRO stage 3 (+ parameters partitioned)",
+        deepspeed_expectation(3),
+        shares_launch=False,
+    ),
+    _row(
+        "ref.zero1",
+        f"{_REF}:build_zero1",
+        "reference",
+        "reference ZeRO-1: optimizer states + fp32 master sharded per bucket; reduce-scatter, all-gather",
+        ref_zero_expectation(1),
+        version="2",
+    ),
+    _row(
+        "ref.zero2",
+        f"{_REF}:build_zero2",
+        "reference",
+        "reference ZeRO-2: + gradients reduce-scattered in buckets during backward and freed",
+        ref_zero_expectation(2),
+        version="2",
+    ),
+    _row(
+        "ref.zero3",
+        f"{_REF}:build_zero3",
+        "reference",
+        "reference ZeRO-3: per-block flat parameters gathered for forward and backward, every unit resharded",
+        ref_sharded_expectation("zero3"),
+        version="3",
+    ),
+    _row(
+        "ref.fsdp",
+        f"{_REF}:build_fsdp",
+        "reference",
+        "reference FSDP full shard: as ref.zero3 but the root unit stays gathered from forward to backward",
+        ref_sharded_expectation("fsdp"),
+        version="3",
+    ),
+    _row(
+        "ref.hsdp",
+        f"{_REF}:build_hsdp",
+        "reference",
+        "reference hybrid shard: FSDP within shard groups (option shard_size), all-reduce across replicas",
+        ref_sharded_expectation("hsdp"),
+        min_world_size=4,
+        version="3",
+    ),
+    _row(
+        "ref.zero2_offload",
+        f"{_REF}:build_zero2_offload",
+        "reference",
+        "reference ZeRO-Offload: ZeRO-2 with fp32 master, Adam states and the AdamW update on the CPU",
+        expect_ref_zero2_offload,
+        version="2",
+    ),
+    _row(
+        "deepspeed.zero2_offload",
+        f"{_DS}:build_zero2_offload",
+        "peer",
+        "DeepSpeed ZeRO-2 + offload_optimizer to CPU (ZeRO-Offload)",
+        deepspeed_offload_expectation(2),
+    ),
+    _row(
+        "deepspeed.zero3_offload",
+        f"{_DS}:build_zero3_offload",
+        "peer",
+        "DeepSpeed ZeRO-3 + offload_optimizer to CPU",
+        deepspeed_offload_expectation(3),
+        shares_launch=False,
+    ),
+    _row(
+        "torch.fsdp2_offload",
+        "parabench.peers.torch_fsdp2:build_offload",
+        "peer",
+        "PyTorch FSDP2 with CPUOffloadPolicy (sharded params, grads and AdamW on the CPU)",
+        expect_torch_fsdp2_offload,
+    ),
 )

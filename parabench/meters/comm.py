@@ -28,36 +28,39 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 # namespace -> op name (without trailing underscore) -> (kind, where the payload tensor(s) are).
 # The two namespaces reuse names with different argument orders, so they are kept apart.
-_OPS = {"c10d": {
-    # eager torch.distributed: ops take (outputs, inputs, ...) or work in place
-    "allreduce": ("all_reduce", "in0"),
-    "allreduce_coalesced": ("all_reduce", "in0"),
-    "allgather": ("all_gather", "out0"),
-    "_allgather_base": ("all_gather", "out0"),
-    "allgather_into_tensor_coalesced": ("all_gather", "out0"),
-    "allgather_coalesced": ("all_gather", "out0"),
-    "reduce_scatter": ("reduce_scatter", "in1"),  # (output shard, [input list])
-    "_reduce_scatter_base": ("reduce_scatter", "in1"),
-    "reduce_scatter_tensor_coalesced": ("reduce_scatter", "in1"),
-    "broadcast": ("broadcast", "in0"),
-    "reduce": ("reduce", "in0"),
-    "alltoall": ("all_to_all", "in1"),
-    "alltoall_base": ("all_to_all", "in1"),
-    "gather": ("gather", "in1"),
-    "scatter": ("scatter", "in0"),
-    "send": ("send", "in0"),
-    "recv": ("recv", "in0"),
-    "recv_any_source": ("recv", "in0"),
-}, "_c10d_functional": {
-    # functional collectives (DTensor, compiled code): ops take (inputs, ...) and return outputs
-    "all_reduce": ("all_reduce", "in0"),
-    "all_reduce_coalesced": ("all_reduce", "in0"),
-    "all_gather_into_tensor": ("all_gather", "allgather_fn"),
-    "all_gather_into_tensor_coalesced": ("all_gather", "allgather_fn"),
-    "reduce_scatter_tensor": ("reduce_scatter", "in0"),
-    "reduce_scatter_tensor_coalesced": ("reduce_scatter", "in0"),
-    "all_to_all_single": ("all_to_all", "in0"),
-}}
+_OPS = {
+    "c10d": {
+        # eager torch.distributed: ops take (outputs, inputs, ...) or work in place
+        "allreduce": ("all_reduce", "in0"),
+        "allreduce_coalesced": ("all_reduce", "in0"),
+        "allgather": ("all_gather", "out0"),
+        "_allgather_base": ("all_gather", "out0"),
+        "allgather_into_tensor_coalesced": ("all_gather", "out0"),
+        "allgather_coalesced": ("all_gather", "out0"),
+        "reduce_scatter": ("reduce_scatter", "in1"),  # (output shard, [input list])
+        "_reduce_scatter_base": ("reduce_scatter", "in1"),
+        "reduce_scatter_tensor_coalesced": ("reduce_scatter", "in1"),
+        "broadcast": ("broadcast", "in0"),
+        "reduce": ("reduce", "in0"),
+        "alltoall": ("all_to_all", "in1"),
+        "alltoall_base": ("all_to_all", "in1"),
+        "gather": ("gather", "in1"),
+        "scatter": ("scatter", "in0"),
+        "send": ("send", "in0"),
+        "recv": ("recv", "in0"),
+        "recv_any_source": ("recv", "in0"),
+    },
+    "_c10d_functional": {
+        # functional collectives (DTensor, compiled code): ops take (inputs, ...) and return outputs
+        "all_reduce": ("all_reduce", "in0"),
+        "all_reduce_coalesced": ("all_reduce", "in0"),
+        "all_gather_into_tensor": ("all_gather", "allgather_fn"),
+        "all_gather_into_tensor_coalesced": ("all_gather", "allgather_fn"),
+        "reduce_scatter_tensor": ("reduce_scatter", "in0"),
+        "reduce_scatter_tensor_coalesced": ("reduce_scatter", "in0"),
+        "all_to_all_single": ("all_to_all", "in0"),
+    },
+}
 _WIRE_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
@@ -139,8 +142,9 @@ class CommMeter(TorchDispatchMode):
 
     def summary(self) -> dict:
         """Per kind: calls, payload and wire bytes, dtypes and group sizes; tiny scalar ops apart."""
-        out: dict[str, dict] = defaultdict(lambda: {"calls": 0, "payload_bytes": 0, "wire_bytes": 0.0,
-                                                     "dtypes": set(), "group_sizes": set()})
+        out: dict[str, dict] = defaultdict(
+            lambda: {"calls": 0, "payload_bytes": 0, "wire_bytes": 0.0, "dtypes": set(), "group_sizes": set()}
+        )
         scalars: dict[str, dict] = defaultdict(lambda: {"calls": 0, "payload_bytes": 0})
         for e in self.events:
             if e.payload_bytes <= SCALAR_BYTES:
@@ -153,8 +157,15 @@ class CommMeter(TorchDispatchMode):
             s["wire_bytes"] += e.wire_bytes
             s["dtypes"].add(e.dtype)
             s["group_sizes"].add(e.group_size)
-        by_kind = {k: {**v, "wire_bytes": int(round(v["wire_bytes"])), "dtypes": sorted(v["dtypes"]),
-                       "group_sizes": sorted(v["group_sizes"])} for k, v in sorted(out.items())}
+        by_kind = {
+            k: {
+                **v,
+                "wire_bytes": int(round(v["wire_bytes"])),
+                "dtypes": sorted(v["dtypes"]),
+                "group_sizes": sorted(v["group_sizes"]),
+            }
+            for k, v in sorted(out.items())
+        }
         return {
             "by_kind": by_kind,
             "scalar_ops": dict(sorted(scalars.items())),

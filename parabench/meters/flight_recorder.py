@@ -17,8 +17,20 @@ from collections import defaultdict
 
 import torch
 
-_DTYPE_BYTES = {"Float": 4, "BFloat16": 2, "Half": 2, "Double": 8, "Long": 8, "Int": 4, "Short": 2,
-                "Byte": 1, "Char": 1, "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1}
+_DTYPE_BYTES = {
+    "Float": 4,
+    "BFloat16": 2,
+    "Half": 2,
+    "Double": 8,
+    "Long": 8,
+    "Int": 4,
+    "Short": 2,
+    "Byte": 1,
+    "Char": 1,
+    "Bool": 1,
+    "Float8_e4m3fn": 1,
+    "Float8_e5m2": 1,
+}
 
 
 def enabled() -> bool:
@@ -39,10 +51,21 @@ def last_record_id() -> int:
 
 def _kind(profiling_name: str) -> str:
     name = profiling_name.split(":")[-1]
-    for prefix, kind in (("all_reduce", "all_reduce"), ("allreduce", "all_reduce"), ("all_gather", "all_gather"),
-                         ("allgather", "all_gather"), ("_allgather", "all_gather"), ("reduce_scatter", "reduce_scatter"),
-                         ("_reduce_scatter", "reduce_scatter"), ("broadcast", "broadcast"), ("all_to_all", "all_to_all"),
-                         ("alltoall", "all_to_all"), ("send", "send"), ("recv", "recv"), ("reduce", "reduce")):
+    for prefix, kind in (
+        ("all_reduce", "all_reduce"),
+        ("allreduce", "all_reduce"),
+        ("all_gather", "all_gather"),
+        ("allgather", "all_gather"),
+        ("_allgather", "all_gather"),
+        ("reduce_scatter", "reduce_scatter"),
+        ("_reduce_scatter", "reduce_scatter"),
+        ("broadcast", "broadcast"),
+        ("all_to_all", "all_to_all"),
+        ("alltoall", "all_to_all"),
+        ("send", "send"),
+        ("recv", "recv"),
+        ("reduce", "reduce"),
+    ):
         if name.startswith(prefix):
             return kind
     return name
@@ -60,8 +83,10 @@ def summary_since(record_id: int) -> dict:
             continue
         kind = _kind(e.get("profiling_name", "?"))
         use_output = kind == "all_gather"
-        size = _bytes(e.get("output_sizes" if use_output else "input_sizes"),
-                      e.get("output_dtypes" if use_output else "input_dtypes"))
+        size = _bytes(
+            e.get("output_sizes" if use_output else "input_sizes"),
+            e.get("output_dtypes" if use_output else "input_dtypes"),
+        )
         s = out[kind]
         s["calls"] += 1
         s["payload_bytes"] += size

@@ -206,7 +206,7 @@ class MemoryBreakdown(TorchDispatchMode):
                     continue
                 try:
                     group = get_state()._fsdp_param_group
-                    for fp in (group.fsdp_params if group is not None else []):
+                    for fp in group.fsdp_params if group is not None else []:
                         for name in ("_unsharded_param", "_sharded_param_data"):
                             t = getattr(fp, name, None)
                             if isinstance(t, torch.Tensor):
@@ -251,6 +251,7 @@ class MemoryBreakdown(TorchDispatchMode):
             if s is not None:
                 self.current -= s.nbytes
             self._watch.pop(key, None)
+
         return cb
 
     def _track(self, t, created: str, op: str):
@@ -364,26 +365,47 @@ class MemoryBreakdown(TorchDispatchMode):
             by_cat[c] += s.nbytes
             items.append((s.nbytes, c, s.op, s.created))
         items.sort(reverse=True)
-        return {"op_index": self.n_ops, "op": op, "phase": phase,
-                "by_category": {c: int(by_cat.get(c, 0)) for c in CATEGORIES},
-                "largest": [{"bytes": int(b), "category": c, "op": o, "created": w}
-                            for b, c, o, w in items[:self.top]]}
+        return {
+            "op_index": self.n_ops,
+            "op": op,
+            "phase": phase,
+            "by_category": {c: int(by_cat.get(c, 0)) for c in CATEGORIES},
+            "largest": [{"bytes": int(b), "category": c, "op": o, "created": w} for b, c, o, w in items[: self.top]],
+        }
 
     def result(self) -> dict:
-        info = self._peak_info or {"op_index": 0, "op": None, "phase": None,
-                                   "by_category": {c: 0 for c in CATEGORIES}, "largest": []}
+        info = self._peak_info or {
+            "op_index": 0,
+            "op": None,
+            "phase": None,
+            "by_category": {c: 0 for c in CATEGORIES},
+            "largest": [],
+        }
         if self._peak_info is None:  # the step never went above where it started
             known = self._classify_known()
             info["by_category"] = {c: 0 for c in CATEGORIES}
             for key, s in self._live.items():
                 info["by_category"][known.get(key, "other")] += s.nbytes
         info = {k: v for k, v in info.items() if k != "peak_bytes"}
-        by_phase = {ph: {"peak_bytes": int(i["peak_bytes"]), "op_index": i["op_index"], "op": i["op"],
-                         "by_category": i["by_category"]} for ph, i in self._phase_info.items()}
-        return {"peak_bytes": int(self.peak), "baseline_bytes": int(self.baseline),
-                "end_bytes": int(self.current), "n_ops": self.n_ops, "device": str(self.device),
-                "peak_total_bytes": int(sum(info["by_category"].values())), **info,
-                "peak_by_phase": by_phase}
+        by_phase = {
+            ph: {
+                "peak_bytes": int(i["peak_bytes"]),
+                "op_index": i["op_index"],
+                "op": i["op"],
+                "by_category": i["by_category"],
+            }
+            for ph, i in self._phase_info.items()
+        }
+        return {
+            "peak_bytes": int(self.peak),
+            "baseline_bytes": int(self.baseline),
+            "end_bytes": int(self.current),
+            "n_ops": self.n_ops,
+            "device": str(self.device),
+            "peak_total_bytes": int(sum(info["by_category"].values())),
+            **info,
+            "peak_by_phase": by_phase,
+        }
 
 
 def measure_step(trainer, inputs, targets) -> tuple[object, dict]:

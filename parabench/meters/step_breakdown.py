@@ -85,8 +85,13 @@ TOP_NAMES = 5
 NAME_CHARS = 160  # templated kernel names run to hundreds of characters
 
 # Kineto's activity types (``_KinetoEvent.activity_type()``) mapped to what they are here.
-_ACTIVITY_KIND = {"cpu_op": "cpu_op", "user_annotation": "annotation", "kernel": "kernel",
-                  "gpu_memcpy": "memcpy", "gpu_memset": "memcpy"}
+_ACTIVITY_KIND = {
+    "cpu_op": "cpu_op",
+    "user_annotation": "annotation",
+    "kernel": "kernel",
+    "gpu_memcpy": "memcpy",
+    "gpu_memset": "memcpy",
+}
 # Device-timeline events that are not kernels, for builds without ``activity_type()``.
 _DEVICE_NON_KERNEL_WORDS = ("Sync", "Wait", "Overhead", "Instrumentation", "Resource")
 
@@ -106,6 +111,7 @@ class Span:
 
 
 # --- interval arithmetic (lists of (start, end); "merged" = sorted, disjoint, non-empty) -------------
+
 
 def merge(intervals) -> list[tuple[float, float]]:
     """The union of ``intervals`` as sorted disjoint intervals; empty and reversed ones dropped,
@@ -145,6 +151,7 @@ def clip(merged, lo: float, hi: float) -> list[tuple[float, float]]:
 
 
 # --- classification ---------------------------------------------------------------------------------
+
 
 def is_comm_name(name: str) -> bool:
     return name.startswith(COMM_PREFIXES) or name in COMM_NAMES
@@ -237,6 +244,7 @@ def breakdown(spans: list[Span], source: str, mark: Span | None = None) -> dict:
 
 # --- reading the profiler ---------------------------------------------------------------------------
 
+
 def _activity(event) -> str | None:
     """Kineto's activity type as its name ("kernel", "cpu_op"...), None where the build does not
     give it as a string (some builds have no ``activity_type()``, one proposal returns the enum's int)."""
@@ -281,8 +289,14 @@ def spans_from_profile(prof, device: torch.device) -> tuple[list[Span], Span | N
         if kind == "other":
             continue
         asynchronous = bool(e.is_async()) if hasattr(e, "is_async") else False
-        span = Span(e.name(), (e.start_ns() - base_ns) * 1e-9, (e.end_ns() - base_ns) * 1e-9, kind,
-                    e.start_thread_id(), asynchronous)
+        span = Span(
+            e.name(),
+            (e.start_ns() - base_ns) * 1e-9,
+            (e.end_ns() - base_ns) * 1e-9,
+            kind,
+            e.start_thread_id(),
+            asynchronous,
+        )
         if span.name == STEP_MARK and not on_device:
             mark = span
         else:

@@ -52,6 +52,7 @@ def summarize_samples(samples: list[dict], energy_mj: tuple[int, int] | None, du
     """The record's per-rank telemetry from raw samples (each: power_mw, sm_clock_mhz,
     mem_clock_mhz, reasons_mask, gpu_util_pct, mem_util_pct, temperature_c) and the energy counter
     at start and end."""
+
     def col(key):
         return [s[key] for s in samples if s.get(key) is not None]
 
@@ -64,9 +65,11 @@ def summarize_samples(samples: list[dict], energy_mj: tuple[int, int] | None, du
     for m in col("reasons_mask"):
         mask |= m
     reasons = decode_reasons(mask)
+
     def share(names):
         masks = col("reasons_mask")
         return sum(1 for m in masks if any(r in names for r in decode_reasons(m))) / len(masks) if masks else None
+
     energy_j = (energy_mj[1] - energy_mj[0]) / 1e3 if energy_mj else None
     return {
         "n_samples": len(samples),
@@ -154,8 +157,10 @@ def sampler_for(device, interval_s: float = 0.05) -> Sampler | None:
         except pynvml.NVMLError:
             return None
 
-    get_reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-        pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+    get_reasons = (
+        getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+    )
 
     def read() -> dict:
         util = optional(lambda: pynvml.nvmlDeviceGetUtilizationRates(handle))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-
 import torch.distributed as dist
 
 from parabench.models import build_model, lm_loss
@@ -28,8 +27,9 @@ def tensor_bytes(tensors) -> int:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return tensor_bytes(v for state in optimizer.state.values() for v in state.values()
-                        if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return tensor_bytes(
+        v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
 
 
 def adamw(params, spec: TrainSpec) -> torch.optim.Optimizer:
@@ -70,8 +70,13 @@ def grad_scaler(spec: TrainSpec):
     if spec.precision != "fp16":
         return None
     o = loss_scale_options(spec)
-    return torch.amp.GradScaler(spec.device.type, init_scale=float(o.init_scale), growth_factor=2.0,
-                                backoff_factor=0.5, growth_interval=o.growth_interval)
+    return torch.amp.GradScaler(
+        spec.device.type,
+        init_scale=float(o.init_scale),
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        growth_interval=o.growth_interval,
+    )
 
 
 class TorchTrainer(Trainer):
@@ -92,8 +97,14 @@ class TorchTrainer(Trainer):
     ``lr_spike = {step, factor}`` multiplies that step's learning rate.
     """
 
-    def __init__(self, spec: TrainSpec, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 no_sync=None, autocast_enabled: bool = True):
+    def __init__(
+        self,
+        spec: TrainSpec,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        no_sync=None,
+        autocast_enabled: bool = True,
+    ):
         self.spec, self.module, self.optimizer = spec, module, optimizer
         self.no_sync = no_sync
         self.autocast_enabled = autocast_enabled
@@ -183,6 +194,7 @@ class TorchTrainer(Trainer):
 
 # --- shells shared by the references and the peers of context / expert parallelism -------------
 
+
 def check_degree(key: str, n: int | None) -> int:
     """The cp (ep) degree: for now only the whole world (None means the world)."""
     world = dist.get_world_size()
@@ -206,8 +218,11 @@ class ReplicatedTrainer(Trainer):
         return loss
 
     def state_bytes(self):
-        return {"params": tensor_bytes(self.module.parameters()), "grads": self._grad_bytes,
-                "optimizer": optimizer_state_bytes(self.optimizer)}
+        return {
+            "params": tensor_bytes(self.module.parameters()),
+            "grads": self._grad_bytes,
+            "optimizer": optimizer_state_bytes(self.optimizer),
+        }
 
     def close(self):
         self.optimizer = None
@@ -226,8 +241,9 @@ class CPTrainer(ReplicatedTrainer):
         if spec.model.is_moe:
             raise ValueError("context parallelism is implemented for dense models only")
         self.module = build_model(spec.model, spec.seed, spec.device)
-        self.cp = ContextParallel(self.module, spec.topology.dp_group, mode,
-                                  split=split, broken=broken, loss_fn=lm_loss)
+        self.cp = ContextParallel(
+            self.module, spec.topology.dp_group, mode, split=split, broken=broken, loss_fn=lm_loss
+        )
         self.optimizer = adamw(self.module.parameters(), spec)
 
     def train_step(self, inputs, targets):

@@ -49,10 +49,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parabench.peers.deepspeed_zero import DeepSpeedTrainer
 from parabench.families.context import ContextOptions
 from parabench.families.expert import ExpertOptions
 from parabench.peers.common import CPTrainer, assemble_on_rank0, check_degree
+from parabench.peers.deepspeed_zero import DeepSpeedTrainer
 from parabench.strategies import TrainSpec
 
 
@@ -99,9 +99,10 @@ class _TorchCPTrainer(CPTrainer):
         self.mesh = init_device_mesh(spec.device.type, (self.cp.cp,), mesh_dim_names=("cp",))
 
     def train_step(self, inputs, targets):
+        from torch.distributed.tensor.experimental import context_parallel
+
         from parabench.models import lm_loss
         from parabench.peers.common import autocast
-        from torch.distributed.tensor.experimental import context_parallel
 
         cp = self.cp
         x_all, y_all = cp.gather_batch(inputs, targets)
@@ -131,7 +132,8 @@ def build_torch_cp(spec: TrainSpec):
         raise NotImplementedError(
             "torch.cp: torch.distributed.tensor.experimental.context_parallel (torch "
             f"{torch.__version__}) handles only the CUDA SDPA kernels (flash/efficient/cuDNN); on CPU "
-            "aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy. Run it on GPUs.")
+            "aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy. Run it on GPUs."
+        )
     return _TorchCPTrainer(spec)
 
 
@@ -150,10 +152,24 @@ def _bias_gate_logits(gate, cfg) -> None:
         logits = logits + balanced_routing_bias(logits.shape[0], cfg.seq_len, cfg.n_experts, cfg.top_k, logits.device)
         capacity_factor = gate.capacity_factor if gate.training else gate.eval_capacity_factor
         if gate.k == 2:
-            return sharded_moe.top2gating(logits, capacity_factor, gate.min_capacity, gate.drop_tokens, gate.ep_group,
-                                          gate.top2_2nd_expert_sampling, sparse_routes)
-        return sharded_moe.topkgating(logits, gate.k, capacity_factor, gate.min_capacity, gate.drop_tokens,
-                                      gate.ep_group, sparse_routes=sparse_routes)
+            return sharded_moe.top2gating(
+                logits,
+                capacity_factor,
+                gate.min_capacity,
+                gate.drop_tokens,
+                gate.ep_group,
+                gate.top2_2nd_expert_sampling,
+                sparse_routes,
+            )
+        return sharded_moe.topkgating(
+            logits,
+            gate.k,
+            capacity_factor,
+            gate.min_capacity,
+            gate.drop_tokens,
+            gate.ep_group,
+            sparse_routes=sparse_routes,
+        )
 
     gate.forward = forward
 
@@ -183,11 +199,21 @@ class _DeepSpeedMoESlot(nn.Module):
             # Deterministic gate: no random token selection, no noise, no Gumbel sampling of the
             # second expert. Capacity mode when the model has a capacity factor, else dropless
             # (DeepSpeed then sizes the buffer by the largest expert demand over the ep group).
-            self.moe = DeepSpeedMoE(hidden_size=cfg.d_model, expert=MLP(cfg), num_experts=cfg.n_experts, ep_size=ep,
-                                    k=cfg.top_k, capacity_factor=1.0 if dropless else cfg.capacity_factor,
-                                    eval_capacity_factor=1.0 if dropless else cfg.capacity_factor,
-                                    min_capacity=min_capacity, use_residual=False, noisy_gate_policy=None,
-                                    drop_tokens=not dropless, use_rts=False, top2_2nd_expert_sampling=False)
+            self.moe = DeepSpeedMoE(
+                hidden_size=cfg.d_model,
+                expert=MLP(cfg),
+                num_experts=cfg.n_experts,
+                ep_size=ep,
+                k=cfg.top_k,
+                capacity_factor=1.0 if dropless else cfg.capacity_factor,
+                eval_capacity_factor=1.0 if dropless else cfg.capacity_factor,
+                min_capacity=min_capacity,
+                use_residual=False,
+                noisy_gate_policy=None,
+                drop_tokens=not dropless,
+                use_rts=False,
+                top2_2nd_expert_sampling=False,
+            )
         # The capacity C the layer used is a local of MOELayer.forward; the gate returns it, so a
         # hook keeps it (a tensor: reading it waits until strategy_stats, after the step).
         self._capacity: torch.Tensor | None = None
@@ -230,9 +256,15 @@ class _DeepSpeedMoESlot(nn.Module):
         routed = [int(c) for c in self._exp_counts.tolist()]
         kept = [min(c, capacity) for c in routed]
         rows = cfg.n_experts * capacity
-        return {"tokens_per_expert": kept, "routed_per_expert": routed, "capacity": capacity,
-                "dropped": sum(routed) - sum(kept), "sent_rows": rows, "received_rows": rows,
-                "padding_rows": rows - sum(kept)}
+        return {
+            "tokens_per_expert": kept,
+            "routed_per_expert": routed,
+            "capacity": capacity,
+            "dropped": sum(routed) - sum(kept),
+            "sent_rows": rows,
+            "received_rows": rows,
+            "padding_rows": rows - sum(kept),
+        }
 
 
 class _DeepSpeedMoETrainer(DeepSpeedTrainer):
@@ -261,7 +293,8 @@ class _DeepSpeedMoETrainer(DeepSpeedTrainer):
                 blk.mlp = _DeepSpeedMoESlot(blk.mlp, ep, dist.get_rank(), min_capacity)
                 self.slots[i] = blk.mlp
         groups = split_params_into_different_moe_groups_for_optimizer(
-            {"params": list(model.parameters()), "name": "non_expert"})
+            {"params": list(model.parameters()), "name": "non_expert"}
+        )
         super().__init__(spec, stage=0, model=model, param_groups=groups)
         self.ep = ep
 
@@ -288,8 +321,11 @@ class _DeepSpeedMoETrainer(DeepSpeedTrainer):
         """Rank 0 assembles the full model under the GPT's names (experts from their owners)."""
         from deepspeed.moe.utils import is_moe_param
 
-        mine = {self._parabench_name(n): p.detach().float().cpu().clone()
-                for n, p in self.engine.module.named_parameters() if is_moe_param(p) or dist.get_rank() == 0}
+        mine = {
+            self._parabench_name(n): p.detach().float().cpu().clone()
+            for n, p in self.engine.module.named_parameters()
+            if is_moe_param(p) or dist.get_rank() == 0
+        }
         return assemble_on_rank0(mine, self.spec)
 
     def strategy_stats(self) -> dict:
@@ -305,8 +341,10 @@ def build_deepspeed_moe(spec: TrainSpec):
     if not cfg.is_moe:
         raise ValueError("deepspeed.moe needs an MoE model (n_experts > 0), e.g. tiny-moe or tiny-moe-cap1")
     if cfg.top_k != 2:
-        raise ValueError(f"deepspeed.moe: top_k={cfg.top_k}; only top-2 is wired (DeepSpeed's top2gating "
-                         "capacity and gate normalisation are the ones matched to parabench's router)")
+        raise ValueError(
+            f"deepspeed.moe: top_k={cfg.top_k}; only top-2 is wired (DeepSpeed's top2gating "
+            "capacity and gate normalisation are the ones matched to parabench's router)"
+        )
     o = ExpertOptions.read(spec.options)
     if o.activation_checkpointing:
         raise ValueError("deepspeed.moe: activation_checkpointing is not supported (nor by ref.ep)")

@@ -144,9 +144,12 @@ class DeepSpeedPipelineTrainer(Trainer):
                 self._names[id(p)] = prefixes[i] + n
         del model, layers
 
-        self.engine, *_ = deepspeed.initialize(model=pipe, optimizer=adamw(pipe.parameters(), spec),
-                                               config=ds_pipe_config(spec, self.n_micro, self.mb_size),
-                                               dist_init_required=False)
+        self.engine, *_ = deepspeed.initialize(
+            model=pipe,
+            optimizer=adamw(pipe.parameters(), spec),
+            config=ds_pipe_config(spec, self.n_micro, self.mb_size),
+            dist_init_required=False,
+        )
         self.stage = self.engine.stage_id
         self.is_last = self.engine.is_last_stage()
         self.measure_state = False
@@ -176,14 +179,18 @@ class DeepSpeedPipelineTrainer(Trainer):
     def state_bytes(self):
         from parabench.peers.deepspeed_zero import deepspeed_optimizer_bytes
 
-        return {"params": tensor_bytes(self.engine.module.parameters()), "grads": self._grad_bytes,
-                "optimizer": deepspeed_optimizer_bytes(self.engine.optimizer)}
+        return {
+            "params": tensor_bytes(self.engine.module.parameters()),
+            "grads": self._grad_bytes,
+            "optimizer": deepspeed_optimizer_bytes(self.engine.optimizer),
+        }
 
     def full_parameters(self):
         from parabench.peers.common import assemble_on_rank0
 
-        mine = {n: p.detach().float().cpu() for n, p in
-                ((self._names[id(p)], p) for p in self.engine.module.parameters())}
+        mine = {
+            n: p.detach().float().cpu() for n, p in ((self._names[id(p)], p) for p in self.engine.module.parameters())
+        }
         return assemble_on_rank0(mine, self.spec)
 
     def close(self):

@@ -31,10 +31,9 @@ scripts/ds_zero0_fp16_repro.py reproduces all of this.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import math
 import os
+from dataclasses import replace
 
 import torch
 
@@ -72,10 +71,15 @@ def ds_config(spec: TrainSpec, stage: int, offload: bool = False) -> dict:
         # FusedAdam) optimizer gets DeepSpeed's FP16_UnfusedOptimizer, which ignores
         # initial_scale_power (it starts at 2**16) and initialises Adam's state with one AdamW step
         # on zero gradients (weight decay applied once, step counter advanced): as DeepSpeed behaves.
-        cfg["fp16"] = {"enabled": True, "loss_scale": 0,
-                       "initial_scale_power": int(math.log2(float(o.init_scale))),
-                       "loss_scale_window": o.growth_interval,
-                       "hysteresis": 1, "consecutive_hysteresis": False, "min_loss_scale": 1}
+        cfg["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": int(math.log2(float(o.init_scale))),
+            "loss_scale_window": o.growth_interval,
+            "hysteresis": 1,
+            "consecutive_hysteresis": False,
+            "min_loss_scale": 1,
+        }
     if offload:
         # ZeRO-Offload (Ren et al. 2021): fp32 master, Adam moments and the update on the CPU. The
         # client torch AdamW runs there (DeepSpeedCPUAdam would need a JIT-built op); DeepSpeed
@@ -112,8 +116,14 @@ class DeepSpeedTrainer(Trainer):
     enters DeepSpeed's reduction like a real overflow. ``lr_spike = {step, factor}`` multiplies the
     learning rate of the wrapped optimizer's param groups for that step."""
 
-    def __init__(self, spec: TrainSpec, stage: int, offload: bool = False,
-                 model: torch.nn.Module | None = None, param_groups: list[dict] | None = None):
+    def __init__(
+        self,
+        spec: TrainSpec,
+        stage: int,
+        offload: bool = False,
+        model: torch.nn.Module | None = None,
+        param_groups: list[dict] | None = None,
+    ):
         """``model`` / ``param_groups``: a prepared module and optimizer groups (deepspeed.moe passes
         its MoE model and DeepSpeed's expert / non-expert groups); by default the GPT, one group."""
         import deepspeed
@@ -126,8 +136,11 @@ class DeepSpeedTrainer(Trainer):
         config = ds_config(spec, stage, offload)
         opt_spec = replace(spec, device=torch.device("cpu")) if offload else spec  # AdamW runs on the CPU
         self.engine, *_ = deepspeed.initialize(
-            model=model, optimizer=adamw(param_groups if param_groups is not None else model.parameters(), opt_spec),
-            config=config, dist_init_required=False, mpu=None,
+            model=model,
+            optimizer=adamw(param_groups if param_groups is not None else model.parameters(), opt_spec),
+            config=config,
+            dist_init_required=False,
+            mpu=None,
         )
         self.measure_state = False
         self._step = 0
@@ -177,8 +190,12 @@ class DeepSpeedTrainer(Trainer):
             return None
         new = self._scale()
         skipped = not self.engine.was_step_applied()
-        out = {"scale_used": self._prev_scale, "scale": new, "overflow": bool(getattr(self.engine.optimizer, "overflow", skipped)),
-               "skipped": skipped}
+        out = {
+            "scale_used": self._prev_scale,
+            "scale": new,
+            "overflow": bool(getattr(self.engine.optimizer, "overflow", skipped)),
+            "skipped": skipped,
+        }
         self._prev_scale = new
         return out
 
@@ -218,16 +235,20 @@ def deepspeed_optimizer_bytes(opt) -> int:
     """Optimizer state a DeepSpeed engine's optimizer holds: the wrapped AdamW's moments plus the
     fp32 master partitions of whichever wrapper it is (ZeRO-1/2, ZeRO-3, BF16_Optimizer)."""
     inner = getattr(opt, "optimizer", opt)
-    master = (getattr(opt, "single_partition_of_fp32_groups", None)
-              or getattr(opt, "fp32_partitioned_groups_flat", None)
-              or getattr(opt, "fp32_groups_flat_partition", None))
+    master = (
+        getattr(opt, "single_partition_of_fp32_groups", None)
+        or getattr(opt, "fp32_partitioned_groups_flat", None)
+        or getattr(opt, "fp32_groups_flat_partition", None)
+    )
     return optimizer_state_bytes(inner) + (tensor_bytes(master) if master is not None else 0)
+
 
 def _builder(stage: int, offload: bool = False):
     def build(spec: TrainSpec) -> DeepSpeedTrainer:
         if spec.device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         return DeepSpeedTrainer(spec, stage, offload)
+
     return build
 
 

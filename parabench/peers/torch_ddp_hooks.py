@@ -32,9 +32,13 @@ MIN_COMPRESSION_RATE = 1.0
 
 def _ddp(spec: TrainSpec) -> DDP:
     model = build_model(spec.model, spec.seed, spec.device)
-    return DDP(model, device_ids=[spec.device.index] if spec.device.type == "cuda" else None,
-               process_group=spec.topology.dp_group, bucket_cap_mb=float(CompressionOptions.read(spec.options).bucket_mb),
-               gradient_as_bucket_view=True)
+    return DDP(
+        model,
+        device_ids=[spec.device.index] if spec.device.type == "cuda" else None,
+        process_group=spec.topology.dp_group,
+        bucket_cap_mb=float(CompressionOptions.read(spec.options).bucket_mb),
+        gradient_as_bucket_view=True,
+    )
 
 
 def build_fp16(spec: TrainSpec) -> DDPTrainer:
@@ -49,10 +53,15 @@ def build_powersgd(spec: TrainSpec) -> DDPTrainer:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
     ddp = _ddp(spec)
-    state = psgd.PowerSGDState(process_group=spec.topology.dp_group,
-                               matrix_approximation_rank=CompressionOptions.read(spec.options).powersgd_rank,
-                               start_powerSGD_iter=START_POWERSGD_ITER, min_compression_rate=MIN_COMPRESSION_RATE,
-                               use_error_feedback=True, warm_start=True, random_seed=spec.seed)
+    state = psgd.PowerSGDState(
+        process_group=spec.topology.dp_group,
+        matrix_approximation_rank=CompressionOptions.read(spec.options).powersgd_rank,
+        start_powerSGD_iter=START_POWERSGD_ITER,
+        min_compression_rate=MIN_COMPRESSION_RATE,
+        use_error_feedback=True,
+        warm_start=True,
+        random_seed=spec.seed,
+    )
     ddp.register_comm_hook(state, psgd.powerSGD_hook)
     trainer = DDPTrainer(spec, ddp, adamw(ddp.parameters(), spec), no_sync=ddp.no_sync)
     trainer.powersgd_state = state
@@ -67,9 +76,11 @@ def onebit_adam_unavailable_reason() -> str | None:
     except Exception as exc:  # noqa: BLE001 - any import failure is the reason
         return f"DeepSpeed is not importable: {exc}"
     if "onebitadam" not in [o.lower() for o in DEEPSPEED_OPTIMIZERS]:
-        return (f"DeepSpeed {deepspeed.__version__} does not ship 1-bit Adam: 'OneBitAdam' is not among its optimizers "
-                f"({', '.join(DEEPSPEED_OPTIMIZERS)}) and deepspeed.runtime.fp16.onebit is gone; older releases "
-                "had it, with NCCL (+ cupy) or MPI compressed backends only, never gloo/CPU")
+        return (
+            f"DeepSpeed {deepspeed.__version__} does not ship 1-bit Adam: 'OneBitAdam' is not among its optimizers "
+            f"({', '.join(DEEPSPEED_OPTIMIZERS)}) and deepspeed.runtime.fp16.onebit is gone; older releases "
+            "had it, with NCCL (+ cupy) or MPI compressed backends only, never gloo/CPU"
+        )
     return None
 
 
@@ -78,8 +89,10 @@ def build_deepspeed_onebit_adam(spec: TrainSpec):
     if reason is not None:
         raise NotImplementedError(f"deepspeed.onebit_adam cannot run: {reason}")
     if spec.device.type != "cuda":  # pragma: no cover - only with an old DeepSpeed
-        raise NotImplementedError("deepspeed.onebit_adam cannot run: its compressed all-reduce backends are "
-                                  "NCCL (with cupy) or MPI; there is none for gloo/CPU")
+        raise NotImplementedError(
+            "deepspeed.onebit_adam cannot run: its compressed all-reduce backends are "
+            "NCCL (with cupy) or MPI; there is none for gloo/CPU"
+        )
     import deepspeed  # pragma: no cover - untested: no DeepSpeed here ships it
 
     from parabench.peers.deepspeed_zero import DeepSpeedTrainer
@@ -90,12 +103,23 @@ def build_deepspeed_onebit_adam(spec: TrainSpec):
         def __init__(self, spec):  # the engine's own optimizer instead of a client AdamW
             self.spec, self.measure_state = spec, False
             model = build_model(spec.model, spec.seed, spec.device)
-            config = {"train_micro_batch_size_per_gpu": spec.micro_batch, "gradient_accumulation_steps": spec.grad_accum,
-                      "bf16": {"enabled": spec.precision == "bf16"},
-                      "optimizer": {"type": "OneBitAdam", "params": {
-                          "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
-                          "freeze_step": CompressionOptions.read(spec.options).freeze_step, "cuda_aware": False,
-                          "comm_backend_name": "nccl"}}}
+            config = {
+                "train_micro_batch_size_per_gpu": spec.micro_batch,
+                "gradient_accumulation_steps": spec.grad_accum,
+                "bf16": {"enabled": spec.precision == "bf16"},
+                "optimizer": {
+                    "type": "OneBitAdam",
+                    "params": {
+                        "lr": o.lr,
+                        "betas": list(o.betas),
+                        "eps": o.eps,
+                        "weight_decay": o.weight_decay,
+                        "freeze_step": CompressionOptions.read(spec.options).freeze_step,
+                        "cuda_aware": False,
+                        "comm_backend_name": "nccl",
+                    },
+                },
+            }
             self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     return _OneBit(spec)

@@ -60,8 +60,10 @@ class TorchPipelineTrainer(Trainer):
         self.stage_ids = [self.pp_rank + k * pp for k in range(v)]
         self.modules = [GPTStage(model, *bounds[s], s == 0, s == n_chunks - 1, spec) for s in self.stage_ids]
         del model
-        self.stages = [PipelineStage(m, s, n_chunks, spec.device, group=topo.pp_group)
-                       for m, s in zip(self.modules, self.stage_ids)]
+        self.stages = [
+            PipelineStage(m, s, n_chunks, spec.device, group=topo.pp_group)
+            for m, s in zip(self.modules, self.stage_ids)
+        ]
         self.n_micro = o.n_microbatches * spec.grad_accum
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[schedule]
         stage_arg = self.stages if schedule == "interleaved" else self.stages[0]
@@ -95,12 +97,17 @@ class TorchPipelineTrainer(Trainer):
         return torch.stack([l.detach().float() for l in losses]).mean() if self.has_last else None
 
     def state_bytes(self):
-        return {"params": tensor_bytes(self.params), "grads": self._grad_bytes,
-                "optimizer": optimizer_state_bytes(self.optimizer)}
+        return {
+            "params": tensor_bytes(self.params),
+            "grads": self._grad_bytes,
+            "optimizer": optimizer_state_bytes(self.optimizer),
+        }
 
     def full_parameters(self):
-        mine = {"dp": self.spec.topology.dp_rank,
-                "params": {n: p.detach().float().cpu() for m in self.modules for n, p in m.named_parameters()}}
+        mine = {
+            "dp": self.spec.topology.dp_rank,
+            "params": {n: p.detach().float().cpu() for m in self.modules for n, p in m.named_parameters()},
+        }
         everything = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, everything, dst=0)
         if dist.get_rank() != 0:

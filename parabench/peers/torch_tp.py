@@ -18,8 +18,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 from parabench.models import build_model, lm_loss
 from parabench.peers.common import TorchTrainer, autocast, local_tensor, tensor_bytes
@@ -33,9 +39,16 @@ def _plan(model, sequence_parallel: bool) -> dict:
             "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
         }
         for i in range(len(model.blocks)):
-            plan.update({f"blocks.{i}.attn.q": ColwiseParallel(), f"blocks.{i}.attn.k": ColwiseParallel(),
-                         f"blocks.{i}.attn.v": ColwiseParallel(), f"blocks.{i}.attn.proj": RowwiseParallel(),
-                         f"blocks.{i}.mlp.fc": ColwiseParallel(), f"blocks.{i}.mlp.proj": RowwiseParallel()})
+            plan.update(
+                {
+                    f"blocks.{i}.attn.q": ColwiseParallel(),
+                    f"blocks.{i}.attn.k": ColwiseParallel(),
+                    f"blocks.{i}.attn.v": ColwiseParallel(),
+                    f"blocks.{i}.attn.proj": RowwiseParallel(),
+                    f"blocks.{i}.mlp.fc": ColwiseParallel(),
+                    f"blocks.{i}.mlp.proj": RowwiseParallel(),
+                }
+            )
         return plan
     plan = {
         "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -45,16 +58,20 @@ def _plan(model, sequence_parallel: bool) -> dict:
     }
     for i in range(len(model.blocks)):
         b = f"blocks.{i}"
-        plan.update({
-            f"{b}.ln1": SequenceParallel(),
-            f"{b}.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            f"{b}.attn.q": ColwiseParallel(), f"{b}.attn.k": ColwiseParallel(), f"{b}.attn.v": ColwiseParallel(),
-            f"{b}.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
-            f"{b}.ln2": SequenceParallel(),
-            f"{b}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            f"{b}.mlp.fc": ColwiseParallel(),
-            f"{b}.mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        plan.update(
+            {
+                f"{b}.ln1": SequenceParallel(),
+                f"{b}.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                f"{b}.attn.q": ColwiseParallel(),
+                f"{b}.attn.k": ColwiseParallel(),
+                f"{b}.attn.v": ColwiseParallel(),
+                f"{b}.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+                f"{b}.ln2": SequenceParallel(),
+                f"{b}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                f"{b}.mlp.fc": ColwiseParallel(),
+                f"{b}.mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
+            }
+        )
     return plan
 
 
@@ -81,8 +98,10 @@ class TorchTPTrainer(TorchTrainer):
         return total
 
     def full_parameters(self):
-        full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu()
-                for n, p in self.module.named_parameters()}
+        full = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu()
+            for n, p in self.module.named_parameters()
+        }
         return full if dist.get_rank() == 0 else None
 
 
@@ -91,8 +110,9 @@ def _build(spec: TrainSpec, sequence_parallel: bool) -> TorchTPTrainer:
     parallelize_module(model, spec.topology.mesh["tp"], _plan(model, sequence_parallel))
     o = spec.optim
     # foreach=False: the parameters mix DTensors (sharded) and plain tensors (LayerNorms w/o SP).
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                            foreach=False)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False
+    )
     return TorchTPTrainer(spec, model, opt)
 
 

@@ -18,8 +18,9 @@ def write_report(run_dirs: list[Path], output: Path, **kwargs) -> Path:
     an unwritable ``output`` raises ``ReportWriteError`` naming it, with no temporary file left."""
     output = Path(output)
     if output.is_dir():  # before rendering, which takes seconds
-        raise ReportWriteError(f"cannot write the report to {output}: it is a folder; name a file such as "
-                               f"{output / 'report.html'}")
+        raise ReportWriteError(
+            f"cannot write the report to {output}: it is a folder; name a file such as {output / 'report.html'}"
+        )
     html = render_report([Path(d) for d in run_dirs], **kwargs)
     try:
         write_text_atomic(output, html)

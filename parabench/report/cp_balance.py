@@ -102,74 +102,115 @@ def balance_rows(runs) -> tuple[list[dict], list[dict], list[str]]:
         seq_len = c.get("seq_len") or _get(r, "model", "config", "seq_len")
         stats = [pr.get("strategy_stats") or {} for pr in r.get("per_rank") or []]
         known = isinstance(cp, int) and split in SPLIT_ORDER
-        analytic = analytic_flops_per_rank(cp, split, _get(r, "model", "config") or {}, c.get("micro_batch"),
-                                           c.get("grad_accum", 1)) if known else None
+        analytic = (
+            analytic_flops_per_rank(
+                cp, split, _get(r, "model", "config") or {}, c.get("micro_batch"), c.get("grad_accum", 1)
+            )
+            if known
+            else None
+        )
         clock, trusted = _clock(r, stats[0]) if stats else (None, None)
         if trusted is False and run not in untrusted_runs:
             untrusted_runs.append(run)
         flops = [s.get("attn_flops_fwd") for s in stats]
         times = [s.get("attn_compute_s_fwd") for s in stats]
         group = f"{c.get('model')} s={seq_len} cp={cp} {c.get('precision')} mb{c.get('micro_batch')}"
-        sort_key = (idx, str(c.get("model")), seq_len or 0, cp or 0, str(c.get("precision")),
-                    c.get("micro_batch") or 0, c.get("grad_accum") or 0,
-                    SPLIT_ORDER.index(split) if split in SPLIT_ORDER else len(SPLIT_ORDER))
-        cases.append({
-            "_sort": sort_key, "run": run, "group": group, "split": split, "status": r.get("status", "?"),
-            "tokens_per_s": _num(_get(r, "metrics", "tokens_per_s")),
-            "step_time_ms": (_num(_get(r, "metrics", "step_time_s_median")) or 0) * 1e3 or None,
-            "max_rank_flops_G": max(flops) / 1e9 if stats and all(_num(f) is not None for f in flops) else None,
-            "flops_ratio": _ratio(flops) if stats else None,
-            "flops_ratio_analytic": analytic_imbalance(cp, split) if known else None,
-            "useful_ratio_analytic": analytic_imbalance(cp, split, masked_half_skipped=True) if known else None,
-            "flops_match": (flops == analytic) if stats and analytic else None,
-            "time_ratio": _ratio(times) if stats and trusted else None,
-            "clock": clock, "time_trusted": trusted,
-        })
+        sort_key = (
+            idx,
+            str(c.get("model")),
+            seq_len or 0,
+            cp or 0,
+            str(c.get("precision")),
+            c.get("micro_batch") or 0,
+            c.get("grad_accum") or 0,
+            SPLIT_ORDER.index(split) if split in SPLIT_ORDER else len(SPLIT_ORDER),
+        )
+        cases.append(
+            {
+                "_sort": sort_key,
+                "run": run,
+                "group": group,
+                "split": split,
+                "status": r.get("status", "?"),
+                "tokens_per_s": _num(_get(r, "metrics", "tokens_per_s")),
+                "step_time_ms": (_num(_get(r, "metrics", "step_time_s_median")) or 0) * 1e3 or None,
+                "max_rank_flops_G": max(flops) / 1e9 if stats and all(_num(f) is not None for f in flops) else None,
+                "flops_ratio": _ratio(flops) if stats else None,
+                "flops_ratio_analytic": analytic_imbalance(cp, split) if known else None,
+                "useful_ratio_analytic": analytic_imbalance(cp, split, masked_half_skipped=True) if known else None,
+                "flops_match": (flops == analytic) if stats and analytic else None,
+                "time_ratio": _ratio(times) if stats and trusted else None,
+                "clock": clock,
+                "time_trusted": trusted,
+            }
+        )
         mean_flops = sum(flops) / len(flops) if stats and all(_num(f) is not None for f in flops) else None
         mean_time = sum(times) / len(times) if stats and all(_num(t) is not None for t in times) else None
         for rank, s in enumerate(stats):
             f, t = _num(s.get("attn_flops_fwd")), _num(s.get("attn_compute_s_fwd"))
-            ranks.append({
-                "_sort": sort_key + (rank,), "run": run, "group": group, "split": split, "rank": rank,
-                "pairs_full": s.get("attn_pairs_full"), "pairs_diagonal": s.get("attn_pairs_diagonal"),
-                "flops_G": f / 1e9 if f is not None else None,
-                "analytic_flops_G": analytic[rank] / 1e9 if analytic and rank < len(analytic) else None,
-                "flops_vs_mean": f / mean_flops if f is not None and mean_flops else None,
-                "compute_ms": t * 1e3 if t is not None else None,
-                "time_vs_mean": t / mean_time if t is not None and mean_time and trusted else None,
-                "clock": clock, "time_trusted": trusted,
-            })
+            ranks.append(
+                {
+                    "_sort": sort_key + (rank,),
+                    "run": run,
+                    "group": group,
+                    "split": split,
+                    "rank": rank,
+                    "pairs_full": s.get("attn_pairs_full"),
+                    "pairs_diagonal": s.get("attn_pairs_diagonal"),
+                    "flops_G": f / 1e9 if f is not None else None,
+                    "analytic_flops_G": analytic[rank] / 1e9 if analytic and rank < len(analytic) else None,
+                    "flops_vs_mean": f / mean_flops if f is not None and mean_flops else None,
+                    "compute_ms": t * 1e3 if t is not None else None,
+                    "time_vs_mean": t / mean_time if t is not None and mean_time and trusted else None,
+                    "clock": clock,
+                    "time_trusted": trusted,
+                }
+            )
     cases.sort(key=lambda row: row["_sort"])
     ranks.sort(key=lambda row: row["_sort"])
     return cases, ranks, untrusted_runs
 
 
 CASE_COLUMNS = [
-    ("group", "model, seq, cp", "str"), ("split", "split", "str"), ("status", "status", "str"),
-    ("tokens_per_s", "tok/s", "int"), ("step_time_ms", "step ms", "f2"),
+    ("group", "model, seq, cp", "str"),
+    ("split", "split", "str"),
+    ("status", "status", "str"),
+    ("tokens_per_s", "tok/s", "int"),
+    ("step_time_ms", "step ms", "f2"),
     ("max_rank_flops_G", "busiest rank GFLOP", "f1"),
-    ("flops_ratio", "FLOPs max/mean", "f3"), ("flops_ratio_analytic", "analytic max/mean", "f3"),
-    ("flops_match", "FLOPs = analytic", "str"), ("useful_ratio_analytic", "analytic, masked half skipped", "f3"),
-    ("time_ratio", "compute time max/mean", "f3"), ("clock", "compute clock", "str"),
+    ("flops_ratio", "FLOPs max/mean", "f3"),
+    ("flops_ratio_analytic", "analytic max/mean", "f3"),
+    ("flops_match", "FLOPs = analytic", "str"),
+    ("useful_ratio_analytic", "analytic, masked half skipped", "f3"),
+    ("time_ratio", "compute time max/mean", "f3"),
+    ("clock", "compute clock", "str"),
     ("time_trusted", "time trusted", "str"),
 ]
 RANK_COLUMNS = [
-    ("group", "model, seq, cp", "str"), ("split", "split", "str"), ("rank", "rank", "int"),
-    ("pairs_full", "full pairs", "int"), ("pairs_diagonal", "diagonal pairs", "int"),
-    ("flops_G", "attn GFLOP fwd", "f1"), ("analytic_flops_G", "analytic GFLOP", "f1"),
-    ("flops_vs_mean", "FLOPs / mean", "f3"), ("compute_ms", "attn compute ms fwd", "f2"),
-    ("time_vs_mean", "time / mean", "f3"), ("time_trusted", "time trusted", "str"),
+    ("group", "model, seq, cp", "str"),
+    ("split", "split", "str"),
+    ("rank", "rank", "int"),
+    ("pairs_full", "full pairs", "int"),
+    ("pairs_diagonal", "diagonal pairs", "int"),
+    ("flops_G", "attn GFLOP fwd", "f1"),
+    ("analytic_flops_G", "analytic GFLOP", "f1"),
+    ("flops_vs_mean", "FLOPs / mean", "f3"),
+    ("compute_ms", "attn compute ms fwd", "f2"),
+    ("time_vs_mean", "time / mean", "f3"),
+    ("time_trusted", "time trusted", "str"),
 ]
 
-NOTE = ("Ring attention (ref.cp_ring), forward attention work of one step per rank, summed over layers. "
-        "Contiguous split: rank r holds chunk r of cp and, by causality, computes r full chunk pairs plus its "
-        "diagonal, r+1 pairs of (s/cp)²; the last rank sets the pace, and max/mean = 2cp/(cp+1) "
-        "(4/3 at cp=2, 1.6 at cp=4) counting a diagonal pair whole, or (2cp−1)/cp with its masked half "
-        "skipped, as the fused causal kernels do (nearly: tiles on the diagonal are computed and masked). Zig-zag split: rank r holds chunks r and "
-        "2cp−1−r of 2cp and computes 2cp+1 pairs of (s/2cp)² (2cp with the half skipped), the same on every "
-        "rank: 1.0. Every ring hop waits for the slowest rank, so the busiest rank's work paces the step (the "
-        "zig-zag split also wastes less on diagonal pairs, whose chunks are half as long). FLOPs = analytic compares every rank's counted FLOPs with 4·b·c²·d_model per pair. "
-        "Compute time: each hop's block computations, CUDA events on GPUs, the host clock on CPUs.")
+NOTE = (
+    "Ring attention (ref.cp_ring), forward attention work of one step per rank, summed over layers. "
+    "Contiguous split: rank r holds chunk r of cp and, by causality, computes r full chunk pairs plus its "
+    "diagonal, r+1 pairs of (s/cp)²; the last rank sets the pace, and max/mean = 2cp/(cp+1) "
+    "(4/3 at cp=2, 1.6 at cp=4) counting a diagonal pair whole, or (2cp−1)/cp with its masked half "
+    "skipped, as the fused causal kernels do (nearly: tiles on the diagonal are computed and masked). Zig-zag split: rank r holds chunks r and "
+    "2cp−1−r of 2cp and computes 2cp+1 pairs of (s/2cp)² (2cp with the half skipped), the same on every "
+    "rank: 1.0. Every ring hop waits for the slowest rank, so the busiest rank's work paces the step (the "
+    "zig-zag split also wastes less on diagonal pairs, whose chunks are half as long). FLOPs = analytic compares every rank's counted FLOPs with 4·b·c²·d_model per pair. "
+    "Compute time: each hop's block computations, CUDA events on GPUs, the host clock on CPUs."
+)
 
 
 def table_specs(runs, run_col: list) -> list[dict]:
@@ -180,17 +221,32 @@ def table_specs(runs, run_col: list) -> list[dict]:
         return []
     note = NOTE
     if untrusted_runs:
-        note += (f" Not trusted: the GPU compute times of {', '.join(untrusted_runs)} were taken with host clocks "
-                 "around asynchronous kernel launches (records from before the attn_compute_clock marker), so they "
-                 "measure launch time, not compute; only the FLOPs and chunk pairs are trusted there, and their "
-                 "time ratios are left out.")
-    specs = [{"id_": "cp-balance", "title": "Ring attention load balance: contiguous vs zig-zag split",
-              "columns": run_col + CASE_COLUMNS, "rows": cases, "note": note,
-              "row_class": lambda r: "" if r["status"] == "ok" else "bad-row"}]
+        note += (
+            f" Not trusted: the GPU compute times of {', '.join(untrusted_runs)} were taken with host clocks "
+            "around asynchronous kernel launches (records from before the attn_compute_clock marker), so they "
+            "measure launch time, not compute; only the FLOPs and chunk pairs are trusted there, and their "
+            "time ratios are left out."
+        )
+    specs = [
+        {
+            "id_": "cp-balance",
+            "title": "Ring attention load balance: contiguous vs zig-zag split",
+            "columns": run_col + CASE_COLUMNS,
+            "rows": cases,
+            "note": note,
+            "row_class": lambda r: "" if r["status"] == "ok" else "bad-row",
+        }
+    ]
     if ranks:
-        specs.append({"id_": "cp-balance-ranks", "title": "Ring attention work per rank",
-                      "columns": run_col + RANK_COLUMNS, "rows": ranks,
-                      "note": "Per rank of each ring-attention case above; / mean is against the mean over the "
-                              "case's ranks. Where the compute time is not trusted its reading stays, flagged, "
-                              "and time / mean is left out."})
+        specs.append(
+            {
+                "id_": "cp-balance-ranks",
+                "title": "Ring attention work per rank",
+                "columns": run_col + RANK_COLUMNS,
+                "rows": ranks,
+                "note": "Per rank of each ring-attention case above; / mean is against the mean over the "
+                "case's ranks. Where the compute time is not trusted its reading stays, flagged, "
+                "and time / mean is left out.",
+            }
+        )
     return specs

@@ -77,8 +77,15 @@ def throughput(ok: pd.DataFrame) -> list[dict]:
         steps = r.step_times_s or []
         for t in steps:
             if t and r.tokens_per_step and r.world_size:
-                samples.append({"model": r.model, "case": f"{r.strategy} w{r.world_size}", "precision": r.precision,
-                                "run": r.run, "tokens/s per device": r.tokens_per_step / t / r.world_size})
+                samples.append(
+                    {
+                        "model": r.model,
+                        "case": f"{r.strategy} w{r.world_size}",
+                        "precision": r.precision,
+                        "run": r.run,
+                        "tokens/s per device": r.tokens_per_step / t / r.world_size,
+                    }
+                )
     if not samples:
         return []
     s = pd.DataFrame(samples)
@@ -89,12 +96,28 @@ def throughput(ok: pd.DataFrame) -> list[dict]:
     for ax, model in zip(axes, models):
         sub = s[s.model == model]
         order = sorted(sub.case.unique())
-        sns.barplot(data=sub, y="case", x="tokens/s per device", hue=hue, order=order, ax=ax,
-                    estimator="median", errorbar=("pi", 80), err_kws={"linewidth": 1}, legend=ax is axes[0])
+        sns.barplot(
+            data=sub,
+            y="case",
+            x="tokens/s per device",
+            hue=hue,
+            order=order,
+            ax=ax,
+            estimator="median",
+            errorbar=("pi", 80),
+            err_kws={"linewidth": 1},
+            legend=ax is axes[0],
+        )
         ax.set_title(f"{model}")
         ax.set_ylabel("")
-    return [_fig("throughput", "Tokens/s per device (higher is better)",
-                 "Bar: median over timed steps; whisker: 10th to 90th percentile of the per-step rate.", fig)]
+    return [
+        _fig(
+            "throughput",
+            "Tokens/s per device (higher is better)",
+            "Bar: median over timed steps; whisker: 10th to 90th percentile of the per-step rate.",
+            fig,
+        )
+    ]
 
 
 def scaling(ok: pd.DataFrame) -> list[dict]:
@@ -107,8 +130,16 @@ def scaling(ok: pd.DataFrame) -> list[dict]:
     for ax, model in zip(axes, models):
         sub = ok[ok.model == model]
         style = "precision" if sub.precision.nunique() > 1 else None
-        sns.lineplot(data=sub[sub.world_size > 1], x="world_size", y="tokens_per_s", hue="strategy", style=style,
-                     marker="o", ax=ax, errorbar=None)
+        sns.lineplot(
+            data=sub[sub.world_size > 1],
+            x="world_size",
+            y="tokens_per_s",
+            hue="strategy",
+            style=style,
+            marker="o",
+            ax=ax,
+            errorbar=None,
+        )
         one = sub[sub.world_size == 1].tokens_per_s.max()
         if one == one and one:
             ws = sorted(sub.world_size.unique())
@@ -119,7 +150,9 @@ def scaling(ok: pd.DataFrame) -> list[dict]:
         ax.set_xlabel("devices")
         ax.set_ylabel("tokens/s (global)")
         ax.set_title(model)
-    return [_fig("scaling", "Scaling across device counts", "Dashed: linear scaling from the best one-device run.", fig)]
+    return [
+        _fig("scaling", "Scaling across device counts", "Dashed: linear scaling from the best one-device run.", fig)
+    ]
 
 
 def memory(ok: pd.DataFrame) -> list[dict]:
@@ -139,14 +172,27 @@ def memory(ok: pd.DataFrame) -> list[dict]:
         ax.set_yscale("log")
         ax.set_xlabel("parameters")
         ax.set_ylabel("MiB per rank")
-        figs.append(_fig("memory-vs-size", "Peak memory per rank against model size",
-                         "Solid: measured peak per rank; dashed: analytic model-state bytes (the strategy's layout, "
-                         "else the ZeRO paper's formula).", fig))
+        figs.append(
+            _fig(
+                "memory-vs-size",
+                "Peak memory per rank against model size",
+                "Solid: measured peak per rank; dashed: analytic model-state bytes (the strategy's layout, "
+                "else the ZeRO paper's formula).",
+                fig,
+            )
+        )
     # breakdown per model
-    cols = {"peak_mem_MiB": "peak (measured)", "model_state_MiB": "model state (measured)",
-            "theory_state_MiB": "model state (analytic)", "paper_state_MiB": "ZeRO paper formula"}
-    long = ok.assign(case=ok.strategy + " w" + ok.world_size.astype(str) + " " + ok.precision) \
-        .melt(id_vars=["model", "case"], value_vars=list(cols), var_name="figure", value_name="MiB").dropna()
+    cols = {
+        "peak_mem_MiB": "peak (measured)",
+        "model_state_MiB": "model state (measured)",
+        "theory_state_MiB": "model state (analytic)",
+        "paper_state_MiB": "ZeRO paper formula",
+    }
+    long = (
+        ok.assign(case=ok.strategy + " w" + ok.world_size.astype(str) + " " + ok.precision)
+        .melt(id_vars=["model", "case"], value_vars=list(cols), var_name="figure", value_name="MiB")
+        .dropna()
+    )
     if long.empty:
         return figs
     long["figure"] = long.figure.map(cols)
@@ -155,16 +201,31 @@ def memory(ok: pd.DataFrame) -> list[dict]:
     fig, axes = _grid(len(models), 6, max(2.5, 0.55 * n))
     for ax, model in zip(axes, models):
         sub = long[long.model == model]
-        sns.barplot(data=sub, y="case", x="MiB", hue="figure", hue_order=list(cols.values()),
-                    order=sorted(sub.case.unique()), ax=ax, errorbar=None, legend=ax is axes[0])
+        sns.barplot(
+            data=sub,
+            y="case",
+            x="MiB",
+            hue="figure",
+            hue_order=list(cols.values()),
+            order=sorted(sub.case.unique()),
+            ax=ax,
+            errorbar=None,
+            legend=ax is axes[0],
+        )
         ax.set_title(model)
         ax.set_ylabel("")
         ax.set_xlabel("MiB per rank (largest rank)")
     if axes[0].get_legend():
         sns.move_legend(axes[0], "lower center", bbox_to_anchor=(0.5, 1.06), ncol=2, title=None, fontsize=8)
-    figs.append(_fig("memory", "Memory per rank: measured peak, model state, analytic",
-                     "Peak is the CUDA allocator's on GPUs and the resident set on CPUs (which includes the "
-                     "framework, so it is far above the model state on tiny models).", fig))
+    figs.append(
+        _fig(
+            "memory",
+            "Memory per rank: measured peak, model state, analytic",
+            "Peak is the CUDA allocator's on GPUs and the resident set on CPUs (which includes the "
+            "framework, so it is far above the model state on tiny models).",
+            fig,
+        )
+    )
     return figs
 
 
@@ -180,17 +241,30 @@ def efficiency(ok: pd.DataFrame) -> list[dict]:
     fig, axes = _grid(len(models), 5, max(2.2, 0.32 * n * (1 + 0.3 * (hue is not None))))
     for ax, model in zip(axes, models):
         m = sub[sub.model == model]
-        sns.barplot(data=m, y="case", x=col, hue=hue, order=sorted(m.case.unique()), ax=ax, errorbar=None,
-                    legend=ax is axes[0])
+        sns.barplot(
+            data=m, y="case", x=col, hue=hue, order=sorted(m.case.unique()), ax=ax, errorbar=None, legend=ax is axes[0]
+        )
         ax.set_title(model)
         ax.set_ylabel("")
         ax.set_xlabel("%")
     if col == "mfu_pct":
-        return [_fig("mfu", "Model FLOPs utilisation (% of dense peak)",
-                     "Model FLOPs per token 6N + 12·L·s·d (PaLM app. B) over the device's dense peak.", fig)]
-    return [_fig("mfu", "Achieved model FLOP/s as % of a measured matmul rate",
-                 "No dense peak is known for this device (CPU), so no MFU: the fraction of a matmul rate "
-                 "measured on the spot instead.", fig)]
+        return [
+            _fig(
+                "mfu",
+                "Model FLOPs utilisation (% of dense peak)",
+                "Model FLOPs per token 6N + 12·L·s·d (PaLM app. B) over the device's dense peak.",
+                fig,
+            )
+        ]
+    return [
+        _fig(
+            "mfu",
+            "Achieved model FLOP/s as % of a measured matmul rate",
+            "No dense peak is known for this device (CPU), so no MFU: the fraction of a matmul rate "
+            "measured on the spot instead.",
+            fig,
+        )
+    ]
 
 
 def communication(comm_rows: list[dict]) -> list[dict]:
@@ -199,8 +273,11 @@ def communication(comm_rows: list[dict]) -> list[dict]:
         return []
     long = []
     for r in rows:
-        y = f"{r['short']} · {r['kind']}" + ("  [range]" if r.get("expected_range") else "") + \
-            ("" if r["ok"] in (True, None) else "  [≠ theory]")
+        y = (
+            f"{r['short']} · {r['kind']}"
+            + ("  [range]" if r.get("expected_range") else "")
+            + ("" if r["ok"] in (True, None) else "  [≠ theory]")
+        )
         for src, key in (("measured", "measured_MiB"), ("theory", "expected_MiB")):
             if r[key] is not None:
                 long.append({"model": r["model"], "case": y, "source": src, "MiB": r[key]})
@@ -210,15 +287,30 @@ def communication(comm_rows: list[dict]) -> list[dict]:
     fig, axes = _grid(len(models), 7, max(2.5, 0.42 * n))
     for ax, model in zip(axes, models):
         sub = df[df.model == model]
-        sns.barplot(data=sub, y="case", x="MiB", hue="source", hue_order=["measured", "theory"],
-                    order=sorted(sub.case.unique()), ax=ax, errorbar=None, legend=ax is axes[0])
+        sns.barplot(
+            data=sub,
+            y="case",
+            x="MiB",
+            hue="source",
+            hue_order=["measured", "theory"],
+            order=sorted(sub.case.unique()),
+            ax=ax,
+            errorbar=None,
+            legend=ax is axes[0],
+        )
         ax.set_title(model)
         ax.set_ylabel("")
         ax.set_xlabel("payload MiB per step, rank 0")
-    return [_fig("comm", "Communication per step: measured vs theory, by kind",
-                 "Payload bytes seen at the c10d dispatcher on one instrumented step, against the analytic "
-                 "volume. [≠ theory] marks kinds off by more than the check's allowance; [range]: theory allows a "
-                 "range, the bar shows its upper end.", fig)]
+    return [
+        _fig(
+            "comm",
+            "Communication per step: measured vs theory, by kind",
+            "Payload bytes seen at the c10d dispatcher on one instrumented step, against the analytic "
+            "volume. [≠ theory] marks kinds off by more than the check's allowance; [range]: theory allows a "
+            "range, the bar shows its upper end.",
+            fig,
+        )
+    ]
 
 
 def losses(ok: pd.DataFrame) -> list[dict]:
@@ -226,8 +318,16 @@ def losses(ok: pd.DataFrame) -> list[dict]:
     for _, r in ok.iterrows():
         for i, v in enumerate(r.losses or []):
             if isinstance(v, (int, float)):
-                pts.append({"model": r.model, "step": i, "loss": v, "strategy": r.strategy,
-                            "precision": r.precision, "run": r.run})
+                pts.append(
+                    {
+                        "model": r.model,
+                        "step": i,
+                        "loss": v,
+                        "strategy": r.strategy,
+                        "precision": r.precision,
+                        "run": r.run,
+                    }
+                )
     if not pts:
         return []
     df = pd.DataFrame(pts)
@@ -240,9 +340,15 @@ def losses(ok: pd.DataFrame) -> list[dict]:
         sns.lineplot(data=sub, x="step", y="loss", hue="strategy", style=style, ax=ax, errorbar=None, lw=1.1)
         ax.set_title(model)
         ax.legend(fontsize=6, ncol=2)
-    return [_fig("losses", "Loss curves",
-                 "Every step's loss (warm-up, timed and instrumented steps), mean over data-parallel replicas. "
-                 "Same model, data and seed: the curves of equivalent strategies lie on top of each other.", fig)]
+    return [
+        _fig(
+            "losses",
+            "Loss curves",
+            "Every step's loss (warm-up, timed and instrumented steps), mean over data-parallel replicas. "
+            "Same model, data and seed: the curves of equivalent strategies lie on top of each other.",
+            fig,
+        )
+    ]
 
 
 def loss_scale(points: list[dict]) -> list[dict]:
@@ -272,11 +378,25 @@ def pipeline(ok: pd.DataFrame) -> list[dict]:
         return []
     df = pd.DataFrame(pts)
     fig, ax = plt.subplots(figsize=(8, max(2.5, 0.42 * df.case.nunique())))
-    sns.barplot(data=df, y="case", x="bubble %", hue="source", hue_order=["measured", "theory"],
-                order=sorted(df.case.unique()), ax=ax, errorbar=None)
+    sns.barplot(
+        data=df,
+        y="case",
+        x="bubble %",
+        hue="source",
+        hue_order=["measured", "theory"],
+        order=sorted(df.case.unique()),
+        ax=ax,
+        errorbar=None,
+    )
     ax.set_ylabel("")
-    return [_fig("pipeline", "Pipeline bubble per stage: measured vs theory",
-                 "Measured: the stage's idle (waiting) share of the step; theory: (p−1)/(m+p−1).", fig)]
+    return [
+        _fig(
+            "pipeline",
+            "Pipeline bubble per stage: measured vs theory",
+            "Measured: the stage's idle (waiting) share of the step; theory: (p−1)/(m+p−1).",
+            fig,
+        )
+    ]
 
 
 def collectives(rows: list[dict]) -> list[dict]:
@@ -288,17 +408,31 @@ def collectives(rows: list[dict]) -> list[dict]:
     style = "world_size" if df.world_size.nunique() > 1 else None
     for ax, op in zip(axes, ops):
         sub = df[df.op == op]
-        sns.lineplot(data=sub, x="bytes", y="busbw_GBps", hue="algorithm", style=style, marker="o", markersize=3,
-                     ax=ax, errorbar=None)
+        sns.lineplot(
+            data=sub,
+            x="bytes",
+            y="busbw_GBps",
+            hue="algorithm",
+            style=style,
+            marker="o",
+            markersize=3,
+            ax=ax,
+            errorbar=None,
+        )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(op)
         ax.set_xlabel("message bytes")
         ax.set_ylabel("bus bandwidth GB/s")
         ax.legend(fontsize=7)
-    return [_fig("collectives", "Collectives: bus bandwidth against message size",
-                 "busbw = algbw × 2(n−1)/n for all-reduce, × (n−1)/n for all-gather and reduce-scatter (nccl-tests).",
-                 fig)]
+    return [
+        _fig(
+            "collectives",
+            "Collectives: bus bandwidth against message size",
+            "busbw = algbw × 2(n−1)/n for all-reduce, × (n−1)/n for all-gather and reduce-scatter (nccl-tests).",
+            fig,
+        )
+    ]
 
 
 def all_figures(rows: list[dict], comm_rows: list[dict], coll_rows: list[dict], ls_points: list[dict]) -> list[dict]:

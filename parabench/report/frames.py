@@ -71,48 +71,57 @@ def case_rows(runs) -> list[dict]:
             peak = _num(m.get("peak_alloc_bytes")) or _num(m.get("peak_rss_bytes"))
             mfu, roof = _num(m.get("mfu")), _num(m.get("roofline_fraction"))
             err = r.get("error") or {}
-            rows.append({
-                "run": run_name(manifest), "run_idx": idx,
-                "label": r.get("label", ""), "case_hash": r.get("case_hash", ""), "status": r.get("status", "?"),
-                "strategy": str(c.get("strategy")), "model": str(c.get("model")),
-                "params": _num(_get(r, "model", "params", "total")),
-                "world_size": c.get("world_size"), "precision": str(c.get("precision")),
-                "micro_batch": c.get("micro_batch"), "grad_accum": c.get("grad_accum"),
-                "device": _get(r, "device", "name"),
-                "short": short_case(r),
-                "tokens_per_s_per_device": _num(m.get("tokens_per_s_per_device")),
-                "tokens_per_s": _num(m.get("tokens_per_s")),
-                "tokens_per_step": _num(m.get("tokens_per_step")),
-                **launch_columns(r),
-                "step_time_ms_median": _num(m.get("step_time_s_median")) and m["step_time_s_median"] * 1e3,
-                "step_time_ms_p10": _num(m.get("step_time_s_p10")) and m["step_time_s_p10"] * 1e3,
-                "step_time_ms_p90": _num(m.get("step_time_s_p90")) and m["step_time_s_p90"] * 1e3,
-                "step_times_s": m.get("step_times_s"),
-                "mfu_pct": mfu * 100 if mfu is not None else None,
-                "roofline_pct": roof * 100 if roof is not None else None,
-                "peak_mem_MiB": _mib(peak),
-                "peak_alloc_MiB": _mib(m.get("peak_alloc_bytes")),
-                "peak_requested_MiB": _mib(m.get("peak_requested_bytes")),
-                "peak_reserved_MiB": _mib(m.get("peak_reserved_bytes")),
-                "device_used_MiB": _mib(m.get("device_used_bytes")),
-                "peak_rss_MiB": _mib(m.get("peak_rss_bytes")),
-                "model_state_MiB": _mib(m.get("model_state_bytes_max")),
-                "theory_state_MiB": _mib(theory_state_total(r)),
-                "paper_state_MiB": _mib(_get(r, "theory", "paper_state_bytes")),
-                "comm_MiB": _mib(comm_pb),
-                "theory_comm_MiB": _mib(sum(byte_high(v) or 0 for v in theory_comm.values()))
-                if theory_comm is not None else None,
-                "comm_check": _get(r, "checks", "comm_ok"),
-                "state_check": _get(r, "checks", "state_ok"),
-                "final_loss": _num(m.get("final_loss")),
-                "losses": m.get("losses"),
-                "error": err.get("message"),
-                "error_type": err.get("type"),
-                "first_failing_rank": err.get("first_failing_rank"),
-                "error_detail": err.get("traceback_tail") or err.get("log_tail"),
-                "loss_scale": r.get("loss_scale"),
-                "pipeline": pipeline_rows(r),
-            })
+            rows.append(
+                {
+                    "run": run_name(manifest),
+                    "run_idx": idx,
+                    "label": r.get("label", ""),
+                    "case_hash": r.get("case_hash", ""),
+                    "status": r.get("status", "?"),
+                    "strategy": str(c.get("strategy")),
+                    "model": str(c.get("model")),
+                    "params": _num(_get(r, "model", "params", "total")),
+                    "world_size": c.get("world_size"),
+                    "precision": str(c.get("precision")),
+                    "micro_batch": c.get("micro_batch"),
+                    "grad_accum": c.get("grad_accum"),
+                    "device": _get(r, "device", "name"),
+                    "short": short_case(r),
+                    "tokens_per_s_per_device": _num(m.get("tokens_per_s_per_device")),
+                    "tokens_per_s": _num(m.get("tokens_per_s")),
+                    "tokens_per_step": _num(m.get("tokens_per_step")),
+                    **launch_columns(r),
+                    "step_time_ms_median": _num(m.get("step_time_s_median")) and m["step_time_s_median"] * 1e3,
+                    "step_time_ms_p10": _num(m.get("step_time_s_p10")) and m["step_time_s_p10"] * 1e3,
+                    "step_time_ms_p90": _num(m.get("step_time_s_p90")) and m["step_time_s_p90"] * 1e3,
+                    "step_times_s": m.get("step_times_s"),
+                    "mfu_pct": mfu * 100 if mfu is not None else None,
+                    "roofline_pct": roof * 100 if roof is not None else None,
+                    "peak_mem_MiB": _mib(peak),
+                    "peak_alloc_MiB": _mib(m.get("peak_alloc_bytes")),
+                    "peak_requested_MiB": _mib(m.get("peak_requested_bytes")),
+                    "peak_reserved_MiB": _mib(m.get("peak_reserved_bytes")),
+                    "device_used_MiB": _mib(m.get("device_used_bytes")),
+                    "peak_rss_MiB": _mib(m.get("peak_rss_bytes")),
+                    "model_state_MiB": _mib(m.get("model_state_bytes_max")),
+                    "theory_state_MiB": _mib(theory_state_total(r)),
+                    "paper_state_MiB": _mib(_get(r, "theory", "paper_state_bytes")),
+                    "comm_MiB": _mib(comm_pb),
+                    "theory_comm_MiB": _mib(sum(byte_high(v) or 0 for v in theory_comm.values()))
+                    if theory_comm is not None
+                    else None,
+                    "comm_check": _get(r, "checks", "comm_ok"),
+                    "state_check": _get(r, "checks", "state_ok"),
+                    "final_loss": _num(m.get("final_loss")),
+                    "losses": m.get("losses"),
+                    "error": err.get("message"),
+                    "error_type": err.get("type"),
+                    "first_failing_rank": err.get("first_failing_rank"),
+                    "error_detail": err.get("traceback_tail") or err.get("log_tail"),
+                    "loss_scale": r.get("loss_scale"),
+                    "pipeline": pipeline_rows(r),
+                }
+            )
     add_scaling_efficiency(rows)
     return rows
 
@@ -123,11 +132,17 @@ def launch_columns(r: dict) -> dict:
     stats = r.get("launch_stats") or {}
     tps = stats.get("tokens_per_s_per_device") or {}
     low, high, cover = _num(tps.get("ci_low")), _num(tps.get("ci_high")), _num(tps.get("ci_coverage"))
-    interval = (f"{low:,.0f} – {high:,.0f} ({cover:.0%})" if low is not None and high is not None
-                and cover is not None and (stats.get("n") or 0) >= 2 else None)
+    interval = (
+        f"{low:,.0f} – {high:,.0f} ({cover:.0%})"
+        if low is not None and high is not None and cover is not None and (stats.get("n") or 0) >= 2
+        else None
+    )
     cv = _num(tps.get("cv"))
-    return {"launches": stats.get("n"), "tps_device_interval": interval,
-            "launch_cv_pct": cv * 100 if cv is not None else None}
+    return {
+        "launches": stats.get("n"),
+        "tps_device_interval": interval,
+        "launch_cv_pct": cv * 100 if cv is not None else None,
+    }
 
 
 def add_scaling_efficiency(rows: list[dict]) -> None:
@@ -139,8 +154,9 @@ def add_scaling_efficiency(rows: list[dict]) -> None:
             single[key] = max(single.get(key, 0), r["tokens_per_s_per_device"])
     for r in rows:
         base = single.get((r["run_idx"], r["model"], r["precision"]))
-        r["vs_1_device_pct"] = (r["tokens_per_s_per_device"] / base * 100
-                                if base and r["tokens_per_s_per_device"] else None)
+        r["vs_1_device_pct"] = (
+            r["tokens_per_s_per_device"] / base * 100 if base and r["tokens_per_s_per_device"] else None
+        )
 
 
 def pipeline_rows(r: dict) -> list[dict]:
@@ -150,9 +166,17 @@ def pipeline_rows(r: dict) -> list[dict]:
         meas, theo = _num(p.get("bubble_fraction_measured")), _num(p.get("bubble_fraction_theory"))
         if meas is None and theo is None:
             continue
-        out.append({"rank": rank, "stage": p.get("stage", rank), "stages": p.get("stages"),
-                    "schedule": p.get("schedule"), "microbatches": p.get("microbatches"),
-                    "measured": meas, "theory": theo})
+        out.append(
+            {
+                "rank": rank,
+                "stage": p.get("stage", rank),
+                "stages": p.get("stages"),
+                "schedule": p.get("schedule"),
+                "microbatches": p.get("microbatches"),
+                "measured": meas,
+                "theory": theo,
+            }
+        )
     return out
 
 
@@ -166,16 +190,26 @@ def comm_check_rows(runs) -> list[dict]:
                 continue
             for kind, c in sorted(checks.items()):
                 k = by_kind.get(kind) or {}
-                rows.append({"run": run_name(manifest), "label": r.get("label", ""),
-                             "short": short_case(r), "model": _get(r, "case", "model"), "kind": kind,
-                             "expected_MiB": _mib(byte_high(c.get("expected_bytes"))),
-                             "measured_MiB": _mib(byte_high(c.get("measured_bytes"))),
-                             "expected_range": isinstance(c.get("expected_bytes"), list),
-                             "expected_bytes": _bytes_text(c.get("expected_bytes")),
-                             "measured_bytes": _bytes_text(c.get("measured_bytes")),
-                             "ratio": _num(c.get("ratio")), "ok": c.get("ok"), "calls": k.get("calls"),
-                             "dtypes": ", ".join(map(str, k.get("dtypes") or [])),
-                             "wire_MiB": _mib(k.get("wire_bytes")), "theory_source": theory_source(r)})
+                rows.append(
+                    {
+                        "run": run_name(manifest),
+                        "label": r.get("label", ""),
+                        "short": short_case(r),
+                        "model": _get(r, "case", "model"),
+                        "kind": kind,
+                        "expected_MiB": _mib(byte_high(c.get("expected_bytes"))),
+                        "measured_MiB": _mib(byte_high(c.get("measured_bytes"))),
+                        "expected_range": isinstance(c.get("expected_bytes"), list),
+                        "expected_bytes": _bytes_text(c.get("expected_bytes")),
+                        "measured_bytes": _bytes_text(c.get("measured_bytes")),
+                        "ratio": _num(c.get("ratio")),
+                        "ok": c.get("ok"),
+                        "calls": k.get("calls"),
+                        "dtypes": ", ".join(map(str, k.get("dtypes") or [])),
+                        "wire_MiB": _mib(k.get("wire_bytes")),
+                        "theory_source": theory_source(r),
+                    }
+                )
     return rows
 
 
@@ -184,8 +218,9 @@ def theory_source(r: dict) -> str:
     recheck = r.get("theory_recheck")
     if recheck is None:
         return "run" + routed
-    return (f"recheck {str(recheck.get('at', ''))[:10]} {str(recheck.get('parabench_commit') or '')[:8]}".rstrip()
-            + routed)
+    return (
+        f"recheck {str(recheck.get('at', ''))[:10]} {str(recheck.get('parabench_commit') or '')[:8]}".rstrip() + routed
+    )
 
 
 def collectives_rows(run_dirs: list[Path]) -> tuple[list[dict], list[dict]]:
@@ -202,17 +237,35 @@ def collectives_rows(run_dirs: list[Path]) -> tuple[list[dict], list[dict]]:
             if not isinstance(data, dict) or data.get("kind") != "collectives":
                 continue
             world = data.get("world_size")
-            heads.append({"file": f"{Path(d).name}/{p.name}", "world_size": world, "backend": data.get("backend"),
-                          "device": _get(data, "device", "name"), "ok": data.get("ok"),
-                          "failures": data.get("failures") or [], "wall_s": data.get("wall_s")})
+            heads.append(
+                {
+                    "file": f"{Path(d).name}/{p.name}",
+                    "world_size": world,
+                    "backend": data.get("backend"),
+                    "device": _get(data, "device", "name"),
+                    "ok": data.get("ok"),
+                    "failures": data.get("failures") or [],
+                    "wall_s": data.get("wall_s"),
+                }
+            )
             for row in data.get("rows") or []:
                 if not isinstance(row, dict):
                     continue
-                rows.append({"run": Path(d).name, "world_size": world, "backend": data.get("backend"),
-                             "op": str(row.get("op")), "algorithm": str(row.get("algorithm")),
-                             "bytes": _num(row.get("bytes")), "time_us": (_num(row.get("time_s_median")) or 0) * 1e6 or None,
-                             "algbw_GBps": _num(row.get("algbw_GBps")), "busbw_GBps": _num(row.get("busbw_GBps")),
-                             "correct": row.get("correct"), "skipped": row.get("skipped")})
+                rows.append(
+                    {
+                        "run": Path(d).name,
+                        "world_size": world,
+                        "backend": data.get("backend"),
+                        "op": str(row.get("op")),
+                        "algorithm": str(row.get("algorithm")),
+                        "bytes": _num(row.get("bytes")),
+                        "time_us": (_num(row.get("time_s_median")) or 0) * 1e6 or None,
+                        "algbw_GBps": _num(row.get("algbw_GBps")),
+                        "busbw_GBps": _num(row.get("busbw_GBps")),
+                        "correct": row.get("correct"),
+                        "skipped": row.get("skipped"),
+                    }
+                )
     return rows, heads
 
 
@@ -224,24 +277,36 @@ def overview_rows(rows: list[dict]) -> list[dict]:
         if r["status"] == "ok" and r["tokens_per_s_per_device"]:
             groups.setdefault((r["run_idx"], r["run"], r["model"], r["world_size"], r["precision"]), []).append(r)
     out = []
-    for (idx, run, model, world, prec), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[1][0]["params"] or 0,
-                                                                                       kv[0][2], kv[0][3], kv[0][4])):
+    for (_idx, run, model, world, prec), rs in sorted(
+        groups.items(), key=lambda kv: (kv[0][0], kv[1][0]["params"] or 0, kv[0][2], kv[0][3], kv[0][4])
+    ):
         rs = sorted(rs, key=lambda r: -r["tokens_per_s_per_device"])
         best = rs[0]
         second = rs[1] if len(rs) > 1 else None
         mem = [r for r in rs if r["peak_mem_MiB"]]
         light = min(mem, key=lambda r: r["peak_mem_MiB"]) if mem else None
-        out.append({
-            "run": run, "model": model, "params_M": best["params"] / 1e6 if best["params"] else None,
-            "world_size": world, "precision": prec, "n": len(rs), "best": best["strategy"],
-            "tokens_per_s_per_device": best["tokens_per_s_per_device"], "step_time_ms": best["step_time_ms_median"],
-            "peak_mem_MiB": best["peak_mem_MiB"],
-            "mfu_pct": best["mfu_pct"], "roofline_pct": best["roofline_pct"],
-            "runner_up": second["strategy"] if second else None,
-            "lead_pct": (best["tokens_per_s_per_device"] / second["tokens_per_s_per_device"] - 1) * 100 if second else None,
-            "lightest": light["strategy"] if light else None,
-            "lightest_MiB": light["peak_mem_MiB"] if light else None,
-        })
+        out.append(
+            {
+                "run": run,
+                "model": model,
+                "params_M": best["params"] / 1e6 if best["params"] else None,
+                "world_size": world,
+                "precision": prec,
+                "n": len(rs),
+                "best": best["strategy"],
+                "tokens_per_s_per_device": best["tokens_per_s_per_device"],
+                "step_time_ms": best["step_time_ms_median"],
+                "peak_mem_MiB": best["peak_mem_MiB"],
+                "mfu_pct": best["mfu_pct"],
+                "roofline_pct": best["roofline_pct"],
+                "runner_up": second["strategy"] if second else None,
+                "lead_pct": (best["tokens_per_s_per_device"] / second["tokens_per_s_per_device"] - 1) * 100
+                if second
+                else None,
+                "lightest": light["strategy"] if light else None,
+                "lightest_MiB": light["peak_mem_MiB"] if light else None,
+            }
+        )
     return out
 
 
@@ -250,6 +315,13 @@ def loss_scale_points(rows: list[dict]) -> list[dict]:
     for r in rows:
         for step, e in enumerate(r.get("loss_scale") or []):
             if _num(e.get("scale")):
-                pts.append({"case": r["short"], "model": r["model"], "step": step, "scale": e["scale"],
-                            "skipped": bool(e.get("skipped"))})
+                pts.append(
+                    {
+                        "case": r["short"],
+                        "model": r["model"],
+                        "step": step,
+                        "scale": e["scale"],
+                        "skipped": bool(e.get("skipped")),
+                    }
+                )
     return pts

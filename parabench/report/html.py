@@ -29,45 +29,86 @@ TEMPLATE_DIR = Path(__file__).parent / "templates"
 
 # column key -> (header, format): format "int", "f1", "f2", "f3", "g4", "pct", "str", "wrap" (text that wraps)
 CASE_COLUMNS = [
-    ("label", "case", "str"), ("status", "status", "str"),
-    ("tokens_per_s_per_device", "tok/s/device", "int"), ("tokens_per_s", "tok/s", "int"),
-    ("launches", "launches", "int"), ("tps_device_interval", "tok/s/device interval (coverage)", "str"),
+    ("label", "case", "str"),
+    ("status", "status", "str"),
+    ("tokens_per_s_per_device", "tok/s/device", "int"),
+    ("tokens_per_s", "tok/s", "int"),
+    ("launches", "launches", "int"),
+    ("tps_device_interval", "tok/s/device interval (coverage)", "str"),
     ("launch_cv_pct", "launch CV %", "f2"),
     ("vs_1_device_pct", "% of 1 device", "f1"),
-    ("step_time_ms_median", "step ms", "f2"), ("step_time_ms_p10", "p10 ms", "f2"), ("step_time_ms_p90", "p90 ms", "f2"),
-    ("mfu_pct", "MFU %", "f2"), ("roofline_pct", "roofline %", "f2"),
-    ("peak_mem_MiB", "peak MiB", "f1"), ("model_state_MiB", "state MiB", "f2"),
-    ("theory_state_MiB", "analytic state MiB", "f2"), ("comm_MiB", "comm MiB", "f2"),
-    ("theory_comm_MiB", "analytic comm MiB", "f2"), ("final_loss", "final loss", "g4"),
+    ("step_time_ms_median", "step ms", "f2"),
+    ("step_time_ms_p10", "p10 ms", "f2"),
+    ("step_time_ms_p90", "p90 ms", "f2"),
+    ("mfu_pct", "MFU %", "f2"),
+    ("roofline_pct", "roofline %", "f2"),
+    ("peak_mem_MiB", "peak MiB", "f1"),
+    ("model_state_MiB", "state MiB", "f2"),
+    ("theory_state_MiB", "analytic state MiB", "f2"),
+    ("comm_MiB", "comm MiB", "f2"),
+    ("theory_comm_MiB", "analytic comm MiB", "f2"),
+    ("final_loss", "final loss", "g4"),
 ]
 MEMORY_COLUMNS = [
-    ("label", "case", "str"), ("peak_alloc_MiB", "alloc peak MiB", "f1"),
-    ("peak_requested_MiB", "requested peak MiB (no block slack)", "f2"), ("peak_reserved_MiB", "reserved peak MiB", "f1"),
-    ("device_used_MiB", "NVML used MiB", "f1"), ("peak_rss_MiB", "RSS peak MiB", "f1"),
-    ("model_state_MiB", "state MiB", "f2"), ("theory_state_MiB", "analytic MiB", "f2"),
-    ("paper_state_MiB", "ZeRO paper MiB", "f2"), ("state_check", "state = analytic", "str"),
+    ("label", "case", "str"),
+    ("peak_alloc_MiB", "alloc peak MiB", "f1"),
+    ("peak_requested_MiB", "requested peak MiB (no block slack)", "f2"),
+    ("peak_reserved_MiB", "reserved peak MiB", "f1"),
+    ("device_used_MiB", "NVML used MiB", "f1"),
+    ("peak_rss_MiB", "RSS peak MiB", "f1"),
+    ("model_state_MiB", "state MiB", "f2"),
+    ("theory_state_MiB", "analytic MiB", "f2"),
+    ("paper_state_MiB", "ZeRO paper MiB", "f2"),
+    ("state_check", "state = analytic", "str"),
 ]
 COMM_COLUMNS = [
-    ("label", "case", "str"), ("kind", "kind", "str"), ("measured_bytes", "measured B", "int"),
-    ("expected_bytes", "analytic B (range: low – high)", "int"), ("ratio", "ratio", "g4"), ("ok", "within allowance", "str"),
-    ("calls", "calls", "int"), ("dtypes", "dtypes", "str"), ("wire_MiB", "wire MiB (est.)", "f2"),
+    ("label", "case", "str"),
+    ("kind", "kind", "str"),
+    ("measured_bytes", "measured B", "int"),
+    ("expected_bytes", "analytic B (range: low – high)", "int"),
+    ("ratio", "ratio", "g4"),
+    ("ok", "within allowance", "str"),
+    ("calls", "calls", "int"),
+    ("dtypes", "dtypes", "str"),
+    ("wire_MiB", "wire MiB (est.)", "f2"),
     ("theory_source", "analytic from", "str"),
 ]
 OVERVIEW_COLUMNS = [
-    ("model", "model", "str"), ("params_M", "params (M)", "f1"), ("world_size", "devices", "int"),
-    ("precision", "precision", "str"), ("n", "strategies", "int"), ("best", "fastest", "str"),
-    ("tokens_per_s_per_device", "tok/s/device", "int"), ("step_time_ms", "step ms", "f2"),
-    ("peak_mem_MiB", "its peak MiB", "f1"), ("mfu_pct", "its MFU %", "f2"), ("roofline_pct", "its roofline %", "f2"),
-    ("runner_up", "runner-up", "str"), ("lead_pct", "lead %", "f1"), ("lightest", "least memory", "str"),
+    ("model", "model", "str"),
+    ("params_M", "params (M)", "f1"),
+    ("world_size", "devices", "int"),
+    ("precision", "precision", "str"),
+    ("n", "strategies", "int"),
+    ("best", "fastest", "str"),
+    ("tokens_per_s_per_device", "tok/s/device", "int"),
+    ("step_time_ms", "step ms", "f2"),
+    ("peak_mem_MiB", "its peak MiB", "f1"),
+    ("mfu_pct", "its MFU %", "f2"),
+    ("roofline_pct", "its roofline %", "f2"),
+    ("runner_up", "runner-up", "str"),
+    ("lead_pct", "lead %", "f1"),
+    ("lightest", "least memory", "str"),
     ("lightest_MiB", "its peak MiB", "f1"),
 ]
-PIPE_COLUMNS = [("label", "case", "str"), ("stage", "stage", "int"), ("schedule", "schedule", "str"),
-                ("microbatches", "micro-batches", "int"), ("measured_pct", "bubble % measured", "f2"),
-                ("theory_pct", "bubble % theory", "f2")]
-COLL_COLUMNS = [("run", "run", "str"), ("world_size", "ranks", "int"), ("op", "op", "str"), ("algorithm", "algorithm", "str"),
-                ("peak_busbw", "peak busbw GB/s", "g4"), ("at_bytes", "at bytes", "int"),
-                ("largest_busbw", "busbw at largest GB/s", "g4"), ("largest_bytes", "largest bytes", "int"),
-                ("correct", "all correct", "str")]
+PIPE_COLUMNS = [
+    ("label", "case", "str"),
+    ("stage", "stage", "int"),
+    ("schedule", "schedule", "str"),
+    ("microbatches", "micro-batches", "int"),
+    ("measured_pct", "bubble % measured", "f2"),
+    ("theory_pct", "bubble % theory", "f2"),
+]
+COLL_COLUMNS = [
+    ("run", "run", "str"),
+    ("world_size", "ranks", "int"),
+    ("op", "op", "str"),
+    ("algorithm", "algorithm", "str"),
+    ("peak_busbw", "peak busbw GB/s", "g4"),
+    ("at_bytes", "at bytes", "int"),
+    ("largest_busbw", "busbw at largest GB/s", "g4"),
+    ("largest_bytes", "largest bytes", "int"),
+    ("correct", "all correct", "str"),
+]
 
 
 def _fmt(v, kind: str) -> str:
@@ -103,8 +144,14 @@ def _table(id_: str, title: str, columns, rows, note: str = "", row_class=None, 
                 cls = "wrapcell"
             cells.append({"text": _fmt(v, kind), "sort": num, "cls": cls})
         body.append({"cells": cells, "cls": row_class(r) if row_class else ""})
-    return {"id": id_, "title": title, "note": note, "headers": [h for _, h, _ in columns], "rows": body,
-            "footer": footer}
+    return {
+        "id": id_,
+        "title": title,
+        "note": note,
+        "headers": [h for _, h, _ in columns],
+        "rows": body,
+        "footer": footer,
+    }
 
 
 def _collectives_summary(coll_rows: list[dict]) -> list[dict]:
@@ -116,16 +163,32 @@ def _collectives_summary(coll_rows: list[dict]) -> list[dict]:
         timed = [r for r in rs if r["busbw_GBps"]]
         peak = max(timed, key=lambda r: r["busbw_GBps"]) if timed else None
         largest = max(timed, key=lambda r: r["bytes"] or 0) if timed else None
-        out.append({"run": run, "world_size": world, "op": op, "algorithm": algo,
-                    "peak_busbw": peak and peak["busbw_GBps"], "at_bytes": peak and peak["bytes"],
-                    "largest_busbw": largest and largest["busbw_GBps"], "largest_bytes": largest and largest["bytes"],
-                    "correct": all(r["correct"] is not False for r in rs)})
+        out.append(
+            {
+                "run": run,
+                "world_size": world,
+                "op": op,
+                "algorithm": algo,
+                "peak_busbw": peak and peak["busbw_GBps"],
+                "at_bytes": peak and peak["bytes"],
+                "largest_busbw": largest and largest["busbw_GBps"],
+                "largest_bytes": largest and largest["bytes"],
+                "correct": all(r["correct"] is not False for r in rs),
+            }
+        )
     return out
 
 
-CMP_METRICS = [("tokens_per_s_per_device", "tok/s/device"), ("step_time_s_median", "step s"), ("mfu", "MFU"),
-               ("peak_alloc_bytes", "alloc peak B"), ("peak_rss_bytes", "RSS peak B"),
-               ("model_state_bytes_max", "state B"), ("comm_payload_bytes", "comm B"), ("final_loss", "final loss")]
+CMP_METRICS = [
+    ("tokens_per_s_per_device", "tok/s/device"),
+    ("step_time_s_median", "step s"),
+    ("mfu", "MFU"),
+    ("peak_alloc_bytes", "alloc peak B"),
+    ("peak_rss_bytes", "RSS peak B"),
+    ("model_state_bytes_max", "state B"),
+    ("comm_payload_bytes", "comm B"),
+    ("final_loss", "final loss"),
+]
 
 
 def _comparisons(runs, threshold: float) -> list[dict]:
@@ -152,15 +215,37 @@ def _comparisons(runs, threshold: float) -> list[dict]:
                 if m["p_value"] is not None:
                     text += f" p={m['p_value']:.2g}"
                 cells.append({"text": text, "cls": m["verdict"], "sort": m["rel_change"]})
-            others = [f"{m['metric']}: {m['verdict']}" + (f" ({m['rel_change'] * 100:+.2f}%)" if m["rel_change"] else "")
-                      for m in c["metrics"] if m["verdict"] not in ("same", "n/a") and m["metric"] not in dict(cols)]
-            status = c["baseline_status"] if c["baseline_status"] == c["candidate_status"] else \
-                f"{c['baseline_status'] or '–'} → {c['candidate_status'] or '–'}"
-            rows.append({"label": c["label"], "status": status, "verdict": c["verdict"], "cells": cells,
-                         "note": "; ".join(c["notes"] + [m["note"] for m in c["metrics"] if m["note"]] + others)})
-        out.append({"baseline": res["baseline"], "candidate": res["candidate"], "counts": res["counts"],
-                    "notes": res["notes"], "headers": [h for _, h in cols], "rows": rows,
-                    "regression": res["regression"], "settings": res["settings"]})
+            others = [
+                f"{m['metric']}: {m['verdict']}" + (f" ({m['rel_change'] * 100:+.2f}%)" if m["rel_change"] else "")
+                for m in c["metrics"]
+                if m["verdict"] not in ("same", "n/a") and m["metric"] not in dict(cols)
+            ]
+            status = (
+                c["baseline_status"]
+                if c["baseline_status"] == c["candidate_status"]
+                else f"{c['baseline_status'] or '–'} → {c['candidate_status'] or '–'}"
+            )
+            rows.append(
+                {
+                    "label": c["label"],
+                    "status": status,
+                    "verdict": c["verdict"],
+                    "cells": cells,
+                    "note": "; ".join(c["notes"] + [m["note"] for m in c["metrics"] if m["note"]] + others),
+                }
+            )
+        out.append(
+            {
+                "baseline": res["baseline"],
+                "candidate": res["candidate"],
+                "counts": res["counts"],
+                "notes": res["notes"],
+                "headers": [h for _, h in cols],
+                "rows": rows,
+                "regression": res["regression"],
+                "settings": res["settings"],
+            }
+        )
     return out
 
 
@@ -171,13 +256,23 @@ def _env_summary(manifests: list[dict]) -> dict:
         return f"{', '.join(names)} ×{len(ds)}" if ds else "–"
 
     keys = [
-        ("suite", lambda m: m.get("suite")), ("run id", lambda m: m.get("run_id")),
+        ("suite", lambda m: m.get("suite")),
+        ("run id", lambda m: m.get("run_id")),
         ("created", lambda m: m.get("created_at")),
-        ("git", lambda m: f"{(frames._get(m, 'git', 'commit') or '?')[:12]}" + (" (dirty)" if frames._get(m, "git", "dirty") else "")),
-        ("devices", dev), ("host", lambda m: frames._get(m, "host", "hostname")),
+        (
+            "git",
+            lambda m: (
+                f"{(frames._get(m, 'git', 'commit') or '?')[:12]}"
+                + (" (dirty)" if frames._get(m, "git", "dirty") else "")
+            ),
+        ),
+        ("devices", dev),
+        ("host", lambda m: frames._get(m, "host", "hostname")),
         ("platform", lambda m: frames._get(m, "host", "platform")),
-        ("python", lambda m: frames._get(m, "versions", "python")), ("torch", lambda m: frames._get(m, "versions", "torch")),
-        ("CUDA", lambda m: frames._get(m, "versions", "cuda")), ("NCCL", lambda m: frames._get(m, "versions", "nccl")),
+        ("python", lambda m: frames._get(m, "versions", "python")),
+        ("torch", lambda m: frames._get(m, "versions", "torch")),
+        ("CUDA", lambda m: frames._get(m, "versions", "cuda")),
+        ("NCCL", lambda m: frames._get(m, "versions", "nccl")),
         ("DeepSpeed", lambda m: frames._get(m, "versions", "deepspeed")),
         ("parabench", lambda m: frames._get(m, "versions", "parabench")),
         ("cases", lambda m: m.get("n_cases")),
@@ -206,46 +301,91 @@ def render_report(run_dirs: list[Path], *, threshold: float = DEFAULT_THRESHOLD,
     tables = []
     overview = frames.overview_rows(rows)
     if overview:
-        tables.append(_table("overview", "Overview: fastest strategy per model, device count and precision",
-                             run_col + OVERVIEW_COLUMNS, overview,
-                             "Fastest by median tokens/s per device; lead = its margin over the runner-up."))
-    caveats = [{"run": f"{m.get('suite')}/{m.get('run_id')}", "label": r.get("label", ""), "caveat": text}
-               for m, records in runs for r in records for text in (r.get("caveats") or [])]
+        tables.append(
+            _table(
+                "overview",
+                "Overview: fastest strategy per model, device count and precision",
+                run_col + OVERVIEW_COLUMNS,
+                overview,
+                "Fastest by median tokens/s per device; lead = its margin over the runner-up.",
+            )
+        )
+    caveats = [
+        {"run": f"{m.get('suite')}/{m.get('run_id')}", "label": r.get("label", ""), "caveat": text}
+        for m, records in runs
+        for r in records
+        for text in (r.get("caveats") or [])
+    ]
     if caveats:
-        tables.append(_table("caveats", "Caveats: known behaviour behind some numbers",
-                             run_col + [("label", "case", "str"), ("caveat", "what to know", "str")], caveats,
-                             "Written into the records by the strategy that measured them: read these cases' "
-                             "figures with it in mind."))
+        tables.append(
+            _table(
+                "caveats",
+                "Caveats: known behaviour behind some numbers",
+                run_col + [("label", "case", "str"), ("caveat", "what to know", "str")],
+                caveats,
+                "Written into the records by the strategy that measured them: read these cases' "
+                "figures with it in mind.",
+            )
+        )
     if rows:
-        tables.append(_table("cases", "All cases", run_col + CASE_COLUMNS,
-                             sorted(rows, key=lambda r: (r["run_idx"], r["params"] or 0, r["model"], r["world_size"] or 0,
-                                                         r["label"])),
-                             "Step time is the slowest rank's, median over timed steps; with several launches (repeats) "
-                             "tokens/s and step time are the medians over launches, the interval the order-statistic "
-                             "interval of that median with the probability it covers the true one ([min, max] of 3 "
-                             "launches: 75 %), CV the launch-to-launch standard deviation over the mean; "
-                             "memory the largest rank's peak; "
-                             "communication one rank's payload over one instrumented step. "
-                             "% of 1 device: tokens/s per device relative to the single-device run of the same model.",
-                             row_class=lambda r: "" if r["status"] == "ok" else "bad-row"))
+        tables.append(
+            _table(
+                "cases",
+                "All cases",
+                run_col + CASE_COLUMNS,
+                sorted(
+                    rows, key=lambda r: (r["run_idx"], r["params"] or 0, r["model"], r["world_size"] or 0, r["label"])
+                ),
+                "Step time is the slowest rank's, median over timed steps; with several launches (repeats) "
+                "tokens/s and step time are the medians over launches, the interval the order-statistic "
+                "interval of that median with the probability it covers the true one ([min, max] of 3 "
+                "launches: 75 %), CV the launch-to-launch standard deviation over the mean; "
+                "memory the largest rank's peak; "
+                "communication one rank's payload over one instrumented step. "
+                "% of 1 device: tokens/s per device relative to the single-device run of the same model.",
+                row_class=lambda r: "" if r["status"] == "ok" else "bad-row",
+            )
+        )
     if ok:
-        tables.append(_table("memory-table", "Memory per rank", run_col + MEMORY_COLUMNS, ok,
-                             "Allocator peaks and NVML on GPUs, resident set on CPUs. The alloc peak counts whole "
-                             "allocator blocks (rounded, and cached blocks reused unsplit count whole), the requested "
-                             "peak only the bytes tensors asked for, so it compares strategies without the allocator's "
-                             "slack (recorded since 2026-11-26). State = parameters, gradients "
-                             "and optimizer states actually held, beside their analytic layout and the ZeRO paper's "
-                             "16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N."))
+        tables.append(
+            _table(
+                "memory-table",
+                "Memory per rank",
+                run_col + MEMORY_COLUMNS,
+                ok,
+                "Allocator peaks and NVML on GPUs, resident set on CPUs. The alloc peak counts whole "
+                "allocator blocks (rounded, and cached blocks reused unsplit count whole), the requested "
+                "peak only the bytes tensors asked for, so it compares strategies without the allocator's "
+                "slack (recorded since 2026-11-26). State = parameters, gradients "
+                "and optimizer states actually held, beside their analytic layout and the ZeRO paper's "
+                "16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N.",
+            )
+        )
     if comm_rows:
-        tables.append(_table("comm-table", "Communication vs theory, by kind", run_col + COMM_COLUMNS, comm_rows,
-                             "Rank 0's payload per kind on the instrumented step against the analytic volume. 'analytic from': "
-                             "'run' when the expectation was computed when the case ran; 'recheck <date> <commit>' "
-                             "when `parabench recheck` later set the same measurement beside a newer theory; '+ recorded "
-                             "routing': expert-parallel traffic made exact by the routing each rank recorded.",
-                             row_class=lambda r: "" if r["ok"] else "bad-row"))
-    pipe = [{"label": r["label"], "run": r["run"], **p, "measured_pct": p["measured"] * 100 if p["measured"] is not None else None,
-             "theory_pct": p["theory"] * 100 if p["theory"] is not None else None}
-            for r in ok for p in (r["pipeline"] or [])]
+        tables.append(
+            _table(
+                "comm-table",
+                "Communication vs theory, by kind",
+                run_col + COMM_COLUMNS,
+                comm_rows,
+                "Rank 0's payload per kind on the instrumented step against the analytic volume. 'analytic from': "
+                "'run' when the expectation was computed when the case ran; 'recheck <date> <commit>' "
+                "when `parabench recheck` later set the same measurement beside a newer theory; '+ recorded "
+                "routing': expert-parallel traffic made exact by the routing each rank recorded.",
+                row_class=lambda r: "" if r["ok"] else "bad-row",
+            )
+        )
+    pipe = [
+        {
+            "label": r["label"],
+            "run": r["run"],
+            **p,
+            "measured_pct": p["measured"] * 100 if p["measured"] is not None else None,
+            "theory_pct": p["theory"] * 100 if p["theory"] is not None else None,
+        }
+        for r in ok
+        for p in (r["pipeline"] or [])
+    ]
     if pipe:
         tables.append(_table("pipeline-table", "Pipeline bubbles", run_col + PIPE_COLUMNS, pipe))
     for spec in cp_balance.table_specs(runs, run_col):  # ring attention: contiguous vs zig-zag balance
@@ -257,8 +397,9 @@ def render_report(run_dirs: list[Path], *, threshold: float = DEFAULT_THRESHOLD,
     for spec in spread.table_specs(runs, run_col):  # repeated cases and ref/peer ratios, with intervals
         tables.append(_table(**spec))
     if coll_rows:
-        tables.append(_table("collectives-table", "Collectives: bus bandwidth", COLL_COLUMNS,
-                             _collectives_summary(coll_rows)))
+        tables.append(
+            _table("collectives-table", "Collectives: bus bandwidth", COLL_COLUMNS, _collectives_summary(coll_rows))
+        )
 
     figures = []
     if with_figures:
@@ -267,12 +408,28 @@ def render_report(run_dirs: list[Path], *, threshold: float = DEFAULT_THRESHOLD,
         figures = all_figures(rows, comm_rows, coll_rows, frames.loss_scale_points(rows))
         figures += step_breakdown_section.figures(runs)  # compute, exposed communication, the rest
 
-    failed = [{"run": r["run"], "label": r["label"], "status": r["status"], "error": r["error"],
-               "type": r["error_type"], "rank": r["first_failing_rank"], "detail": r["error_detail"]} for r in bad]
+    failed = [
+        {
+            "run": r["run"],
+            "label": r["label"],
+            "status": r["status"],
+            "error": r["error"],
+            "type": r["error_type"],
+            "rank": r["first_failing_rank"],
+            "detail": r["error_detail"],
+        }
+        for r in bad
+    ]
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), autoescape=True)
     return env.get_template("report.html.j2").render(
-        manifests=manifests, env_summary=_env_summary(manifests), tables=tables, failed=failed, figures=figures,
-        comparisons=_comparisons(runs, threshold) if several else [], coll_heads=coll_heads,
-        n_cases=len(rows), n_ok=len(ok),
+        manifests=manifests,
+        env_summary=_env_summary(manifests),
+        tables=tables,
+        failed=failed,
+        figures=figures,
+        comparisons=_comparisons(runs, threshold) if several else [],
+        coll_heads=coll_heads,
+        n_cases=len(rows),
+        n_ok=len(ok),
         n_status={s: sum(1 for r in rows if r["status"] == s) for s in sorted({r["status"] for r in rows})},
     )

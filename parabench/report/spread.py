@@ -23,25 +23,36 @@ from parabench.report.frames import _get, _num, run_name
 from parabench.stats import launch_samples, median_ci, ratio_ci
 
 COLUMNS = [
-    ("label", "case", "str"), ("n", "samples", "int"), ("seeds", "seeds", "str"), ("runs", "runs", "str"),
-    ("tokens_per_s_median", "tok/s median", "int"), ("tokens_per_s_ci_low", "interval low", "int"),
-    ("tokens_per_s_ci_high", "interval high", "int"), ("ci_coverage_pct", "coverage %", "f1"),
-    ("tokens_per_s_min", "tok/s min", "int"), ("tokens_per_s_mean", "tok/s mean", "int"),
-    ("tokens_per_s_max", "tok/s max", "int"), ("spread_pct", "spread % (max-min)/mean", "f2"),
-    ("cv_pct", "CV %", "f2"), ("peak_alloc_spread_pct", "peak memory spread %", "f2"),
+    ("label", "case", "str"),
+    ("n", "samples", "int"),
+    ("seeds", "seeds", "str"),
+    ("runs", "runs", "str"),
+    ("tokens_per_s_median", "tok/s median", "int"),
+    ("tokens_per_s_ci_low", "interval low", "int"),
+    ("tokens_per_s_ci_high", "interval high", "int"),
+    ("ci_coverage_pct", "coverage %", "f1"),
+    ("tokens_per_s_min", "tok/s min", "int"),
+    ("tokens_per_s_mean", "tok/s mean", "int"),
+    ("tokens_per_s_max", "tok/s max", "int"),
+    ("spread_pct", "spread % (max-min)/mean", "f2"),
+    ("cv_pct", "CV %", "f2"),
+    ("peak_alloc_spread_pct", "peak memory spread %", "f2"),
 ]
-NOTE = ("Cases measured more than once in these runs: separate launches of the same case (repeats), other "
-        "seeds (same work, other data and initial weights) or the same case hash in several runs; one "
-        "sample per launch. The interval is the order-statistic interval of the median with the probability "
-        "it covers the true median (fewer than 6 samples cannot reach 95 %). Spread is (max - min) / mean of "
-        "the tokens/s; CV the sample standard deviation over the mean. A difference between two strategies "
-        "smaller than these spreads is not a difference.")
+NOTE = (
+    "Cases measured more than once in these runs: separate launches of the same case (repeats), other "
+    "seeds (same work, other data and initial weights) or the same case hash in several runs; one "
+    "sample per launch. The interval is the order-statistic interval of the median with the probability "
+    "it covers the true median (fewer than 6 samples cannot reach 95 %). Spread is (max - min) / mean of "
+    "the tokens/s; CV the sample standard deviation over the mean. A difference between two strategies "
+    "smaller than these spreads is not a difference."
+)
 _NOT_SHAPE = ("strategy", "seed", "repeats", "repeat", "timeout_s", "own_launch", "comm_meter")
 
 
 def _key(case: dict) -> str:
-    return json.dumps({k: v for k, v in case.items() if k not in ("seed", "repeat", "repeats")}, sort_keys=True,
-                      default=str)
+    return json.dumps(
+        {k: v for k, v in case.items() if k not in ("seed", "repeat", "repeats")}, sort_keys=True, default=str
+    )
 
 
 def _tps_samples(r: dict) -> list[float]:
@@ -68,44 +79,69 @@ def spread_rows(runs) -> list[dict]:
         mean = statistics.fmean(tps)
         low, high, cover = median_ci(tps)
         peaks = [p for p in (_num(_get(r, "metrics", "peak_alloc_bytes")) for _, r in members) if p]
-        rows.append({
-            "label": members[0][1].get("label", ""), "n": len(tps),
-            "seeds": ", ".join(sorted({str(_get(r, "case", "seed")) for _, r in members})),
-            "runs": ", ".join(sorted({name for name, _ in members})),
-            "tokens_per_s_median": statistics.median(tps), "tokens_per_s_ci_low": low, "tokens_per_s_ci_high": high,
-            "ci_coverage_pct": cover * 100,
-            "tokens_per_s_min": min(tps), "tokens_per_s_mean": mean, "tokens_per_s_max": max(tps),
-            "spread_pct": (max(tps) - min(tps)) / mean * 100,
-            "cv_pct": statistics.stdev(tps) / mean * 100,
-            "peak_alloc_spread_pct": (max(peaks) - min(peaks)) / statistics.fmean(peaks) * 100
-            if len(peaks) >= 2 else None,
-        })
+        rows.append(
+            {
+                "label": members[0][1].get("label", ""),
+                "n": len(tps),
+                "seeds": ", ".join(sorted({str(_get(r, "case", "seed")) for _, r in members})),
+                "runs": ", ".join(sorted({name for name, _ in members})),
+                "tokens_per_s_median": statistics.median(tps),
+                "tokens_per_s_ci_low": low,
+                "tokens_per_s_ci_high": high,
+                "ci_coverage_pct": cover * 100,
+                "tokens_per_s_min": min(tps),
+                "tokens_per_s_mean": mean,
+                "tokens_per_s_max": max(tps),
+                "spread_pct": (max(tps) - min(tps)) / mean * 100,
+                "cv_pct": statistics.stdev(tps) / mean * 100,
+                "peak_alloc_spread_pct": (max(peaks) - min(peaks)) / statistics.fmean(peaks) * 100
+                if len(peaks) >= 2
+                else None,
+            }
+        )
     return sorted(rows, key=lambda r: r["label"])
 
 
 # A reference implementation and the library strategies that do the same work; a peer of the
 # same name after the prefix (ref.tp / torch.tp) pairs without being listed.
 PEERS = {
-    "ref.ddp": ("deepspeed.zero0",), "ref.zero3": ("torch.fsdp2",), "ref.fsdp": ("torch.fsdp2",),
-    "ref.pp_1f1b": ("deepspeed.pp",), "ref.cp_ring": ("torch.cp",), "ref.cp_ulysses": ("deepspeed.ulysses",),
-    "ref.ep": ("deepspeed.moe",), "ref.ddp_fp16_compress": ("torch.ddp_fp16_hook",),
-    "ref.ddp_powersgd": ("torch.ddp_powersgd_hook",), "ref.ddp_onebit": ("deepspeed.onebit_adam",),
+    "ref.ddp": ("deepspeed.zero0",),
+    "ref.zero3": ("torch.fsdp2",),
+    "ref.fsdp": ("torch.fsdp2",),
+    "ref.pp_1f1b": ("deepspeed.pp",),
+    "ref.cp_ring": ("torch.cp",),
+    "ref.cp_ulysses": ("deepspeed.ulysses",),
+    "ref.ep": ("deepspeed.moe",),
+    "ref.ddp_fp16_compress": ("torch.ddp_fp16_hook",),
+    "ref.ddp_powersgd": ("torch.ddp_powersgd_hook",),
+    "ref.ddp_onebit": ("deepspeed.onebit_adam",),
 }
 RATIO_COLUMNS = [
-    ("shape", "case shape", "str"), ("reference", "reference", "str"), ("peer", "peer", "str"),
-    ("n_reference", "launches ref", "int"), ("n_peer", "launches peer", "int"),
-    ("ratio", "tok/s ratio ref/peer", "f3"), ("ratio_low", "interval low", "f3"), ("ratio_high", "interval high", "f3"),
+    ("shape", "case shape", "str"),
+    ("reference", "reference", "str"),
+    ("peer", "peer", "str"),
+    ("n_reference", "launches ref", "int"),
+    ("n_peer", "launches peer", "int"),
+    ("ratio", "tok/s ratio ref/peer", "f3"),
+    ("ratio_low", "interval low", "f3"),
+    ("ratio_high", "interval high", "f3"),
     ("coverage_pct", "coverage %", "f1"),
 ]
-RATIO_NOTE = ("Reference implementation over peer, tokens/s (ratio of their medians over launches), same case "
-              "shape and run, for pairs with at least two launches each. The interval is Moses' distribution-free "
-              "interval of the pairwise launch ratios, with the probability it covers the true ratio (3 launches "
-              "each: 90 %). An interval that holds 1 means the two are not told apart by these launches.")
+RATIO_NOTE = (
+    "Reference implementation over peer, tokens/s (ratio of their medians over launches), same case "
+    "shape and run, for pairs with at least two launches each. The interval is Moses' distribution-free "
+    "interval of the pairwise launch ratios, with the probability it covers the true ratio (3 launches "
+    "each: 90 %). An interval that holds 1 means the two are not told apart by these launches."
+)
 
 
 def is_peer(reference: str, peer: str) -> bool:
-    return reference.startswith("ref.") and not peer.startswith("ref.") and peer != "single" and (
-        peer.split(".", 1)[-1] == reference[4:] or peer in PEERS.get(reference, ()))
+    return (
+        reference.startswith("ref.")
+        and not peer.startswith("ref.")
+        and peer != "single"
+        and (peer.split(".", 1)[-1] == reference[4:] or peer in PEERS.get(reference, ()))
+    )
 
 
 def _shape(case: dict) -> str:
@@ -127,12 +163,21 @@ def ratio_rows(runs) -> list[dict]:
                     a, b = _tps_samples(ref), _tps_samples(peer)
                     est, low, high, cover = ratio_ci(a, b)
                     c = ref["case"]
-                    rows.append({"run": run_name(manifest),
-                                 "shape": f"{c.get('model')} w{c.get('world_size')} {c.get('precision')} "
-                                          f"mb{c.get('micro_batch')}",
-                                 "reference": c["strategy"], "peer": peer["case"]["strategy"],
-                                 "n_reference": len(a), "n_peer": len(b), "ratio": est, "ratio_low": low,
-                                 "ratio_high": high, "coverage_pct": cover * 100})
+                    rows.append(
+                        {
+                            "run": run_name(manifest),
+                            "shape": f"{c.get('model')} w{c.get('world_size')} {c.get('precision')} "
+                            f"mb{c.get('micro_batch')}",
+                            "reference": c["strategy"],
+                            "peer": peer["case"]["strategy"],
+                            "n_reference": len(a),
+                            "n_peer": len(b),
+                            "ratio": est,
+                            "ratio_low": low,
+                            "ratio_high": high,
+                            "coverage_pct": cover * 100,
+                        }
+                    )
     return sorted(rows, key=lambda r: (r["run"], r["shape"], r["reference"], r["peer"]))
 
 
@@ -140,10 +185,24 @@ def table_specs(runs, run_col=()) -> list[dict]:
     specs = []
     rows = spread_rows(runs)
     if rows:
-        specs.append({"id_": "spread-table", "title": "Run-to-run spread of repeated cases", "columns": COLUMNS,
-                      "rows": rows, "note": NOTE})
+        specs.append(
+            {
+                "id_": "spread-table",
+                "title": "Run-to-run spread of repeated cases",
+                "columns": COLUMNS,
+                "rows": rows,
+                "note": NOTE,
+            }
+        )
     ratios = ratio_rows(runs)
     if ratios:
-        specs.append({"id_": "ratio-table", "title": "Reference vs peer: tokens/s ratio with its interval",
-                      "columns": list(run_col) + RATIO_COLUMNS, "rows": ratios, "note": RATIO_NOTE})
+        specs.append(
+            {
+                "id_": "ratio-table",
+                "title": "Reference vs peer: tokens/s ratio with its interval",
+                "columns": list(run_col) + RATIO_COLUMNS,
+                "rows": ratios,
+                "note": RATIO_NOTE,
+            }
+        )
     return specs

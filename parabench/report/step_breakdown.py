@@ -20,24 +20,35 @@ TOP_NAMES = 3
 NAME_CHARS = 48
 
 COLUMNS = [
-    ("label", "case", "str"), ("source", "source", "str"), ("ranks", "ranks", "int"),
-    ("timed_step_ms", "timed step ms (median)", "f2"), ("step_ms", "profiled step ms", "f2"),
-    ("compute_ms", "compute ms", "f2"), ("compute_pct", "compute % of step", "f1"),
-    ("comm_ms", "comm ms", "f2"), ("exposed_ms", "exposed comm ms", "f2"),
-    ("exposed_pct", "exposed % of step", "f1"), ("exposed_ms_max", "exposed ms, worst rank", "f2"),
-    ("overlap_pct", "overlap % of comm", "f1"), ("idle_ms", "idle ms", "f2"), ("memcpy_ms", "memcpy ms", "f2"),
-    ("top_comm", "top communication (rank 0)", "str"), ("top_compute", "top compute kernels (rank 0)", "str"),
+    ("label", "case", "str"),
+    ("source", "source", "str"),
+    ("ranks", "ranks", "int"),
+    ("timed_step_ms", "timed step ms (median)", "f2"),
+    ("step_ms", "profiled step ms", "f2"),
+    ("compute_ms", "compute ms", "f2"),
+    ("compute_pct", "compute % of step", "f1"),
+    ("comm_ms", "comm ms", "f2"),
+    ("exposed_ms", "exposed comm ms", "f2"),
+    ("exposed_pct", "exposed % of step", "f1"),
+    ("exposed_ms_max", "exposed ms, worst rank", "f2"),
+    ("overlap_pct", "overlap % of comm", "f1"),
+    ("idle_ms", "idle ms", "f2"),
+    ("memcpy_ms", "memcpy ms", "f2"),
+    ("top_comm", "top communication (rank 0)", "str"),
+    ("top_compute", "top compute kernels (rank 0)", "str"),
 ]
 
-NOTE = ("One extra untimed step per case under torch.profiler, after the timed steps; mean over ranks. "
-        "Compute and communication are the lengths of the unions of their intervals; exposed communication "
-        "is communication time with no compute interval running; overlap = 1 − exposed / comm. "
-        "On GPUs the intervals are device kernels (NCCL kernels are communication, memcpy/memset their own "
-        "category, every other kernel compute; an NCCL kernel's time includes waiting for a late peer). "
-        "On CPUs they are operator events of every thread: gloo runs collectives on its own threads, so "
-        "'overlapped' means an operator ran on another thread meanwhile, on cores both share, and exposed "
-        "time includes Python between operators. Fractions are of the profiled step, which the profiler "
-        "lengthens; the timed median is the step time to quote.")
+NOTE = (
+    "One extra untimed step per case under torch.profiler, after the timed steps; mean over ranks. "
+    "Compute and communication are the lengths of the unions of their intervals; exposed communication "
+    "is communication time with no compute interval running; overlap = 1 − exposed / comm. "
+    "On GPUs the intervals are device kernels (NCCL kernels are communication, memcpy/memset their own "
+    "category, every other kernel compute; an NCCL kernel's time includes waiting for a late peer). "
+    "On CPUs they are operator events of every thread: gloo runs collectives on its own threads, so "
+    "'overlapped' means an operator ran on another thread meanwhile, on cores both share, and exposed "
+    "time includes Python between operators. Fractions are of the profiled step, which the profiler "
+    "lengthens; the timed median is the step time to quote."
+)
 
 
 def _mean(values: list) -> float | None:
@@ -51,7 +62,7 @@ def _ms(v):
 
 def _short(name: str) -> str:
     name = name.split("(")[0]  # kernel argument lists
-    return name if len(name) <= NAME_CHARS else name[:NAME_CHARS - 1] + "…"
+    return name if len(name) <= NAME_CHARS else name[: NAME_CHARS - 1] + "…"
 
 
 def breakdown_rows(runs) -> list[dict]:
@@ -74,30 +85,51 @@ def breakdown_rows(runs) -> list[dict]:
             sources = sorted({str(b.get("source")) for b in per_rank})
             top = _get(per_rank, 0, "top_comm") or []
             c = r.get("case") or {}
-            rows.append({
-                "_sort": (idx, str(c.get("model")), c.get("world_size") or 0, str(c.get("precision")),
-                          str(c.get("strategy")), r.get("label", "")),
-                "run": run, "label": r.get("label", ""), "model": str(c.get("model")),
-                "short": f"{c.get('strategy')} w{c.get('world_size')} {c.get('precision')}",
-                "source": ", ".join(SOURCE_TEXT.get(s, s) for s in sources), "ranks": len(per_rank),
-                "timed_step_ms": _ms(_num(_get(r, "metrics", "step_time_s_median"))),
-                "step_ms": _ms(step), "compute_ms": _ms(compute), "comm_ms": _ms(comm), "exposed_ms": _ms(exposed),
-                "exposed_ms_max": _ms(max(exposed_all)) if None not in exposed_all else None,
-                "idle_ms": _ms(idle), "memcpy_ms": _ms(mean("memcpy_s")),
-                "compute_pct": compute / step * 100 if compute is not None and step else None,
-                "exposed_pct": exposed / step * 100 if exposed is not None and step else None,
-                "overlap_pct": overlap * 100 if overlap is not None else None,
-                "top_comm": _top_text(top),
-                "top_compute": _top_text(_get(per_rank, 0, "top_compute") or []),
-                "warning": "; ".join(sorted({str(b["warning"]) for b in per_rank if b.get("warning")})),
-            })
+            rows.append(
+                {
+                    "_sort": (
+                        idx,
+                        str(c.get("model")),
+                        c.get("world_size") or 0,
+                        str(c.get("precision")),
+                        str(c.get("strategy")),
+                        r.get("label", ""),
+                    ),
+                    "run": run,
+                    "label": r.get("label", ""),
+                    "model": str(c.get("model")),
+                    "short": f"{c.get('strategy')} w{c.get('world_size')} {c.get('precision')}",
+                    "source": ", ".join(SOURCE_TEXT.get(s, s) for s in sources),
+                    "ranks": len(per_rank),
+                    "timed_step_ms": _ms(_num(_get(r, "metrics", "step_time_s_median"))),
+                    "step_ms": _ms(step),
+                    "compute_ms": _ms(compute),
+                    "comm_ms": _ms(comm),
+                    "exposed_ms": _ms(exposed),
+                    "exposed_ms_max": _ms(max(exposed_all)) if None not in exposed_all else None,
+                    "idle_ms": _ms(idle),
+                    "memcpy_ms": _ms(mean("memcpy_s")),
+                    "compute_pct": compute / step * 100 if compute is not None and step else None,
+                    "exposed_pct": exposed / step * 100 if exposed is not None and step else None,
+                    "overlap_pct": overlap * 100 if overlap is not None else None,
+                    "top_comm": _top_text(top),
+                    "top_compute": _top_text(_get(per_rank, 0, "top_compute") or []),
+                    "warning": "; ".join(sorted({str(b["warning"]) for b in per_rank if b.get("warning")})),
+                }
+            )
     rows.sort(key=lambda row: row["_sort"])
     return rows
 
 
 def _top_text(top: list) -> str:
-    return "; ".join(f"{_short(str(t.get('name')))} ×{t.get('calls')} {(_num(t.get('total_s')) or 0) * 1e3:.2f} ms"
-                     for t in top[:TOP_NAMES] if isinstance(t, dict)) or "–"
+    return (
+        "; ".join(
+            f"{_short(str(t.get('name')))} ×{t.get('calls')} {(_num(t.get('total_s')) or 0) * 1e3:.2f} ms"
+            for t in top[:TOP_NAMES]
+            if isinstance(t, dict)
+        )
+        or "–"
+    )
 
 
 def table_specs(runs, run_col: list) -> list[dict]:
@@ -110,14 +142,24 @@ def table_specs(runs, run_col: list) -> list[dict]:
     warned = sorted({f"{r['label']}: {r['warning']}" for r in rows if r["warning"]})
     if warned:
         note += " Warnings: " + " | ".join(warned) + "."
-    return [{"id_": "step-breakdown", "title": "Step-time breakdown: compute, communication, exposed communication",
-             "columns": run_col + COLUMNS, "rows": rows, "note": note}]
+    return [
+        {
+            "id_": "step-breakdown",
+            "title": "Step-time breakdown: compute, communication, exposed communication",
+            "columns": run_col + COLUMNS,
+            "rows": rows,
+            "note": note,
+        }
+    ]
 
 
 def figures(runs) -> list[dict]:
     """One stacked bar per case: compute, exposed communication and the rest, as % of the profiled step."""
-    rows = [r for r in breakdown_rows(runs) if None not in (r["step_ms"], r["compute_ms"], r["exposed_ms"])
-            and r["step_ms"] > 0]
+    rows = [
+        r
+        for r in breakdown_rows(runs)
+        if None not in (r["step_ms"], r["compute_ms"], r["exposed_ms"]) and r["step_ms"] > 0
+    ]
     if not rows:
         return []
     from parabench.report.figures import _fig, _setup, plt
@@ -141,7 +183,13 @@ def figures(runs) -> list[dict]:
     ax.set_xlim(0, 100)
     ax.set_xlabel("% of the profiled step (mean over ranks)")
     ax.legend(fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)
-    return [_fig("step-breakdown", "Step-time breakdown: compute, exposed communication, the rest",
-                 "One profiled step per case (torch.profiler, untimed). Blue: union of compute intervals; red: "
-                 "communication with no compute running; grey: neither (idle, launch gaps, Python, copies). "
-                 "Overlap: the share of communication hidden under compute. Source per case in the table.", fig)]
+    return [
+        _fig(
+            "step-breakdown",
+            "Step-time breakdown: compute, exposed communication, the rest",
+            "One profiled step per case (torch.profiler, untimed). Blue: union of compute intervals; red: "
+            "communication with no compute running; grey: neither (idle, launch gaps, Python, copies). "
+            "Overlap: the share of communication hidden under compute. Source per case in the table.",
+            fig,
+        )
+    ]

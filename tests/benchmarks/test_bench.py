@@ -48,11 +48,12 @@ def test_train_step_tiny_single(benchmark, world_of_one):
     from parabench.suite import Case
     from parabench.worker import local_batches, make_spec
 
-    case = Case(model="tiny", strategy="single", world_size=1, micro_batch=8, precision="fp32", steps=4, warmup=1,
-                device="cpu")
+    case = Case(
+        model="tiny", strategy="single", world_size=1, micro_batch=8, precision="fp32", steps=4, warmup=1, device="cpu"
+    )
     spec = make_spec(case, torch.device("cpu"))
     trainer = get_strategy("single").build(spec)
-    (x, y), = local_batches(case, spec, 1)
+    ((x, y),) = local_batches(case, spec, 1)
     loss = benchmark.pedantic(trainer.train_step, args=(x, y), rounds=20, warmup_rounds=3)
     trainer.close()
     assert float(loss) > 0
@@ -61,8 +62,9 @@ def test_train_step_tiny_single(benchmark, world_of_one):
 def test_report_tables_gpu_run(benchmark):
     from parabench.report.html import render_report
 
-    html = benchmark.pedantic(render_report, args=([GPU_RUN],), kwargs={"with_figures": False}, rounds=10,
-                              warmup_rounds=1)
+    html = benchmark.pedantic(
+        render_report, args=([GPU_RUN],), kwargs={"with_figures": False}, rounds=10, warmup_rounds=1
+    )
     assert "tbl-overview" in html
 
 
@@ -73,4 +75,3 @@ def test_compare_gpu_run(benchmark):
     run = load_run(GPU_RUN)
     res = benchmark.pedantic(compare_runs, args=(run, run), rounds=100, warmup_rounds=5)
     assert not res["regression"]
-
