@@ -14,8 +14,9 @@ import shlex
 import sys
 from pathlib import Path
 
+from parabench.case import Case
 from parabench.results import SchemaError, UnsafeNameError, check_path_component
-from parabench.suite import Case, Suite, SuiteError, list_suites, load_suite, validate_case
+from parabench.suite import Suite, SuiteError, list_suites, load_suite, validate_case
 
 DEFAULT_OUT = Path("results")
 
@@ -372,9 +373,9 @@ def cmd_compare(args) -> int:
 
 
 def cmd_env(args) -> int:
-    from parabench.results import _devices, _versions, recorded_env
+    from parabench.results import device_inventory, library_versions, recorded_env
 
-    print(json.dumps({"versions": _versions(), "devices": _devices(), "env": recorded_env()}, indent=1))
+    print(json.dumps({"versions": library_versions(), "devices": device_inventory(), "env": recorded_env()}, indent=1))
     return 0
 
 

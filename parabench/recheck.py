@@ -14,10 +14,10 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
+from parabench.case import Case, launch_key
 from parabench.record import checks_for, theory_for
-from parabench.results import _git, case_record_path, load_run, write_json_atomic
+from parabench.results import case_record_path, git_output, load_run, write_json_atomic
 from parabench.stats import launch_index
-from parabench.suite import Case, launch_key
 
 
 class StaleImplementation(ValueError):
@@ -41,7 +41,7 @@ def recheck_record(rec: dict) -> dict | None:
     previous = rec.get("theory_recheck", {}).get("original_checks", rec.get("checks", {}))
     new["theory_recheck"] = {
         "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "parabench_commit": _git("rev-parse", "HEAD"),
+        "parabench_commit": git_output("rev-parse", "HEAD"),
         "original_checks": {k: previous.get(k) for k in ("ok", "comm_ok", "state_ok")},
     }
     return new

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from parabench.results import SCHEMA_VERSION
 
 if TYPE_CHECKING:
-    from parabench.suite import Case
+    from parabench.case import Case
 
 # Every top-level key a case record may carry, in the order ``build_record`` writes them, with
 # its meaning. Keys marked "(ok)" are present only when the case ran (the worker returned).

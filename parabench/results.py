@@ -215,7 +215,7 @@ def load_json(path: str | os.PathLike) -> dict:
     return data
 
 
-def _git(*args: str) -> str | None:
+def git_output(*args: str) -> str | None:
     try:
         root = Path(__file__).resolve().parent.parent
         return subprocess.run(
@@ -225,7 +225,7 @@ def _git(*args: str) -> str | None:
         return None
 
 
-def _versions() -> dict:
+def library_versions() -> dict:
     import torch
 
     v = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
@@ -245,7 +245,7 @@ def _versions() -> dict:
     return v
 
 
-def _devices() -> list[dict]:
+def device_inventory() -> list[dict]:
     import torch
 
     if not torch.cuda.is_available():
@@ -268,11 +268,11 @@ def _git_identity(status: str | None) -> dict:
     named = os.environ.get("PARABENCH_GIT_COMMIT")
     if named:
         return {"commit": named, "dirty": None, "source": "PARABENCH_GIT_COMMIT"}
-    return {"commit": _git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
+    return {"commit": git_output("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
 
 
 def make_manifest(suite, run_id: str, argv: list[str] | None = None) -> dict:
-    status = _git("status", "--porcelain")
+    status = git_output("status", "--porcelain")
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": "manifest",
@@ -283,8 +283,8 @@ def make_manifest(suite, run_id: str, argv: list[str] | None = None) -> dict:
         "run_id": run_id,
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git": _git_identity(status),
-        "versions": _versions(),
-        "devices": _devices(),
+        "versions": library_versions(),
+        "devices": device_inventory(),
         "host": {"hostname": socket.gethostname(), "platform": platform.platform(), "cpu_count": os.cpu_count()},
         "env": recorded_env(),
         "argv": redact_argv(argv or []),

@@ -59,10 +59,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from parabench.case import Case
 from parabench.record import build_record
 from parabench.results import case_record_path, load_json, make_manifest, new_run_id, write_json_atomic
 from parabench.strategies import get_strategy
-from parabench.suite import Case, Suite
+from parabench.suite import Suite
 
 STATUSES = ("ok", "oom", "crashed", "timeout", "skipped", "error")
 

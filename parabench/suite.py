@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import math
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import tomllib
 
+from parabench.case import Case
 from parabench.models import MODEL_LADDER
 from parabench.results import UnsafeNameError, check_path_component
 from parabench.strategies import DP_PRECISIONS, STRATEGIES, get_strategy
@@ -48,89 +48,6 @@ SUITES_DIR = Path(__file__).resolve().parent.parent / "suites"
 
 class SuiteError(ValueError):
     """A suite that cannot run, with file, line and field in the message."""
-
-
-@dataclass(frozen=True)
-class Case:
-    """One measured training run. Everything that changes what is measured is in the hash."""
-
-    model: str
-    strategy: str
-    world_size: int
-    precision: str = "fp32"
-    micro_batch: int = 2
-    grad_accum: int = 1
-    seq_len: int | None = None
-    steps: int = 5
-    warmup: int = 1
-    seed: int = 1234
-    lr: float = 3e-4
-    device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when present)
-    options: dict = field(default_factory=dict, hash=False)
-    # Not part of the identity of the measurement:
-    timeout_s: float = 600.0
-    comm_meter: bool = True
-    # A torchrun launch of its own (no earlier case's allocator, caches or CUDA context): for
-    # A/B pairs whose difference is smaller than what a shared launch could leave behind.
-    own_launch: bool = False
-    # Separate torchrun launches of the same measurement (``parabench.stats``): each launch's
-    # median step time is one sample of the launch-to-launch variance the regression gate tests.
-    # ``repeat`` is which launch this is, set by the runner (not in suite files); the launches
-    # share the case hash, and each writes its own record (``record_key``).
-    repeats: int = 1
-    repeat: int = 0
-
-    IDENTITY_EXCLUDES = ("timeout_s", "own_launch", "repeats", "repeat")
-
-    def identity(self) -> dict:
-        d = asdict(self)
-        for k in self.IDENTITY_EXCLUDES:
-            d.pop(k)
-        d["strategy_version"] = get_strategy(self.strategy).version
-        return d
-
-    @property
-    def case_hash(self) -> str:
-        blob = json.dumps(self.identity(), sort_keys=True, default=str)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-    @property
-    def record_key(self) -> str:
-        """The name of this launch's record and scratch files (``launch_key``)."""
-        return launch_key(self.case_hash, self.repeat)
-
-    @property
-    def label(self) -> str:
-        opts = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
-        return (
-            f"{self.strategy} {self.model} w{self.world_size} {self.precision} mb{self.micro_batch}"
-            + (f" ga{self.grad_accum}" if self.grad_accum > 1 else "")
-            + (f" [{opts}]" if opts else "")
-        )
-
-    @property
-    def dp(self) -> int:
-        """The data-parallel degree: world size over the pipeline and tensor-parallel degrees."""
-        return Topology.check(self.world_size, self.options.get("pp", 1), self.options.get("tp", 1))
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch * self.grad_accum * self.dp
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Case":
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
-
-
-def launch_key(case_hash: str, repeat: int = 0) -> str:
-    """``<hash>`` for a case's first launch, ``<hash>.r<k>`` for launch k >= 1: a run of repeats = 1
-    keeps the layout every earlier run has (``cases/<hash>.json``), and raising repeats on
-    ``--resume`` adds launches beside the one already recorded."""
-    return case_hash if not repeat else f"{case_hash}.r{repeat}"
 
 
 CASE_FIELDS = {f.name: f for f in fields(Case) if f.name != "repeat"}  # what suite files may set

@@ -34,6 +34,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from parabench.case import Case
 from parabench.distributed import init_process_group, pick_device, synchronize
 from parabench.hardware import device_name, measured_matmul_flops, peak_flops
 from parabench.meters import flight_recorder, memory, telemetry
@@ -41,7 +42,6 @@ from parabench.meters.comm import CommMeter
 from parabench.models import global_batch, model_config
 from parabench.results import write_json_atomic
 from parabench.strategies import OptimConfig, TrainSpec, get_strategy
-from parabench.suite import Case
 from parabench.topology import build_topology
 
 # What the CUDA caching allocator holds between cases of one launch, from cuBLAS workspaces and the

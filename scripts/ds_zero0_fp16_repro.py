@@ -20,11 +20,11 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch
 
+from parabench.case import Case
 from parabench.distributed import run_on_gloo
 from parabench.meters.comm import CommMeter
 from parabench.models import global_batch, model_config
 from parabench.strategies import OptimConfig, TrainSpec, get_strategy
-from parabench.suite import Case
 from parabench.topology import Topology, build_topology
 from parabench.worker import local_batches
 

@@ -18,9 +18,9 @@ import json
 
 import torch
 
+from parabench.case import Case
 from parabench.distributed import run_on_gloo
 from parabench.models import MODEL_LADDER, GPTConfig
-from parabench.suite import Case
 
 MiB = 1 << 20
 

@@ -16,11 +16,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from parabench.case import Case
 from parabench.distributed import run_on_gloo
 from parabench.meters.comm import CommMeter
 from parabench.models import global_batch, model_config
 from parabench.strategies import OptimConfig, TrainSpec, get_strategy
-from parabench.suite import Case
 from parabench.topology import Topology
 from parabench.worker import local_batches, make_spec
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch.distributed as dist
 from harness import max_rel_diff, params_close, train_rank  # noqa: F401  (re-exported for the tests)
 
+from parabench.case import Case
 from parabench.distributed import run_on_gloo
-from parabench.suite import Case
 
 
 def _train(case_dict: dict, n_steps: int, want_params: bool):

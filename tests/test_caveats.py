@@ -6,10 +6,11 @@ from __future__ import annotations
 def test_caveat_reaches_the_record_and_the_report(tmp_path):
     """A strategy's known behaviour (here DeepSpeed stage 0's unscaled fp16 loss) is written into
     the records of that precision only and shown in the report."""
+    from parabench.case import Case
     from parabench.record import build_record
     from parabench.report.html import render_report
     from parabench.results import make_manifest, write_json_atomic
-    from parabench.suite import Case, load_suite
+    from parabench.suite import load_suite
 
     fp16 = build_record(Case(model="tiny", strategy="deepspeed.zero0", world_size=2, precision="fp16"), "skipped")
     bf16 = build_record(Case(model="tiny", strategy="deepspeed.zero0", world_size=2, precision="bf16"), "skipped")

@@ -27,9 +27,9 @@ import pytest
 import torch
 from harness import payload_by_kind, replica_mean_losses, run_cases
 
+from parabench.case import Case
 from parabench.distributed import run_on_gloo
 from parabench.models import model_config
-from parabench.suite import Case
 from parabench.theory import expected
 
 N_STEPS = 20

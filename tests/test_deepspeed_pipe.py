@@ -13,8 +13,9 @@ import dataclasses
 import pytest
 from harness import assert_matches_single, max_rel_diff, payload_by_kind, run_cases
 
+from parabench.case import Case
 from parabench.models import model_config
-from parabench.suite import Case, SuiteError, validate_case
+from parabench.suite import SuiteError, validate_case
 from parabench.theory import expected
 
 N_STEPS = 5

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from parabench.case import Case
 from parabench.runner import (
     _classify,
     clear_stale_extension_locks,
@@ -20,7 +21,6 @@ from parabench.runner import (
     out_of_space,
     process_start_ticks,
 )
-from parabench.suite import Case
 
 ROOT = Path(__file__).resolve().parent.parent
 

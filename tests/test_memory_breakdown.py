@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from parabench.case import Case
 from parabench.distributed import run_on_gloo
-from parabench.suite import Case
 
 BUCKET_MB = 0.125
 

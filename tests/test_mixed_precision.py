@@ -35,8 +35,8 @@ import pytest
 import torch
 from harness import replica_mean_losses, run_cases, single_truth
 
+from parabench.case import Case
 from parabench.metrics import loss_deviation, loss_scale_summary
-from parabench.suite import Case
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 

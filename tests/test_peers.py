@@ -6,7 +6,7 @@ import os
 import pytest
 from helpers import max_rel_diff, params_close, single_reference, train
 
-from parabench.suite import Case
+from parabench.case import Case
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 PEERS = ["torch.ddp", "torch.fsdp2", "deepspeed.zero0", "deepspeed.zero1", "deepspeed.zero2", "deepspeed.zero3"]

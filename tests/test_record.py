@@ -9,10 +9,10 @@ from typing import get_type_hints
 
 import pytest
 
+from parabench.case import Case
 from parabench.cli import main
 from parabench.record import RECORD_KEYS, CaseRecord, build_record, pipeline_stages
 from parabench.results import SCHEMA_VERSION, SchemaError, load_run
-from parabench.suite import Case
 
 ROOT = Path(__file__).resolve().parent.parent
 PP_RUN = ROOT / "results" / "pp-profile-gpu" / "20261126-085905"

@@ -17,11 +17,12 @@ import pytest
 import torch
 from harness import assert_matches_single, max_rel_diff, params_close, payload_by_kind, replica_mean_losses, run_cases
 
+from parabench.case import Case
 from parabench.families.context import cp_ops
 from parabench.families.expert import ep_ops
 from parabench.models import GPT, build_model, model_config, model_flops_per_token, parameter_count
 from parabench.strategies import TrainSpec, get_strategy
-from parabench.suite import Case, SuiteError, validate_case
+from parabench.suite import SuiteError, validate_case
 from parabench.theory import expected, sum_ops
 from parabench.topology import Topology
 

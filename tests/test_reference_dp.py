@@ -30,8 +30,8 @@ from harness import (
     single_truth,
 )
 
+from parabench.case import Case
 from parabench.models import model_config, parameter_count
-from parabench.suite import Case
 from parabench.theory import expected
 
 N_STEPS = 5

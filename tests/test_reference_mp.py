@@ -26,10 +26,11 @@ import torch
 from harness import assert_matches_single, max_rel_diff, params_close, payload_by_kind, replica_mean_losses, run_cases
 from helpers import single_reference
 
+from parabench.case import Case
 from parabench.distributed import run_on_gloo
 from parabench.models import model_config
 from parabench.strategies import get_strategy
-from parabench.suite import Case, SuiteError, validate_case
+from parabench.suite import SuiteError, validate_case
 from parabench.theory import expected
 from parabench.worker import local_batches, make_spec
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from parabench.case import Case, launch_key
 from parabench.cli import main as cli_main
 from parabench.compare import compare_metric, compare_runs
 from parabench.record import build_record
@@ -21,7 +22,7 @@ from parabench.report.html import render_report
 from parabench.report.spread import ratio_rows, spread_rows
 from parabench.results import load_run
 from parabench.stats import combine_launches, mann_whitney_greater, median_ci, ratio_ci, smallest_p
-from parabench.suite import Case, SuiteError, launch_key, load_suite
+from parabench.suite import SuiteError, load_suite
 from parabench.worker import debug_slowdown
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -191,9 +191,9 @@ def test_manifest_names_the_commit_the_device_copy_was_sent_from(monkeypatch):
 def test_a_hung_collective_is_recorded_as_a_timeout_naming_it(tmp_path):
     """NCCL's watchdog (its timeout is shorter than the case's) or gloo's waiting call names the
     collective that never completed; the record says hang, not crash, whatever killed the ranks."""
+    from parabench.case import Case
     from parabench.results import write_json_atomic
     from parabench.runner import _classify
-    from parabench.suite import Case
 
     case = Case(model="tiny", strategy="ref.ep", world_size=2)
     nccl = (

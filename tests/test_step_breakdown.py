@@ -18,9 +18,9 @@ import math
 import pytest
 import torch
 
+from parabench.case import Case
 from parabench.distributed import run_on_gloo
 from parabench.meters.step_breakdown import STEP_MARK, Span, _kind, breakdown, clip, length, merge, subtract
-from parabench.suite import Case
 
 # --- interval arithmetic --------------------------------------------------------------------------
 

@@ -5,8 +5,9 @@ import textwrap
 
 import pytest
 
+from parabench.case import Case
 from parabench.results import SCHEMA_VERSION, SchemaError, load_json, write_json_atomic
-from parabench.suite import Case, SuiteError, list_suites, load_suite, validate_case
+from parabench.suite import SuiteError, list_suites, load_suite, validate_case
 
 
 def write(tmp_path, body, name="s.toml"):

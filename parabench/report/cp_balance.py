@@ -16,7 +16,7 @@ real 2- and 4-rank runs.
 
 from __future__ import annotations
 
-from parabench.report.frames import _get, _num, records_of
+from parabench.report.frames import as_number, dig, records_of
 
 SPLIT_ORDER = ("contiguous", "zigzag")  # contiguous first: the imbalanced row above its remedy
 
@@ -63,7 +63,7 @@ def analytic_flops_per_rank(cp: int, split: str, config: dict, micro_batch: int,
     pair (QKᵀ and PV, 2 FLOPs per multiply-add), summed over layers and micro-batches;
     b = micro_batch x grad_accum x cp samples a step (the cp group all-gathers its ranks' samples),
     c = seq_len / number of chunks, a·d = d_model."""
-    layers, d_model, seq_len = (_num(config.get(k)) for k in ("n_layers", "d_model", "seq_len"))
+    layers, d_model, seq_len = (as_number(config.get(k)) for k in ("n_layers", "d_model", "seq_len"))
     if None in (layers, d_model, seq_len) or not all(isinstance(n, int) for n in (micro_batch, grad_accum)):
         return None
     n_chunks = cp * len(chunks_held(0, cp, split))
@@ -77,7 +77,7 @@ def analytic_flops_per_rank(cp: int, split: str, config: dict, micro_batch: int,
 def _clock(record: dict, stats: dict) -> tuple[str, bool]:
     """How the compute time was taken, and whether it measures compute at all."""
     clock = stats.get("attn_compute_clock")
-    on_cuda = _get(record, "device", "type") == "cuda"
+    on_cuda = dig(record, "device", "type") == "cuda"
     if clock == "cuda_event":
         return "CUDA events", True
     if on_cuda:  # before the marker existed every record used the host clock: launch time only
@@ -86,7 +86,7 @@ def _clock(record: dict, stats: dict) -> tuple[str, bool]:
 
 
 def _ratio(values: list) -> float | None:
-    nums = [v for v in values if _num(v) is not None]
+    nums = [v for v in values if as_number(v) is not None]
     if len(nums) != len(values) or not nums or sum(nums) <= 0:
         return None
     return max(nums) / (sum(nums) / len(nums))
@@ -99,12 +99,12 @@ def balance_rows(runs) -> tuple[list[dict], list[dict], list[str]]:
         c = r.get("case") or {}
         split = str((c.get("options") or {}).get("cp_split", "zigzag"))
         cp = c.get("world_size")
-        seq_len = c.get("seq_len") or _get(r, "model", "config", "seq_len")
+        seq_len = c.get("seq_len") or dig(r, "model", "config", "seq_len")
         stats = [pr.get("strategy_stats") or {} for pr in r.get("per_rank") or []]
         known = isinstance(cp, int) and split in SPLIT_ORDER
         analytic = (
             analytic_flops_per_rank(
-                cp, split, _get(r, "model", "config") or {}, c.get("micro_batch"), c.get("grad_accum", 1)
+                cp, split, dig(r, "model", "config") or {}, c.get("micro_batch"), c.get("grad_accum", 1)
             )
             if known
             else None
@@ -132,9 +132,11 @@ def balance_rows(runs) -> tuple[list[dict], list[dict], list[str]]:
                 "group": group,
                 "split": split,
                 "status": r.get("status", "?"),
-                "tokens_per_s": _num(_get(r, "metrics", "tokens_per_s")),
-                "step_time_ms": (_num(_get(r, "metrics", "step_time_s_median")) or 0) * 1e3 or None,
-                "max_rank_flops_G": max(flops) / 1e9 if stats and all(_num(f) is not None for f in flops) else None,
+                "tokens_per_s": as_number(dig(r, "metrics", "tokens_per_s")),
+                "step_time_ms": (as_number(dig(r, "metrics", "step_time_s_median")) or 0) * 1e3 or None,
+                "max_rank_flops_G": max(flops) / 1e9
+                if stats and all(as_number(f) is not None for f in flops)
+                else None,
                 "flops_ratio": _ratio(flops) if stats else None,
                 "flops_ratio_analytic": analytic_imbalance(cp, split) if known else None,
                 "useful_ratio_analytic": analytic_imbalance(cp, split, masked_half_skipped=True) if known else None,
@@ -144,10 +146,10 @@ def balance_rows(runs) -> tuple[list[dict], list[dict], list[str]]:
                 "time_trusted": trusted,
             }
         )
-        mean_flops = sum(flops) / len(flops) if stats and all(_num(f) is not None for f in flops) else None
-        mean_time = sum(times) / len(times) if stats and all(_num(t) is not None for t in times) else None
+        mean_flops = sum(flops) / len(flops) if stats and all(as_number(f) is not None for f in flops) else None
+        mean_time = sum(times) / len(times) if stats and all(as_number(t) is not None for t in times) else None
         for rank, s in enumerate(stats):
-            f, t = _num(s.get("attn_flops_fwd")), _num(s.get("attn_compute_s_fwd"))
+            f, t = as_number(s.get("attn_flops_fwd")), as_number(s.get("attn_compute_s_fwd"))
             ranks.append(
                 {
                     "_sort": sort_key + (rank,),

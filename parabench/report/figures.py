@@ -23,7 +23,7 @@ DPI = 80
 MAX_COLS = 3
 
 
-def _setup():
+def setup_style():
     sns.set_theme(style="whitegrid", context="notebook", font_scale=0.9)
     plt.rcParams["text.parse_math"] = False
     plt.rcParams["axes.titlesize"] = "medium"
@@ -51,7 +51,7 @@ def _png(fig) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def _fig(id_, title, caption, fig) -> dict:
+def figure_entry(id_, title, caption, fig) -> dict:
     return {"id": id_, "title": title, "caption": caption, "src": _png(fig)}
 
 
@@ -111,7 +111,7 @@ def throughput(ok: pd.DataFrame) -> list[dict]:
         ax.set_title(f"{model}")
         ax.set_ylabel("")
     return [
-        _fig(
+        figure_entry(
             "throughput",
             "Tokens/s per device (higher is better)",
             "Bar: median over timed steps; whisker: 10th to 90th percentile of the per-step rate.",
@@ -151,7 +151,9 @@ def scaling(ok: pd.DataFrame) -> list[dict]:
         ax.set_ylabel("tokens/s (global)")
         ax.set_title(model)
     return [
-        _fig("scaling", "Scaling across device counts", "Dashed: linear scaling from the best one-device run.", fig)
+        figure_entry(
+            "scaling", "Scaling across device counts", "Dashed: linear scaling from the best one-device run.", fig
+        )
     ]
 
 
@@ -173,7 +175,7 @@ def memory(ok: pd.DataFrame) -> list[dict]:
         ax.set_xlabel("parameters")
         ax.set_ylabel("MiB per rank")
         figs.append(
-            _fig(
+            figure_entry(
                 "memory-vs-size",
                 "Peak memory per rank against model size",
                 "Solid: measured peak per rank; dashed: analytic model-state bytes (the strategy's layout, "
@@ -218,7 +220,7 @@ def memory(ok: pd.DataFrame) -> list[dict]:
     if axes[0].get_legend():
         sns.move_legend(axes[0], "lower center", bbox_to_anchor=(0.5, 1.06), ncol=2, title=None, fontsize=8)
     figs.append(
-        _fig(
+        figure_entry(
             "memory",
             "Memory per rank: measured peak, model state, analytic",
             "Peak is the CUDA allocator's on GPUs and the resident set on CPUs (which includes the "
@@ -249,7 +251,7 @@ def efficiency(ok: pd.DataFrame) -> list[dict]:
         ax.set_xlabel("%")
     if col == "mfu_pct":
         return [
-            _fig(
+            figure_entry(
                 "mfu",
                 "Model FLOPs utilisation (% of dense peak)",
                 "Model FLOPs per token 6N + 12·L·s·d (PaLM app. B) over the device's dense peak.",
@@ -257,7 +259,7 @@ def efficiency(ok: pd.DataFrame) -> list[dict]:
             )
         ]
     return [
-        _fig(
+        figure_entry(
             "mfu",
             "Achieved model FLOP/s as % of a measured matmul rate",
             "No dense peak is known for this device (CPU), so no MFU: the fraction of a matmul rate "
@@ -302,7 +304,7 @@ def communication(comm_rows: list[dict]) -> list[dict]:
         ax.set_ylabel("")
         ax.set_xlabel("payload MiB per step, rank 0")
     return [
-        _fig(
+        figure_entry(
             "comm",
             "Communication per step: measured vs theory, by kind",
             "Payload bytes seen at the c10d dispatcher on one instrumented step, against the analytic "
@@ -341,7 +343,7 @@ def losses(ok: pd.DataFrame) -> list[dict]:
         ax.set_title(model)
         ax.legend(fontsize=6, ncol=2)
     return [
-        _fig(
+        figure_entry(
             "losses",
             "Loss curves",
             "Every step's loss (warm-up, timed and instrumented steps), mean over data-parallel replicas. "
@@ -363,7 +365,7 @@ def loss_scale(points: list[dict]) -> list[dict]:
         ax.legend(fontsize=7)
     ax.set_yscale("log", base=2)
     ax.set_ylabel("loss scale")
-    return [_fig("loss-scale", "Dynamic loss scale", "Red crosses: steps skipped on inf/nan gradients.", fig)]
+    return [figure_entry("loss-scale", "Dynamic loss scale", "Red crosses: steps skipped on inf/nan gradients.", fig)]
 
 
 def pipeline(ok: pd.DataFrame) -> list[dict]:
@@ -390,7 +392,7 @@ def pipeline(ok: pd.DataFrame) -> list[dict]:
     )
     ax.set_ylabel("")
     return [
-        _fig(
+        figure_entry(
             "pipeline",
             "Pipeline bubble per stage: measured vs theory",
             "Measured: the stage's idle (waiting) share of the step; theory: (p−1)/(m+p−1).",
@@ -426,7 +428,7 @@ def collectives(rows: list[dict]) -> list[dict]:
         ax.set_ylabel("bus bandwidth GB/s")
         ax.legend(fontsize=7)
     return [
-        _fig(
+        figure_entry(
             "collectives",
             "Collectives: bus bandwidth against message size",
             "busbw = algbw × 2(n−1)/n for all-reduce, × (n−1)/n for all-gather and reduce-scatter (nccl-tests).",
@@ -436,7 +438,7 @@ def collectives(rows: list[dict]) -> list[dict]:
 
 
 def all_figures(rows: list[dict], comm_rows: list[dict], coll_rows: list[dict], ls_points: list[dict]) -> list[dict]:
-    _setup()
+    setup_style()
     figs = []
     df = pd.DataFrame(rows)
     ok = df[df.status == "ok"] if not df.empty else df

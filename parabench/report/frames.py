@@ -14,7 +14,7 @@ from parabench.record import byte_high, pipeline_stages, rank0_comm, theory_stat
 MiB = 2**20
 
 
-def _get(d, *keys, default=None):
+def dig(d, *keys, default=None):
     for k in keys:
         if isinstance(d, dict):
             d = d.get(k)
@@ -31,7 +31,7 @@ def _mib(v):
     return v / MiB if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else None
 
 
-def _num(v):
+def as_number(v):
     return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
@@ -44,14 +44,14 @@ def records_of(runs, strategies):
     """``(run index, run name, record)`` of every record whose case's strategy is in ``strategies``."""
     for idx, (manifest, records) in enumerate(runs):
         for r in records:
-            if _get(r, "case", "strategy") in strategies:
+            if dig(r, "case", "strategy") in strategies:
                 yield idx, run_name(manifest), r
 
 
 def _bytes_text(v):
     """A byte figure or a [low, high] range (``record.byte_high``) as text."""
     if isinstance(v, list):
-        return " – ".join(f"{x:,}" if _num(x) is not None else "?" for x in v)
+        return " – ".join(f"{x:,}" if as_number(x) is not None else "?" for x in v)
     return v
 
 
@@ -67,9 +67,9 @@ def case_rows(runs) -> list[dict]:
             m = r.get("metrics") or {}
             c = r.get("case") or {}
             comm_pb = (rank0_comm(r) or {}).get("payload_bytes")
-            theory_comm = _get(r, "theory", "comm_payload_bytes")
-            peak = _num(m.get("peak_alloc_bytes")) or _num(m.get("peak_rss_bytes"))
-            mfu, roof = _num(m.get("mfu")), _num(m.get("roofline_fraction"))
+            theory_comm = dig(r, "theory", "comm_payload_bytes")
+            peak = as_number(m.get("peak_alloc_bytes")) or as_number(m.get("peak_rss_bytes"))
+            mfu, roof = as_number(m.get("mfu")), as_number(m.get("roofline_fraction"))
             err = r.get("error") or {}
             rows.append(
                 {
@@ -80,20 +80,20 @@ def case_rows(runs) -> list[dict]:
                     "status": r.get("status", "?"),
                     "strategy": str(c.get("strategy")),
                     "model": str(c.get("model")),
-                    "params": _num(_get(r, "model", "params", "total")),
+                    "params": as_number(dig(r, "model", "params", "total")),
                     "world_size": c.get("world_size"),
                     "precision": str(c.get("precision")),
                     "micro_batch": c.get("micro_batch"),
                     "grad_accum": c.get("grad_accum"),
-                    "device": _get(r, "device", "name"),
+                    "device": dig(r, "device", "name"),
                     "short": short_case(r),
-                    "tokens_per_s_per_device": _num(m.get("tokens_per_s_per_device")),
-                    "tokens_per_s": _num(m.get("tokens_per_s")),
-                    "tokens_per_step": _num(m.get("tokens_per_step")),
+                    "tokens_per_s_per_device": as_number(m.get("tokens_per_s_per_device")),
+                    "tokens_per_s": as_number(m.get("tokens_per_s")),
+                    "tokens_per_step": as_number(m.get("tokens_per_step")),
                     **launch_columns(r),
-                    "step_time_ms_median": _num(m.get("step_time_s_median")) and m["step_time_s_median"] * 1e3,
-                    "step_time_ms_p10": _num(m.get("step_time_s_p10")) and m["step_time_s_p10"] * 1e3,
-                    "step_time_ms_p90": _num(m.get("step_time_s_p90")) and m["step_time_s_p90"] * 1e3,
+                    "step_time_ms_median": as_number(m.get("step_time_s_median")) and m["step_time_s_median"] * 1e3,
+                    "step_time_ms_p10": as_number(m.get("step_time_s_p10")) and m["step_time_s_p10"] * 1e3,
+                    "step_time_ms_p90": as_number(m.get("step_time_s_p90")) and m["step_time_s_p90"] * 1e3,
                     "step_times_s": m.get("step_times_s"),
                     "mfu_pct": mfu * 100 if mfu is not None else None,
                     "roofline_pct": roof * 100 if roof is not None else None,
@@ -105,14 +105,14 @@ def case_rows(runs) -> list[dict]:
                     "peak_rss_MiB": _mib(m.get("peak_rss_bytes")),
                     "model_state_MiB": _mib(m.get("model_state_bytes_max")),
                     "theory_state_MiB": _mib(theory_state_total(r)),
-                    "paper_state_MiB": _mib(_get(r, "theory", "paper_state_bytes")),
+                    "paper_state_MiB": _mib(dig(r, "theory", "paper_state_bytes")),
                     "comm_MiB": _mib(comm_pb),
                     "theory_comm_MiB": _mib(sum(byte_high(v) or 0 for v in theory_comm.values()))
                     if theory_comm is not None
                     else None,
-                    "comm_check": _get(r, "checks", "comm_ok"),
-                    "state_check": _get(r, "checks", "state_ok"),
-                    "final_loss": _num(m.get("final_loss")),
+                    "comm_check": dig(r, "checks", "comm_ok"),
+                    "state_check": dig(r, "checks", "state_ok"),
+                    "final_loss": as_number(m.get("final_loss")),
                     "losses": m.get("losses"),
                     "error": err.get("message"),
                     "error_type": err.get("type"),
@@ -131,13 +131,13 @@ def launch_columns(r: dict) -> dict:
     from ``launch_stats`` (``parabench.stats.combine_launches``); None where absent."""
     stats = r.get("launch_stats") or {}
     tps = stats.get("tokens_per_s_per_device") or {}
-    low, high, cover = _num(tps.get("ci_low")), _num(tps.get("ci_high")), _num(tps.get("ci_coverage"))
+    low, high, cover = as_number(tps.get("ci_low")), as_number(tps.get("ci_high")), as_number(tps.get("ci_coverage"))
     interval = (
         f"{low:,.0f} – {high:,.0f} ({cover:.0%})"
         if low is not None and high is not None and cover is not None and (stats.get("n") or 0) >= 2
         else None
     )
-    cv = _num(tps.get("cv"))
+    cv = as_number(tps.get("cv"))
     return {
         "launches": stats.get("n"),
         "tps_device_interval": interval,
@@ -163,7 +163,7 @@ def pipeline_rows(r: dict) -> list[dict]:
     """Per pipeline stage, measured vs theoretical bubble (``record.pipeline_stages``)."""
     out = []
     for rank, p in pipeline_stages(r):
-        meas, theo = _num(p.get("bubble_fraction_measured")), _num(p.get("bubble_fraction_theory"))
+        meas, theo = as_number(p.get("bubble_fraction_measured")), as_number(p.get("bubble_fraction_theory"))
         if meas is None and theo is None:
             continue
         out.append(
@@ -184,7 +184,7 @@ def comm_check_rows(runs) -> list[dict]:
     rows = []
     for manifest, records in runs:
         for r in records:
-            checks = _get(r, "checks", "comm")
+            checks = dig(r, "checks", "comm")
             by_kind = (rank0_comm(r) or {}).get("by_kind") or {}
             if not checks:
                 continue
@@ -195,14 +195,14 @@ def comm_check_rows(runs) -> list[dict]:
                         "run": run_name(manifest),
                         "label": r.get("label", ""),
                         "short": short_case(r),
-                        "model": _get(r, "case", "model"),
+                        "model": dig(r, "case", "model"),
                         "kind": kind,
                         "expected_MiB": _mib(byte_high(c.get("expected_bytes"))),
                         "measured_MiB": _mib(byte_high(c.get("measured_bytes"))),
                         "expected_range": isinstance(c.get("expected_bytes"), list),
                         "expected_bytes": _bytes_text(c.get("expected_bytes")),
                         "measured_bytes": _bytes_text(c.get("measured_bytes")),
-                        "ratio": _num(c.get("ratio")),
+                        "ratio": as_number(c.get("ratio")),
                         "ok": c.get("ok"),
                         "calls": k.get("calls"),
                         "dtypes": ", ".join(map(str, k.get("dtypes") or [])),
@@ -214,7 +214,7 @@ def comm_check_rows(runs) -> list[dict]:
 
 
 def theory_source(r: dict) -> str:
-    routed = " + recorded routing" if _get(r, "theory", "comm_exact_from") else ""
+    routed = " + recorded routing" if dig(r, "theory", "comm_exact_from") else ""
     recheck = r.get("theory_recheck")
     if recheck is None:
         return "run" + routed
@@ -242,7 +242,7 @@ def collectives_rows(run_dirs: list[Path]) -> tuple[list[dict], list[dict]]:
                     "file": f"{Path(d).name}/{p.name}",
                     "world_size": world,
                     "backend": data.get("backend"),
-                    "device": _get(data, "device", "name"),
+                    "device": dig(data, "device", "name"),
                     "ok": data.get("ok"),
                     "failures": data.get("failures") or [],
                     "wall_s": data.get("wall_s"),
@@ -258,10 +258,10 @@ def collectives_rows(run_dirs: list[Path]) -> tuple[list[dict], list[dict]]:
                         "backend": data.get("backend"),
                         "op": str(row.get("op")),
                         "algorithm": str(row.get("algorithm")),
-                        "bytes": _num(row.get("bytes")),
-                        "time_us": (_num(row.get("time_s_median")) or 0) * 1e6 or None,
-                        "algbw_GBps": _num(row.get("algbw_GBps")),
-                        "busbw_GBps": _num(row.get("busbw_GBps")),
+                        "bytes": as_number(row.get("bytes")),
+                        "time_us": (as_number(row.get("time_s_median")) or 0) * 1e6 or None,
+                        "algbw_GBps": as_number(row.get("algbw_GBps")),
+                        "busbw_GBps": as_number(row.get("busbw_GBps")),
                         "correct": row.get("correct"),
                         "skipped": row.get("skipped"),
                     }
@@ -314,7 +314,7 @@ def loss_scale_points(rows: list[dict]) -> list[dict]:
     pts = []
     for r in rows:
         for step, e in enumerate(r.get("loss_scale") or []):
-            if _num(e.get("scale")):
+            if as_number(e.get("scale")):
                 pts.append(
                     {
                         "case": r["short"],

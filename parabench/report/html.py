@@ -262,19 +262,19 @@ def _env_summary(manifests: list[dict]) -> dict:
         (
             "git",
             lambda m: (
-                f"{(frames._get(m, 'git', 'commit') or '?')[:12]}"
-                + (" (dirty)" if frames._get(m, "git", "dirty") else "")
+                f"{(frames.dig(m, 'git', 'commit') or '?')[:12]}"
+                + (" (dirty)" if frames.dig(m, "git", "dirty") else "")
             ),
         ),
         ("devices", dev),
-        ("host", lambda m: frames._get(m, "host", "hostname")),
-        ("platform", lambda m: frames._get(m, "host", "platform")),
-        ("python", lambda m: frames._get(m, "versions", "python")),
-        ("torch", lambda m: frames._get(m, "versions", "torch")),
-        ("CUDA", lambda m: frames._get(m, "versions", "cuda")),
-        ("NCCL", lambda m: frames._get(m, "versions", "nccl")),
-        ("DeepSpeed", lambda m: frames._get(m, "versions", "deepspeed")),
-        ("parabench", lambda m: frames._get(m, "versions", "parabench")),
+        ("host", lambda m: frames.dig(m, "host", "hostname")),
+        ("platform", lambda m: frames.dig(m, "host", "platform")),
+        ("python", lambda m: frames.dig(m, "versions", "python")),
+        ("torch", lambda m: frames.dig(m, "versions", "torch")),
+        ("CUDA", lambda m: frames.dig(m, "versions", "cuda")),
+        ("NCCL", lambda m: frames.dig(m, "versions", "nccl")),
+        ("DeepSpeed", lambda m: frames.dig(m, "versions", "deepspeed")),
+        ("parabench", lambda m: frames.dig(m, "versions", "parabench")),
         ("cases", lambda m: m.get("n_cases")),
     ]
     env_keys = sorted({k for m in manifests for k in (m.get("env") or {})})

@@ -21,7 +21,7 @@ a layer does no expert work there ("starved").
 
 from __future__ import annotations
 
-from parabench.report.frames import MiB, _get, _num, records_of
+from parabench.report.frames import MiB, as_number, dig, records_of
 
 MOE_STRATEGIES = ("ref.ep", "deepspeed.moe")
 COLLAPSE_FRACTION = 0.9  # max/mean at or above this share of E/top_k counts as collapsed
@@ -87,7 +87,7 @@ COLLAPSE_NOTE = (
 
 
 def _ints(v) -> list[int] | None:
-    return [int(x) for x in v] if isinstance(v, list) and v and all(_num(x) is not None for x in v) else None
+    return [int(x) for x in v] if isinstance(v, list) and v and all(as_number(x) is not None for x in v) else None
 
 
 def layer_stats(per_rank_stats: list[dict], n_experts: int | None, top_k: int | None) -> list[dict]:
@@ -98,7 +98,7 @@ def layer_stats(per_rank_stats: list[dict], n_experts: int | None, top_k: int | 
         for name, st in (s.get("moe_layers") or {}).items():
             if isinstance(st, dict):
                 layers.setdefault(str(name), []).append(st)
-    ep = _num(_get(per_rank_stats, 0, "ep")) or len(per_rank_stats)
+    ep = as_number(dig(per_rank_stats, 0, "ep")) or len(per_rank_stats)
     out = []
     for name in sorted(layers, key=lambda n: (not n.isdigit(), int(n) if n.isdigit() else 0, n)):
         ranks = layers[name]
@@ -114,9 +114,9 @@ def layer_stats(per_rank_stats: list[dict], n_experts: int | None, top_k: int | 
             local = len(load) // ep
             starved = [r for r in range(ep) if not any(load[r * local : (r + 1) * local])]
         at_ceiling = bool(imbalance is not None and E and top_k and imbalance >= COLLAPSE_FRACTION * E / top_k)
-        dropped = [_num(st.get("dropped")) for st in ranks]
-        padding = [_num(st.get("padding_rows")) for st in ranks]
-        sent = [_num(st.get("sent_rows")) for st in ranks]
+        dropped = [as_number(st.get("dropped")) for st in ranks]
+        padding = [as_number(st.get("padding_rows")) for st in ranks]
+        sent = [as_number(st.get("sent_rows")) for st in ranks]
         out.append(
             {
                 "layer": int(name) if name.isdigit() else name,
@@ -145,7 +145,7 @@ def routing_rows(runs) -> tuple[list[dict], list[dict], list[dict]]:
     cases, layers, failed = [], [], []
     for idx, run, r in records_of(runs, MOE_STRATEGIES):
         c = r.get("case") or {}
-        cfg = _get(r, "model", "config") or {}
+        cfg = dig(r, "model", "config") or {}
         strategy, model = str(c.get("strategy")), str(c.get("model"))
         sort_key = (
             idx,
@@ -171,17 +171,17 @@ def routing_rows(runs) -> tuple[list[dict], list[dict], list[dict]]:
             continue
         per_rank = r.get("per_rank") or []
         stats = [pr.get("strategy_stats") or {} for pr in per_rank]
-        E, k = _num(cfg.get("n_experts")), _num(cfg.get("top_k"))
+        E, k = as_number(cfg.get("n_experts")), as_number(cfg.get("top_k"))
         per_layer = layer_stats(stats, E, k) if stats else []
         rated = [lay for lay in per_layer if lay["imbalance"] is not None]
         worst = max(rated, key=lambda lay: lay["imbalance"]) if rated else None  # first of equals: lowest layer
-        a2a = _get(per_rank, 0, "comm", "by_kind", "all_to_all") or {}
+        a2a = dig(per_rank, 0, "comm", "by_kind", "all_to_all") or {}
         padding = _sum([lay["padding_rows"] for lay in per_layer]) if per_layer else None
         sent = _sum([lay["sent_rows"] for lay in per_layer]) if per_layer else None
-        ep = _get(stats, 0, "ep")
+        ep = dig(stats, 0, "ep")
         cf = cfg.get("capacity_factor")
         seq_len = c.get("seq_len") or cfg.get("seq_len")
-        step = _num(_get(r, "metrics", "step_time_s_median"))
+        step = as_number(dig(r, "metrics", "step_time_s_median"))
         collapsed = any(lay["collapsed"] for lay in per_layer)
         cases.append(
             {
@@ -194,11 +194,11 @@ def routing_rows(runs) -> tuple[list[dict], list[dict], list[dict]]:
                 "shape": f"{c.get('micro_batch')} x {seq_len}",
                 "experts": f"{E} (top-{k}, ep {ep})",
                 "capacity": "dropless" if cf is None else f"factor {cf}",
-                "tokens_per_s": _num(_get(r, "metrics", "tokens_per_s")),
+                "tokens_per_s": as_number(dig(r, "metrics", "tokens_per_s")),
                 "step_time_ms": step * 1e3 if step else None,
-                "a2a_bytes": _num(a2a.get("payload_bytes")),
-                "a2a_calls": _num(a2a.get("calls")),
-                "a2a_MiB": a2a["payload_bytes"] / MiB if _num(a2a.get("payload_bytes")) is not None else None,
+                "a2a_bytes": as_number(a2a.get("payload_bytes")),
+                "a2a_calls": as_number(a2a.get("calls")),
+                "a2a_MiB": a2a["payload_bytes"] / MiB if as_number(a2a.get("payload_bytes")) is not None else None,
                 "dropped": _sum([lay["dropped"] for lay in per_layer]) if per_layer else None,
                 "padding_rows": padding,
                 "padding_pct": padding / sent * 100 if padding is not None and sent else None,

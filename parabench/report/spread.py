@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import statistics
 
-from parabench.report.frames import _get, _num, run_name
+from parabench.report.frames import as_number, dig, run_name
 from parabench.stats import launch_samples, median_ci, ratio_ci
 
 COLUMNS = [
@@ -60,7 +60,7 @@ def _tps_samples(r: dict) -> list[float]:
     samples = launch_samples(r, "tokens_per_s")
     if samples:
         return samples
-    v = _num(_get(r, "metrics", "tokens_per_s"))
+    v = as_number(dig(r, "metrics", "tokens_per_s"))
     return [v] if v else []
 
 
@@ -78,12 +78,12 @@ def spread_rows(runs) -> list[dict]:
             continue
         mean = statistics.fmean(tps)
         low, high, cover = median_ci(tps)
-        peaks = [p for p in (_num(_get(r, "metrics", "peak_alloc_bytes")) for _, r in members) if p]
+        peaks = [p for p in (as_number(dig(r, "metrics", "peak_alloc_bytes")) for _, r in members) if p]
         rows.append(
             {
                 "label": members[0][1].get("label", ""),
                 "n": len(tps),
-                "seeds": ", ".join(sorted({str(_get(r, "case", "seed")) for _, r in members})),
+                "seeds": ", ".join(sorted({str(dig(r, "case", "seed")) for _, r in members})),
                 "runs": ", ".join(sorted({name for name, _ in members})),
                 "tokens_per_s_median": statistics.median(tps),
                 "tokens_per_s_ci_low": low,

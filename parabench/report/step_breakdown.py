@@ -13,7 +13,7 @@ and overlapped communication sits inside compute.
 
 from __future__ import annotations
 
-from parabench.report.frames import _get, _num, run_name
+from parabench.report.frames import as_number, dig, run_name
 
 SOURCE_TEXT = {"cuda_kernels": "CUDA kernels", "cpu_ops": "CPU operator events (threads)"}
 TOP_NAMES = 3
@@ -52,7 +52,7 @@ NOTE = (
 
 
 def _mean(values: list) -> float | None:
-    nums = [v for v in values if _num(v) is not None]
+    nums = [v for v in values if as_number(v) is not None]
     return sum(nums) / len(nums) if nums and len(nums) == len(values) else None
 
 
@@ -81,9 +81,9 @@ def breakdown_rows(runs) -> list[dict]:
             comm, idle = mean("comm_s"), mean("idle_s")
             overlaps = [b.get("overlap_fraction") for b in per_rank]
             overlap = _mean(overlaps) if any(o is not None for o in overlaps) else None
-            exposed_all = [_num(b.get("exposed_comm_s")) for b in per_rank]
+            exposed_all = [as_number(b.get("exposed_comm_s")) for b in per_rank]
             sources = sorted({str(b.get("source")) for b in per_rank})
-            top = _get(per_rank, 0, "top_comm") or []
+            top = dig(per_rank, 0, "top_comm") or []
             c = r.get("case") or {}
             rows.append(
                 {
@@ -101,7 +101,7 @@ def breakdown_rows(runs) -> list[dict]:
                     "short": f"{c.get('strategy')} w{c.get('world_size')} {c.get('precision')}",
                     "source": ", ".join(SOURCE_TEXT.get(s, s) for s in sources),
                     "ranks": len(per_rank),
-                    "timed_step_ms": _ms(_num(_get(r, "metrics", "step_time_s_median"))),
+                    "timed_step_ms": _ms(as_number(dig(r, "metrics", "step_time_s_median"))),
                     "step_ms": _ms(step),
                     "compute_ms": _ms(compute),
                     "comm_ms": _ms(comm),
@@ -113,7 +113,7 @@ def breakdown_rows(runs) -> list[dict]:
                     "exposed_pct": exposed / step * 100 if exposed is not None and step else None,
                     "overlap_pct": overlap * 100 if overlap is not None else None,
                     "top_comm": _top_text(top),
-                    "top_compute": _top_text(_get(per_rank, 0, "top_compute") or []),
+                    "top_compute": _top_text(dig(per_rank, 0, "top_compute") or []),
                     "warning": "; ".join(sorted({str(b["warning"]) for b in per_rank if b.get("warning")})),
                 }
             )
@@ -124,7 +124,7 @@ def breakdown_rows(runs) -> list[dict]:
 def _top_text(top: list) -> str:
     return (
         "; ".join(
-            f"{_short(str(t.get('name')))} ×{t.get('calls')} {(_num(t.get('total_s')) or 0) * 1e3:.2f} ms"
+            f"{_short(str(t.get('name')))} ×{t.get('calls')} {(as_number(t.get('total_s')) or 0) * 1e3:.2f} ms"
             for t in top[:TOP_NAMES]
             if isinstance(t, dict)
         )
@@ -162,9 +162,9 @@ def figures(runs) -> list[dict]:
     ]
     if not rows:
         return []
-    from parabench.report.figures import _fig, _setup, plt
+    from parabench.report.figures import figure_entry, plt, setup_style
 
-    _setup()
+    setup_style()
     several_runs = len({r["run"] for r in rows}) > 1
     labels = [f"{r['model']} · {r['short']}" + (f" · {r['run']}" if several_runs else "") for r in rows]
     compute = [r["compute_ms"] / r["step_ms"] * 100 for r in rows]
@@ -184,7 +184,7 @@ def figures(runs) -> list[dict]:
     ax.set_xlabel("% of the profiled step (mean over ranks)")
     ax.legend(fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)
     return [
-        _fig(
+        figure_entry(
             "step-breakdown",
             "Step-time breakdown: compute, exposed communication, the rest",
             "One profiled step per case (torch.profiler, untimed). Blue: union of compute intervals; red: "

@@ -44,8 +44,8 @@ def test_comm_meter_small_ops(benchmark, world_of_one):
 
 
 def test_train_step_tiny_single(benchmark, world_of_one):
+    from parabench.case import Case
     from parabench.strategies import get_strategy
-    from parabench.suite import Case
     from parabench.worker import local_batches, make_spec
 
     case = Case(
