@@ -4,9 +4,12 @@ one process on the same global batch: fp32, 2 gloo ranks, 1e-4 relative at every
 import os
 
 import pytest
+from harness import payload_by_kind, run_cases
 from helpers import max_rel_diff, params_close, single_reference, train
 
 from parabench.case import Case
+from parabench.models import model_config, parameter_count
+from parabench.theory import expected
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 PEERS = ["torch.ddp", "torch.fsdp2", "deepspeed.zero0", "deepspeed.zero1", "deepspeed.zero2", "deepspeed.zero3"]
@@ -37,3 +40,26 @@ def test_wrong_learning_rate_is_caught(reference):
     """The equivalence check has teeth: a peer trained differently does not pass it."""
     run = train(Case(model="tiny", strategy="torch.ddp", world_size=2, micro_batch=2, lr=1.1e-3), n_steps=5)
     assert max_rel_diff(run["losses"], reference["losses"]) > 1e-4
+
+
+def _ds_plan(name, case):
+    return {"meter_steps": (1,), "want_params": False}
+
+
+def test_deepspeed_comm_with_grad_accumulation_equals_theory():
+    """At grad_accum 2, stages 0 and 1 reduce once per step (at the accumulation boundary) and
+    stage 2 reduces every micro-batch's gradients: the metered step moves what the theory says."""
+    cases = {
+        f"zero{stage}": Case(
+            model="tiny", strategy=f"deepspeed.zero{stage}", world_size=2, micro_batch=1, grad_accum=2, lr=1e-3
+        )
+        for stage in (0, 1, 2)
+    }
+    res = run_cases(2, cases, 2, plan=_ds_plan)
+    cfg = model_config("tiny")
+    psi_bytes = 4 * parameter_count(cfg)["total"]
+    for name, case in cases.items():
+        want = expected(case, cfg, 2)["comm_payload_bytes"]
+        assert want["all_reduce"] == psi_bytes * (2 if name == "zero2" else 1)
+        for r in res[name]["per_rank"]:
+            assert payload_by_kind(r["comm"]) == want, name

@@ -186,7 +186,10 @@ def deepspeed_expectation(stage: int):
     """DeepSpeed 0.19 as it behaves (read from its source, confirmed by the meter): gradients
     travel in the parameter dtype; stages 1 and 2 all-reduce each gradient bucket and then
     all-gather the updated parameters, so their payload is 2Ψ elements and their wire traffic 3Ψ
-    (the paper's reduce-scatter + all-gather would be 2Ψ); stage 3 gathers every parameter in
+    (the paper's reduce-scatter + all-gather would be 2Ψ). With gradient accumulation, stages 0
+    and 1 reduce once per step, at the accumulation boundary, and stage 2 reduces the buckets of
+    every micro-batch (engine.py ``allreduce_gradients``: "ZeRO stage >= 2 communicates during non
+    gradient accumulation boundaries as well"); stage 3 gathers every parameter in
     forward and reduce-scatters gradients, but re-gathers in backward only what its parameter
     cache has released (measured: nothing on the tiny model, the output head and a few blocks on
     gpt-125m, with stage3_max_reuse_distance=0), so its all-gather is the range [Ψ, 2Ψ] — the
@@ -201,7 +204,7 @@ def deepspeed_expectation(stage: int):
             comm = {
                 0: {"all_reduce": b * p},
                 1: {"all_reduce": b * p, "all_gather": b * p},
-                2: {"all_reduce": b * p, "all_gather": b * p},
+                2: {"all_reduce": accum * b * p, "all_gather": b * p},
                 3: {"all_gather": [accum * b * p, accum * 2 * b * p], "reduce_scatter": accum * b * p},
             }[stage]
         return Expectation(
