@@ -272,14 +272,14 @@ def test_compression_bug_is_caught(invariants, broken):
 # --- DeepSpeed 1-bit Adam ----------------------------------------------------------------------------
 
 
-def test_deepspeed_onebit_adam_status():
-    """DeepSpeed 0.19.8 no longer ships 1-bit Adam: the builder raises a clear error naming why (the
-    runner records it as a crashed case with this message). If a DeepSpeed that has it is installed,
-    this test says so and must be revisited."""
-    from parabench.peers.torch_ddp_hooks import build_deepspeed_onebit_adam, onebit_adam_unavailable_reason
+def test_deepspeed_without_onebit_adam_has_no_peer_for_it():
+    """deepspeed.onebit_adam is out of the registry because the pinned DeepSpeed has no 1-bit Adam
+    (parabench/families/compression.py). A DeepSpeed that ships it again fails this test: then add
+    the peer back."""
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
 
-    reason = onebit_adam_unavailable_reason()
-    assert reason is not None, "this DeepSpeed ships OneBitAdam: run deepspeed.onebit_adam for real"
-    assert "does not ship 1-bit Adam" in reason
-    with pytest.raises(NotImplementedError, match="deepspeed.onebit_adam cannot run"):
-        build_deepspeed_onebit_adam(None)
+    from parabench.strategies import STRATEGIES
+
+    assert "onebitadam" not in [o.lower() for o in DEEPSPEED_OPTIMIZERS]
+    assert "deepspeed.onebit_adam" not in STRATEGIES
+    assert "ref.ddp_onebit" in STRATEGIES

@@ -1,4 +1,4 @@
-"""PyTorch DDP communication hooks (fp16 compression, PowerSGD) and DeepSpeed 1-bit Adam.
+"""PyTorch DDP communication hooks (fp16 compression, PowerSGD).
 
 * ``torch.ddp_fp16_hook``: ``default_hooks.fp16_compress_hook`` — each bucket is divided by N, cast to
   fp16, all-reduced and cast back.
@@ -9,11 +9,6 @@
   requires at least 2 when error feedback or warm start is on, and runs plain all-reduce before that
   iteration. Iterations are counted per backward, so with ``warmup >= 2`` every timed step and the
   instrumented step are compressed (suites/compression.toml uses warmup = 2).
-* ``deepspeed.onebit_adam``: DeepSpeed's 1-bit Adam (``"optimizer": {"type": "OneBitAdam"}``). The
-  optimizer and its compressed backends (``deepspeed.runtime.fp16.onebit``, ``runtime.comm.nccl`` /
-  ``mpi`` / ``compressed``) were removed from DeepSpeed before 0.19 — 0.19.8 lists only adagrad, adam,
-  adamw, lamb, lion, muadam(w), musgd and muon — and where it exists its backends are NCCL (with
-  cupy for packing) or MPI, never gloo. The builder checks for it and raises a clear error otherwise.
 """
 
 from __future__ import annotations
@@ -66,60 +61,3 @@ def build_powersgd(spec: TrainSpec) -> DDPTrainer:
     trainer = DDPTrainer(spec, ddp, adamw(ddp.parameters(), spec), no_sync=ddp.no_sync)
     trainer.powersgd_state = state
     return trainer
-
-
-def onebit_adam_unavailable_reason() -> str | None:
-    """Why DeepSpeed's 1-bit Adam cannot run here, or None if this DeepSpeed ships it."""
-    try:
-        import deepspeed
-        from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
-    except Exception as exc:  # noqa: BLE001 - any import failure is the reason
-        return f"DeepSpeed is not importable: {exc}"
-    if "onebitadam" not in [o.lower() for o in DEEPSPEED_OPTIMIZERS]:
-        return (
-            f"DeepSpeed {deepspeed.__version__} does not ship 1-bit Adam: 'OneBitAdam' is not among its optimizers "
-            f"({', '.join(DEEPSPEED_OPTIMIZERS)}) and deepspeed.runtime.fp16.onebit is gone; older releases "
-            "had it, with NCCL (+ cupy) or MPI compressed backends only, never gloo/CPU"
-        )
-    return None
-
-
-def build_deepspeed_onebit_adam(spec: TrainSpec):
-    reason = onebit_adam_unavailable_reason()
-    if reason is not None:
-        raise NotImplementedError(f"deepspeed.onebit_adam cannot run: {reason}")
-    if spec.device.type != "cuda":  # pragma: no cover - only with an old DeepSpeed
-        raise NotImplementedError(
-            "deepspeed.onebit_adam cannot run: its compressed all-reduce backends are "
-            "NCCL (with cupy) or MPI; there is none for gloo/CPU"
-        )
-    import deepspeed  # pragma: no cover - untested: no DeepSpeed here ships it
-
-    from parabench.peers.deepspeed_zero import DeepSpeedTrainer
-
-    o = spec.optim
-
-    class _OneBit(DeepSpeedTrainer):
-        def __init__(self, spec):  # the engine's own optimizer instead of a client AdamW
-            self.spec, self.measure_state = spec, False
-            model = build_model(spec.model, spec.seed, spec.device)
-            config = {
-                "train_micro_batch_size_per_gpu": spec.micro_batch,
-                "gradient_accumulation_steps": spec.grad_accum,
-                "bf16": {"enabled": spec.precision == "bf16"},
-                "optimizer": {
-                    "type": "OneBitAdam",
-                    "params": {
-                        "lr": o.lr,
-                        "betas": list(o.betas),
-                        "eps": o.eps,
-                        "weight_decay": o.weight_decay,
-                        "freeze_step": CompressionOptions.read(spec.options).freeze_step,
-                        "cuda_aware": False,
-                        "comm_backend_name": "nccl",
-                    },
-                },
-            }
-            self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-
-    return _OneBit(spec)

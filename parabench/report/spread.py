@@ -114,7 +114,6 @@ PEERS = {
     "ref.ep": ("deepspeed.moe",),
     "ref.ddp_fp16_compress": ("torch.ddp_fp16_hook",),
     "ref.ddp_powersgd": ("torch.ddp_powersgd_hook",),
-    "ref.ddp_onebit": ("deepspeed.onebit_adam",),
 }
 RATIO_COLUMNS = [
     ("shape", "case shape", "str"),
