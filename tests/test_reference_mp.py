@@ -65,6 +65,7 @@ CASES_2 = dict(
         mk("broken_f", "ref.tp", 2, tp=2, break_operator="f"),
         mk("torch.tp2", "torch.tp", 2, tp=2),
         mk("torch.tp_sp2", "torch.tp_sp", 2, tp=2),
+        mk("torch.tp_sp2_ga2", "torch.tp_sp", 2, micro_batch=2, grad_accum=2, tp=2),
         mk("torch.gpipe2", "torch.pp_gpipe", 2, pp=2),
         mk("torch.1f1b2", "torch.pp_1f1b", 2, pp=2),
         mk("torch.interleaved2", "torch.pp_interleaved", 2, model="small", seq_len=32, pp=2),
@@ -106,6 +107,11 @@ METERED = {
     "sp2xpp2",
     "tp2xpp2xdp2",
     "torch.interleaved2",
+    "torch.tp2",
+    "torch.tp_sp2",
+    "torch.tp_sp2_ga2",
+    "torch.gpipe2",
+    "torch.1f1b2",
 }
 
 

@@ -227,7 +227,12 @@ def _mp_sp_params(cfg: GPTConfig, lo: int, hi: int, first: bool, last: bool) -> 
 
 
 def model_parallel_ops(
-    cfg: GPTConfig, case, coords: tuple[int, int, int], sequence_parallel: bool, microbatches: int | None = None
+    cfg: GPTConfig,
+    case,
+    coords: tuple[int, int, int],
+    sequence_parallel: bool,
+    microbatches: int | None = None,
+    step_ops: bool = True,
 ) -> list[tuple[str, int]]:
     """Every communication op (kind, payload bytes) one rank issues in one training step
     (fp32, or bf16/fp16 under autocast: what travels in the compute dtype is said below).
@@ -243,7 +248,8 @@ def model_parallel_ops(
     (LayerNorms, row-parallel biases, positions). Pipeline: per micro-batch, a stage other than
     the first receives b·s·h (b·s/t·h under SP) activations and sends the same gradient back; a
     stage other than the last sends activations and receives gradients. Data parallel: one
-    all-reduce of all local gradients per step.
+    all-reduce of all local gradients per step. ``step_ops=False``: the per-micro-batch ops only
+    (not those once-per-step gradient all-reduces, which the torch peers issue per parameter).
     """
     from reference_impls.pipeline import partition_layers
 
@@ -291,9 +297,9 @@ def model_parallel_ops(
                 ops += [("recv", pact), ("send", pact)]
             if not last:
                 ops += [("send", pact), ("recv", pact)]
-    if sequence_parallel:
+    if sequence_parallel and step_ops:
         ops.append(("all_reduce", _mp_sp_params(cfg, lo, hi, first, last) * E))
-    if d > 1:
+    if d > 1 and step_ops:
         ops.append(("all_reduce", _mp_local_params(cfg, t, lo, hi, first, last) * E))
     return ops
 
@@ -334,6 +340,77 @@ def model_parallel_expectation(sequence_parallel: bool | None, schedule: str | N
                 ],
             }
         return out
+
+    return fn
+
+
+# --- PyTorch DTensor tensor parallel (parabench/peers/torch_tp.py) ------------------------------
+# The same Megatron layout as ref.tp / ref.tp_sp, so the same per-micro-batch collectives, with
+# three differences read from the plan and confirmed by the meter on gloo:
+#   * torch.tp_sp shards the learned position table by position (RowwiseParallel, Shard(0)
+#     output) where the reference replicates it: per micro-batch one reduce-scatter of its s·h
+#     output in forward and one all-gather of its gradient in backward (fp32, no batch dimension);
+#   * the replicated parameters applied to sequence shards (under SP the LayerNorms only: the
+#     row-parallel biases are added before the reduce-scatter) get Partial gradients, all-reduced
+#     once per step, one op per tensor (``_match_parameter_layouts``), where the reference
+#     all-reduces one flat buffer of LayerNorms, biases and positions;
+#   * data parallel all-reduces each local gradient separately.
+
+
+def _torch_tp_numels(cfg: GPTConfig, t: int, sequence_parallel: bool) -> tuple[list[int], list[int]]:
+    """(every parameter's local numel, the numels of those whose gradients are Partial over tp)."""
+    h, V, s, r = cfg.d_model, cfg.vocab_size, cfg.seq_len, cfg.mlp_ratio
+    per_layer = [h, h]  # ln1
+    per_layer += [h * h // t, h // t, h * h // t, h * h // t, h // t]  # q (+bias), k, v (+bias): colwise
+    per_layer += [h * h // t, h]  # attn proj rowwise, bias replicated
+    per_layer += [h, h]  # ln2
+    per_layer += [r * h * h // t, r * h // t, r * h * h // t, h]  # mlp fc colwise, proj rowwise
+    numels = [V * h // t, s * h // t if sequence_parallel else s * h]
+    numels += per_layer * cfg.n_layers + [h, h, V * h // t]  # ln_f, vocab-parallel head
+    partial = [h] * (4 * cfg.n_layers + 2) if sequence_parallel else []
+    return numels, partial
+
+
+def torch_tp_ops(cfg: GPTConfig, case, coords: tuple[int, int, int], sequence_parallel: bool) -> list[tuple[str, int]]:
+    """Every communication op (kind, payload bytes) one rank of torch.tp / torch.tp_sp issues in a step."""
+    o = ModelParallelOptions.read(case.options)
+    t = o.tp
+    d = case.world_size // t
+    ops = model_parallel_ops(cfg, case, coords, sequence_parallel, step_ops=False)
+    numels, partial = _torch_tp_numels(cfg, t, sequence_parallel)
+    if sequence_parallel:
+        ops += [("reduce_scatter", cfg.seq_len * cfg.d_model * 4), ("all_gather", cfg.seq_len * cfg.d_model * 4)] * (
+            case.grad_accum
+        )
+        ops += [("all_reduce", 4 * n) for n in partial]
+    if d > 1:
+        ops += [("all_reduce", 4 * n) for n in numels]
+    return ops
+
+
+def torch_tp_expectation(sequence_parallel: bool):
+    def fn(cfg, case, o, dp):
+        t = o.tp
+        grid = [(r // t, 0, r % t) for r in range(case.world_size)]
+        ops = [torch_tp_ops(cfg, case, c, sequence_parallel) for c in grid]
+        per_rank = [sum_ops(x) for x in ops]
+        n = sum(_torch_tp_numels(cfg, t, sequence_parallel)[0])
+        return Expectation(
+            state_bytes=[{"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}] * len(grid),
+            comm_payload_bytes=per_rank[0],
+            comm_payload_bytes_per_rank=per_rank,
+            comm_scalar_ops_per_rank=[scalar_ops(x) for x in ops],
+            paper_state_bytes=None,
+            notes="fp32 parameters, gradients (given their parameter's layout before the update) and AdamW "
+            "moments of this rank's TP shard. Communication: Megatron's, as ref.tp"
+            + (
+                "_sp, plus a reduce-scatter (forward) and all-gather (backward) of the position table's s·h output "
+                "per micro-batch (torch shards it by position) and one all-reduce per LayerNorm tensor per step"
+                if sequence_parallel
+                else ""
+            )
+            + "; see parabench.families.model_parallel.torch_tp_ops.",
+        )
 
     return fn
 
@@ -506,7 +583,7 @@ def expect_torch_pipeline(cfg, case, o, dp):
         "boundary sends the fp32 activation b·s·h forward and its gradient back; fp32 parameters, gradients "
         "and AdamW moments of the rank's chunks; see parabench.families.model_parallel.torch_pipeline_ops.",
         pipeline={
-            "schedule": "interleaved_1f1b" if v > 1 else "1f1b",
+            "schedule": "interleaved_1f1b" if v > 1 else ("gpipe" if case.strategy == "torch.pp_gpipe" else "1f1b"),
             "microbatches": n_micro,
             "virtual_stages": v,
             # Narayanan et al. 2021, Sec. 2.2: v chunks per rank divide the bubble by v.
@@ -566,21 +643,23 @@ ROWS = (
         "parabench.peers.torch_tp:build_tp",
         "peer",
         "PyTorch DTensor parallelize_module, ColwiseParallel/RowwiseParallel over the tp mesh",
-        None,
+        torch_tp_expectation(False),
+        version="2",
     ),
     _row(
         "torch.tp_sp",
         "parabench.peers.torch_tp:build_tp_sp",
         "peer",
         "PyTorch DTensor tensor parallel + SequenceParallel LayerNorms",
-        None,
+        torch_tp_expectation(True),
+        version="2",
     ),
     _row(
         "torch.pp_gpipe",
         f"{_TORCH_PP}:build_gpipe",
         "peer",
         "torch.distributed.pipelining PipelineStage + ScheduleGPipe",
-        None,
+        expect_torch_pipeline,
         version="2",
     ),
     _row(
@@ -588,7 +667,7 @@ ROWS = (
         f"{_TORCH_PP}:build_1f1b",
         "peer",
         "torch.distributed.pipelining PipelineStage + Schedule1F1B",
-        None,
+        expect_torch_pipeline,
         version="2",
     ),
     _row(

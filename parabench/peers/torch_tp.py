@@ -1,16 +1,19 @@
 """PyTorch tensor parallelism: DTensor ``parallelize_module`` over ``topology.mesh["tp"]``.
 
 ``torch.tp``: q/k/v and MLP fc ``ColwiseParallel``, attention and MLP proj ``RowwiseParallel``
-(the Megatron layout), the token embedding ``RowwiseParallel`` (split by vocabulary) and the head
-``ColwiseParallel`` with vocab-sharded logits fed to ``loss_parallel`` (no logits gather).
+(the Megatron layout), the attention's input made a replicated DTensor once by
+``PrepareModuleInput`` (one backward all-reduce for q, k and v together, as Megatron's ``f``), the
+token embedding ``RowwiseParallel`` (split by vocabulary) and the head ``ColwiseParallel`` with
+vocab-sharded logits fed to ``loss_parallel`` (no logits gather).
 ``torch.tp_sp``: the sequence-parallel plan of the torch TP tutorial / torchtitan: LayerNorms
 ``SequenceParallel``, ``PrepareModuleInput`` all-gathers the sequence before attention and the
 MLP, row-parallel outputs reduce-scattered along the sequence (``Shard(1)``). The learned
 position embedding (torchtitan's Llama has none) is ``RowwiseParallel`` with ``Shard(0)`` output,
 so it is added to the embedding's sequence shard.
 
-With ``dp > 1`` the gradients of the local shards are averaged over ``topology.dp_group`` after
-backward (one all-reduce per parameter; DDP does not accept DTensor parameters).
+After backward every DTensor gradient is given its parameter's placements
+(``_match_parameter_layouts``). With ``dp > 1`` the gradients of the local shards are then averaged
+over ``topology.dp_group`` (one all-reduce per parameter; DDP does not accept DTensor parameters).
 """
 
 from __future__ import annotations
@@ -39,14 +42,19 @@ def _plan(model, sequence_parallel: bool) -> dict:
             "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
         }
         for i in range(len(model.blocks)):
+            b = f"blocks.{i}"
             plan.update(
                 {
-                    f"blocks.{i}.attn.q": ColwiseParallel(),
-                    f"blocks.{i}.attn.k": ColwiseParallel(),
-                    f"blocks.{i}.attn.v": ColwiseParallel(),
-                    f"blocks.{i}.attn.proj": RowwiseParallel(),
-                    f"blocks.{i}.mlp.fc": ColwiseParallel(),
-                    f"blocks.{i}.mlp.proj": RowwiseParallel(),
+                    # The attention input becomes one replicated DTensor shared by q, k and v, so
+                    # their input gradients add up as one Partial and are all-reduced once
+                    # (Megatron's f); converted per linear, each would all-reduce its own.
+                    f"{b}.attn": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+                    f"{b}.attn.q": ColwiseParallel(),
+                    f"{b}.attn.k": ColwiseParallel(),
+                    f"{b}.attn.v": ColwiseParallel(),
+                    f"{b}.attn.proj": RowwiseParallel(),
+                    f"{b}.mlp.fc": ColwiseParallel(),
+                    f"{b}.mlp.proj": RowwiseParallel(),
                 }
             )
         return plan
@@ -84,6 +92,7 @@ class TorchTPTrainer(TorchTrainer):
                 loss = lm_loss(self.module(x), y) / accum
                 loss.backward()
             total += local_tensor(loss.detach()).reshape(())
+        _match_parameter_layouts(self.module)
         dp = self.spec.topology.dp_group
         if dist.get_world_size(dp) > 1:
             for p in self.module.parameters():
@@ -99,10 +108,28 @@ class TorchTPTrainer(TorchTrainer):
 
     def full_parameters(self):
         full = {
-            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu()
+            # clone: on a CPU, .float().cpu() of a plain fp32 parameter is the live tensor itself
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
             for n, p in self.module.named_parameters()
         }
         return full if dist.get_rank() == 0 else None
+
+
+def _match_parameter_layouts(module: torch.nn.Module) -> None:
+    """Give every DTensor gradient its parameter's placements, once per step, before the optimizer.
+
+    DTensor leaves two kinds of gradient in another layout than their parameter: replicated
+    parameters applied to sequence shards (SP LayerNorms) get ``Partial`` gradients, and the
+    vocab-sharded embeddings get full ``Replicate`` ones (``embedding_dense_backward`` runs
+    replicated). Left as they are, every optimizer op that reads a ``Partial`` gradient all-reduces
+    it again (three all-reduces per LayerNorm tensor per step with the for-loop AdamW), and a
+    fused or foreach kernel receives mismatched layouts. Redistributing here costs one all-reduce
+    per ``Partial`` gradient (Megatron's all-reduce of the sequence-parallel parameters' gradients)
+    and a local slice for the embeddings, which also frees the full embedding gradient."""
+    for p in module.parameters():
+        g = p.grad
+        if g is not None and hasattr(p, "placements") and tuple(g.placements) != tuple(p.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
 def _build(spec: TrainSpec, sequence_parallel: bool) -> TorchTPTrainer:
