@@ -132,15 +132,24 @@ def _match_parameter_layouts(module: torch.nn.Module) -> None:
             p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
+def tp_adamw(model: torch.nn.Module, spec: TrainSpec) -> torch.optim.Optimizer:
+    """AdamW, fused on CUDA and foreach elsewhere (as ``common.adamw``), with one param group per
+    parameter kind: torch's fused and foreach kernels refuse a tensor list that mixes DTensors and
+    plain tensors (torch.tp's LayerNorms and position table stay plain), and each group is one
+    kernel call. Gradients reach it in their parameter's layout (``_match_parameter_layouts``)."""
+    o = spec.optim
+    params = list(model.parameters())
+    dtensors = [p for p in params if hasattr(p, "placements")]
+    plain = [p for p in params if not hasattr(p, "placements")]
+    groups = [{"params": ps} for ps in (dtensors, plain) if ps]
+    impl = {"fused": True} if spec.device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, **impl)
+
+
 def _build(spec: TrainSpec, sequence_parallel: bool) -> TorchTPTrainer:
     model = build_model(spec.model, spec.seed, spec.device)
     parallelize_module(model, spec.topology.mesh["tp"], _plan(model, sequence_parallel))
-    o = spec.optim
-    # foreach=False: the parameters mix DTensors (sharded) and plain tensors (LayerNorms w/o SP).
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False
-    )
-    return TorchTPTrainer(spec, model, opt)
+    return TorchTPTrainer(spec, model, tp_adamw(model, spec))
 
 
 def build_tp(spec: TrainSpec) -> TorchTPTrainer:
