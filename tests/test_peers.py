@@ -42,24 +42,33 @@ def test_wrong_learning_rate_is_caught(reference):
     assert max_rel_diff(run["losses"], reference["losses"]) > 1e-4
 
 
+def _ds_bucket(trainer, case, spec):
+    return {"reduce_bucket_size": getattr(trainer.engine.optimizer, "reduce_bucket_size", None)}
+
+
 def _ds_plan(name, case):
-    return {"meter_steps": (1,), "want_params": False}
+    return {"meter_steps": (1,), "want_params": False, "on_build": _ds_bucket}
 
 
 def test_deepspeed_comm_with_grad_accumulation_equals_theory():
     """At grad_accum 2, stages 0 and 1 reduce once per step (at the accumulation boundary) and
-    stage 2 reduces every micro-batch's gradients: the metered step moves what the theory says."""
-    cases = {
-        f"zero{stage}": Case(
-            model="tiny", strategy=f"deepspeed.zero{stage}", world_size=2, micro_batch=1, grad_accum=2, lr=1e-3
-        )
-        for stage in (0, 1, 2)
-    }
+    stage 2 reduces every micro-batch's gradients: the metered step moves what the theory says,
+    also with ``bucket_mb`` splitting the gradients into several buckets, whose size DeepSpeed
+    receives in elements (0.25 MiB of fp32: 65536, so tiny's 136,832 elements span three)."""
+    base = dict(model="tiny", world_size=2, micro_batch=1, grad_accum=2, lr=1e-3)
+    cases = {f"zero{stage}": Case(strategy=f"deepspeed.zero{stage}", **base) for stage in (0, 1, 2)}
+    cases["zero2_buckets"] = Case(strategy="deepspeed.zero2", options={"bucket_mb": 0.25}, **base)
     res = run_cases(2, cases, 2, plan=_ds_plan)
     cfg = model_config("tiny")
     psi_bytes = 4 * parameter_count(cfg)["total"]
     for name, case in cases.items():
         want = expected(case, cfg, 2)["comm_payload_bytes"]
-        assert want["all_reduce"] == psi_bytes * (2 if name == "zero2" else 1)
+        assert want["all_reduce"] == psi_bytes * (1 if name in ("zero0", "zero1") else 2)
         for r in res[name]["per_rank"]:
             assert payload_by_kind(r["comm"]) == want, name
+    buckets = res["zero2_buckets"]["per_rank"][0]
+    assert buckets["reduce_bucket_size"] == 0.25 * 2**20 / 4
+    assert (
+        buckets["comm"]["by_kind"]["all_reduce"]["calls"]
+        > res["zero2"]["per_rank"][0]["comm"]["by_kind"]["all_reduce"]["calls"]
+    )

@@ -87,7 +87,9 @@ def ds_config(spec: TrainSpec, stage: int, offload: bool = False) -> dict:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": spec.device.type == "cuda"}
         cfg["zero_force_ds_cpu_optimizer"] = False
     if "bucket_mb" in spec.options:  # unset: DeepSpeed's own bucket sizes, not ShardedOptions' default
-        size = int(o.bucket_mb * 2**20)
+        # DeepSpeed counts both bucket sizes in elements; gradients and parameters travel in the
+        # parameter dtype (fp32, or bf16/fp16 under its mixed precision).
+        size = int(o.bucket_mb * 2**20) // spec.compute_dtype.itemsize
         cfg["zero_optimization"].update(reduce_bucket_size=size, allgather_bucket_size=size)
     return cfg
 
