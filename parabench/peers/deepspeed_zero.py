@@ -1,9 +1,30 @@
 """DeepSpeed engine with ZeRO stage 0 (plain data parallel) to 3, configured from the case.
 
-The optimizer is a client ``torch.optim.AdamW`` with parabench's explicit hyperparameters (the
-fused CUDA kernel on GPUs, the same one the torch peers use), so the comparison measures ZeRO's
-partitioning and communication rather than two different Adam kernels, and no DeepSpeed op has
-to be JIT-compiled on a fresh machine. ``zero_allow_untested_optimizer`` admits it.
+Profiles (option ``profile``, recorded in every case and in ``strategy_stats``):
+
+* ``tuned`` (the default): DeepSpeed's documented best practice for throughput. Sources: the
+  config reference (https://www.deepspeed.ai/docs/config-json/: ``overlap_comm``,
+  ``contiguous_gradients``, ``timers.throughput``), the config models of the pinned 0.19.8
+  (runtime/zero/config.py: ``overlap_comm`` defaults on only at stage 3, ``compute_grad_norm``
+  may be false at stages 1-2 when there is no clipping; runtime/precision_config.py:
+  ``bf16.check_grad_overflow``; utils/config.py: the throughput timer's docstring on the cost of
+  its synchronisation), the ZeRO tutorial (https://www.deepspeed.ai/tutorials/zero/) and
+  engine.py's optimizer selection (FusedAdam gets the flat FP16_Optimizer at stage 0, a client
+  optimizer FP16_UnfusedOptimizer). Keys: throughput timer off; ``overlap_comm`` and
+  ``contiguous_gradients`` on (stages 1-3); ``compute_grad_norm`` off at stages 1-2 without
+  offload or fp16; ``bf16.check_grad_overflow`` off; bucket sizes and stage-3 prefetch /
+  persistence / reuse at DeepSpeed's defaults (not written); DeepSpeed's FusedAdam on GPUs,
+  torch's fused AdamW where its op does not build (the reason recorded), torch's AdamW on CPUs
+  and with offload (the CPU Adam op is JIT-built).
+* ``matched``: the configuration parabench used before profiles, aligned with the references'
+  memory and traffic: DeepSpeed's engine defaults, stage 3 resharding every parameter after use
+  (persistence threshold and reuse distance 0), the client torch AdamW below.
+
+In ``matched`` the optimizer is a client ``torch.optim.AdamW`` with parabench's explicit
+hyperparameters (the fused CUDA kernel on GPUs, the same one the torch peers use), so the
+comparison measures ZeRO's partitioning and communication rather than two different Adam
+kernels, and no DeepSpeed op has to be JIT-compiled on a fresh machine.
+``zero_allow_untested_optimizer`` admits it.
 DeepSpeed divides the loss by the accumulation steps itself, so micro-batch losses go in
 unscaled. On a CPU, ``DS_ACCELERATOR=cpu`` must be set before DeepSpeed is imported (the runner
 does this).
