@@ -8,7 +8,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-from parabench.strategies import get_strategy
+from parabench.strategies import STRATEGIES, get_strategy
 from parabench.topology import Topology
 
 
@@ -43,6 +43,16 @@ class Case:
     repeat: int = 0
 
     IDENTITY_EXCLUDES = ("timeout_s", "own_launch", "repeats", "repeat")
+
+    def __post_init__(self):
+        # Options whose default changed what a strategy measures (a peer's ``profile``) are written
+        # into the case itself, so its hash, label and record name the value that ran, and a record
+        # made before the option existed (which lacks it) never pairs with a case made now.
+        spec = STRATEGIES.get(self.strategy)
+        keys = getattr(spec.options, "RECORDED_DEFAULTS", ()) if spec is not None else ()
+        missing = {k: f.default for f in fields(spec.options) if (k := f.name) in keys and k not in self.options}
+        if missing:
+            object.__setattr__(self, "options", {**missing, **self.options})
 
     def identity(self) -> dict:
         d = asdict(self)

@@ -13,7 +13,7 @@ import types
 import typing
 from abc import ABC, abstractmethod
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Callable, Literal
+from typing import Callable, ClassVar, Literal
 
 import torch
 
@@ -162,6 +162,10 @@ class CommonOptions:
     inject_fault: dict | None = None  # test hook {kind: oom|cpu_oom|memory_error|crash|abort|hang|leak, rank, step}
     telemetry: bool = True  # NVML power, energy, clocks and throttle reasons sampled during the timed steps (GPU)
 
+    # Options that every case of the strategy carries explicitly, default or not (``Case`` fills
+    # them in): their default changed what is measured, so a record must say which value it ran.
+    RECORDED_DEFAULTS: ClassVar[tuple[str, ...]] = ()
+
     @classmethod
     def parse(cls, options: dict, strategy: str = "") -> "CommonOptions":
         """The typed options of a dict; an unknown key or a value of the wrong type is a ValueError
@@ -187,6 +191,13 @@ class CommonOptions:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+PeerProfile = Literal["tuned", "matched"]
+PEER_PROFILE_HELP = (
+    "peer configuration: 'tuned' = the library's documented best practice for throughput (sources in "
+    "the adapter's docstring), 'matched' = aligned with the references' memory and traffic"
+)
 
 
 def option_defaults(cls: type) -> dict:

@@ -5,12 +5,12 @@ data-parallel builder shares (loss scaler, model, learning-rate spike)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch.distributed as dist
 
 from parabench.models import build_model, lm_loss
-from parabench.strategies import DP_PRECISIONS, CommonOptions, StrategySpec, TrainSpec, as_trainer
+from parabench.strategies import DP_PRECISIONS, CommonOptions, PeerProfile, StrategySpec, TrainSpec, as_trainer
 from parabench.theory import BYTES, Expectation, psi, ref_bucket_sizes, volume, zero_paper_state_bytes
 
 
@@ -33,6 +33,13 @@ class LossScaleOptions(CommonOptions):
 @dataclass(frozen=True)
 class DataParallelOptions(LossScaleOptions):
     bucket_mb: float = 25.0  # gradient bucket size in MiB of the compute dtype (torch DDP's bucket_cap_mb too)
+
+
+@dataclass(frozen=True)
+class DDPPeerOptions(DataParallelOptions):
+    profile: PeerProfile = "tuned"  # strategies.PEER_PROFILE_HELP
+
+    RECORDED_DEFAULTS: ClassVar[tuple[str, ...]] = ("profile",)
 
 
 # --- shared by the reference builders -----------------------------------------------------------
@@ -205,7 +212,7 @@ def validate_single(case, o, cfg) -> None:
         raise ValueError("strategy 'single' runs on world_size 1 only")
 
 
-def _row(name, builder, kind, description, expect, **kw):
+def _row(name, builder, kind, description, expect, options=DataParallelOptions, **kw):
     return StrategySpec(
         name,
         "data_parallel",
@@ -213,7 +220,7 @@ def _row(name, builder, kind, description, expect, **kw):
         kind,
         description,
         precisions=DP_PRECISIONS,
-        options=DataParallelOptions,
+        options=options,
         expect=expect,
         **kw,
     )
@@ -234,6 +241,7 @@ ROWS = (
         "peer",
         "PyTorch DistributedDataParallel (bucketed all-reduce overlapped with backward)",
         expect_torch_ddp,
+        options=DDPPeerOptions,
     ),
     _row(
         "ref.ps",

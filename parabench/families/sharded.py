@@ -4,7 +4,10 @@ FSDP2, DeepSpeed ZeRO)."""
 
 from __future__ import annotations
 
+import math
+import sys
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -17,7 +20,7 @@ from parabench.families.data_parallel import (
     with_lr_spike,
 )
 from parabench.models import lm_loss, parameter_count
-from parabench.strategies import DP_PRECISIONS, StrategySpec, TrainSpec, as_trainer
+from parabench.strategies import DP_PRECISIONS, PeerProfile, StrategySpec, TrainSpec, as_trainer
 from parabench.theory import BYTES, Expectation, psi, ref_bucket_sizes, shard_numel, volume, zero_paper_state_bytes
 
 
@@ -28,6 +31,13 @@ class ShardedOptions(DataParallelOptions):
     in_flight: int = 2  # reference FSDP/ZeRO-3: gradient reduce-scatters outstanding at once
     reshard_after_forward: bool = True  # torch FSDP2: free gathered parameters after forward
     zero: dict = field(default_factory=dict)  # DeepSpeed: extra zero_optimization config keys
+
+
+@dataclass(frozen=True)
+class ShardedPeerOptions(ShardedOptions):
+    profile: PeerProfile = "tuned"  # strategies.PEER_PROFILE_HELP
+
+    RECORDED_DEFAULTS: ClassVar[tuple[str, ...]] = ("profile",)
 
 
 # --- builders -----------------------------------------------------------------------------------
@@ -149,9 +159,9 @@ def expect_torch_fsdp2(cfg, case, o, dp):
     comm = (
         {
             # forward gathers every parameter group (blocks and root), backward gathers each again
-            # (reshard_after_forward=True, the root included); gradients are reduce-scattered in fp32
-            # after every micro-batch.
-            "all_gather": accum * 2 * p * pbytes,
+            # (reshard_after_forward=True, the root included) but the last block under the tuned
+            # profile; gradients are reduce-scattered in fp32 after every micro-batch.
+            "all_gather": accum * (2 * p - fsdp2_kept_after_forward(cfg, case, o)) * pbytes,
             "reduce_scatter": accum * p * 4,
         }
         if dp > 1
@@ -172,7 +182,7 @@ def expect_torch_hsdp(cfg, case, o, dp):
     return Expectation(
         state_bytes=None,  # per-parameter dim-0 sharding within the shard group: see the measurement
         comm_payload_bytes={
-            "all_gather": accum * 2 * p * BYTES[case.precision],  # within the shard group
+            "all_gather": accum * (2 * p - fsdp2_kept_after_forward(cfg, case, o)) * BYTES[case.precision],
             "reduce_scatter": accum * p * 4,  # within the shard group, fp32
             "all_reduce": accum * p * 4 // shard,  # the shard, across replicas
         },
@@ -201,11 +211,15 @@ def deepspeed_expectation(stage: int):
         accum = case.grad_accum
         comm = None
         if dp > 1:
+            kept = deepspeed_persistent_numel(cfg, o) if stage == 3 else 0
             comm = {
                 0: {"all_reduce": b * p},
                 1: {"all_reduce": b * p, "all_gather": b * p},
                 2: {"all_reduce": accum * b * p, "all_gather": b * p},
-                3: {"all_gather": [accum * b * p, accum * 2 * b * p], "reduce_scatter": accum * b * p},
+                3: {
+                    "all_gather": [b * (accum * (p - kept) + kept), b * (accum * 2 * (p - kept) + kept)],
+                    "reduce_scatter": accum * b * p,
+                },
             }[stage]
         return Expectation(
             state_bytes=None,
@@ -215,6 +229,44 @@ def deepspeed_expectation(stage: int):
         )
 
     return fn
+
+
+def fsdp2_kept_after_forward(cfg, case, o) -> int:
+    """Parameters FSDP2 keeps gathered from forward to backward (not all-gathered again): the last
+    block under the tuned profile (torch_fsdp2.block_reshard_after_forward), else none."""
+    if getattr(o, "profile", "matched") != "tuned" or "reshard_after_forward" in case.options:
+        return 0
+    return sum(math.prod(s) for s in _block_shapes(cfg)[-1])
+
+
+def deepspeed_persistent_numel(cfg, o) -> int:
+    """Elements of the parameters DeepSpeed ZeRO-3 persists (never released after use): each one of
+    at most ``stage3_param_persistence_threshold`` elements, in registration order while their sum
+    stays within ``stage3_model_persistence_threshold`` (zero/parameter_offload.py). The tuned
+    profile leaves both at DeepSpeed's defaults (1e5, unbounded); matched sets the first to 0. The
+    persisted parameters are all-gathered once per step, after the optimizer step."""
+    matched = getattr(o, "profile", "matched") == "matched"
+    threshold = o.zero.get("stage3_param_persistence_threshold", 0 if matched else 100_000)
+    budget = o.zero.get("stage3_model_persistence_threshold", sys.maxsize)
+    kept = 0
+    for shapes in _block_shapes(cfg, everything=True):
+        for shape in shapes:
+            n = math.prod(shape)
+            if n + kept <= budget and n <= threshold:
+                kept += n
+    return kept
+
+
+def _block_shapes(cfg, everything: bool = False) -> list[list[tuple[int, ...]]]:
+    """Parameter shapes per transformer block, or (``everything``) of the whole model in
+    registration order as one list."""
+    from parabench.models import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    if everything:
+        return [[tuple(p.shape) for p in model.parameters()]]
+    return [[tuple(p.shape) for p in block.parameters()] for block in model.blocks]
 
 
 # --- expectations: references (reference_impls/zero.py, fsdp.py) ---------------------------------
@@ -381,7 +433,7 @@ def _row(name, builder, kind, description, expect, **kw):
         kind,
         description,
         precisions=DP_PRECISIONS,
-        options=ShardedOptions,
+        options=ShardedPeerOptions if kind == "peer" else ShardedOptions,
         expect=expect,
         **kw,
     )
@@ -396,6 +448,7 @@ ROWS = (
         "peer",
         "PyTorch FSDP2 fully_shard per transformer block + root (ZeRO-3 style)",
         expect_torch_fsdp2,
+        version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
     ),
     _row(
         "torch.hsdp",
@@ -404,6 +457,7 @@ ROWS = (
         "PyTorch FSDP2 hybrid shard: 2-D (replicate, shard) mesh, option shard_size (default 2)",
         expect_torch_hsdp,
         min_world_size=4,
+        version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
     ),
     _row(
         "deepspeed.zero0",
@@ -421,6 +475,7 @@ ROWS = (
                 "tests/test_mixed_precision.py::test_deepspeed_zero0_fp16_mechanism).",
             ),
         ),
+        version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
     ),
     _row(
         "deepspeed.zero1",
@@ -428,6 +483,7 @@ ROWS = (
         "peer",
         "DeepSpeed ZeRO stage 1 (optimizer states partitioned)",
         deepspeed_expectation(1),
+        version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
     ),
     _row(
         "deepspeed.zero2",
@@ -435,6 +491,7 @@ ROWS = (
         "peer",
         "DeepSpeed ZeRO stage 2 (+ gradients partitioned)",
         deepspeed_expectation(2),
+        version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
     ),
     _row(
         "deepspeed.zero3",
@@ -443,6 +500,7 @@ ROWS = (
         "DeepSpeed ZeRO stage 3 (+ parameters partitioned)",
         deepspeed_expectation(3),
         shares_launch=False,
+        version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
     ),
     _row(
         "ref.zero1",
@@ -499,6 +557,7 @@ ROWS = (
         "peer",
         "DeepSpeed ZeRO-2 + offload_optimizer to CPU (ZeRO-Offload)",
         deepspeed_offload_expectation(2),
+        version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
     ),
     _row(
         "deepspeed.zero3_offload",
@@ -507,6 +566,7 @@ ROWS = (
         "DeepSpeed ZeRO-3 + offload_optimizer to CPU",
         deepspeed_offload_expectation(3),
         shares_launch=False,
+        version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
     ),
     _row(
         "torch.fsdp2_offload",
@@ -514,5 +574,6 @@ ROWS = (
         "peer",
         "PyTorch FSDP2 with CPUOffloadPolicy (sharded params, grads and AdamW on the CPU)",
         expect_torch_fsdp2_offload,
+        version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
     ),
 )

@@ -1,9 +1,30 @@
 """DeepSpeed engine with ZeRO stage 0 (plain data parallel) to 3, configured from the case.
 
-The optimizer is a client ``torch.optim.AdamW`` with parabench's explicit hyperparameters (the
-fused CUDA kernel on GPUs, the same one the torch peers use), so the comparison measures ZeRO's
-partitioning and communication rather than two different Adam kernels, and no DeepSpeed op has
-to be JIT-compiled on a fresh machine. ``zero_allow_untested_optimizer`` admits it.
+Profiles (option ``profile``, recorded in every case and in ``strategy_stats``):
+
+* ``tuned`` (the default): DeepSpeed's documented best practice for throughput. Sources: the
+  config reference (https://www.deepspeed.ai/docs/config-json/: ``overlap_comm``,
+  ``contiguous_gradients``, ``timers.throughput``), the config models of the pinned 0.19.8
+  (runtime/zero/config.py: ``overlap_comm`` defaults on only at stage 3, ``compute_grad_norm``
+  may be false at stages 1-2 when there is no clipping; runtime/precision_config.py:
+  ``bf16.check_grad_overflow``; utils/config.py: the throughput timer's docstring on the cost of
+  its synchronisation), the ZeRO tutorial (https://www.deepspeed.ai/tutorials/zero/) and
+  engine.py's optimizer selection (FusedAdam gets the flat FP16_Optimizer at stage 0, a client
+  optimizer FP16_UnfusedOptimizer). Keys: throughput timer off; ``overlap_comm`` and
+  ``contiguous_gradients`` on (stages 1-3); ``compute_grad_norm`` off at stages 1-2 without
+  offload or fp16; ``bf16.check_grad_overflow`` off; bucket sizes and stage-3 prefetch /
+  persistence / reuse at DeepSpeed's defaults (not written); DeepSpeed's FusedAdam on GPUs,
+  torch's fused AdamW where its op does not build (the reason recorded), torch's AdamW on CPUs
+  and with offload (the CPU Adam op is JIT-built).
+* ``matched``: the configuration parabench used before profiles, aligned with the references'
+  memory and traffic: DeepSpeed's engine defaults, stage 3 resharding every parameter after use
+  (persistence threshold and reuse distance 0), the client torch AdamW below.
+
+In ``matched`` the optimizer is a client ``torch.optim.AdamW`` with parabench's explicit
+hyperparameters (the fused CUDA kernel on GPUs, the same one the torch peers use), so the
+comparison measures ZeRO's partitioning and communication rather than two different Adam
+kernels, and no DeepSpeed op has to be JIT-compiled on a fresh machine.
+``zero_allow_untested_optimizer`` admits it.
 DeepSpeed divides the loss by the accumulation steps itself, so micro-batch losses go in
 unscaled. On a CPU, ``DS_ACCELERATOR=cpu`` must be set before DeepSpeed is imported (the runner
 does this).
@@ -37,13 +58,15 @@ from dataclasses import replace
 
 import torch
 
-from parabench.families.sharded import ShardedOptions
+from parabench.families.sharded import ShardedOptions, ShardedPeerOptions
 from parabench.models import build_model, lm_loss
 from parabench.peers.common import adamw, checkpoint_blocks, optimizer_state_bytes, tensor_bytes
 from parabench.strategies import Trainer, TrainSpec
 
 
-def ds_config(spec: TrainSpec, stage: int, offload: bool = False) -> dict:
+def ds_config(spec: TrainSpec, stage: int, offload: bool = False, profile: str = "matched") -> dict:
+    """The engine's config. ``profile`` (see the module docstring): ``matched`` (the default for
+    callers that have no profile option: deepspeed.pp, deepspeed.moe) or ``tuned``."""
     o = ShardedOptions.read(spec.options)
     cfg = {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
@@ -55,7 +78,7 @@ def ds_config(spec: TrainSpec, stage: int, offload: bool = False) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if stage == 3:
+    if stage == 3 and profile == "matched":
         # Reshard after forward like FSDP2 and ref.zero3, so the three are comparable in memory
         # and traffic: DeepSpeed's defaults keep small parameters resident and keep any
         # parameter whose reuse comes within 1e9 elements, which makes its traffic depend on the
@@ -80,6 +103,8 @@ def ds_config(spec: TrainSpec, stage: int, offload: bool = False) -> dict:
             "consecutive_hysteresis": False,
             "min_loss_scale": 1,
         }
+    if profile == "tuned":
+        _tune(cfg, spec, stage, offload)
     if offload:
         # ZeRO-Offload (Ren et al. 2021): fp32 master, Adam moments and the update on the CPU. The
         # client torch AdamW runs there (DeepSpeedCPUAdam would need a JIT-built op); DeepSpeed
@@ -92,6 +117,48 @@ def ds_config(spec: TrainSpec, stage: int, offload: bool = False) -> dict:
         size = int(o.bucket_mb * 2**20) // spec.compute_dtype.itemsize
         cfg["zero_optimization"].update(reduce_bucket_size=size, allgather_bucket_size=size)
     return cfg
+
+
+def _tune(cfg: dict, spec: TrainSpec, stage: int, offload: bool) -> None:
+    """The ``tuned`` profile's keys (sources in the module docstring). ``setdefault``: a key given
+    through ``options.zero`` wins. Bucket sizes and stage-3 prefetch / persistence / reuse stay at
+    DeepSpeed's defaults by not being written."""
+    # The throughput timer synchronises the device twice per step (its own docstring: "at the
+    # expense of performance degradation"); parabench times the steps itself.
+    cfg["timers"] = {"throughput": {"enabled": False}}
+    zero = cfg["zero_optimization"]
+    if stage >= 1:
+        zero.setdefault("overlap_comm", True)  # DeepSpeed's default only at stage 3
+        zero.setdefault("contiguous_gradients", True)
+    # No clipping (gradient_clipping 0), so the global norm is never used: skip its per-tensor pass
+    # and host sync. DeepSpeed allows this at stages 1-2 only, not with optimizer offload, and fp16
+    # keeps it (the norm is part of its overflow detection).
+    if stage in (1, 2) and not offload and spec.precision != "fp16":
+        zero.setdefault("compute_grad_norm", False)
+    if spec.precision == "bf16":
+        cfg["bf16"]["check_grad_overflow"] = False  # bf16 does not overflow where fp32 would not; no scaler
+
+
+def deepspeed_adamw(params, spec: TrainSpec, profile: str, offload: bool) -> tuple[torch.optim.Optimizer, str]:
+    """The optimizer and how it is named in the record. ``tuned`` on a GPU: DeepSpeed's FusedAdam
+    (AdamW mode) when its op builds, which also puts stage 0's 16-bit training on DeepSpeed's flat
+    FP16_Optimizer instead of the per-tensor FP16_UnfusedOptimizer a client optimizer gets; if the
+    op does not build, torch's fused AdamW, the reason recorded. Otherwise (``matched``, CPU,
+    offload) the client torch AdamW of ``common.adamw``."""
+    params = list(params)
+    fallback = ""
+    if profile == "tuned" and spec.device.type == "cuda" and not offload:
+        try:
+            from deepspeed.ops.adam import FusedAdam
+
+            o = spec.optim
+            opt = FusedAdam(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, adam_w_mode=True)
+            return opt, "deepspeed.ops.adam.FusedAdam (adam_w_mode)"
+        except Exception as exc:  # the JIT build of the CUDA op: no compiler, headers or ninja on the machine
+            fallback = f" (DeepSpeed's FusedAdam did not build: {type(exc).__name__}: {str(exc)[:200]})"
+    opt = adamw(params, spec)
+    kind = "fused" if opt.defaults.get("fused") else "foreach" if opt.defaults.get("foreach") else "for-loop"
+    return opt, f"torch.optim.AdamW ({kind}){fallback}"
 
 
 def _allow_fp16_on_cpu(spec: TrainSpec) -> None:
@@ -125,6 +192,7 @@ class DeepSpeedTrainer(Trainer):
         offload: bool = False,
         model: torch.nn.Module | None = None,
         param_groups: list[dict] | None = None,
+        profile: str = "matched",
     ):
         """``model`` / ``param_groups``: a prepared module and optimizer groups (deepspeed.moe passes
         its MoE model and DeepSpeed's expert / non-expert groups); by default the GPT, one group."""
@@ -135,11 +203,15 @@ class DeepSpeedTrainer(Trainer):
         if model is None:
             model = build_model(spec.model, spec.seed, spec.device)
             checkpoint_blocks(model, spec)  # a model-level option: the blocks recompute inside the engine
-        config = ds_config(spec, stage, offload)
+        self.profile = profile
+        config = ds_config(spec, stage, offload, profile)
         opt_spec = replace(spec, device=torch.device("cpu")) if offload else spec  # AdamW runs on the CPU
+        optimizer, self.optimizer_name = deepspeed_adamw(
+            param_groups if param_groups is not None else model.parameters(), opt_spec, profile, offload
+        )
         self.engine, *_ = deepspeed.initialize(
             model=model,
-            optimizer=adamw(param_groups if param_groups is not None else model.parameters(), opt_spec),
+            optimizer=optimizer,
             config=config,
             dist_init_required=False,
             mpu=None,
@@ -186,6 +258,15 @@ class DeepSpeedTrainer(Trainer):
                 g["lr"] = lr
         self._step += 1
         return total
+
+    def strategy_stats(self) -> dict:
+        """The profile, the optimizer that ran and the wrapper DeepSpeed put around it (the flat
+        FP16_Optimizer / ZeRO optimizers, or the per-tensor FP16_UnfusedOptimizer)."""
+        return {
+            "profile": self.profile,
+            "optimizer": self.optimizer_name,
+            "optimizer_wrapper": type(self.engine.optimizer).__name__,
+        }
 
     def loss_scale(self):
         if self.spec.precision != "fp16":
@@ -249,7 +330,7 @@ def _builder(stage: int, offload: bool = False):
     def build(spec: TrainSpec) -> DeepSpeedTrainer:
         if spec.device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        return DeepSpeedTrainer(spec, stage, offload)
+        return DeepSpeedTrainer(spec, stage, offload, profile=ShardedPeerOptions.read(spec.options).profile)
 
     return build
 

@@ -1,4 +1,11 @@
-"""PyTorch DistributedDataParallel: gradients all-reduced in buckets, overlapped with backward."""
+"""PyTorch DistributedDataParallel: gradients all-reduced in buckets, overlapped with backward.
+
+Profiles (option ``profile``): ``tuned`` and ``matched`` are the same configuration, since what the
+DDP notes recommend for throughput (https://pytorch.org/docs/stable/notes/ddp.html and the
+``DistributedDataParallel`` reference: ``gradient_as_bucket_view=True`` saves the gradient copy
+into the buckets; ``bucket_cap_mb`` 25, its default, option ``bucket_mb``) is what the reference
+comparison used already; torch's fused AdamW on GPUs (``common.adamw``). The option exists so a
+suite can name either profile for every peer."""
 
 from __future__ import annotations
 

@@ -11,6 +11,15 @@ shards all-reduces the found-inf flag over the mesh, so every rank skips alike (
 the optimizer step live in CPU memory; each block's shard is copied to the device for its
 all-gather. On a CPU-only machine the "device" is the CPU already, so the copies are no-ops and the
 numbers measure only the policy's bookkeeping.
+
+Profiles (option ``profile``). ``tuned`` (the default) is torchtitan's FSDP2 setup
+(torchtitan/models/llama3/infra/parallelize.py ``apply_fsdp``, reshard_after_forward_policy
+"default" without pipelining): every block resharded after forward except the last, whose
+parameters backward would all-gather again at once; the root resharded; MixedPrecisionPolicy
+(bf16/fp16 parameters, fp32 reduction) as above; torch's fused AdamW on GPUs
+(``common.adamw``). ``matched``: every block resharded after forward (option
+``reshard_after_forward``), the traffic of ref.zero3. A given ``reshard_after_forward`` applies to
+every block in both profiles.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from dataclasses import replace
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from parabench.families.sharded import ShardedOptions
+from parabench.families.sharded import ShardedPeerOptions
 from parabench.models import build_model
 from parabench.peers.common import TorchTrainer, adamw, checkpoint_blocks
 from parabench.strategies import TrainSpec
@@ -31,16 +40,25 @@ class FSDP2Trainer(TorchTrainer):
         return {n: p.full_tensor().detach().float().cpu() for n, p in self.module.named_parameters()}
 
 
+def block_reshard_after_forward(o: ShardedPeerOptions, n_blocks: int, given: dict) -> list[bool]:
+    """Per block. ``tuned``, unless the option is given: torchtitan's default policy, every block
+    but the last, whose parameters backward would gather again at once. ``matched`` (or the option
+    given): the option for every block, like ref.zero3's per-block resharding."""
+    if o.profile == "tuned" and "reshard_after_forward" not in given:
+        return [i < n_blocks - 1 for i in range(n_blocks)]
+    return [o.reshard_after_forward] * n_blocks
+
+
 def build(spec: TrainSpec, offload: bool = False, mesh=None) -> FSDP2Trainer:
     model = build_model(spec.model, spec.seed, spec.device)
     checkpoint_blocks(model, spec)  # before fully_shard: its hooks stay outside the recomputed region
     mesh = mesh if mesh is not None else spec.topology.mesh["dp"]
     mp = MixedPrecisionPolicy(param_dtype=spec.compute_dtype, reduce_dtype=torch.float32)
-    reshard = ShardedOptions.read(spec.options).reshard_after_forward
+    o = ShardedPeerOptions.read(spec.options)
     extra = {"offload_policy": CPUOffloadPolicy(pin_memory=spec.device.type == "cuda")} if offload else {}
-    for block in model.blocks:
+    for block, reshard in zip(model.blocks, block_reshard_after_forward(o, len(model.blocks), spec.options)):
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, **extra)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, **extra)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=o.reshard_after_forward, **extra)
     # FSDP2 casts parameters itself; autocast on top would only add casts.
     # With offload the parameters (and the AdamW step) are on the CPU: no fused CUDA kernel there.
     opt_spec = replace(spec, device=torch.device("cpu")) if offload else spec
@@ -60,7 +78,7 @@ def build_hsdp(spec: TrainSpec) -> FSDP2Trainer:
     topo = spec.topology
     if topo.tp != 1 or topo.pp != 1:
         raise ValueError("torch.hsdp composes with neither tp nor pp here")
-    shard = ShardedOptions.read(spec.options).shard_size
+    shard = ShardedPeerOptions.read(spec.options).shard_size
     if topo.dp % shard:
         raise ValueError(f"shard_size={shard} does not divide the data-parallel degree {topo.dp}")
     mesh = init_device_mesh(spec.device.type, (topo.dp // shard, shard), mesh_dim_names=("replicate", "shard"))
