@@ -114,7 +114,8 @@ def ds_config(spec: TrainSpec, stage: int, offload: bool = False, profile: str =
     if "bucket_mb" in spec.options:  # unset: DeepSpeed's own bucket sizes, not ShardedOptions' default
         # DeepSpeed counts both bucket sizes in elements; gradients and parameters travel in the
         # parameter dtype (fp32, or bf16/fp16 under its mixed precision).
-        size = int(o.bucket_mb * 2**20) // spec.compute_dtype.itemsize
+        # ZeRO-1/2 also require a multiple of its start alignment (2 elements: 4 bytes of fp16).
+        size = int(o.bucket_mb * 2**20) // spec.compute_dtype.itemsize // 2 * 2
         cfg["zero_optimization"].update(reduce_bucket_size=size, allgather_bucket_size=size)
     return cfg
 
