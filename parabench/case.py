@@ -48,11 +48,23 @@ class Case:
         # Options whose default changed what a strategy measures (a peer's ``profile``) are written
         # into the case itself, so its hash, label and record name the value that ran, and a record
         # made before the option existed (which lacks it) never pairs with a case made now.
-        spec = STRATEGIES.get(self.strategy)
-        keys = getattr(spec.options, "RECORDED_DEFAULTS", ()) if spec is not None else ()
-        missing = {k: f.default for f in fields(spec.options) if (k := f.name) in keys and k not in self.options}
+        missing = {k: v for k, v in self.recorded_defaults().items() if k not in self.options}
         if missing:
             object.__setattr__(self, "options", {**missing, **self.options})
+
+    def recorded_defaults(self) -> dict:
+        """The strategy's options that every case records even when left at their default."""
+        spec = STRATEGIES.get(self.strategy)
+        if spec is None:
+            return {}
+        keys = getattr(spec.options, "RECORDED_DEFAULTS", ())
+        return {f.name: f.default for f in fields(spec.options) if f.name in keys}
+
+    def options_as_written(self) -> dict:
+        """``options`` without the recorded defaults that sit at their default value: what a suite
+        file states for this case (its ``[[exclude]]`` tables match on this)."""
+        defaults = self.recorded_defaults()
+        return {k: v for k, v in self.options.items() if not (k in defaults and defaults[k] == v)}
 
     def identity(self) -> dict:
         d = asdict(self)

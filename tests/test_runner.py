@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from parabench.case import Case
 from parabench.results import load_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,7 +192,6 @@ def test_manifest_names_the_commit_the_device_copy_was_sent_from(monkeypatch):
 def test_a_hung_collective_is_recorded_as_a_timeout_naming_it(tmp_path):
     """NCCL's watchdog (its timeout is shorter than the case's) or gloo's waiting call names the
     collective that never completed; the record says hang, not crash, whatever killed the ranks."""
-    from parabench.case import Case
     from parabench.results import write_json_atomic
     from parabench.runner import _classify
 
@@ -282,7 +282,7 @@ def test_a_case_that_leaves_memory_allocated_ends_its_launch(tmp_path):
     assert proc.returncode == 0, proc.stderr
     _, records = load_run(tmp_path / "res" / "leak" / "r")
     assert [r["status"] for r in records] == ["ok"] * 4
-    by_opts = {json.dumps(r["case"]["options"], sort_keys=True): r for r in records}
+    by_opts = {json.dumps(Case.from_dict(r["case"]).options_as_written(), sort_keys=True): r for r in records}
     small, big, after, last = (
         by_opts[json.dumps(o, sort_keys=True)]
         for o in (
