@@ -26,7 +26,6 @@ Every method here is distribution-free and exact for small samples (no scipy, no
 
 from __future__ import annotations
 
-import copy
 import math
 import statistics
 from functools import lru_cache
@@ -249,7 +248,9 @@ def _combine(launches: list[dict]) -> dict:
         rep = min(ok, key=lambda r: (abs(r["metrics"]["step_time_s_median"] - mid), launch_index(r)))
     else:
         rep = launches[0]
-    out = copy.deepcopy(rep)
+    # A shallow copy: only top-level keys and metrics entries are replaced below, never mutated in
+    # place, so the launch records stay as they were read.
+    out = {**rep, "metrics": dict(rep["metrics"]) if isinstance(rep.get("metrics"), dict) else rep.get("metrics")}
     out["launches"] = rows
     stats: dict = {"n": len(ok), "n_launches": len(launches), "representative_repeat": launch_index(rep)}
     if ok:

@@ -8,6 +8,7 @@ case with ``torch.ddp`` never imports DeepSpeed.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import types
 import typing
@@ -151,6 +152,13 @@ def _fits(value, tp) -> bool:
     return isinstance(value, typing.get_origin(tp) or tp)
 
 
+@functools.cache
+def _option_fields(cls) -> tuple[dict, frozenset]:
+    """An options class's resolved type hints and field names, resolved once per class (string
+    annotations are evaluated on each call of ``typing.get_type_hints``; every case parses)."""
+    return typing.get_type_hints(cls), frozenset(f.name for f in fields(cls))
+
+
 @dataclass(frozen=True)
 class CommonOptions:
     """Options every strategy accepts: the worker and the meters read them, whatever the strategy."""
@@ -170,8 +178,7 @@ class CommonOptions:
     def parse(cls, options: dict, strategy: str = "") -> "CommonOptions":
         """The typed options of a dict; an unknown key or a value of the wrong type is a ValueError
         that names the valid keys (or the wanted type)."""
-        hints = typing.get_type_hints(cls)
-        known = {f.name for f in fields(cls)}
+        hints, known = _option_fields(cls)
         for key, value in options.items():
             if key not in known:
                 raise ValueError(
