@@ -67,7 +67,8 @@ class Case:
         return {k: v for k, v in self.options.items() if not (k in defaults and defaults[k] == v)}
 
     def identity(self) -> dict:
-        d = asdict(self)
+        # Field values as they are (no deep copy): the hash serialises them, never keeps them.
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
         for k in self.IDENTITY_EXCLUDES:
             d.pop(k)
         d["strategy_version"] = get_strategy(self.strategy).version

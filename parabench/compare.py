@@ -73,7 +73,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from parabench.record import rank0_comm
@@ -126,6 +126,12 @@ class CaseComparison:
     verdict: str  # regression | improvement | unjudged | same | only-baseline | only-candidate
     metrics: list[MetricDelta] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+
+def case_as_dict(c: CaseComparison) -> dict:
+    """``dataclasses.asdict`` without its deep copy (every field is a scalar, a string list or the
+    list of MetricDelta): the gate builds one per case."""
+    return {**vars(c), "metrics": [dict(vars(m)) for m in c.metrics], "notes": list(c.notes)}
 
 
 def metric_value(record: dict, name: str):
@@ -335,7 +341,7 @@ def compare_runs(
         "counts": counts,
         "regression": counts.get("regression", 0) > 0 or (fail_unjudged and counts.get("unjudged", 0) > 0),
         "notes": notes,
-        "cases": [asdict(c) for c in cases],
+        "cases": [case_as_dict(c) for c in cases],
     }
 
 
