@@ -8,7 +8,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-from parabench.strategies import STRATEGIES, get_strategy
+from parabench.strategies import RECIPES, STRATEGIES, get_strategy, recipe_name
 from parabench.topology import Topology
 
 
@@ -20,6 +20,9 @@ class Case:
     strategy: str
     world_size: int
     precision: str = "fp32"
+    # bf16/fp16: "master" or "amp" (``strategies.RECIPES``); None picks the strategy's default and
+    # is resolved here, so every low-precision case names the recipe it ran. fp32 has none.
+    recipe: str | None = None
     micro_batch: int = 2
     grad_accum: int = 1
     seq_len: int | None = None
@@ -45,6 +48,13 @@ class Case:
     IDENTITY_EXCLUDES = ("timeout_s", "own_launch", "repeats", "repeat")
 
     def __post_init__(self):
+        if self.precision == "fp32":  # nothing to choose (a suite's recipe axis collapses here)
+            object.__setattr__(self, "recipe", None)
+        elif self.recipe is None:
+            spec = STRATEGIES.get(self.strategy)
+            object.__setattr__(self, "recipe", spec.recipes_for(self.precision)[0] if spec is not None else RECIPES[0])
+        elif self.recipe not in RECIPES:
+            raise ValueError(f"unknown recipe {self.recipe!r}; valid recipes: {', '.join(RECIPES)}")
         # Options whose default changed what a strategy measures (a peer's ``profile``) are written
         # into the case itself, so its hash, label and record name the value that ran, and a record
         # made before the option existed (which lacks it) never pairs with a case made now.
@@ -71,6 +81,8 @@ class Case:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         for k in self.IDENTITY_EXCLUDES:
             d.pop(k)
+        if d["recipe"] is None:  # fp32 cases keep the hashes they had before recipes existed
+            d.pop("recipe")
         d["strategy_version"] = get_strategy(self.strategy).version
         return d
 
@@ -88,10 +100,20 @@ class Case:
     def label(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
         return (
-            f"{self.strategy} {self.model} w{self.world_size} {self.precision} mb{self.micro_batch}"
+            f"{self.strategy} {self.model} w{self.world_size} {self.precision_recipe} mb{self.micro_batch}"
             + (f" ga{self.grad_accum}" if self.grad_accum > 1 else "")
             + (f" [{opts}]" if opts else "")
         )
+
+    @property
+    def precision_recipe(self) -> str:
+        """``fp32``, ``bf16-master``, ``bf16-amp``, ... (``strategies.recipe_name``)."""
+        return recipe_name(self.precision, self.recipe)
+
+    @property
+    def param_precision(self) -> str:
+        """The precision parameters and gradients live and travel in: fp32 under "amp"."""
+        return "fp32" if self.recipe == "amp" else self.precision
 
     @property
     def dp(self) -> int:
@@ -107,8 +129,14 @@ class Case:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Case":
+        """A case as a record stored it. Records made before cases named their recipe get the one
+        their strategy trained low-precision cases in then (``StrategySpec.legacy_recipe``)."""
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        kw = {k: v for k, v in d.items() if k in known}
+        if "recipe" not in d and kw.get("precision", "fp32") != "fp32":
+            spec = STRATEGIES.get(kw.get("strategy"))
+            kw["recipe"] = spec.legacy_recipe if spec is not None else None
+        return cls(**kw)
 
 
 def launch_key(case_hash: str, repeat: int = 0) -> str:

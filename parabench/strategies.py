@@ -25,6 +25,29 @@ from parabench.topology import Topology
 # weights + dynamic loss scaling), the others in fp32 and bf16.
 DP_PRECISIONS = ("fp32", "bf16", "fp16")
 
+# Precision recipes of a bf16/fp16 case (an fp32 case has none):
+# - "master": parameters and gradients in the low precision, fp32 master weights and fp32 optimizer
+#   states (Micikevicius et al. 2018, Sec. 3.1; DeepSpeed's bf16/fp16, Megatron's and ZeRO's layout);
+# - "amp": fp32 parameters, gradients and optimizer states, matmuls in the low precision under
+#   torch.autocast (torch.amp's recipe).
+# Compute, memory and traffic all differ between the two, so a ratio pairs like recipes only.
+RECIPES = ("master", "amp")
+
+
+# Recipe declarations of the rows in parabench/families/ (StrategySpec keywords).
+# torch peers: bf16 parameters with fp32 masters where asked; fp16 only as torch.amp documents it
+# (GradScaler unscales fp32 gradients).
+TORCH_PEER_RECIPES = dict(recipes=("master", "amp"), fp16_recipes=("amp",), legacy_recipe="amp")
+# Context and expert parallelism train under autocast only; DeepSpeed's engines keep bf16/fp16
+# parameters with fp32 masters (its ``torch_autocast`` mode reduces some gradients in bf16: not modelled).
+AMP_ONLY = dict(recipes=("amp",), legacy_recipe="amp")
+MASTER_ONLY = dict(recipes=("master",), legacy_recipe="master")
+
+
+def recipe_name(precision: str, recipe: str | None) -> str:
+    """How tables and labels name a precision recipe: ``fp32``, ``bf16-master``, ``bf16-amp``..."""
+    return precision if precision == "fp32" or not recipe else f"{precision}-{recipe}"
+
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -54,10 +77,22 @@ class TrainSpec:
     grad_accum: int = 1
     optim: OptimConfig = field(default_factory=OptimConfig)
     options: dict = field(default_factory=dict)
+    recipe: str | None = None  # "master" | "amp" (RECIPES) for bf16/fp16, None for fp32
 
     @property
     def compute_dtype(self) -> torch.dtype:
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.precision]
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype parameters and gradients are kept (and communicated) in: the compute dtype
+        under "master", fp32 under "amp" (autocast casts the matmul inputs)."""
+        return torch.float32 if self.recipe == "amp" else self.compute_dtype  # None: as before recipes
+
+    @property
+    def autocast_on(self) -> bool:
+        """Forward under torch.autocast: the "amp" recipe (and a spec made without a recipe)."""
+        return self.recipe != "master" and self.precision != "fp32"
 
 
 class Trainer(ABC):
@@ -229,6 +264,11 @@ class StrategySpec:
     kind: str  # "peer" or "reference"
     description: str
     precisions: tuple[str, ...] = ("fp32", "bf16")
+    # The recipes it trains bf16/fp16 in (RECIPES); the first is a case's default.
+    recipes: tuple[str, ...] = ("master", "amp")
+    fp16_recipes: tuple[str, ...] | None = None  # where fp16 has fewer (None: ``recipes``)
+    # What its bf16/fp16 records meant before cases recorded a recipe (reading old runs).
+    legacy_recipe: str = "master"
     min_world_size: int = 1
     version: str = "1"  # bump when the implementation changes what it measures
     # False for strategies that leave state behind in the process (device memory, global hooks)
@@ -242,6 +282,12 @@ class StrategySpec:
     validate: Callable | None = None
     expect: Callable | None = None
     routed_comm: Callable | None = None
+
+    def recipes_for(self, precision: str) -> tuple[str, ...]:
+        """The recipes a case of ``precision`` may name; the first is its default (none for fp32)."""
+        if precision == "fp32":
+            return ()
+        return self.fp16_recipes if precision == "fp16" and self.fp16_recipes is not None else self.recipes
 
     def caveats_for(self, precision: str) -> list[str]:
         return [text for p, text in self.caveats if p == precision]

@@ -17,6 +17,11 @@ A suite file is flat TOML::
     strategy = "torch.fsdp2"
     precision = "bf16"
 
+``recipe`` ("master" or "amp", ``parabench.strategies.RECIPES``) picks how a bf16/fp16 case
+keeps its parameters; left out, each strategy's default (master where it has it). As a list it is
+an axis that runs each strategy in the recipes it supports (DeepSpeed: master only); a single
+value a strategy lacks is an error.
+
 Several ``[[matrix]]`` tables are expanded one by one and concatenated, which is how a suite
 gives each model size its own micro-batch. Every error names the file, the line and the field.
 
@@ -40,7 +45,7 @@ import tomllib
 from parabench.case import Case
 from parabench.models import MODEL_LADDER
 from parabench.results import UnsafeNameError, check_path_component
-from parabench.strategies import DP_PRECISIONS, STRATEGIES, get_strategy
+from parabench.strategies import DP_PRECISIONS, RECIPES, STRATEGIES, get_strategy
 from parabench.topology import Topology, TopologyError
 
 SUITES_DIR = Path(__file__).resolve().parent.parent / "suites"
@@ -68,6 +73,7 @@ _TYPES = {
     "model": str,
     "strategy": str,
     "precision": str,
+    "recipe": str,
     "device": str,
     "options": dict,
 }
@@ -207,8 +213,15 @@ def load_suite(name_or_path: str) -> Suite:
                 fail("required key missing", key, "matrix", mi)
         keys = list(matrix)
         axes = [v if isinstance(v, list) else [v] for v in matrix.values()]
+        recipe_axis = isinstance(matrix.get("recipe"), list)
         for combo in itertools.product(*axes):
             spec = {**defaults, **dict(zip(keys, combo))}
+            if (
+                recipe_axis
+                and spec.get("precision", "fp32") != "fp32"
+                and spec.get("recipe") not in get_strategy(spec["strategy"]).recipes_for(spec.get("precision"))
+            ):
+                continue  # a recipe axis runs each strategy in the recipes it has
             try:
                 case = Case(**spec)
                 validate_case(case)
@@ -248,6 +261,8 @@ def _check_value(key: str, value, fail) -> None:
         fail(f"unknown strategy {value!r}; valid strategies: {', '.join(sorted(STRATEGIES))}")
     if key == "precision" and value not in DP_PRECISIONS:
         fail(f"unknown precision {value!r}; valid precisions: {', '.join(DP_PRECISIONS)}")
+    if key == "recipe" and value not in RECIPES:
+        fail(f"unknown recipe {value!r}; valid recipes: {', '.join(RECIPES)}")
     if key == "device" and value not in ("auto", "cpu", "cuda"):
         fail(f"unknown device {value!r}; valid devices: auto, cpu, cuda")
     if (
@@ -273,6 +288,11 @@ def validate_case(case: Case) -> None:
     if case.precision not in info.precisions:
         raise SuiteError(
             f"{case.strategy} does not support precision {case.precision} (supported: {', '.join(info.precisions)})"
+        )
+    if case.recipe is not None and case.recipe not in info.recipes_for(case.precision):
+        raise SuiteError(
+            f"{case.strategy} does not train {case.precision} in the {case.recipe!r} recipe "
+            f"(supported: {', '.join(info.recipes_for(case.precision))})"
         )
     if case.world_size < info.min_world_size:
         raise SuiteError(f"{case.strategy} needs world_size >= {info.min_world_size}")

@@ -183,6 +183,7 @@ def make_spec(case: Case, device: torch.device) -> TrainSpec:
         seed=case.seed,
         device=device,
         precision=case.precision,
+        recipe=case.recipe,
         topology=topo,
         micro_batch=case.micro_batch,
         grad_accum=case.grad_accum,

@@ -72,7 +72,10 @@ class ParallelGPT:
             n_micro = self.microbatches * grad_accum
             s_local = self.seq_len // self.tp if self.sequence_parallel else self.seq_len
             act_shape = (inputs.shape[0] // n_micro, s_local, self.d_model)
-            loss = self.engine.run(inputs, targets, n_micro, act_shape)
+            # The residual stream crosses stage boundaries in the parameters' dtype (fp32 under
+            # autocast, bf16 when the parameters are bf16).
+            act_dtype = next(self.module.parameters()).dtype
+            loss = self.engine.run(inputs, targets, n_micro, act_shape, act_dtype)
         else:
             loss = torch.zeros((), device=inputs.device)
             for x, y in zip(inputs.chunk(grad_accum), targets.chunk(grad_accum)):

@@ -112,3 +112,56 @@ class DynamicLossScaler:
             "skipped": not applied,
         }
         self.step += 1
+
+
+class MasterWeightOptimizer:
+    """fp32 master weights for a module whose parameters are bf16 (the "master" recipe, Sec. 3.1).
+
+    The module computes and its gradients arrive in bf16; the optimizer (built by
+    ``make_optimizer`` over fp32 tensors) updates an fp32 copy of every parameter, which is then
+    rounded back into the bf16 parameter. Without the fp32 copy, updates smaller than bf16's
+    spacing (2^-8 relative) would be lost. Each tensor is handled as this rank stores it (a
+    DTensor's local shard): AdamW is elementwise, so updating the shards updates the whole.
+
+    No communication here: the strategy has reduced the gradients before ``step``."""
+
+    def __init__(self, params, make_optimizer):
+        self.params = [p for p in params if p.requires_grad]
+        self.master = [_local(p).detach().float().clone() for p in self.params]
+        self._master_grads = [torch.empty_like(m) for m in self.master]
+        self.optimizer = make_optimizer(self.master)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def master_bytes(self) -> int:
+        return sum(m.numel() * m.element_size() for m in self.master)
+
+    @torch.no_grad()
+    def step(self):
+        with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
+        if not with_grad:
+            return
+        torch._foreach_copy_(
+            [self._master_grads[i] for i in with_grad], [_local(self.params[i].grad) for i in with_grad]
+        )
+        for i in with_grad:
+            self.master[i].grad = self._master_grads[i]  # fp32 copies of the bf16 gradients
+        self.optimizer.step()
+        torch._foreach_copy_([_local(p) for p in self.params], self.master)  # fp32 -> bf16, rounded to nearest
+
+    def zero_grad(self, set_to_none: bool = True):
+        for p in self.params:
+            p.grad = None
+        for m in self.master:
+            m.grad = None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t

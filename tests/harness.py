@@ -122,12 +122,14 @@ _TRUTHS: dict = {}
 
 
 def single_truth(case: Case, n_steps: int, options: dict | None = None) -> dict:
-    """The ground truth: the same model, seed, data, optimizer and precision, on one process, on
+    """The ground truth: the same model, seed, data, optimizer, precision and recipe, on one process, on
     the whole global batch of ``case`` (in micro-batches of ``global_batch / grad_accum``). Runs in
     the calling process (inside a rank or the test process). ``options``: strategy options of the
     single run (an injected inf). Losses, loss scales and full parameters; cached, since many
     cases share one truth."""
     optim = case.options.get("optim", {})
+    # The same precision recipe where the single-process trainer has it (not fp16 "master").
+    recipe = case.recipe if case.recipe in get_strategy("single").recipes_for(case.precision) else None
     key = (
         case.model,
         case.seq_len,
@@ -137,6 +139,7 @@ def single_truth(case: Case, n_steps: int, options: dict | None = None) -> dict:
         case.global_batch,
         case.grad_accum,
         case.precision,
+        recipe,
         repr(options),
         n_steps,
     )
@@ -147,6 +150,7 @@ def single_truth(case: Case, n_steps: int, options: dict | None = None) -> dict:
             seed=case.seed,
             device=torch.device("cpu"),
             precision=case.precision,
+            recipe=recipe,
             topology=Topology(world_size=1, rank=0),
             micro_batch=case.global_batch // case.grad_accum,
             grad_accum=case.grad_accum,

@@ -17,7 +17,7 @@ from typing import Literal
 
 from parabench.families.data_parallel import DataParallelOptions, expect_ref_ddp, reference_model
 from parabench.models import GPTConfig, lm_loss
-from parabench.strategies import StrategySpec, TrainSpec, as_trainer
+from parabench.strategies import AMP_ONLY, StrategySpec, TrainSpec, as_trainer
 from parabench.theory import BYTES, Expectation, ref_bucket_shapes, sum_ops, zero_paper_state_bytes
 from parabench.theory import psi as psi_of
 
@@ -50,7 +50,7 @@ def _kwargs(spec: TrainSpec) -> dict:
     a = spec.optim
     return dict(
         grad_accum=spec.grad_accum,
-        compute_dtype=spec.compute_dtype,
+        compute_dtype=spec.param_dtype,
         adam=dict(lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay),
     )
 
@@ -128,7 +128,7 @@ def compression_ops(cfg: GPTConfig, case, dp: int, method: str, buckets=None) ->
     """Every (kind, payload bytes) op of one compressed-DDP step (see the table above)."""
     o = CompressionOptions.read(case.options)
     if buckets is None:
-        b = BYTES[case.precision]
+        b = BYTES[case.param_precision]
         buckets = ref_bucket_shapes(cfg, b, float(o.bucket_mb))
     ops: list[tuple[str, int]] = []
     for shapes in buckets:
@@ -171,7 +171,7 @@ def compressed_expectation(method: str):
         extra = 4 * p if ef else 0
         if method == "powersgd":  # warm-start Q (m x r) per 2-D tensor
             rank = int(o.powersgd_rank)
-            for shapes in ref_bucket_shapes(cfg, BYTES[case.precision], float(o.bucket_mb)):
+            for shapes in ref_bucket_shapes(cfg, BYTES[case.param_precision], float(o.bucket_mb)):
                 extra += sum(4 * s[1] * min(rank, *s) for s in shapes if len(s) == 2)
         return Expectation(
             state_bytes=_compressed_state(cfg, case, o, dp, extra),
@@ -258,6 +258,7 @@ def _row(name, builder, kind, description, expect, **kw):
         options=CompressionOptions,
         validate=validate,
         expect=expect,
+        **(AMP_ONLY if kind == "peer" else {}),
         **kw,
     )
 

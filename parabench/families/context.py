@@ -9,7 +9,7 @@ from typing import Literal
 
 from parabench.models import GPTConfig
 from parabench.peers.common import CPTrainer
-from parabench.strategies import CommonOptions, StrategySpec, TrainSpec
+from parabench.strategies import AMP_ONLY, CommonOptions, StrategySpec, TrainSpec
 from parabench.theory import BYTES, Expectation, psi, sum_ops, zero_paper_state_bytes
 
 
@@ -125,6 +125,7 @@ def _row(name, builder, kind, description, expect, **kw):
         validate=validate,
         expect=expect,
         min_world_size=2,
+        **AMP_ONLY,
         **kw,
     )
 

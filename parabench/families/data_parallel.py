@@ -7,10 +7,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+import torch
 import torch.distributed as dist
 
 from parabench.models import build_model, lm_loss
-from parabench.strategies import DP_PRECISIONS, CommonOptions, PeerProfile, StrategySpec, TrainSpec, as_trainer
+from parabench.strategies import (
+    DP_PRECISIONS,
+    TORCH_PEER_RECIPES,
+    CommonOptions,
+    PeerProfile,
+    StrategySpec,
+    TrainSpec,
+    as_trainer,
+)
 from parabench.theory import BYTES, Expectation, psi, ref_bucket_sizes, volume, zero_paper_state_bytes
 
 
@@ -67,14 +76,19 @@ def common_kwargs(spec: TrainSpec, o: LossScaleOptions, groups=()) -> dict:
     a = spec.optim
     return dict(
         grad_accum=spec.grad_accum,
-        compute_dtype=spec.compute_dtype,
+        compute_dtype=spec.param_dtype,
         adam=dict(lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay),
         grad_scaler=scaler(spec, o, groups),
     )
 
 
 def reference_model(spec: TrainSpec, o: LossScaleOptions):
+    """The GPT a reference trains. Under the "amp" recipe its forward runs under torch.autocast (the
+    reference then keeps, reduces and updates fp32 parameters: ``compute_dtype`` is fp32); under
+    "master" the reference casts its flat buffers to bf16/fp16 itself."""
     model = build_model(spec.model, spec.seed, spec.device)
+    if spec.recipe == "amp" and spec.precision != "fp32":
+        model.forward = torch.autocast(device_type=spec.device.type, dtype=spec.compute_dtype)(model.forward)
     if o.activation_checkpointing:
         from reference_impls.activation_checkpointing import checkpoint_blocks
 
@@ -153,13 +167,15 @@ def expect_torch_ddp(cfg, case, o, dp):
     p = psi(cfg)
     # DDP all-reduces even on a one-rank group (measured on 1 GPU: a copy, no wire traffic; the
     # wire estimate 2(n-1)/n x payload is then 0); only the plain single-process trainer sends nothing.
-    comm = {"all_reduce": 4 * p} if case.strategy == "torch.ddp" else {}
+    e = BYTES[case.param_precision]
+    comm = {"all_reduce": e * p} if case.strategy == "torch.ddp" else {}
     return Expectation(
-        state_bytes={"params": 4 * p, "grads": 4 * p, "optimizer": 8 * p},
+        state_bytes={"params": e * p, "grads": e * p, "optimizer": (8 if e == 4 else 12) * p},
         comm_payload_bytes=comm,
         paper_state_bytes=zero_paper_state_bytes(0, p, dp),
-        notes="fp32 parameters and gradients (autocast for bf16), Adam moments fp32; one fp32 all-reduce of "
-        "all gradients per step (no_sync during accumulation).",
+        notes="amp: fp32 parameters and gradients, autocast forward; master: bf16/fp16 parameters and "
+        "gradients, fp32 master copy; Adam moments fp32; one all-reduce of all gradients per step in the "
+        "parameter dtype (no_sync during accumulation).",
     )
 
 
@@ -169,7 +185,7 @@ def expect_torch_ddp(cfg, case, o, dp):
 
 
 def expect_ref_ddp(cfg, case, o, dp):
-    p, b, mixed = psi(cfg), BYTES[case.precision], case.precision != "fp32"
+    p, b, mixed = psi(cfg), BYTES[case.param_precision], case.param_precision != "fp32"
     buckets = ref_bucket_sizes(cfg, b, float(o.bucket_mb), 1)
     return Expectation(
         state_bytes={
@@ -187,7 +203,7 @@ def expect_ref_ddp(cfg, case, o, dp):
 
 
 def expect_ref_ps(cfg, case, o, dp):
-    p, b, mixed = psi(cfg), BYTES[case.precision], case.precision != "fp32"
+    p, b, mixed = psi(cfg), BYTES[case.param_precision], case.param_precision != "fp32"
     server_state = {
         "params": b * p,
         "grads": 2 * b * p + (4 * p if mixed else 0),
@@ -222,6 +238,7 @@ def _row(name, builder, kind, description, expect, options=DataParallelOptions, 
         precisions=DP_PRECISIONS,
         options=options,
         expect=expect,
+        **(TORCH_PEER_RECIPES if kind == "peer" or name == "single" else {}),
         **kw,
     )
 

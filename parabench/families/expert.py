@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from parabench.models import MOE_ROUTING, GPTConfig, build_model, lm_loss, parameter_count
 from parabench.peers.common import ReplicatedTrainer, adamw, assemble_on_rank0, autocast, check_degree
-from parabench.strategies import CommonOptions, StrategySpec, TrainSpec
+from parabench.strategies import AMP_ONLY, MASTER_ONLY, CommonOptions, StrategySpec, TrainSpec
 from parabench.theory import BYTES, Expectation, sum_ops
 
 
@@ -283,6 +283,7 @@ def _row(name, builder, kind, description, expect, **kw):
         expect=expect,
         routed_comm=routed_comm,
         min_world_size=2,
+        **(MASTER_ONLY if kind == "peer" else AMP_ONLY),
         **kw,
     )
 

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from parabench.models import GPTConfig, build_model
-from parabench.peers.common import adamw, autocast, optimizer_state_bytes, tensor_bytes
-from parabench.strategies import CommonOptions, StrategySpec, Trainer, TrainSpec
+from parabench.peers.common import autocast, optimizer_state_bytes, recipe_module, recipe_optimizer, tensor_bytes
+from parabench.strategies import MASTER_ONLY, TORCH_PEER_RECIPES, CommonOptions, StrategySpec, Trainer, TrainSpec
 from parabench.theory import BYTES, Expectation, scalar_ops, sum_ops
 
 TP_STRATEGIES = ("ref.tp", "ref.tp_sp", "torch.tp", "torch.tp_sp")
@@ -119,7 +119,7 @@ class ModelParallelTrainer(Trainer):
         self.spec = spec
         topo = spec.topology
         o = ModelParallelOptions.read(spec.options)
-        model = build_model(spec.model, spec.seed, spec.device)
+        model = recipe_module(build_model(spec.model, spec.seed, spec.device), spec)
         self.par = parallelize(
             model,
             tp_group=topo.tp_group,
@@ -133,7 +133,7 @@ class ModelParallelTrainer(Trainer):
         # it), so the timed steps of a record_timeline case keep their speed.
         self._timeline_wanted = o.record_timeline
         del model
-        self.optimizer = adamw(self.par.module.parameters(), spec)
+        self.optimizer = recipe_optimizer(self.par.module.parameters(), spec)
         self.measure_state = False
         self._grad_bytes = 0
 
@@ -198,6 +198,13 @@ def build_pp_1f1b(spec: TrainSpec) -> ModelParallelTrainer:
 # SCALAR_BYTES are listed apart from volume) is applied exactly as on the measurement.
 
 
+def recipe_state_bytes(case, n: int) -> dict:
+    """Model-state bytes of n parameters held whole: fp32 parameters, gradients and Adam moments,
+    or ("master") bf16/fp16 parameters and gradients with an fp32 master copy beside the moments."""
+    e = BYTES[case.param_precision]
+    return {"params": e * n, "grads": e * n, "optimizer": (8 if e == 4 else 12) * n}
+
+
 def _mp_local_params(cfg: GPTConfig, t: int, lo: int, hi: int, first: bool, last: bool) -> int:
     """Parameters one rank of a TP x PP grid holds (shapes of reference_impls.tensor_parallel)."""
     h, V, s, r = cfg.d_model, cfg.vocab_size, cfg.seq_len, cfg.mlp_ratio
@@ -257,7 +264,9 @@ def model_parallel_ops(
     o = ModelParallelOptions.read(case.options)
     t, p = o.tp, o.pp
     d = case.world_size // (t * p)
-    h, s, E = cfg.d_model, cfg.seq_len, 4
+    # E: bytes of what lives in the parameter dtype (fp32 under "amp", bf16/fp16 under "master",
+    # where every activation and gradient is in the compute dtype).
+    h, s, E = cfg.d_model, cfg.seq_len, BYTES[case.param_precision]
     lo, hi = partition_layers(cfg.n_layers, p)[pp_rank]
     first, last = pp_rank == 0, pp_rank == p - 1
     B = case.micro_batch * case.grad_accum
@@ -318,7 +327,7 @@ def model_parallel_expectation(sequence_parallel: bool | None, schedule: str | N
         for _, pp_rank, _ in grid:
             lo, hi = partition_layers(cfg.n_layers, p)[pp_rank]
             n = _mp_local_params(cfg, t, lo, hi, pp_rank == 0, pp_rank == p - 1)
-            state.append({"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n})
+            state.append(recipe_state_bytes(case, n))
         out = Expectation(
             state_bytes=state,
             comm_payload_bytes=per_rank[0],
@@ -378,13 +387,14 @@ def torch_tp_ops(cfg: GPTConfig, case, coords: tuple[int, int, int], sequence_pa
     d = case.world_size // t
     ops = model_parallel_ops(cfg, case, coords, sequence_parallel, step_ops=False)
     numels, partial = _torch_tp_numels(cfg, t, sequence_parallel)
+    e = BYTES[case.param_precision]
     if sequence_parallel:
-        ops += [("reduce_scatter", cfg.seq_len * cfg.d_model * 4), ("all_gather", cfg.seq_len * cfg.d_model * 4)] * (
+        ops += [("reduce_scatter", cfg.seq_len * cfg.d_model * e), ("all_gather", cfg.seq_len * cfg.d_model * e)] * (
             case.grad_accum
         )
-        ops += [("all_reduce", 4 * n) for n in partial]
+        ops += [("all_reduce", e * n) for n in partial]
     if d > 1:
-        ops += [("all_reduce", 4 * n) for n in numels]
+        ops += [("all_reduce", e * n) for n in numels]
     return ops
 
 
@@ -396,7 +406,7 @@ def torch_tp_expectation(sequence_parallel: bool):
         per_rank = [sum_ops(x) for x in ops]
         n = sum(_torch_tp_numels(cfg, t, sequence_parallel)[0])
         return Expectation(
-            state_bytes=[{"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}] * len(grid),
+            state_bytes=[recipe_state_bytes(case, n)] * len(grid),
             comm_payload_bytes=per_rank[0],
             comm_payload_bytes_per_rank=per_rank,
             comm_scalar_ops_per_rank=[scalar_ops(x) for x in ops],
@@ -527,7 +537,8 @@ def torch_pipeline_ops(cfg: GPTConfig, case, pp_rank: int, dp: int) -> list[tupl
     chunks = p * v
     n = o.n_microbatches * case.grad_accum
     b = case.micro_batch * case.grad_accum // n
-    act = b * cfg.seq_len * cfg.d_model * 4
+    e = BYTES[case.param_precision]
+    act = b * cfg.seq_len * cfg.d_model * e
     ops: list[tuple[str, int]] = []
     for _ in range(n):
         for k in range(v):
@@ -541,7 +552,7 @@ def torch_pipeline_ops(cfg: GPTConfig, case, pp_rank: int, dp: int) -> list[tupl
         for k in range(v):
             c = pp_rank + k * p
             ops += [
-                ("all_reduce", 4 * numel) for numel in _chunk_param_numels(cfg, *bounds[c], c == 0, c == chunks - 1)
+                ("all_reduce", e * numel) for numel in _chunk_param_numels(cfg, *bounds[c], c == 0, c == chunks - 1)
             ]
     return ops
 
@@ -572,7 +583,7 @@ def expect_torch_pipeline(cfg, case, o, dp):
     state = []
     for _, pp_rank in grid:
         n = sum(sum(_chunk_param_numels(cfg, *bounds[c], c == 0, c == chunks - 1)) for c in range(pp_rank, chunks, p))
-        state.append({"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n})
+        state.append(recipe_state_bytes(case, n))
     n_micro = o.n_microbatches * case.grad_accum
     return Expectation(
         state_bytes=state,
@@ -602,6 +613,13 @@ def _row(name, builder, kind, description, expect, **kw):
         options=ModelParallelOptions,
         validate=validate,
         expect=expect,
+        **(
+            MASTER_ONLY
+            if name.startswith("deepspeed.")
+            else TORCH_PEER_RECIPES
+            if name.startswith("torch.")
+            else {"legacy_recipe": "amp"}
+        ),
         **kw,
     )
 

@@ -20,7 +20,7 @@ from parabench.families.data_parallel import (
     with_lr_spike,
 )
 from parabench.models import lm_loss, parameter_count
-from parabench.strategies import DP_PRECISIONS, PeerProfile, StrategySpec, TrainSpec, as_trainer
+from parabench.strategies import DP_PRECISIONS, MASTER_ONLY, PeerProfile, StrategySpec, TrainSpec, as_trainer
 from parabench.theory import BYTES, Expectation, psi, ref_bucket_sizes, shard_numel, volume, zero_paper_state_bytes
 
 
@@ -152,17 +152,25 @@ def build_hsdp(spec: TrainSpec):
 # --- expectations: peers ------------------------------------------------------------------------
 
 
+def fsdp2_reduce_bytes(case, o) -> int:
+    """Bytes per gradient element FSDP2 reduces in (``torch_fsdp2.mixed_precision_policy``)."""
+    if case.param_precision == "fp32" or o.profile == "tuned":
+        return 4
+    return BYTES[case.precision]
+
+
 def expect_torch_fsdp2(cfg, case, o, dp):
     p = psi(cfg)
-    pbytes = BYTES[case.precision]
+    pbytes = BYTES[case.param_precision]
     accum = case.grad_accum
     comm = (
         {
             # forward gathers every parameter group (blocks and root), backward gathers each again
             # (reshard_after_forward=True, the root included) but the last block under the tuned
-            # profile; gradients are reduce-scattered in fp32 after every micro-batch.
+            # profile; gradients are reduce-scattered after every micro-batch (fp32, or the
+            # compute dtype under the matched profile).
             "all_gather": accum * (2 * p - fsdp2_kept_after_forward(cfg, case, o)) * pbytes,
-            "reduce_scatter": accum * p * 4,
+            "reduce_scatter": accum * p * fsdp2_reduce_bytes(case, o),
         }
         if dp > 1
         else {}
@@ -182,9 +190,9 @@ def expect_torch_hsdp(cfg, case, o, dp):
     return Expectation(
         state_bytes=None,  # per-parameter dim-0 sharding within the shard group: see the measurement
         comm_payload_bytes={
-            "all_gather": accum * (2 * p - fsdp2_kept_after_forward(cfg, case, o)) * BYTES[case.precision],
-            "reduce_scatter": accum * p * 4,  # within the shard group, fp32
-            "all_reduce": accum * p * 4 // shard,  # the shard, across replicas
+            "all_gather": accum * (2 * p - fsdp2_kept_after_forward(cfg, case, o)) * BYTES[case.param_precision],
+            "reduce_scatter": accum * p * fsdp2_reduce_bytes(case, o),  # within the shard group
+            "all_reduce": accum * p * fsdp2_reduce_bytes(case, o) // shard,  # the shard, across replicas
         },
         paper_state_bytes=zero_paper_state_bytes(3, p, shard),
         notes="FSDP2 on a (replicate, shard) mesh: forward and backward gathers inside the shard group, "
@@ -207,7 +215,7 @@ def deepspeed_expectation(stage: int):
 
     def fn(cfg, case, o, dp):
         p = psi(cfg)
-        b = BYTES[case.precision]
+        b = BYTES[case.param_precision]
         accum = case.grad_accum
         comm = None
         if dp > 1:
@@ -287,7 +295,7 @@ def _ref_units(cfg, n: int) -> tuple[int, int]:
 
 def ref_zero_expectation(stage: int):
     def fn(cfg, case, o, dp):
-        p, b, mixed = psi(cfg), BYTES[case.precision], case.precision != "fp32"
+        p, b, mixed = psi(cfg), BYTES[case.param_precision], case.param_precision != "fp32"
         buckets = ref_bucket_sizes(cfg, b, float(o.bucket_mb), dp)
         psi_p, shard = sum(buckets), sum(buckets) // dp
         rs_rounds = 1 if stage == 1 else case.grad_accum
@@ -323,7 +331,7 @@ def ref_zero_expectation(stage: int):
 
 def ref_sharded_expectation(variant: str):
     def fn(cfg, case, o, dp):
-        p, b, mixed = psi(cfg), BYTES[case.precision], case.precision != "fp32"
+        p, b, mixed = psi(cfg), BYTES[case.param_precision], case.param_precision != "fp32"
         n = o.shard_size if variant == "hsdp" else dp
         root, block = _ref_units(cfg, n)
         units = [root] + [block] * cfg.n_layers
@@ -378,7 +386,7 @@ def ref_sharded_expectation(variant: str):
 
 def expect_ref_zero2_offload(cfg, case, o, dp):
     base = ref_zero_expectation(2)(cfg, case, o, dp)
-    p, b = psi(cfg), BYTES[case.precision]
+    p, b = psi(cfg), BYTES[case.param_precision]
     buckets = ref_bucket_sizes(cfg, b, float(o.bucket_mb), dp)
     psi_p, shard = sum(buckets), sum(buckets) // dp
     return Expectation(
@@ -396,7 +404,7 @@ def expect_ref_zero2_offload(cfg, case, o, dp):
 def deepspeed_offload_expectation(stage: int):
     def fn(cfg, case, o, dp):
         base = deepspeed_expectation(stage)(cfg, case, o, dp)
-        p, b = psi(cfg), BYTES[case.precision]
+        p, b = psi(cfg), BYTES[case.param_precision]
         device_params = b * p if stage == 2 else b * shard_numel(p, dp)
         return Expectation(
             state_bytes=None,  # read from the engine (its "optimizer" figure includes the CPU-resident part)
@@ -435,6 +443,7 @@ def _row(name, builder, kind, description, expect, **kw):
         precisions=DP_PRECISIONS,
         options=ShardedPeerOptions if kind == "peer" else ShardedOptions,
         expect=expect,
+        **(MASTER_ONLY if name.startswith("deepspeed.") else {}),
         **kw,
     )
 

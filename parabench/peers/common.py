@@ -27,7 +27,8 @@ def tensor_bytes(tensors) -> int:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return tensor_bytes(
+    """Adam's moments, plus the fp32 master weights of the "master" recipe."""
+    return getattr(optimizer, "master_bytes", 0) + tensor_bytes(
         v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0
     )
 
@@ -40,10 +41,32 @@ def adamw(params, spec: TrainSpec) -> torch.optim.Optimizer:
 
 
 def autocast(spec: TrainSpec):
-    """Mixed precision for torch peers: fp32 parameters (the master copy), compute in bf16/fp16."""
-    if spec.precision == "fp32":
+    """The "amp" recipe's forward: fp32 parameters, matmuls in bf16/fp16 (torch.amp). Under
+    "master" (and fp32) the parameters already are in the compute dtype: nothing to cast."""
+    if not spec.autocast_on:
         return contextlib.nullcontext()
     return torch.autocast(device_type=spec.device.type, dtype=spec.compute_dtype)
+
+
+def master_recipe(spec: TrainSpec) -> bool:
+    return spec.recipe == "master" and spec.precision != "fp32"
+
+
+def recipe_module(model: torch.nn.Module, spec: TrainSpec) -> torch.nn.Module:
+    """ "master": the module's parameters in the compute dtype (bf16), before any wrapper sees them."""
+    return model.to(spec.compute_dtype) if master_recipe(spec) else model
+
+
+def recipe_optimizer(params, spec: TrainSpec, make=None):
+    """AdamW (``make(params)``, default ``adamw``) over the parameters; under "master" over fp32
+    copies of them (``reference_impls.mixed_precision.MasterWeightOptimizer``: PyTorch has no
+    fp32-master optimizer for bf16 modules, so the peers share the references' few lines)."""
+    make = make or (lambda ps: adamw(ps, spec))
+    if master_recipe(spec):
+        from reference_impls.mixed_precision import MasterWeightOptimizer
+
+        return MasterWeightOptimizer(params, make)
+    return make(list(params))
 
 
 def loss_scale_options(spec: TrainSpec):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from parabench.models import build_model
-from parabench.peers.common import TorchTrainer, adamw, checkpoint_blocks
+from parabench.peers.common import TorchTrainer, checkpoint_blocks, recipe_module, recipe_optimizer
 from parabench.strategies import TrainSpec
 
 
@@ -13,6 +13,6 @@ class SingleTrainer(TorchTrainer):
 
 
 def build(spec: TrainSpec) -> SingleTrainer:
-    model = build_model(spec.model, spec.seed, spec.device)
+    model = recipe_module(build_model(spec.model, spec.seed, spec.device), spec)
     checkpoint_blocks(model, spec)
-    return SingleTrainer(spec, model, adamw(model.parameters(), spec))
+    return SingleTrainer(spec, model, recipe_optimizer(model.parameters(), spec))

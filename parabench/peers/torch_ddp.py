@@ -5,7 +5,11 @@ DDP notes recommend for throughput (https://pytorch.org/docs/stable/notes/ddp.ht
 ``DistributedDataParallel`` reference: ``gradient_as_bucket_view=True`` saves the gradient copy
 into the buckets; ``bucket_cap_mb`` 25, its default, option ``bucket_mb``) is what the reference
 comparison used already; torch's fused AdamW on GPUs (``common.adamw``). The option exists so a
-suite can name either profile for every peer."""
+suite can name either profile for every peer.
+
+Recipes: "amp" is the DDP + torch.amp recipe of PyTorch's AMP examples (fp32 parameters, gradients
+and buckets, autocast forward); "master" gives DDP bf16 parameters (bf16 buckets on the wire) and
+AdamW fp32 master copies (``common.recipe_optimizer``)."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parabench.families.data_parallel import DataParallelOptions
 from parabench.models import build_model
-from parabench.peers.common import TorchTrainer, adamw, checkpoint_blocks
+from parabench.peers.common import TorchTrainer, checkpoint_blocks, recipe_module, recipe_optimizer
 from parabench.strategies import TrainSpec
 
 
@@ -23,7 +27,7 @@ class DDPTrainer(TorchTrainer):
 
 
 def build(spec: TrainSpec) -> DDPTrainer:
-    model = build_model(spec.model, spec.seed, spec.device)
+    model = recipe_module(build_model(spec.model, spec.seed, spec.device), spec)
     checkpoint_blocks(model, spec)  # before DDP: DDP wraps whatever forward the blocks have
     ddp = DDP(
         model,
@@ -32,4 +36,4 @@ def build(spec: TrainSpec) -> DDPTrainer:
         bucket_cap_mb=float(DataParallelOptions.read(spec.options).bucket_mb),
         gradient_as_bucket_view=True,
     )
-    return DDPTrainer(spec, ddp, adamw(ddp.parameters(), spec), no_sync=ddp.no_sync)
+    return DDPTrainer(spec, ddp, recipe_optimizer(ddp.parameters(), spec), no_sync=ddp.no_sync)

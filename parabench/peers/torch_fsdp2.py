@@ -2,8 +2,10 @@
 
 Parameters are DTensors sharded along dim 0 over the data-parallel mesh; each block's
 parameters are all-gathered before its forward and backward and resharded after, and gradients
-are reduce-scattered. With bf16/fp16 the policy is 16-bit parameters for compute and fp32 gradient
-reduction (torchtitan's default), so the sharded fp32 parameters are the master weights. fp16 adds
+are reduce-scattered. Recipe "master" (bf16/fp16): the policy is 16-bit parameters for compute and
+fp32 gradient reduction (torchtitan's default; ``matched`` reduces in the compute dtype, as the
+references do), so the sharded fp32 parameters are the master weights. Recipe "amp": fp32 shards,
+fp32 traffic, autocast forward. fp16 adds
 the plain ``torch.amp.GradScaler`` (see ``common.TorchTrainer``): its unscale of DTensor gradient
 shards all-reduces the found-inf flag over the mesh, so every rank skips alike (FACTS).
 
@@ -18,7 +20,7 @@ Profiles (option ``profile``). ``tuned`` (the default) is torchtitan's FSDP2 set
 parameters backward would all-gather again at once; the root resharded; MixedPrecisionPolicy
 (bf16/fp16 parameters, fp32 reduction) as above; torch's fused AdamW on GPUs
 (``common.adamw``). ``matched``: every block resharded after forward (option
-``reshard_after_forward``), the traffic of ref.zero3. A given ``reshard_after_forward`` applies to
+``reshard_after_forward``) and gradients reduced in the compute dtype: the traffic of ref.zero3. A given ``reshard_after_forward`` applies to
 every block in both profiles.
 """
 
@@ -53,16 +55,26 @@ def build(spec: TrainSpec, offload: bool = False, mesh=None) -> FSDP2Trainer:
     model = build_model(spec.model, spec.seed, spec.device)
     checkpoint_blocks(model, spec)  # before fully_shard: its hooks stay outside the recomputed region
     mesh = mesh if mesh is not None else spec.topology.mesh["dp"]
-    mp = MixedPrecisionPolicy(param_dtype=spec.compute_dtype, reduce_dtype=torch.float32)
     o = ShardedPeerOptions.read(spec.options)
+    mp = mixed_precision_policy(spec, o)
     extra = {"offload_policy": CPUOffloadPolicy(pin_memory=spec.device.type == "cuda")} if offload else {}
     for block, reshard in zip(model.blocks, block_reshard_after_forward(o, len(model.blocks), spec.options)):
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, **extra)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=o.reshard_after_forward, **extra)
-    # FSDP2 casts parameters itself; autocast on top would only add casts.
     # With offload the parameters (and the AdamW step) are on the CPU: no fused CUDA kernel there.
     opt_spec = replace(spec, device=torch.device("cpu")) if offload else spec
-    return FSDP2Trainer(spec, model, adamw(model.parameters(), opt_spec), autocast_enabled=False)
+    return FSDP2Trainer(spec, model, adamw(model.parameters(), opt_spec), autocast_enabled=spec.autocast_on)
+
+
+def mixed_precision_policy(spec: TrainSpec, o: ShardedPeerOptions) -> MixedPrecisionPolicy:
+    """ "master": FSDP2 casts the fp32 shards (the master weights) to bf16/fp16 for compute, and
+    reduces gradients in fp32 (``tuned``, torchtitan's default) or in the compute dtype
+    (``matched``, as the references reduce-scatter). "amp" and fp32: no casting by FSDP2, fp32 on
+    the wire, autocast in the forward (``TorchTrainer``)."""
+    if spec.autocast_on or spec.precision == "fp32":
+        return MixedPrecisionPolicy()
+    reduce = torch.float32 if o.profile == "tuned" else spec.compute_dtype
+    return MixedPrecisionPolicy(param_dtype=spec.compute_dtype, reduce_dtype=reduce)
 
 
 def build_offload(spec: TrainSpec) -> FSDP2Trainer:

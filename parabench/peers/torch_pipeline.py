@@ -17,7 +17,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from parabench.families.model_parallel import ModelParallelOptions
 from parabench.models import build_model, lm_loss
-from parabench.peers.common import adamw, autocast, optimizer_state_bytes, tensor_bytes
+from parabench.peers.common import autocast, optimizer_state_bytes, recipe_module, recipe_optimizer, tensor_bytes
 from parabench.strategies import Trainer, TrainSpec
 from reference_impls.pipeline import partition_layers
 
@@ -36,8 +36,7 @@ class GPTStage(nn.Module):
             self.ln_f, self.head = model.ln_f, model.head
 
     def forward(self, x):
-        # The schedule calls forward itself, so mixed precision goes here (fp32 parameters
-        # as master weights, bf16/fp16 compute), as for the other torch peers.
+        # The schedule calls forward itself, so the "amp" recipe's autocast goes here.
         with autocast(self.spec):
             if self.first:
                 x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
@@ -51,7 +50,7 @@ class TorchPipelineTrainer(Trainer):
         self.spec = spec
         topo = spec.topology
         pp, self.pp_rank = topo.pp, topo.pp_rank
-        model = build_model(spec.model, spec.seed, spec.device)
+        model = recipe_module(build_model(spec.model, spec.seed, spec.device), spec)
         o = ModelParallelOptions.read(spec.options)
         v = o.virtual_stages if schedule == "interleaved" else 1
         n_chunks = pp * v
@@ -71,7 +70,7 @@ class TorchPipelineTrainer(Trainer):
         self.has_first = 0 in self.stage_ids
         self.has_last = n_chunks - 1 in self.stage_ids
         self.params = [p for m in self.modules for p in m.parameters()]
-        self.optimizer = adamw(self.params, spec)
+        self.optimizer = recipe_optimizer(self.params, spec)
         self.measure_state = False
         self._grad_bytes = 0
 

@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from parabench.models import build_model, lm_loss
-from parabench.peers.common import TorchTrainer, autocast, local_tensor, tensor_bytes
+from parabench.peers.common import TorchTrainer, autocast, local_tensor, recipe_module, recipe_optimizer, tensor_bytes
 from parabench.strategies import TrainSpec
 
 
@@ -132,13 +132,13 @@ def _match_parameter_layouts(module: torch.nn.Module) -> None:
             p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
-def tp_adamw(model: torch.nn.Module, spec: TrainSpec) -> torch.optim.Optimizer:
+def tp_adamw(params, spec: TrainSpec) -> torch.optim.Optimizer:
     """AdamW, fused on CUDA and foreach elsewhere (as ``common.adamw``), with one param group per
     parameter kind: torch's fused and foreach kernels refuse a tensor list that mixes DTensors and
     plain tensors (torch.tp's LayerNorms and position table stay plain), and each group is one
     kernel call. Gradients reach it in their parameter's layout (``_match_parameter_layouts``)."""
     o = spec.optim
-    params = list(model.parameters())
+    params = list(params)
     dtensors = [p for p in params if hasattr(p, "placements")]
     plain = [p for p in params if not hasattr(p, "placements")]
     groups = [{"params": ps} for ps in (dtensors, plain) if ps]
@@ -147,9 +147,10 @@ def tp_adamw(model: torch.nn.Module, spec: TrainSpec) -> torch.optim.Optimizer:
 
 
 def _build(spec: TrainSpec, sequence_parallel: bool) -> TorchTPTrainer:
-    model = build_model(spec.model, spec.seed, spec.device)
+    model = recipe_module(build_model(spec.model, spec.seed, spec.device), spec)
     parallelize_module(model, spec.topology.mesh["tp"], _plan(model, sequence_parallel))
-    return TorchTPTrainer(spec, model, tp_adamw(model, spec))
+    # "master": AdamW over fp32 copies of the local shards (plain tensors: one group, one kernel).
+    return TorchTPTrainer(spec, model, recipe_optimizer(model.parameters(), spec, make=lambda ps: tp_adamw(ps, spec)))
 
 
 def build_tp(spec: TrainSpec) -> TorchTPTrainer:
