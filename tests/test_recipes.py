@@ -5,7 +5,6 @@ recipe, with the state and traffic its theory expects; and the axis in cases, su
 from __future__ import annotations
 
 import pytest
-import torch
 from harness import max_rel_diff, payload_by_kind, replica_mean_losses, run_cases
 
 from parabench.case import Case
