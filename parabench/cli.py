@@ -363,6 +363,9 @@ def cmd_recheck(args) -> int:
             if before == "stale":
                 print(f"{run}: skipped: {after}")
                 continue
+            if before == "unchanged":
+                print(f"{run}: {label}: {verdict[after]}  (theory and checks as recorded; file untouched)")
+                continue
             mark = "" if before == after else f"  (was: {verdict[before]})"
             print(f"{run}: {label}: {verdict[after]}{mark}")
     return 0
