@@ -203,7 +203,8 @@ def test_byte_cells_show_binary_units_with_the_exact_count_in_the_title():
     assert human_bytes(29_332_618_752) == "27.32 GiB"
     assert human_bytes(1023) == "1,023 B" and human_bytes(64 << 20) == "64.00 MiB"
     cols = [("measured_bytes", "measured", "bytes"), ("expected_bytes", "analytic", "bytes")]
-    table = _table("t", "t", cols, [{"measured_bytes": 29_332_618_752, "expected_bytes": [1 << 20, 3 << 20]}])
+    table = _table("t", "Bytes", cols, [{"measured_bytes": 29_332_618_752, "expected_bytes": [1 << 20, 3 << 20]}])
+    assert table["title"] == "Bytes"
     measured, expected = table["rows"][0]["cells"]
     assert (measured["text"], measured["title"], measured["sort"]) == (
         "27.32 GiB",

@@ -171,8 +171,8 @@ def _table(id_: str, title: str, columns, rows, note: str = "", row_class=None, 
                 cls = "bad"
             elif kind == "wrap":
                 cls = "wrapcell"
-            title = _exact_bytes(v) if kind == "bytes" else ""
-            cells.append({"text": _fmt(v, kind), "sort": num, "cls": cls, "title": title})
+            exact = _exact_bytes(v) if kind == "bytes" else ""
+            cells.append({"text": _fmt(v, kind), "sort": num, "cls": cls, "title": exact})
         body.append({"cells": cells, "cls": row_class(r) if row_class else ""})
     return {
         "id": id_,
