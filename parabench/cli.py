@@ -1,4 +1,4 @@
-"""``parabench``: run suites or single cases, list what exists, build reports, compare runs.
+"""``parabench``: run suites or single cases, list what exists, build reports, compare and export runs.
 
 Exit status: 0 success; 1 a case failed (with --strict: or was skipped), or a comparison found a
 regression or missing data; 2 bad input (unknown names, out-of-range values, malformed suite or
@@ -18,7 +18,9 @@ from parabench.case import Case
 from parabench.results import SchemaError, UnsafeNameError, check_path_component
 from parabench.suite import Suite, SuiteError, list_suites, load_suite, validate_case
 
-DEFAULT_OUT = Path("results")
+# Local runs land in a git-ignored folder, so running a suite never dirties the tracked tree (and
+# with it the next manifest's ``git.dirty``); ``--out results`` writes a run meant for committing.
+DEFAULT_OUT = Path("runs")
 
 
 # --- argument types: every value checked at parse time, argparse names the flag ------------------
@@ -363,8 +365,26 @@ def cmd_recheck(args) -> int:
             if before == "stale":
                 print(f"{run}: skipped: {after}")
                 continue
+            if before == "unchanged":
+                print(f"{run}: {label}: {verdict[after]}  (theory and checks as recorded; file untouched)")
+                continue
             mark = "" if before == after else f"  (was: {verdict[before]})"
             print(f"{run}: {label}: {verdict[after]}{mark}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from parabench.data import ExportError, export, load
+
+    fmt, path = ("parquet", args.parquet) if args.parquet else ("csv", args.csv)
+    try:
+        frame = load(args.runs, per_rank=args.per_rank)
+        export(frame, path, fmt)
+    except (OSError, SchemaError, ExportError) as exc:
+        print(f"parabench: error: {exc}", file=sys.stderr)
+        return 2
+    rows = "case x rank rows" if args.per_rank else "case launch rows"
+    print(f"parabench: {len(frame):,} {rows}, {len(frame.columns):,} columns -> {path}")
     return 0
 
 
@@ -427,7 +447,11 @@ def build_parser() -> argparse.ArgumentParser:
                 help="results go to <out>/<name>/<run-id> (one folder name)",
             )
             p.set_defaults(func=cmd_run_case)
-        p.add_argument("--out", default=str(DEFAULT_OUT), help="results root (default: results)")
+        p.add_argument(
+            "--out",
+            default=str(DEFAULT_OUT),
+            help=f"results root (default: {DEFAULT_OUT}, git-ignored; --out results for a run to commit)",
+        )
         p.add_argument("--run-id", type=_folder_name("--run-id"), help="run folder name (default: a timestamp)")
         p.add_argument("--resume", action="store_true", help="skip cases already recorded in the run folder")
         p.add_argument("--retry-failed", action="store_true", help="with --resume: run failed cases again")
@@ -466,6 +490,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="only these strategies (repeatable; 'ref.tp*' matches a prefix)",
     )
     p.set_defaults(func=cmd_recheck)
+
+    p = sub.add_parser(
+        "export",
+        help="case records as a table (one row per case launch, or per case and rank), as parabench.load reads them",
+    )
+    p.add_argument("runs", nargs="+", help="run folders, or folders holding run folders")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--csv", metavar="PATH", help="write CSV here (list and dict cells as JSON text)")
+    where.add_argument("--parquet", metavar="PATH", help="write Parquet here (needs pyarrow: pip install pyarrow)")
+    p.add_argument("--per-rank", action="store_true", help="one row per case launch and rank")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("compare", help="regression gate: compare a candidate run with a baseline")
     from parabench.compare import add_arguments as _compare_arguments

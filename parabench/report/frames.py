@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from parabench.record import byte_high, pipeline_stages, rank0_comm, theory_state_total
+from parabench.data import case_row
+from parabench.record import byte_high, pipeline_stages, rank0_comm
 
 MiB = 2**20
 
@@ -48,72 +49,69 @@ def records_of(runs, strategies):
                 yield idx, run_name(manifest), r
 
 
-def _bytes_text(v):
-    """A byte figure or a [low, high] range (``record.byte_high``) as text."""
-    if isinstance(v, list):
-        return " – ".join(f"{x:,}" if as_number(x) is not None else "?" for x in v)
-    return v
-
-
 def short_case(r: dict) -> str:
     c = r.get("case") or {}
     return f"{c.get('strategy')} w{c.get('world_size')} {c.get('precision')}"
 
 
+def _ms(seconds):
+    return seconds * 1e3 if as_number(seconds) is not None else None
+
+
+def _pct(fraction):
+    return fraction * 100 if as_number(fraction) is not None else None
+
+
 def case_rows(runs) -> list[dict]:
+    """The report's case table: ``parabench.data.case_row`` (the reading ``parabench.load`` gives),
+    in the report's units (ms, %, MiB), with its launch, error and pipeline columns."""
     rows = []
     for idx, (manifest, records) in enumerate(runs):
         for r in records:
-            m = r.get("metrics") or {}
-            c = r.get("case") or {}
-            comm_pb = (rank0_comm(r) or {}).get("payload_bytes")
-            theory_comm = dig(r, "theory", "comm_payload_bytes")
-            peak = as_number(m.get("peak_alloc_bytes")) or as_number(m.get("peak_rss_bytes"))
-            mfu, roof = as_number(m.get("mfu")), as_number(m.get("roofline_fraction"))
+            d = case_row(manifest, r, registry=False)  # the report imports no training code
+            peak = as_number(d.get("peak_alloc_bytes")) or as_number(d.get("peak_rss_bytes"))
             err = r.get("error") or {}
             rows.append(
                 {
-                    "run": run_name(manifest),
+                    "run": d["run"],
                     "run_idx": idx,
-                    "label": r.get("label", ""),
-                    "case_hash": r.get("case_hash", ""),
-                    "status": r.get("status", "?"),
-                    "strategy": str(c.get("strategy")),
-                    "model": str(c.get("model")),
-                    "params": as_number(dig(r, "model", "params", "total")),
-                    "world_size": c.get("world_size"),
-                    "precision": str(c.get("precision")),
-                    "micro_batch": c.get("micro_batch"),
-                    "grad_accum": c.get("grad_accum"),
-                    "device": dig(r, "device", "name"),
+                    "label": d["label"] or "",
+                    "case_hash": d["case_hash"] or "",
+                    "status": d["status"] or "?",
+                    "strategy": str(d["strategy"]),
+                    "model": str(d["model"]),
+                    "params": d["params"],
+                    "world_size": d["world_size"],
+                    "precision": str(d["precision"]),
+                    "micro_batch": d["micro_batch"],
+                    "grad_accum": d["grad_accum"],
+                    "device": d["device"],
                     "short": short_case(r),
-                    "tokens_per_s_per_device": as_number(m.get("tokens_per_s_per_device")),
-                    "tokens_per_s": as_number(m.get("tokens_per_s")),
-                    "tokens_per_step": as_number(m.get("tokens_per_step")),
+                    "tokens_per_s_per_device": as_number(d.get("tokens_per_s_per_device")),
+                    "tokens_per_s": as_number(d.get("tokens_per_s")),
+                    "tokens_per_step": as_number(d.get("tokens_per_step")),
                     **launch_columns(r),
-                    "step_time_ms_median": as_number(m.get("step_time_s_median")) and m["step_time_s_median"] * 1e3,
-                    "step_time_ms_p10": as_number(m.get("step_time_s_p10")) and m["step_time_s_p10"] * 1e3,
-                    "step_time_ms_p90": as_number(m.get("step_time_s_p90")) and m["step_time_s_p90"] * 1e3,
-                    "step_times_s": m.get("step_times_s"),
-                    "mfu_pct": mfu * 100 if mfu is not None else None,
-                    "roofline_pct": roof * 100 if roof is not None else None,
+                    "step_time_ms_median": _ms(d.get("step_time_s_median")),
+                    "step_time_ms_p10": _ms(d.get("step_time_s_p10")),
+                    "step_time_ms_p90": _ms(d.get("step_time_s_p90")),
+                    "step_times_s": d.get("step_times_s"),
+                    "mfu_pct": _pct(d.get("mfu")),
+                    "roofline_pct": _pct(d.get("roofline_fraction")),
                     "peak_mem_MiB": _mib(peak),
-                    "peak_alloc_MiB": _mib(m.get("peak_alloc_bytes")),
-                    "peak_requested_MiB": _mib(m.get("peak_requested_bytes")),
-                    "peak_reserved_MiB": _mib(m.get("peak_reserved_bytes")),
-                    "device_used_MiB": _mib(m.get("device_used_bytes")),
-                    "peak_rss_MiB": _mib(m.get("peak_rss_bytes")),
-                    "model_state_MiB": _mib(m.get("model_state_bytes_max")),
-                    "theory_state_MiB": _mib(theory_state_total(r)),
+                    "peak_alloc_MiB": _mib(d.get("peak_alloc_bytes")),
+                    "peak_requested_MiB": _mib(d.get("peak_requested_bytes")),
+                    "peak_reserved_MiB": _mib(d.get("peak_reserved_bytes")),
+                    "device_used_MiB": _mib(d.get("device_used_bytes")),
+                    "peak_rss_MiB": _mib(d.get("peak_rss_bytes")),
+                    "model_state_MiB": _mib(d.get("model_state_bytes_max")),
+                    "theory_state_MiB": _mib(d["theory_state_bytes"]),
                     "paper_state_MiB": _mib(dig(r, "theory", "paper_state_bytes")),
-                    "comm_MiB": _mib(comm_pb),
-                    "theory_comm_MiB": _mib(sum(byte_high(v) or 0 for v in theory_comm.values()))
-                    if theory_comm is not None
-                    else None,
-                    "comm_check": dig(r, "checks", "comm_ok"),
-                    "state_check": dig(r, "checks", "state_ok"),
-                    "final_loss": as_number(m.get("final_loss")),
-                    "losses": m.get("losses"),
+                    "comm_MiB": _mib(d["comm_payload_bytes"]),
+                    "theory_comm_MiB": _mib(d["theory_comm_bytes"]),
+                    "comm_check": d["comm_ok"],
+                    "state_check": d["state_ok"],
+                    "final_loss": as_number(d.get("final_loss")),
+                    "losses": d.get("losses"),
                     "error": err.get("message"),
                     "error_type": err.get("type"),
                     "first_failing_rank": err.get("first_failing_rank"),
@@ -200,8 +198,9 @@ def comm_check_rows(runs) -> list[dict]:
                         "expected_MiB": _mib(byte_high(c.get("expected_bytes"))),
                         "measured_MiB": _mib(byte_high(c.get("measured_bytes"))),
                         "expected_range": isinstance(c.get("expected_bytes"), list),
-                        "expected_bytes": _bytes_text(c.get("expected_bytes")),
-                        "measured_bytes": _bytes_text(c.get("measured_bytes")),
+                        # a byte count or a [low, high] range: the report formats both
+                        "expected_bytes": c.get("expected_bytes"),
+                        "measured_bytes": c.get("measured_bytes"),
                         "ratio": as_number(c.get("ratio")),
                         "ok": c.get("ok"),
                         "calls": k.get("calls"),

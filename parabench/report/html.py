@@ -19,7 +19,7 @@ from pathlib import Path
 
 import jinja2
 
-from parabench.compare import DEFAULT_THRESHOLD, compare_runs
+from parabench.compare import DEFAULT_THRESHOLD, METRICS, compare_runs
 from parabench.report import cp_balance, frames, moe_routing, spread
 from parabench.report import step_breakdown as step_breakdown_section
 from parabench.results import load_run
@@ -27,7 +27,8 @@ from parabench.stats import combine_launches
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 
-# column key -> (header, format): format "int", "f1", "f2", "f3", "g4", "pct", "str", "wrap" (text that wraps)
+# column key -> (header, format): format "int", "f1", "f2", "f3", "g4", "pct", "str", "wrap" (text that wraps),
+# "bytes" (a byte count, or a [low, high] range, in binary units; the exact count in the cell's title)
 CASE_COLUMNS = [
     ("label", "case", "str"),
     ("status", "status", "str"),
@@ -64,8 +65,8 @@ MEMORY_COLUMNS = [
 COMM_COLUMNS = [
     ("label", "case", "str"),
     ("kind", "kind", "str"),
-    ("measured_bytes", "measured B", "int"),
-    ("expected_bytes", "analytic B (range: low – high)", "int"),
+    ("measured_bytes", "measured", "bytes"),
+    ("expected_bytes", "analytic (range: low – high)", "bytes"),
     ("ratio", "ratio", "g4"),
     ("ok", "within allowance", "str"),
     ("calls", "calls", "int"),
@@ -104,16 +105,42 @@ COLL_COLUMNS = [
     ("op", "op", "str"),
     ("algorithm", "algorithm", "str"),
     ("peak_busbw", "peak busbw GB/s", "g4"),
-    ("at_bytes", "at bytes", "int"),
+    ("at_bytes", "at size", "bytes"),
     ("largest_busbw", "busbw at largest GB/s", "g4"),
-    ("largest_bytes", "largest bytes", "int"),
+    ("largest_bytes", "largest size", "bytes"),
     ("correct", "all correct", "str"),
 ]
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+
+def human_bytes(v) -> str:
+    """A byte count in binary units with two decimals (29,332,618,752 -> "27.32 GiB")."""
+    if abs(v) < 1024:
+        return f"{v:,.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        v /= 1024
+        if abs(v) < 1024 or unit == "TiB":
+            return f"{v:,.2f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def _exact_bytes(v) -> str:
+    """The exact count behind a "bytes" cell, for its title."""
+    if isinstance(v, list):
+        return " – ".join(f"{x:,}" if _is_number(x) else "?" for x in v) + " bytes"
+    return f"{v:,} bytes" if _is_number(v) else ""
 
 
 def _fmt(v, kind: str) -> str:
     if v is None or (isinstance(v, float) and v != v):
         return "–"
+    if kind == "bytes" and isinstance(v, list):
+        return " – ".join(human_bytes(x) if _is_number(x) else "?" for x in v)
+    if kind == "bytes" and _is_number(v):
+        return human_bytes(v)
     if kind == "str" or not isinstance(v, (int, float)) or isinstance(v, bool):
         return str(v)
     if kind == "int":
@@ -134,7 +161,9 @@ def _table(id_: str, title: str, columns, rows, note: str = "", row_class=None, 
         cells = []
         for key, _, kind in columns:
             v = r.get(key)
-            num = v if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else None
+            num = v if _is_number(v) else None
+            if kind == "bytes" and isinstance(v, list):  # a range sorts by its high end
+                num = max((x for x in v if _is_number(x)), default=None)
             cls = ""
             if key == "status":
                 cls = "ok" if v == "ok" else "bad"
@@ -142,7 +171,8 @@ def _table(id_: str, title: str, columns, rows, note: str = "", row_class=None, 
                 cls = "bad"
             elif kind == "wrap":
                 cls = "wrapcell"
-            cells.append({"text": _fmt(v, kind), "sort": num, "cls": cls})
+            exact = _exact_bytes(v) if kind == "bytes" else ""
+            cells.append({"text": _fmt(v, kind), "sort": num, "cls": cls, "title": exact})
         body.append({"cells": cells, "cls": row_class(r) if row_class else ""})
     return {
         "id": id_,
@@ -179,16 +209,20 @@ def _collectives_summary(coll_rows: list[dict]) -> list[dict]:
     return out
 
 
+# bytes metrics of the comparison table are shown in binary units (compare.METRICS' unit "B")
 CMP_METRICS = [
     ("tokens_per_s_per_device", "tok/s/device"),
     ("step_time_s_median", "step s"),
     ("mfu", "MFU"),
-    ("peak_alloc_bytes", "alloc peak B"),
-    ("peak_rss_bytes", "RSS peak B"),
-    ("model_state_bytes_max", "state B"),
-    ("comm_payload_bytes", "comm B"),
+    ("peak_alloc_bytes", "alloc peak"),
+    ("peak_rss_bytes", "RSS peak"),
+    ("model_state_bytes_max", "state"),
+    ("comm_payload_bytes", "comm"),
     ("final_loss", "final loss"),
 ]
+
+
+BYTE_METRICS = {name for name, _, _, unit in METRICS if unit == "B"}
 
 
 def _comparisons(runs, threshold: float) -> list[dict]:
@@ -206,15 +240,23 @@ def _comparisons(runs, threshold: float) -> list[dict]:
             for key, _ in cols:
                 m = by.get(key)
                 if m is None:
-                    cells.append({"text": "–", "cls": "", "sort": None})
+                    cells.append({"text": "–", "cls": "", "sort": None, "title": ""})
                     continue
-                kind = "g4" if isinstance(m["baseline"], float) or isinstance(m["candidate"], float) else "int"
+                if key in BYTE_METRICS:
+                    kind = "bytes"
+                else:
+                    kind = "g4" if isinstance(m["baseline"], float) or isinstance(m["candidate"], float) else "int"
                 text = f"{_fmt(m['baseline'], kind)} → {_fmt(m['candidate'], kind)}"
-                if m["rel_change"] is not None and m["baseline"] != m["candidate"]:
+                title = (
+                    f"{_exact_bytes(m['baseline']) or '–'} → {_exact_bytes(m['candidate']) or '–'}"
+                    if kind == "bytes"
+                    else ""
+                )
+                if m["rel_change"] is not None and abs(m["rel_change"]) >= 5e-5:  # not "(+0.00%)"
                     text += f" ({m['rel_change'] * 100:+.2f}%)"
                 if m["p_value"] is not None:
                     text += f" p={m['p_value']:.2g}"
-                cells.append({"text": text, "cls": m["verdict"], "sort": m["rel_change"]})
+                cells.append({"text": text, "cls": m["verdict"], "sort": m["rel_change"], "title": title})
             others = [
                 f"{m['metric']}: {m['verdict']}" + (f" ({m['rel_change'] * 100:+.2f}%)" if m["rel_change"] else "")
                 for m in c["metrics"]
@@ -251,9 +293,17 @@ def _comparisons(runs, threshold: float) -> list[dict]:
 
 def _env_summary(manifests: list[dict]) -> dict:
     def dev(m):
-        ds = m.get("devices") or []
-        names = sorted({str(d.get("name")) for d in ds if isinstance(d, dict)})
-        return f"{', '.join(names)} ×{len(ds)}" if ds else "–"
+        # a GPU is one entry per card; the CPU is one entry with its core count in "count"
+        counts: dict[tuple[str, str], int] = {}
+        for d in m.get("devices") or []:
+            if isinstance(d, dict):
+                key = (str(d.get("type")), str(d.get("name")))
+                n = d.get("count")
+                counts[key] = counts.get(key, 0) + (n if isinstance(n, int) and not isinstance(n, bool) else 1)
+        parts = [
+            f"{name}, {n} cores" if kind == "cpu" else f"{name} ×{n}" for (kind, name), n in sorted(counts.items())
+        ]
+        return "; ".join(parts) if parts else "–"
 
     keys = [
         ("suite", lambda m: m.get("suite")),
