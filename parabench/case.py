@@ -8,7 +8,8 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-from parabench.strategies import RECIPES, STRATEGIES, get_strategy, recipe_name
+from parabench.recipes import RECIPES, recipe_name
+from parabench.strategies import STRATEGIES, get_strategy
 from parabench.topology import Topology
 
 

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from parabench.recipes import recipe_of
 from parabench.record import byte_high, rank0_comm, theory_state_total
 from parabench.results import load_run
 
@@ -144,7 +145,7 @@ def case_row(manifest: dict, record: dict, *, registry: bool = True) -> dict:
         "params": _number(_dig(record, "model", "params", "total")),
         "world_size": case.get("world_size"),
         "precision": case.get("precision"),
-        "recipe": case.get("recipe"),
+        "recipe": recipe_of(case),
         "micro_batch": case.get("micro_batch"),
         "grad_accum": case.get("grad_accum"),
         "seq_len": case.get("seq_len") or _dig(record, "model", "config", "seq_len"),

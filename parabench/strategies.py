@@ -19,22 +19,14 @@ from typing import Callable, ClassVar, Literal
 import torch
 
 from parabench.models import GPTConfig
+from parabench.recipes import RECIPES, recipe_name  # noqa: F401 (re-exported)
 from parabench.topology import Topology
 
 # Every precision a case may name; data-parallel strategies train in all three (fp16: fp32 master
 # weights + dynamic loss scaling), the others in fp32 and bf16.
 DP_PRECISIONS = ("fp32", "bf16", "fp16")
 
-# Precision recipes of a bf16/fp16 case (an fp32 case has none):
-# - "master": parameters and gradients in the low precision, fp32 master weights and fp32 optimizer
-#   states (Micikevicius et al. 2018, Sec. 3.1; DeepSpeed's bf16/fp16, Megatron's and ZeRO's layout);
-# - "amp": fp32 parameters, gradients and optimizer states, matmuls in the low precision under
-#   torch.autocast (torch.amp's recipe).
-# Compute, memory and traffic all differ between the two, so a ratio pairs like recipes only.
-RECIPES = ("master", "amp")
-
-
-# Recipe declarations of the rows in parabench/families/ (StrategySpec keywords).
+# Recipe declarations of the rows in parabench/families/ (StrategySpec keywords; ``parabench.recipes``).
 # torch peers: bf16 parameters with fp32 masters where asked; fp16 only as torch.amp documents it
 # (GradScaler unscales fp32 gradients).
 TORCH_PEER_RECIPES = dict(recipes=("master", "amp"), fp16_recipes=("amp",), legacy_recipe="amp")
@@ -42,11 +34,6 @@ TORCH_PEER_RECIPES = dict(recipes=("master", "amp"), fp16_recipes=("amp",), lega
 # parameters with fp32 masters (its ``torch_autocast`` mode reduces some gradients in bf16: not modelled).
 AMP_ONLY = dict(recipes=("amp",), legacy_recipe="amp")
 MASTER_ONLY = dict(recipes=("master",), legacy_recipe="master")
-
-
-def recipe_name(precision: str, recipe: str | None) -> str:
-    """How tables and labels name a precision recipe: ``fp32``, ``bf16-master``, ``bf16-amp``..."""
-    return precision if precision == "fp32" or not recipe else f"{precision}-{recipe}"
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,9 @@ import tomllib
 
 from parabench.case import Case
 from parabench.models import MODEL_LADDER
+from parabench.recipes import RECIPES
 from parabench.results import UnsafeNameError, check_path_component
-from parabench.strategies import DP_PRECISIONS, RECIPES, STRATEGIES, get_strategy
+from parabench.strategies import DP_PRECISIONS, STRATEGIES, get_strategy
 from parabench.topology import Topology, TopologyError
 
 SUITES_DIR = Path(__file__).resolve().parent.parent / "suites"

@@ -142,3 +142,12 @@ def test_suite_recipe_axis_runs_each_strategy_in_what_it_supports(tmp_path):
     )
     with pytest.raises(SuiteError, match=r"bad.toml:\d+: field 'recipe'.*valid recipes"):
         load_suite(str(bad))
+
+
+def test_report_legacy_rule_agrees_with_the_registry():
+    """``parabench.recipes.legacy_recipe`` (read by the report without training code) says what
+    every strategy's row says."""
+    from parabench.recipes import legacy_recipe
+    from parabench.strategies import STRATEGIES
+
+    assert {n: legacy_recipe(n) for n in STRATEGIES} == {n: s.legacy_recipe for n, s in STRATEGIES.items()}

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from parabench.data import case_row
+from parabench.recipes import recipe_name, recipe_of
 from parabench.record import byte_high, pipeline_stages, rank0_comm
 
 MiB = 2**20
@@ -51,7 +52,7 @@ def records_of(runs, strategies):
 
 def short_case(r: dict) -> str:
     c = r.get("case") or {}
-    return f"{c.get('strategy')} w{c.get('world_size')} {c.get('precision')}"
+    return f"{c.get('strategy')} w{c.get('world_size')} {recipe_name(str(c.get('precision')), recipe_of(c))}"
 
 
 def _ms(seconds):
@@ -82,7 +83,9 @@ def case_rows(runs) -> list[dict]:
                     "model": str(d["model"]),
                     "params": d["params"],
                     "world_size": d["world_size"],
-                    "precision": str(d["precision"]),
+                    # the precision and its recipe ("bf16-master"): every grouping of the report
+                    # by precision then pairs like recipes only
+                    "precision": recipe_name(str(d["precision"]), d["recipe"]),
                     "micro_batch": d["micro_batch"],
                     "grad_accum": d["grad_accum"],
                     "device": d["device"],

@@ -1,0 +1,38 @@
+"""Precision recipes of a bf16/fp16 case (an fp32 case has none). Imports nothing heavy: the
+report reads recipes from records without training code.
+
+- ``master``: parameters and gradients in the low precision, fp32 master weights and fp32
+  optimizer states (Micikevicius et al. 2018, "Mixed Precision Training", Sec. 3.1; DeepSpeed's
+  bf16/fp16, Megatron's and ZeRO's layout). What travels is in the low precision.
+- ``amp``: fp32 parameters, gradients and optimizer states, matmuls in the low precision under
+  ``torch.autocast`` (torch.amp's recipe). What travels is fp32.
+
+Compute, memory and traffic all differ between the two, so a ratio pairs like recipes only.
+"""
+
+from __future__ import annotations
+
+RECIPES = ("master", "amp")
+
+# What bf16/fp16 meant, per strategy, in records made before cases named their recipe; the
+# registry's ``StrategySpec.legacy_recipe`` says the same (tests/test_recipes.py keeps them equal).
+_LEGACY_AMP_PREFIXES = ("torch.ddp", "torch.tp", "torch.pp", "torch.cp", "ref.tp", "ref.pp", "ref.cp", "ref.ep")
+_LEGACY_AMP = ("single", "deepspeed.ulysses")
+
+
+def recipe_name(precision: str, recipe: str | None) -> str:
+    """How tables and labels name a precision recipe: ``fp32``, ``bf16-master``, ``bf16-amp``..."""
+    return precision if precision == "fp32" or not recipe else f"{precision}-{recipe}"
+
+
+def legacy_recipe(strategy: str | None) -> str:
+    s = strategy or ""
+    return "amp" if s in _LEGACY_AMP or s.startswith(_LEGACY_AMP_PREFIXES) else "master"
+
+
+def recipe_of(case: dict) -> str | None:
+    """A stored case's recipe ("master" | "amp"; None in fp32), also for records made before
+    cases named one."""
+    if case.get("precision", "fp32") == "fp32":
+        return None
+    return case["recipe"] if case.get("recipe") else legacy_recipe(case.get("strategy"))
