@@ -82,7 +82,10 @@ class Case:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         for k in self.IDENTITY_EXCLUDES:
             d.pop(k)
-        if d["recipe"] is None:  # fp32 cases keep the hashes they had before recipes existed
+        # A case that trains as its strategy did before cases named a recipe keeps the hash it
+        # had (fp32 cases, and bf16/fp16 in the strategy's legacy recipe); a recipe that is new
+        # to the strategy is part of the identity.
+        if d["recipe"] is None or d["recipe"] == get_strategy(self.strategy).legacy_recipe:
             d.pop("recipe")
         d["strategy_version"] = get_strategy(self.strategy).version
         return d

@@ -19,6 +19,7 @@ from parabench.cli import DEFAULT_OUT, build_parser
 from parabench.cli import main as cli_main
 from parabench.compare import _fmt as cli_number
 from parabench.compare import compare_metric
+from parabench.recipes import recipe_of
 from parabench.report import frames
 from parabench.report.html import _env_summary, _table, human_bytes
 from parabench.results import load_json, load_run
@@ -52,7 +53,7 @@ def test_load_gives_one_row_per_launch_record_with_identity_metrics_and_verdicts
             rec["case"]["micro_batch"],
         )
         assert json.loads(row["options"]) == rec["case"]["options"]
-        assert row["recipe"] is None and row["repeat"] == 0
+        assert row["recipe"] == recipe_of(rec["case"]) and row["repeat"] == 0  # the recipe it ran then
         for name, value in rec["metrics"].items():  # every metric under its own name
             assert row[name] == value or (value is None and pd.isna(row[name])), name
         assert row["comm_payload_bytes"] == rec["per_rank"][0]["comm"]["payload_bytes"]
@@ -78,8 +79,8 @@ def test_load_reads_recipe_and_repeats_and_every_run_below_a_folder(tmp_path):
     assert len(frame) == 7 + 1 + len(_records(GPU_MP))
     launches = frame[frame["case_hash"] == rec["case_hash"]].sort_values("repeat")
     assert launches["repeat"].tolist() == [0, 1]
-    assert launches["recipe"].isna().tolist() == [True, False]  # None where the case names no recipe
-    assert launches["recipe"].iloc[1] == "production"
+    # a record made before cases named a recipe reads as the recipe its strategy had then
+    assert launches["recipe"].tolist() == [recipe_of(json.loads(first.read_text())["case"]), "production"]
     with pytest.raises(FileNotFoundError, match="no manifest.json below it"):
         parabench.load(tmp_path / "h100x2" / "r" / "cases")
 

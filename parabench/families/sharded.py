@@ -457,7 +457,7 @@ ROWS = (
         "peer",
         "PyTorch FSDP2 fully_shard per transformer block + root (ZeRO-3 style)",
         expect_torch_fsdp2,
-        version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
+        version="3",  # 3: matched reduces in the compute dtype; 2: tuned by default (1 ran "matched")
     ),
     _row(
         "torch.hsdp",
@@ -466,7 +466,7 @@ ROWS = (
         "PyTorch FSDP2 hybrid shard: 2-D (replicate, shard) mesh, option shard_size (default 2)",
         expect_torch_hsdp,
         min_world_size=4,
-        version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
+        version="3",  # 3: matched reduces in the compute dtype; 2: tuned by default (1 ran "matched")
     ),
     _row(
         "deepspeed.zero0",
@@ -583,6 +583,6 @@ ROWS = (
         "peer",
         "PyTorch FSDP2 with CPUOffloadPolicy (sharded params, grads and AdamW on the CPU)",
         expect_torch_fsdp2_offload,
-        version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
+        version="3",  # 3: matched reduces in the compute dtype; 2: tuned by default (1 ran "matched")
     ),
 )
