@@ -11,14 +11,22 @@ on ``tp x pp x dp`` all go through the one composition function,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.distributed as dist
 
 from parabench.models import GPTConfig, build_model
 from parabench.peers.common import autocast, optimizer_state_bytes, recipe_module, recipe_optimizer, tensor_bytes
-from parabench.strategies import MASTER_ONLY, TORCH_PEER_RECIPES, CommonOptions, StrategySpec, Trainer, TrainSpec
+from parabench.strategies import (
+    MASTER_ONLY,
+    TORCH_PEER_RECIPES,
+    CommonOptions,
+    PeerProfile,
+    StrategySpec,
+    Trainer,
+    TrainSpec,
+)
 from parabench.theory import BYTES, Expectation, scalar_ops, sum_ops
 
 TP_STRATEGIES = ("ref.tp", "ref.tp_sp", "torch.tp", "torch.tp_sp")
@@ -38,6 +46,13 @@ class ModelParallelOptions(CommonOptions):
     @property
     def n_microbatches(self) -> int:
         return self.microbatches if self.microbatches is not None else 2 * self.pp
+
+
+@dataclass(frozen=True)
+class DeepSpeedPipeOptions(ModelParallelOptions):
+    profile: PeerProfile = "tuned"  # strategies.PEER_PROFILE_HELP
+
+    RECORDED_DEFAULTS: ClassVar[tuple[str, ...]] = ("profile",)
 
 
 def validate(case, o: ModelParallelOptions, cfg: GPTConfig) -> None:
@@ -610,7 +625,7 @@ def _row(name, builder, kind, description, expect, **kw):
         builder,
         kind,
         description,
-        options=ModelParallelOptions,
+        options=kw.pop("options", ModelParallelOptions),
         validate=validate,
         expect=expect,
         **(
@@ -701,9 +716,11 @@ ROWS = (
         "parabench.peers.deepspeed_pipe:build",
         "peer",
         "DeepSpeed pipeline engine: PipelineModule (parabench's stage split) + engine.train_batch, "
-        "TrainSchedule (1F1B), blocking send/recv, ZeRO-0 with the client AdamW (options pp = world_size, "
-        "microbatches; no dp/tp)",
+        "TrainSchedule (1F1B), blocking send/recv, ZeRO-0 (options pp = world_size, microbatches, profile; "
+        "no dp/tp)",
         expect_deepspeed_pp,
         min_world_size=2,
+        options=DeepSpeedPipeOptions,
+        version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
     ),
 )

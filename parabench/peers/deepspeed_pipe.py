@@ -15,9 +15,10 @@ given to DeepSpeed as ``gradient_accumulation_steps`` and ``train_micro_batch_si
 ``train_step`` is one ``engine.train_batch`` over an iterator of those micro-batches: DeepSpeed's
 TrainSchedule (1F1B: ``p - stage - 1`` warm-up forwards, alternate, drain), the last stage's loss
 divided by the accumulation steps (gradients of the mean loss), then ReduceTiedGrads, ReduceGrads
-and one optimizer step. The optimizer is the same client ``torch.optim.AdamW`` as the other
-DeepSpeed peers (ZeRO stage 0, the engine config of ``deepspeed.zero0`` otherwise: see
-``parabench.peers.deepspeed_zero.ds_config``); bf16 through DeepSpeed's ``bf16`` config, as for
+and one optimizer step. Engine config and optimizer as the other DeepSpeed peers in the case's
+profile (ZeRO stage 0: ``parabench.peers.deepspeed_zero.ds_config`` and ``deepspeed_adamw``;
+``tuned``: throughput timer off, bf16 overflow check off, DeepSpeed's FusedAdam on GPUs;
+``matched``: the client torch AdamW); bf16 through DeepSpeed's ``bf16`` config, as for
 them (bf16 module, fp32 master weights and gradient accumulation in DeepSpeed's BF16_Optimizer).
 
 Communication (read from deepspeed/runtime/pipe/engine.py and p2p.py, confirmed by the meter):
@@ -41,9 +42,9 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
-from parabench.families.model_parallel import ModelParallelOptions
+from parabench.families.model_parallel import DeepSpeedPipeOptions
 from parabench.models import build_model, lm_loss
-from parabench.peers.common import adamw, tensor_bytes
+from parabench.peers.common import tensor_bytes
 from parabench.strategies import Trainer, TrainSpec
 from reference_impls.pipeline import partition_layers
 
@@ -101,10 +102,10 @@ def _pipeline_module_class():
     return ParabenchPipelineModule
 
 
-def ds_pipe_config(spec: TrainSpec, n_micro: int, mb_size: int) -> dict:
+def ds_pipe_config(spec: TrainSpec, n_micro: int, mb_size: int, profile: str = "tuned") -> dict:
     from parabench.peers.deepspeed_zero import ds_config
 
-    cfg = ds_config(replace(spec, micro_batch=mb_size, grad_accum=n_micro), stage=0)
+    cfg = ds_config(replace(spec, micro_batch=mb_size, grad_accum=n_micro), stage=0, profile=profile)
     cfg["train_batch_size"] = mb_size * n_micro * spec.topology.dp
     return cfg
 
@@ -122,7 +123,9 @@ class DeepSpeedPipelineTrainer(Trainer):
         if not ds_dist.is_initialized():
             deepspeed.init_distributed(dist_backend="gloo" if spec.device.type == "cpu" else "nccl")
         pp, cfg = topo.pp, spec.model
-        self.n_micro = ModelParallelOptions.read(spec.options).n_microbatches * spec.grad_accum
+        o = DeepSpeedPipeOptions.read(spec.options)
+        self.profile = o.profile
+        self.n_micro = o.n_microbatches * spec.grad_accum
         self.mb_size = spec.micro_batch * spec.grad_accum // self.n_micro
         if self.mb_size * self.n_micro != spec.micro_batch * spec.grad_accum:
             raise ValueError(f"{self.n_micro} micro-batches do not divide {spec.micro_batch * spec.grad_accum} samples")
@@ -144,10 +147,13 @@ class DeepSpeedPipelineTrainer(Trainer):
                 self._names[id(p)] = prefixes[i] + n
         del model, layers
 
+        from parabench.peers.deepspeed_zero import deepspeed_adamw
+
+        optimizer, self.optimizer_name = deepspeed_adamw(pipe.parameters(), spec, o.profile, offload=False)
         self.engine, *_ = deepspeed.initialize(
             model=pipe,
-            optimizer=adamw(pipe.parameters(), spec),
-            config=ds_pipe_config(spec, self.n_micro, self.mb_size),
+            optimizer=optimizer,
+            config=ds_pipe_config(spec, self.n_micro, self.mb_size, o.profile),
             dist_init_required=False,
         )
         self.stage = self.engine.stage_id
@@ -183,6 +189,13 @@ class DeepSpeedPipelineTrainer(Trainer):
             "params": tensor_bytes(self.engine.module.parameters()),
             "grads": self._grad_bytes,
             "optimizer": deepspeed_optimizer_bytes(self.engine.optimizer),
+        }
+
+    def strategy_stats(self) -> dict:
+        return {
+            "profile": self.profile,
+            "optimizer": self.optimizer_name,
+            "optimizer_wrapper": type(self.engine.optimizer).__name__,
         }
 
     def full_parameters(self):
