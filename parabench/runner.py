@@ -1124,11 +1124,11 @@ def _row(record: dict, label_width: int = 44) -> str:
         else (f"roofline {m['roofline_fraction'] * 100:.1f}%" if m.get("roofline_fraction") is not None else "")
     )
     comm = record.get("checks", {}).get("comm_ok")
-    comm_txt = "" if comm is None else ("  comm=theory" if comm else "  comm!=theory")
+    comm_txt = "" if comm is None else ("comm=theory" if comm else "comm!=theory")
     return (
         f"ok      {_fit(record['label'], label_width)} {m['tokens_per_s_per_device']:>10,.0f} tok/s/dev  "
         f"step {m['step_time_s_median'] * 1e3:8.1f} ms  peak {_fmt_bytes(mem):>10}  {eff:<15}  "
-        f"loss {m['final_loss']:8.3f}  ({record['duration_s']:6.1f} s){comm_txt}"
+        f"loss {m['final_loss']:8.3f}  {comm_txt:<12}  ({record['duration_s']:.1f} s)"
     )
 
 
