@@ -39,6 +39,11 @@ the suite (A B C A B C: drift hits every case alike); launch k of a case writes
 ``cases/<hash>.r<k>.json`` beside the first launch's ``cases/<hash>.json`` (``suite.launch_key``).
 The worker marks each case as started; when a batch dies, the started-but-unfinished
 case takes the blame and the rest of the batch is relaunched.
+
+While a launch runs, the runner shows the running case's phase and step counter, which rank 0
+keeps in ``<key>.status.json`` in the launch's folder (``parabench.progress``): rewritten in place
+on a terminal, one line per phase elsewhere. Trace files the worker wrote there (``trace``,
+``memory_snapshot``) move into the run folder's ``traces/`` before the case's record is written.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from parabench.case import Case
+from parabench.progress import LiveLine, read_status, status_path
 from parabench.record import build_record
 from parabench.results import case_record_path, load_json, make_manifest, new_run_id, write_json_atomic
 from parabench.strategies import get_strategy
@@ -780,9 +786,22 @@ class Runner(LaunchOwner):
         resume: bool = False,
         retry_failed: bool = False,
         echo=print,
+        live: bool | None = None,
     ):
-        super().__init__(run_dir, echo)
+        """``live``: rewrite the progress line in place (a terminal); False: one line per phase
+        through ``echo``; None: in place when ``echo`` is ``print`` and stdout is a terminal."""
+        tty = live if live is not None else (echo is print and sys.stdout.isatty())
+        self.live = LiveLine(echo, tty=tty)
+
+        def say(text: str) -> None:  # anything printed goes on a line of its own, not over the live one
+            self.live.clear()
+            echo(text)
+
+        super().__init__(run_dir, say)
         self.suite, self.launch = suite, launch
+        # The label column fits the suite's longest label, up to LABEL_WIDTH_MAX (longer ones are
+        # cut with an ellipsis on ok rows; failure rows keep them whole).
+        self.label_width = min(max((len(c.label) for c in suite.cases), default=0), LABEL_WIDTH_MAX)
         self.resume, self.retry_failed = resume, retry_failed
         self.logs = self.run_dir / "logs"
         self.n_launches = 0
@@ -843,7 +862,7 @@ class Runner(LaunchOwner):
             if self.resume and self._recorded(case):
                 self.done += 1
                 self.counts["kept"] += 1
-                self.echo(self._progress(f"kept   {case.label} (already recorded)"))
+                self.echo(self._progress(f"{'kept':<7} {case.label} (already recorded)"))
                 continue
             reason = skip_reason(case, self.launch)
             if reason:
@@ -860,7 +879,8 @@ class Runner(LaunchOwner):
             # A CUDA profiler may leave CUPTI attached after it stops (kineto without TEARDOWN_CUPTI:
             # pytorch/pytorch#144455, 10-20 % slower kernels), so a profiled GPU case runs alone and
             # cannot slow the timed steps of the cases after it.
-            profiled_on_gpu = bool(c.options.get("step_breakdown")) and resolve_device(c) == "cuda"
+            profiled = c.options.get("step_breakdown") or c.options.get("trace")
+            profiled_on_gpu = bool(profiled) and resolve_device(c) == "cuda"
             fault = (c.options.get("inject_fault") or {}).get("kind")
             faulty = fault not in (None, "leak")  # an injected leak must share a launch to show
             # a repeated case's launches are its samples of launch-to-launch variance: each its own
@@ -890,6 +910,7 @@ class Runner(LaunchOwner):
         try:
             finished, rc, timed_out = self._watch(launch, batch)
         finally:  # whatever happened (a signal, a full disk), nothing of the launch outlives it
+            self.live.clear()
             self.end_torchrun(launch.proc)
         return self._settle(launch, batch, finished, rc, timed_out)
 
@@ -955,7 +976,7 @@ class Runner(LaunchOwner):
                     continue
                 result = launch.folder / f"{case.record_key}.json"
                 if result.exists():
-                    raw = json.loads(result.read_text())
+                    raw = self._keep_traces(json.loads(result.read_text()), launch)
                     started = self._started_at(case, launch) or current_start
                     self._write(
                         case,
@@ -975,6 +996,8 @@ class Runner(LaunchOwner):
             running = next((c for c in batch if c.record_key not in finished), None)
             if running is not None:
                 began = self._started_at(running, launch) or current_start
+                status = read_status(status_path(launch.folder, running.record_key))
+                self.live.update(running.label, status, time.time() - min(began, current_start), self._progress(""))
                 # torchrun start-up counts against the first case of a launch
                 if time.time() - min(began, current_start) > running.timeout_s:
                     end_launch(self.invocation, launch.proc)
@@ -1026,6 +1049,27 @@ class Runner(LaunchOwner):
             self._save(path, record, f"the record of {retired['after_label']}")
         self.echo(f"parabench: {retired['after_label']} {text}")
 
+    def _keep_traces(self, raw: dict, launch: _Launch) -> dict:
+        """Move the trace files a finished case wrote in ``launch``'s folder into the run folder's
+        ``traces/`` (same relative path), before its record names them. A file that is not there
+        (written on another node's scratch) is recorded as missing, with the reason."""
+        for entry in (e for r in raw.get("per_rank") or [] for e in (r.get("trace"), r.get("memory_snapshot"))):
+            if not entry or not entry.get("path"):
+                continue
+            source, target = launch.folder / entry["path"], self.run_dir / entry["path"]
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(source, target)
+            except FileNotFoundError:
+                entry["reason"] = f"the rank wrote {entry['path']} outside this node's launch folder"
+                entry["path"] = None
+            except OSError as exc:
+                raise OutputError(
+                    f"cannot move {source} into {target.parent}: {exc.strerror or exc}; the run stopped, "
+                    "finished records are kept (continue with --resume once the cause is fixed)"
+                ) from None
+        return raw
+
     def _started_at(self, case: Case, launch: _Launch) -> float | None:
         """When ``launch`` started ``case`` (rank 0's stamp in the launch's own folder)."""
         p = launch.folder / f"{case.record_key}.started"
@@ -1039,12 +1083,13 @@ class Runner(LaunchOwner):
         self.done += 1
         self.counts[record["status"]] += 1
         launch = f"  [launch {case.repeat + 1}/{case.repeats}]" if case.repeats > 1 else ""
-        self.echo(self._progress(_row(record) + launch))
+        self.echo(self._progress(_row(record, self.label_width) + launch))
 
     def _progress(self, text: str) -> str:
         width = 20
         filled = int(width * self.done / max(self.total, 1))
-        return f"[{'#' * filled}{'.' * (width - filled)}] {self.done:>3}/{self.total} {text}"
+        digits = len(str(self.total))
+        return f"[{'#' * filled}{'.' * (width - filled)}] {self.done:>{digits}}/{self.total} {text}"
 
 
 def _fmt_bytes(b) -> str:
@@ -1056,11 +1101,21 @@ def _fmt_bytes(b) -> str:
         b /= 1024
 
 
-def _row(record: dict) -> str:
+LABEL_WIDTH_MAX = 72  # ok rows cut longer labels with an ellipsis, so their figures stay in line
+
+
+def _fit(label: str, width: int) -> str:
+    """``label`` padded to ``width``, or cut to it with an ellipsis."""
+    return f"{label:<{width}}" if len(label) <= width else label[: width - 3] + "..."
+
+
+def _row(record: dict, label_width: int = 44) -> str:
+    """One finished case: status, label (in a column ``label_width`` wide) and its figures, each in
+    a fixed-width column. A failure keeps its whole label: it is what the reader looks up."""
     status = record["status"]
     if status != "ok":
         msg = (record.get("error") or {}).get("message", "")
-        return f"{status:<7} {record['label']}  -- {msg[:120]}"
+        return f"{status:<7} {record['label']:<{label_width}}  -- {msg[:120]}"
     m = record["metrics"]
     mem = m.get("peak_alloc_bytes") or m.get("peak_rss_bytes")
     eff = (
@@ -1069,11 +1124,11 @@ def _row(record: dict) -> str:
         else (f"roofline {m['roofline_fraction'] * 100:.1f}%" if m.get("roofline_fraction") is not None else "")
     )
     comm = record.get("checks", {}).get("comm_ok")
-    comm_txt = "" if comm is None else ("  comm=theory" if comm else "  comm!=theory")
+    comm_txt = "" if comm is None else ("comm=theory" if comm else "comm!=theory")
     return (
-        f"ok      {record['label']:<44} {m['tokens_per_s_per_device']:>10,.0f} tok/s/dev  "
-        f"step {m['step_time_s_median'] * 1e3:8.1f} ms  peak {_fmt_bytes(mem):>10}  {eff}  "
-        f"loss {m['final_loss']:.3f}{comm_txt}  ({record['duration_s']:.1f} s)"
+        f"ok      {_fit(record['label'], label_width)} {m['tokens_per_s_per_device']:>10,.0f} tok/s/dev  "
+        f"step {m['step_time_s_median'] * 1e3:8.1f} ms  peak {_fmt_bytes(mem):>10}  {eff:<15}  "
+        f"loss {m['final_loss']:8.3f}  {comm_txt:<12}  ({record['duration_s']:.1f} s)"
     )
 
 

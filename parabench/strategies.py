@@ -187,6 +187,12 @@ class CommonOptions:
 
     step_breakdown: bool = False  # one more untimed step under torch.profiler: compute / communication split
     memory_breakdown: bool = False  # one more untimed step under the memory-breakdown meter
+    # the profiled step (step_breakdown's, run when either asks) saved per rank as a gzipped
+    # Chrome/Perfetto trace, traces/<case>.rank<r>.json.gz in the run folder (meters/traces.py)
+    trace: bool = False
+    # one more untimed step with the CUDA allocator's history on, saved per rank as a snapshot for
+    # PyTorch's memory visualiser (traces/<case>.rank<r>.memory.pickle); on a CPU the record says why not
+    memory_snapshot: bool = False
     roofline: bool | None = None  # measure a matmul roofline; None: on every device but CUDA ones
     optim: dict = field(default_factory=dict)  # AdamW overrides: lr, beta1, beta2, eps, weight_decay
     inject_fault: dict | None = None  # test hook {kind: oom|cpu_oom|memory_error|crash|abort|hang|leak, rank, step}

@@ -7,9 +7,14 @@ start-up of torch, NCCL and the rendezvous for each. Per case, every rank:
 2. runs ``warmup`` untimed steps, then ``steps`` timed steps with nothing else on them
    (device events on GPU, the host clock on CPU; peak memory reset just before);
 3. runs one more, instrumented step: communication meter on, model-state bytes sampled; then,
-   when the case asks, one more step under the memory-breakdown meter (``memory_breakdown``) and
-   one under ``torch.profiler`` (``step_breakdown``: compute, communication, exposed communication);
+   when the case asks, one more step under the memory-breakdown meter (``memory_breakdown``), one
+   under ``torch.profiler`` (``step_breakdown``: compute, communication, exposed communication;
+   ``trace``: the same step exported as a Chrome trace) and one with the CUDA allocator's history
+   on (``memory_snapshot``), see ``parabench.meters.traces``;
 4. sends its measurements to rank 0, which writes ``<case_hash>.json`` in the scratch folder.
+
+Rank 0 keeps ``<case_hash>.status.json`` there up to date with its phase and step counter, which
+the runner shows live (``parabench.progress``: host-side writes only, none inside a timed step).
 
 A rank that fails writes ``<case_hash>.rank<r>.error.json`` (type, message, traceback, time)
 and exits non-zero; the runner picks the earliest such file as the first failure.
@@ -39,7 +44,9 @@ from parabench.distributed import init_process_group, pick_device, synchronize
 from parabench.hardware import device_name, measured_matmul_flops, peak_flops
 from parabench.meters import flight_recorder, memory, telemetry
 from parabench.meters.comm import CommMeter
+from parabench.meters.traces import TraceFiles
 from parabench.models import global_batch, model_config
+from parabench.progress import PhaseReporter, status_path
 from parabench.results import write_json_atomic
 from parabench.strategies import OptimConfig, TrainSpec, get_strategy
 from parabench.topology import build_topology
@@ -203,11 +210,24 @@ def local_batches(case: Case, spec: TrainSpec, n_steps: int) -> list[tuple[torch
     return out
 
 
-def run_case(case: Case, device: torch.device, leftover: int | None = None) -> dict | None:
+def run_case(
+    case: Case,
+    device: torch.device,
+    leftover: int | None = None,
+    progress: PhaseReporter | None = None,
+    trace_files: TraceFiles | None = None,
+) -> dict | None:
     """Train ``case`` on this rank; return the gathered measurements on rank 0, None elsewhere.
     ``leftover``: what earlier cases of the launch left allocated (``leftover_bytes``, measured by
-    ``main`` before it decided to run this case; ~0, or the launch would have ended), recorded."""
+    ``main`` before it decided to run this case; ~0, or the launch would have ended), recorded.
+    ``progress``: where rank 0 reports its phase and step counter (None: nowhere);
+    ``trace_files``: where the ``trace`` and ``memory_snapshot`` options write their files."""
     rank = dist.get_rank()
+    progress = progress or PhaseReporter(None)
+    trace_on, snapshot_on = bool(case.options.get("trace")), bool(case.options.get("memory_snapshot"))
+    if (trace_on or snapshot_on) and trace_files is None:
+        raise ValueError("the trace and memory_snapshot options need a folder for their files (trace_files)")
+    progress.phase("build")
     spec = make_spec(case, device)
     topo = spec.topology
     t_setup = time.perf_counter()
@@ -218,22 +238,27 @@ def run_case(case: Case, device: torch.device, leftover: int | None = None) -> d
     n_steps = case.warmup + case.steps + 1  # + the instrumented step
     breakdown_on = bool(case.options.get("memory_breakdown"))
     step_breakdown_on = bool(case.options.get("step_breakdown"))
-    # + the memory-breakdown step and the profiled step, each when asked for
-    batches = local_batches(case, spec, n_steps + breakdown_on + step_breakdown_on)
+    profiled_on = step_breakdown_on or trace_on  # one profiled step serves both
+    snapshot_step_on = snapshot_on and device.type == "cuda"
+    # + the memory-breakdown step, the profiled step and the memory-snapshot step, each when asked for
+    batches = local_batches(case, spec, n_steps + breakdown_on + profiled_on + snapshot_step_on)
 
     losses: list = []
     # fp16 only: the loss scaler's outcome after every step (warm-up, timed, instrumented). Reading
     # it may sync the host with the device (GradScaler keeps its scale on the GPU): a small cost on
     # the timed steps of fp16 cases, and none at all on other cases, which never call it.
     scales: list | None = [] if case.precision == "fp16" else None
+    progress.phase("warm-up", case.warmup)
     for step in range(case.warmup):
         _inject_fault(case, step)
         losses.append(trainer.train_step(*batches[step]))
         scales is not None and scales.append(trainer.loss_scale())
+        progress.step(step + 1)
 
     synchronize(device)
     dist.barrier()
     memory.reset_peak(device)
+    progress.phase("timed", case.steps)
     clock = StepClock(device)
     sampler = telemetry.sampler_for(device) if case.options.get("telemetry", True) else None
     sampler is not None and sampler.start()
@@ -248,11 +273,15 @@ def run_case(case: Case, device: torch.device, leftover: int | None = None) -> d
             synchronize(device)
             time.sleep(slowdown * (time.perf_counter() - t_step))
         clock.mark()
+        # After the mark, host only, at most twice a second: see parabench.progress for why this
+        # does not distort the step times.
+        progress.step(step - case.warmup + 1)
     step_times = clock.durations_s()
     device_telemetry = sampler.stop() if sampler is not None else None
     peak = memory.read_peak(device)
 
     # The instrumented step: communication meter on and state bytes sampled, off the clock.
+    progress.phase("instrumented")
     step = n_steps - 1
     _inject_fault(case, step)
     trainer.measure_state = True
@@ -275,13 +304,28 @@ def run_case(case: Case, device: torch.device, leftover: int | None = None) -> d
     if breakdown_on:  # one more untimed step under the memory-breakdown meter (its loss is not recorded)
         from parabench.meters.memory_breakdown import measure_step
 
+        progress.phase("meters", detail="memory breakdown")
         _, breakdown = measure_step(trainer, *batches[n_steps])
-    step_breakdown = None
-    if step_breakdown_on:  # one more untimed step under torch.profiler (its loss is not recorded)
+    step_breakdown = trace = snapshot = None
+    if profiled_on:  # one more untimed step under torch.profiler (its loss is not recorded)
         from parabench.meters import step_breakdown as step_meter
+        from parabench.meters import traces
 
+        progress.phase("meters", detail="profiler")
         trainer.measure_state = False  # state bytes are read: profile a step like the timed ones
-        _, step_breakdown = step_meter.measure_step(trainer, *batches[n_steps + breakdown_on])
+        export = (lambda prof: traces.export_trace(prof, trace_files, rank)) if trace_on else None
+        _, step_breakdown = step_meter.measure_step(trainer, *batches[n_steps + breakdown_on], on_profile=export)
+        trace = step_breakdown.pop("trace", None)
+        step_breakdown = step_breakdown if step_breakdown_on else None
+    if snapshot_on:  # one more untimed step with the allocator's history on (its loss is not recorded)
+        from parabench.meters import traces
+
+        snapshot = traces.snapshot_unavailable(device)  # a CPU: no step, the reason recorded
+        if snapshot_step_on:
+            progress.phase("meters", detail="memory snapshot")
+            trainer.measure_state = False
+            batch = batches[n_steps + breakdown_on + profiled_on]
+            _, snapshot = traces.memory_snapshot_step(trainer, *batch, trace_files, rank)
     loss_values = [None if l is None else float(l) for l in losses]
 
     mine = {
@@ -302,10 +346,15 @@ def run_case(case: Case, device: torch.device, leftover: int | None = None) -> d
         mine["memory_breakdown"] = breakdown
     if step_breakdown is not None:
         mine["step_breakdown"] = step_breakdown
+    if trace is not None:
+        mine["trace"] = trace
+    if snapshot is not None:
+        mine["memory_snapshot"] = snapshot
     if pipeline is not None:
         mine["pipeline"] = pipeline
     if strategy_stats is not None:
         mine["strategy_stats"] = strategy_stats
+    progress.phase("gather")
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     trainer.close()
@@ -355,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
             with open(os.path.join(args.scratch, f"{key}.started"), "w") as f:
                 f.write(repr(time.time()))
         try:
-            result = run_case(case, device, leftover)
+            progress = PhaseReporter(status_path(args.scratch, key) if rank == 0 else None)
+            result = run_case(case, device, leftover, progress, TraceFiles(args.scratch, key))
         except BaseException as exc:
             err = {
                 "rank": rank,

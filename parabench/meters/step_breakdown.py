@@ -63,8 +63,9 @@ its own, and the profiled step comes after the case's timed steps.
 
 The profiler costs time per operator (on the host), so ``step_s`` is longer than a timed step
 (on CPUs, where every operator is a host event, much longer); compare the fractions, and take
-step times from the timed steps. Nothing is written to disk: the events are read from the
-profiler in memory (``prof.profiler.kineto_results.events()``), with start and end in ns.
+step times from the timed steps. The events are read from the profiler in memory
+(``prof.profiler.kineto_results.events()``), with start and end in ns; nothing is written to disk
+unless the case also asks for ``trace`` (``parabench.meters.traces``), which exports this step.
 """
 
 from __future__ import annotations
@@ -304,8 +305,10 @@ def spans_from_profile(prof, device: torch.device) -> tuple[list[Span], Span | N
     return spans, mark, "activity_type" if has_activity else "name_heuristic"
 
 
-def measure_step(trainer, inputs, targets) -> tuple[object, dict]:
-    """Run one ``train_step`` under ``torch.profiler``; return (loss, breakdown dict)."""
+def measure_step(trainer, inputs, targets, on_profile=None) -> tuple[object, dict]:
+    """Run one ``train_step`` under ``torch.profiler``; return (loss, breakdown dict).
+    ``on_profile(prof)``: called with the finished profile before it is freed (the ``trace``
+    option exports it, ``parabench.meters.traces``); what it returns goes under the key "trace"."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     device = inputs.device
@@ -320,6 +323,7 @@ def measure_step(trainer, inputs, targets) -> tuple[object, dict]:
             loss = trainer.train_step(inputs, targets)
             synchronize(device)
     spans, mark, classified_by = spans_from_profile(prof, device)
+    exported = on_profile(prof) if on_profile is not None else None
     del prof
     source = "cuda_kernels" if cuda else "cpu_ops"
     result = breakdown(spans, source, mark)
@@ -328,4 +332,6 @@ def measure_step(trainer, inputs, targets) -> tuple[object, dict]:
     result["n_events"] = len(spans)
     if cuda and not any(s.kind == "kernel" for s in spans):  # CUPTI gave nothing: say so, not 0 %
         result["warning"] = "no device kernels in the profile (CUPTI unavailable?)"
+    if on_profile is not None:
+        result["trace"] = exported
     return loss, result

@@ -21,6 +21,7 @@ def write_report(run_dirs: list[Path], output: Path, **kwargs) -> Path:
         raise ReportWriteError(
             f"cannot write the report to {output}: it is a folder; name a file such as {output / 'report.html'}"
         )
+    kwargs.setdefault("link_from", output.parent)  # links to the runs' files start where the report is
     html = render_report([Path(d) for d in run_dirs], **kwargs)
     try:
         write_text_atomic(output, html)

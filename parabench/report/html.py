@@ -8,7 +8,7 @@ CDN). Every string from a result file goes through Jinja's autoescaping: results
 Sections: overview (fastest strategy per model, device count and precision), figures, all cases,
 memory, communication vs theory, pipeline, ring-attention balance (``cp_balance``), expert routing
 of the MoE strategies (``moe_routing``), run-to-run
-spread of repeated cases (``spread``), collectives,
+spread of repeated cases (``spread``), links to traces and memory snapshots (``traces``), collectives,
 cross-run comparison (same case hash, ``parabench.compare``'s verdicts), failed and skipped
 cases, environment.
 """
@@ -22,6 +22,7 @@ import jinja2
 from parabench.compare import DEFAULT_THRESHOLD, METRICS, compare_runs
 from parabench.report import cp_balance, frames, moe_routing, spread
 from parabench.report import step_breakdown as step_breakdown_section
+from parabench.report import traces as traces_section
 from parabench.results import load_run
 from parabench.stats import combine_launches
 
@@ -172,7 +173,9 @@ def _table(id_: str, title: str, columns, rows, note: str = "", row_class=None, 
             elif kind == "wrap":
                 cls = "wrapcell"
             exact = _exact_bytes(v) if kind == "bytes" else ""
-            cells.append({"text": _fmt(v, kind), "sort": num, "cls": cls, "title": exact})
+            cells.append(
+                {"text": _fmt(v, kind), "sort": num, "cls": cls, "title": exact, "href": r.get(f"{key}_href")}
+            )
         body.append({"cells": cells, "cls": row_class(r) if row_class else ""})
     return {
         "id": id_,
@@ -335,7 +338,15 @@ def _env_summary(manifests: list[dict]) -> dict:
     return {"rows": rows}
 
 
-def render_report(run_dirs: list[Path], *, threshold: float = DEFAULT_THRESHOLD, with_figures: bool = True) -> str:
+def render_report(
+    run_dirs: list[Path],
+    *,
+    threshold: float = DEFAULT_THRESHOLD,
+    with_figures: bool = True,
+    link_from: Path | None = None,
+) -> str:
+    """``link_from``: the folder the report will be written to; links to files of the runs
+    (traces) are relative to it (None: relative to where the run folders were named from)."""
     run_dirs = [Path(d) for d in run_dirs]
     # one record per case: timings are medians over its launches, with launches and launch_stats
     runs = [(manifest, combine_launches(records)) for manifest, records in map(load_run, run_dirs)]
@@ -443,6 +454,8 @@ def render_report(run_dirs: list[Path], *, threshold: float = DEFAULT_THRESHOLD,
     for spec in moe_routing.table_specs(runs, run_col):  # MoE: expert load, all-to-all, drops, collapse
         tables.append(_table(**spec))
     for spec in step_breakdown_section.table_specs(runs, run_col):  # compute vs exposed communication
+        tables.append(_table(**spec))
+    for spec in traces_section.table_specs(runs, run_dirs, run_col, link_from):  # links to trace files
         tables.append(_table(**spec))
     for spec in spread.table_specs(runs, run_col):  # repeated cases and ref/peer ratios, with intervals
         tables.append(_table(**spec))
