@@ -8,7 +8,7 @@ CDN). Every string from a result file goes through Jinja's autoescaping: results
 Sections: overview (fastest strategy per model, device count and precision), figures, all cases,
 memory, communication vs theory, pipeline, ring-attention balance (``cp_balance``), expert routing
 of the MoE strategies (``moe_routing``), run-to-run
-spread of repeated cases (``spread``), collectives,
+spread of repeated cases (``spread``), peer fidelity (``fidelity``), collectives,
 cross-run comparison (same case hash, ``parabench.compare``'s verdicts), failed and skipped
 cases, environment.
 """
@@ -21,6 +21,7 @@ import jinja2
 
 from parabench.compare import DEFAULT_THRESHOLD, compare_runs
 from parabench.report import cp_balance, frames, moe_routing, spread
+from parabench.report import fidelity as fidelity_section
 from parabench.report import step_breakdown as step_breakdown_section
 from parabench.results import load_run
 from parabench.stats import combine_launches
@@ -395,6 +396,8 @@ def render_report(run_dirs: list[Path], *, threshold: float = DEFAULT_THRESHOLD,
     for spec in step_breakdown_section.table_specs(runs, run_col):  # compute vs exposed communication
         tables.append(_table(**spec))
     for spec in spread.table_specs(runs, run_col):  # repeated cases and ref/peer ratios, with intervals
+        tables.append(_table(**spec))
+    for spec in fidelity_section.table_specs(run_dirs, runs, run_col):  # adapters vs their library's script
         tables.append(_table(**spec))
     if coll_rows:
         tables.append(

@@ -191,6 +191,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when present")
     ap.add_argument("--out", help="write the JSON result here (rank 0); it is printed either way")
     return ap
 
@@ -200,11 +201,12 @@ def adamw_hyper(args) -> dict:
     return {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 
-def init(backend_timeout_s: float = 600.0) -> torch.device:
-    """torchrun's environment: NCCL on cuda:LOCAL_RANK when there is a GPU, else gloo on the CPU."""
+def init(args, backend_timeout_s: float = 600.0) -> torch.device:
+    """torchrun's environment: NCCL on cuda:LOCAL_RANK (``--device cuda``, or auto with a GPU
+    present), else gloo on the CPU."""
     import datetime
 
-    if torch.cuda.is_available():
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=backend_timeout_s), device_id=device)

@@ -57,12 +57,12 @@ def main():
     ap.add_argument("--stage", type=int, choices=(1, 2, 3), required=True)
     ap.add_argument("--recipe", choices=("master",), default="master", help="DeepSpeed's bf16 is bf16-master")
     args = ap.parse_args()
-    cuda = torch.cuda.is_available()
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    device = _gpt.init()
+    device = _gpt.init(args)
     model = _gpt.build_gpt(args, device)
     config = ds_config(args, cuda)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)

@@ -34,7 +34,7 @@ def main():
     ap = _gpt.parser(__doc__.splitlines()[0])
     ap.add_argument("--recipe", choices=("amp", "master"), default="amp")
     args = ap.parse_args()
-    device = _gpt.init()
+    device = _gpt.init(args)
     bf16 = args.precision == "bf16"
     master = bf16 and args.recipe == "master"
 

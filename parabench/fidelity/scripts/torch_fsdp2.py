@@ -36,7 +36,7 @@ def main():
     ap = _gpt.parser(__doc__.splitlines()[0])
     ap.add_argument("--recipe", choices=("amp", "master"), default="master")
     args = ap.parse_args()
-    device = _gpt.init()
+    device = _gpt.init(args)
     bf16 = args.precision == "bf16"
     master = bf16 and args.recipe == "master"
     world, rank = dist.get_world_size(), dist.get_rank()
