@@ -135,6 +135,8 @@ def table_specs(run_dirs: list[Path], runs, run_col: list) -> list[dict]:
             "columns": run_col + COLUMNS,
             "rows": rows,
             "note": NOTE,
-            "row_class": lambda r: "bad-row" if r.get("verdict") == "fail" or r.get("status") not in ("ok", "skipped") else "",
+            "row_class": lambda r: (
+                "bad-row" if r.get("verdict") == "fail" or r.get("status") not in ("ok", "skipped") else ""
+            ),
         }
     ]

@@ -53,9 +53,7 @@ def main():
         impl = {"fused": True} if cuda else {"foreach": True}
         opt = torch.optim.AdamW(ddp.parameters(), **_gpt.adamw_hyper(args), **impl)
     autocast = (
-        (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
-        if bf16 and not master
-        else contextlib.nullcontext
+        (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 and not master else contextlib.nullcontext
     )
 
     def step(x, y):
