@@ -394,6 +394,29 @@ def cmd_compare(args) -> int:
     return compare_main(args)
 
 
+def cmd_fidelity(args) -> int:
+    """Each peer case of a run beside its library's minimal script (``parabench.fidelity``)."""
+    from parabench.fidelity import run_fidelity
+    from parabench.runner import OutputError
+
+    run_dir = Path(args.run)
+    try:
+        counts = run_fidelity(run_dir, filters=args.filter, redo=args.redo)
+    except (OutputError, SchemaError, FileNotFoundError) as exc:
+        print(f"parabench: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\nparabench: interrupted; finished scripts are kept in {run_dir / 'fidelity'}", file=sys.stderr)
+        return 130
+    print("parabench: fidelity: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v), flush=True)
+    if not args.no_report:
+        path = _write_run_report(run_dir)
+        if path is None:
+            return 2
+        print(f"parabench: report: {path}")
+    return 1 if counts["failed"] or counts["timeout"] else 0
+
+
 def cmd_env(args) -> int:
     from parabench.results import device_inventory, library_versions, recorded_env
 
@@ -507,6 +530,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     _compare_arguments(p)  # baseline, candidate, --threshold, --mem-threshold, --alpha, --json, --markdown, --all
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser(
+        "fidelity",
+        help="run each peer case's minimal library script (parabench/fidelity/scripts) beside it; "
+        "writes RUN/fidelity/<case_hash>.json and the report's peer-fidelity table",
+    )
+    p.add_argument("run", help="a run folder with finished peer cases")
+    p.add_argument("--filter", action="append", help="only cases whose label contains this text (repeatable)")
+    p.add_argument("--redo", action="store_true", help="run scripts again where a result exists")
+    p.add_argument("--no-report", action="store_true")
+    p.set_defaults(func=cmd_fidelity)
 
     p = sub.add_parser("env", help="versions, devices and recorded environment variables")
     p.set_defaults(func=cmd_env)

@@ -8,7 +8,8 @@ CDN). Every string from a result file goes through Jinja's autoescaping: results
 Sections: overview (fastest strategy per model, device count and precision), figures, all cases,
 memory, communication vs theory, pipeline, ring-attention balance (``cp_balance``), expert routing
 of the MoE strategies (``moe_routing``), run-to-run
-spread of repeated cases (``spread``), links to traces and memory snapshots (``traces``), collectives,
+spread of repeated cases (``spread``), peer fidelity (``fidelity``), links to traces and memory
+snapshots (``traces``), collectives,
 cross-run comparison (same case hash, ``parabench.compare``'s verdicts), failed and skipped
 cases, environment.
 """
@@ -21,6 +22,7 @@ import jinja2
 
 from parabench.compare import DEFAULT_THRESHOLD, METRICS, compare_runs
 from parabench.report import cp_balance, frames, moe_routing, spread
+from parabench.report import fidelity as fidelity_section
 from parabench.report import step_breakdown as step_breakdown_section
 from parabench.report import traces as traces_section
 from parabench.results import load_run
@@ -458,6 +460,8 @@ def render_report(
     for spec in traces_section.table_specs(runs, run_dirs, run_col, link_from):  # links to trace files
         tables.append(_table(**spec))
     for spec in spread.table_specs(runs, run_col):  # repeated cases and ref/peer ratios, with intervals
+        tables.append(_table(**spec))
+    for spec in fidelity_section.table_specs(run_dirs, runs, run_col):  # adapters vs their library's script
         tables.append(_table(**spec))
     if coll_rows:
         tables.append(

@@ -1,0 +1,203 @@
+"""Peer fidelity: each library peer beside a minimal script written from that library's docs.
+
+``parabench fidelity RUN_DIR`` takes every finished (``ok``) case of a peer that has a script
+(``PEER_SCRIPTS``), launches the script with torchrun on the same shape, micro-batch, steps,
+warm-up, seed, learning rate, precision and recipe, and writes ``RUN_DIR/fidelity/<case_hash>.json``
+(the script's own JSON under ``result``; ``status`` ok / failed / timeout / skipped, with the reason).
+The report (``parabench.report.fidelity``) then sets adapter beside script: tokens/s per device
+(target: adapter >= 0.95x the script) and peak memory (target: adapter <= 1.05x).
+
+The scripts live in ``parabench/fidelity/scripts/`` and import torch and DeepSpeed only, never
+parabench (a test parses their imports): they are what a user of the library would write, so an
+adapter that falls behind its script is the adapter's defect, not the library's. Launches go
+through the runner's machinery (``LaunchOwner``: the run folder's lock, marked processes ended
+completely, the environment passed through with NCCL_* and the rest).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from parabench.report.fidelity import ratios
+
+SCRIPTS_DIR = Path(__file__).resolve().parent / "scripts"
+
+
+@dataclass(frozen=True)
+class PeerScript:
+    script: str
+    recipes: tuple[str, ...]  # the bf16 recipes the script runs
+    default_recipe: str  # what the adapter runs when its case names no recipe
+    extra_args: tuple[str, ...] = ()
+
+
+PEER_SCRIPTS: dict[str, PeerScript] = {
+    "torch.ddp": PeerScript("torch_ddp.py", ("amp", "master"), "amp"),
+    "torch.fsdp2": PeerScript("torch_fsdp2.py", ("amp", "master"), "master"),
+    "torch.tp": PeerScript("torch_tp.py", ("amp", "master"), "amp"),
+    "deepspeed.zero1": PeerScript("deepspeed_zero.py", ("master",), "master", ("--stage", "1")),
+    "deepspeed.zero2": PeerScript("deepspeed_zero.py", ("master",), "master", ("--stage", "2")),
+    "deepspeed.zero3": PeerScript("deepspeed_zero.py", ("master",), "master", ("--stage", "3")),
+}
+# The issue's names and the short ones the scripts take.
+RECIPE_NAMES = {"amp": "amp", "master": "master", "bf16-master": "master", "fp16-master": None, "fp16-amp": None}
+# Options that change neither the work of a step nor what it holds (meters, the profile's label,
+# the TP degree the script takes from the world size): anything else and the script would not be
+# the same training.
+NEUTRAL_OPTIONS = {"tp", "profile", "telemetry", "roofline", "step_breakdown", "memory_breakdown", "record_timeline"}
+
+
+def recipe_of(record: dict) -> str | None:
+    """The case's precision recipe as the scripts name it; None for fp32. A case from before the
+    recipe axis (no ``recipe`` field) ran its library's own recipe."""
+    case = record["case"]
+    if case.get("precision", "fp32") == "fp32":
+        return None
+    given = case.get("recipe")
+    if given is None:
+        return PEER_SCRIPTS[case["strategy"]].default_recipe
+    return RECIPE_NAMES.get(given, given)
+
+
+def plan(record: dict) -> tuple[list[str] | None, str | None]:
+    """(script arguments, None) for a case the script can run, else (None, why not)."""
+    from parabench.models import model_config
+
+    case = record["case"]
+    peer = PEER_SCRIPTS[case["strategy"]]
+    if case.get("precision") not in ("fp32", "bf16"):
+        return None, f"the scripts run fp32 and bf16, not {case.get('precision')}"
+    if case.get("grad_accum", 1) != 1:
+        return None, "gradient accumulation: the scripts take one micro-batch per step"
+    options = case.get("options") or {}
+    other = sorted(set(options) - NEUTRAL_OPTIONS)
+    if other:
+        return None, f"options the script does not take: {', '.join(other)}"
+    tp = int(options.get("tp", 1))
+    if case["strategy"] == "torch.tp" and tp != case["world_size"]:
+        return None, f"the TP script uses the whole world as its TP group (tp={tp}, world {case['world_size']})"
+    if case["strategy"] != "torch.tp" and tp != 1:
+        return None, f"tp={tp}: the data-parallel scripts take no tensor parallelism"
+    recipe = recipe_of(record)
+    if recipe is not None and recipe not in peer.recipes:
+        return None, f"{case['strategy']}'s script has no recipe {recipe!r} (it runs {', '.join(peer.recipes)})"
+    cfg = model_config(case["model"], case.get("seq_len"))
+    if cfg.is_moe or cfg.mlp_ratio != 4:
+        return None, "the scripts build the dense GPT with a 4x MLP"
+    device = (record.get("device") or {}).get("type") or ("cpu" if case.get("device") == "cpu" else "cuda")
+    args = [
+        str(SCRIPTS_DIR / peer.script),
+        *peer.extra_args,
+        f"--n-layer={cfg.n_layers}",
+        f"--n-head={cfg.n_heads}",
+        f"--d-model={cfg.d_model}",
+        f"--vocab={cfg.vocab_size}",
+        f"--seq-len={cfg.seq_len}",
+        f"--micro-batch={case['micro_batch']}",
+        f"--steps={case['steps']}",
+        f"--warmup={case['warmup']}",
+        f"--seed={case['seed']}",
+        f"--lr={case['lr']}",
+        f"--precision={case['precision']}",
+        f"--device={device}",
+    ]
+    if recipe is not None:
+        args.append(f"--recipe={recipe}")
+    return args, None
+
+
+def peer_records(run_dir: Path) -> list[dict]:
+    """The run's finished peer cases that have a script, one per case hash (the first launch)."""
+    from parabench.results import load_run
+
+    _, records = load_run(run_dir)
+    seen, out = set(), []
+    for r in records:
+        case = r.get("case") or {}
+        if r.get("status") != "ok" or case.get("strategy") not in PEER_SCRIPTS or case.get("repeat", 0):
+            continue
+        if r["case_hash"] not in seen:
+            seen.add(r["case_hash"])
+            out.append(r)
+    return out
+
+
+def fidelity_path(run_dir: Path, case_hash: str) -> Path:
+    return Path(run_dir) / "fidelity" / f"{case_hash}.json"
+
+
+def run_fidelity(run_dir: Path, filters: list[str] | None = None, redo: bool = False, echo=print) -> dict:
+    """Run the script of every eligible peer case of ``run_dir``; return counts by status."""
+    from parabench.results import write_json_atomic
+    from parabench.runner import LaunchOptions, LaunchOwner
+
+    run_dir = Path(run_dir)
+    records = [r for r in peer_records(run_dir) if all(f in r.get("label", "") for f in filters or [])]
+    counts = {"ok": 0, "failed": 0, "timeout": 0, "skipped": 0, "kept": 0}
+    owner = LaunchOwner(run_dir, echo)
+    with owner.owning():
+        (run_dir / "fidelity" / "logs").mkdir(parents=True, exist_ok=True)
+        for r in records:
+            case, key = r["case"], r["case_hash"]
+            out_path = fidelity_path(run_dir, key)
+            if out_path.exists() and not redo:
+                counts["kept"] += 1
+                continue
+            base = {"case_hash": key, "label": r.get("label"), "strategy": case["strategy"], "recipe": None}
+            args, reason = plan(r)
+            if args is None:
+                write_json_atomic(out_path, {**base, "status": "skipped", "reason": reason})
+                counts["skipped"] += 1
+                echo(f"fidelity: skipped {r.get('label')}: {reason}")
+                continue
+            base["recipe"] = recipe_of(r)
+            device = next(a.split("=", 1)[1] for a in args if a.startswith("--device="))
+            result_file = owner.scratch / f"{key}.script.json"
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                *LaunchOptions().torchrun_args(case["world_size"]),
+                *args,
+                f"--out={result_file}",
+            ]
+            log = run_dir / "fidelity" / "logs" / f"{key}.log"
+            started = time.time()
+            rc, timed_out = owner.run_torchrun(cmd, owner.launch_env(device), log, float(case.get("timeout_s", 600)))
+            entry = {
+                **base,
+                "script": str(Path(args[0]).relative_to(SCRIPTS_DIR.parent.parent.parent)),
+                "argv": [Path(args[0]).name, *args[1:]],
+                "started_at": started,
+                "duration_s": time.time() - started,
+                "log": str(log.relative_to(run_dir)),
+            }
+            if result_file.exists() and rc == 0:
+                entry.update(status="ok", result=json.loads(result_file.read_text()))
+            else:
+                tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
+                status = "timeout" if timed_out else "failed"
+                entry.update(status=status, reason=f"exit status {rc}", log_tail=tail)
+            write_json_atomic(out_path, entry)
+            counts[entry["status"]] += 1
+            echo(fidelity_line(r, entry))
+    return counts
+
+
+def fidelity_line(record: dict, entry: dict) -> str:
+    if entry["status"] != "ok":
+        return f"fidelity: {entry['status']} {record.get('label')}: {entry.get('reason')}"
+    r = ratios(record, entry)
+
+    def f(v, spec):
+        return format(v, spec) if v is not None else "-"
+
+    return (
+        f"fidelity: {record.get('label')}: tok/s/dev adapter {f(r['adapter_tps'], ',.0f')} script "
+        f"{f(r['script_tps'], ',.0f')} ({f(r['tps_ratio'], '.3f')}x), peak adapter/script "
+        f"{f(r['mem_ratio'], '.3f')}x: {r['verdict']}"
+    )

@@ -1,0 +1,295 @@
+"""The shared half of the peer-fidelity scripts: the GPT they train, its data, their flags, and the
+measurement. Standalone on purpose: it imports torch and the standard library only, never
+parabench, so each script shows what a user of the library would write from its documentation.
+
+The model reproduces ``parabench/models.py`` layer for layer and name for name (the parameter
+names, shapes, order and GPT-2 initialisation), and the data its Markov-chain batches, so a script
+and its parabench adapter start from the same weights and see the same tokens: their losses agree
+as far as the library's arithmetic allows (tests/test_fidelity.py compares the parameter count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+# --- the model: a GPT-2/3 decoder, parabench's block layout --------------------------------------
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, n_head: int):
+        super().__init__()
+        self.head_dim = d // n_head
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d, bias=False)
+        self.v = nn.Linear(d, d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        # heads from the local width: a tensor-parallel shard has fewer of them
+        q, k, v = (lin(x).view(b, s, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, n_head: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attention(d, n_head)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = MLP(d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, n_layer: int, n_head: int, d_model: int, vocab: int, seq_len: int):
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab, d_model)
+        self.pos_emb = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, tokens):
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def build_gpt(args, device) -> GPT:
+    """fp32 parameters on ``device``, GPT-2 initialisation (N(0, 0.02), residual projections
+    scaled by 1/sqrt(2L)) drawn in parameter order from one seeded generator on the device."""
+    with torch.device("meta"):
+        model = GPT(args.n_layer, args.n_head, args.d_model, args.vocab, args.seq_len)
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    resid_std = 0.02 / math.sqrt(2 * args.n_layer)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif ".ln" in name or name.startswith("ln_"):
+                p.fill_(1.0)
+            else:
+                std = resid_std if name.endswith("proj.weight") else 0.02
+                p.copy_(torch.randn(p.shape, generator=gen, device=device).mul_(std))
+    return model
+
+
+# --- the data: token[t+1] = token[t] + offset, offsets drawn from a skewed set -------------------
+
+OFFSETS = (1, 2, 3, 5, 8, 13)
+PROBS = (0.5, 0.2, 0.12, 0.08, 0.06, 0.04)
+
+
+def global_batch(step: int, batch_size: int, args):
+    gen = torch.Generator(device="cpu").manual_seed(args.seed * 1_000_003 + step)
+    starts = torch.randint(0, args.vocab, (batch_size, 1), generator=gen)
+    choice = torch.multinomial(torch.tensor(PROBS), batch_size * args.seq_len, replacement=True, generator=gen)
+    offsets = torch.tensor(OFFSETS)[choice].view(batch_size, args.seq_len)
+    stream = torch.cat([starts, starts + offsets.cumsum(dim=1)], dim=1) % args.vocab
+    return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
+
+
+def local_batches(args, dp_rank: int, dp: int, device):
+    """This rank's micro-batch of every step's global batch (``micro_batch * dp`` sequences)."""
+    lo = dp_rank * args.micro_batch
+    out = []
+    for step in range(args.warmup + args.steps):
+        x, y = global_batch(step, args.micro_batch * dp, args)
+        out.append((x[lo : lo + args.micro_batch].to(device), y[lo : lo + args.micro_batch].to(device)))
+    return out
+
+
+# --- the bf16-master recipe: 16-bit parameters, fp32 master weights and AdamW states --------------
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _local_grad(p):
+    """The local part of ``p.grad`` in ``p``'s own layout: DTensor may leave a gradient in another
+    placement than its parameter (a vocabulary-sharded embedding gets a replicated one)."""
+    g = p.grad
+    if hasattr(g, "placements") and tuple(g.placements) != tuple(p.placements):
+        g = g.redistribute(p.device_mesh, p.placements)
+    return _local(g)
+
+
+class MasterWeightAdamW:
+    """AdamW on fp32 master copies of 16-bit parameters (Micikevicius et al. 2018, "Mixed
+    Precision Training"; DeepSpeed's and Megatron's bf16 recipe): gradients are copied up to fp32,
+    the fused (CUDA) or foreach AdamW updates the masters, and the masters are copied back down.
+    It works on each parameter's local tensor (a DTensor's shard), so one kernel call covers
+    every parameter whatever its placement."""
+
+    def __init__(self, params, fused: bool, **hyper):
+        self.params = [p for p in params if p.requires_grad]
+        self.master = [_local(p).detach().float().clone() for p in self.params]
+        self.grads = [torch.zeros_like(m) for m in self.master]
+        for m, g in zip(self.master, self.grads):
+            m.grad = g
+        impl = {"fused": True} if fused else {"foreach": True}
+        self.inner = torch.optim.AdamW(self.master, **hyper, **impl)
+
+    @torch.no_grad()
+    def step(self):
+        torch._foreach_copy_(self.grads, [_local_grad(p) for p in self.params])
+        self.inner.step()
+        torch._foreach_copy_([_local(p) for p in self.params], self.master)
+
+    def zero_grad(self, set_to_none: bool = True):
+        for p in self.params:
+            p.grad = None
+
+
+# --- flags, process group, measurement ------------------------------------------------------------
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--n-layer", type=int, default=2)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when present")
+    ap.add_argument("--out", help="write the JSON result here (rank 0); it is printed either way")
+    return ap
+
+
+# AdamW with every hyperparameter explicit (library defaults differ, weight decay above all).
+def adamw_hyper(args) -> dict:
+    return {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+
+def init(args, backend_timeout_s: float = 600.0) -> torch.device:
+    """torchrun's environment: NCCL on cuda:LOCAL_RANK (``--device cuda``, or auto with a GPU
+    present), else gloo on the CPU."""
+    import datetime
+
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=backend_timeout_s), device_id=device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=backend_timeout_s))
+    return device
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:  # Linux: resets ru_maxrss's high-water mark (proc(5), /proc/pid/clear_refs)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+
+def _peak(device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def measure(args, device, step, batches, tokens_per_step: int, library: dict) -> dict | None:
+    """Run ``warmup`` untimed and ``steps`` timed calls of ``step(x, y) -> loss``, each timed with
+    a device sync on either side; return (rank 0) the result, else None. A step's time is the
+    slowest rank's; tokens/s per device uses the median step. Peak memory is the largest rank's
+    over the timed steps."""
+    losses = []
+    for x, y in batches[: args.warmup]:
+        losses.append(step(x, y))
+    _sync(device)
+    dist.barrier()
+    _reset_peak(device)
+    times = []
+    for x, y in batches[args.warmup :]:
+        t0 = time.perf_counter()
+        losses.append(step(x, y))
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    peak = _peak(device)
+    mine = {"times": times, "peak": peak, "losses": [float(_local(l)) for l in losses]}
+    world = dist.get_world_size()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() != 0:
+        return None
+    steps = [max(ts) for ts in zip(*(r["times"] for r in everyone))]
+    median = statistics.median(steps)
+    losses = [statistics.fmean(vals) for vals in zip(*(r["losses"] for r in everyone))]
+    versions = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    return {
+        "tokens_per_s_per_device": tokens_per_step / median / world,
+        "step_time_s_median": median,
+        "step_times_s": steps,
+        "peak_memory_bytes": max(r["peak"] for r in everyone),
+        "peak_memory_source": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "ru_maxrss",
+        "final_loss": losses[-1],
+        "losses": losses,
+        "tokens_per_step": tokens_per_step,
+        "config": {**vars(args), "world_size": world, "device": device.type, **library},
+        "versions": versions,
+    }
+
+
+def finish(args, result: dict | None) -> None:
+    """Rank 0 prints the result and writes it to ``--out``; every rank leaves the process group."""
+    if result is not None:
+        text = json.dumps(result, indent=1, default=str)
+        print(text, flush=True)
+        if args.out:
+            tmp = f"{args.out}.tmp{os.getpid()}"
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, args.out)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,142 @@
+"""Report section: each library peer beside its minimal documentation script (``parabench fidelity``).
+
+Reads ``<run>/fidelity/<case_hash>.json`` beside the run's case records (a pure function of the
+result folders, like the rest of the report). Per peer case: tokens/s per device of the adapter and
+of the script, their ratio (target: adapter >= 0.95x), peak memory of each (allocator peak on GPUs,
+resident set on CPUs) and its ratio (target: adapter <= 1.05x), and the loss each reached at the
+last timed step (same weights and data: they should agree to the precision's rounding).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TPS_TARGET = 0.95  # adapter tokens/s over script tokens/s, at least
+MEM_TARGET = 1.05  # adapter peak memory over script peak memory, at most
+
+COLUMNS = [
+    ("label", "case", "str"),
+    ("recipe", "recipe", "str"),
+    ("status", "status", "str"),
+    ("adapter_tps", "adapter tok/s/device", "int"),
+    ("script_tps", "script tok/s/device", "int"),
+    ("tps_ratio", "tok/s adapter / script", "f3"),
+    ("tps_ok", "≥ 0.95", "str"),
+    ("adapter_mem_MiB", "adapter peak MiB", "f1"),
+    ("script_mem_MiB", "script peak MiB", "f1"),
+    ("mem_ratio", "peak adapter / script", "f3"),
+    ("mem_ok", "≤ 1.05", "str"),
+    ("verdict", "verdict", "str"),
+    ("adapter_loss", "adapter loss", "g4"),
+    ("script_loss", "script loss", "g4"),
+    ("script_optimizer", "script optimizer", "str"),
+    ("reason", "note", "wrap"),
+]
+NOTE = (
+    "Each peer adapter beside a minimal training script written only from its library's documentation "
+    "(parabench/fidelity/scripts, run by `parabench fidelity RUN`), same model, shapes, micro-batch, "
+    "steps, seed, precision and recipe. Targets: the adapter at least 0.95x the script's tokens/s per "
+    "device (median step, the slowest rank's) and at most 1.05x its peak memory (allocator peak on GPUs, "
+    "resident set on CPUs, largest rank, timed steps). The script times each step between device "
+    "syncs, the adapter with device events; losses are at the last timed step. Cases of the 'matched' "
+    "profile are shown but not judged: they align with the references, not with the library's best."
+)
+
+
+def ratios(record: dict, entry: dict) -> dict:
+    """Adapter over script for tokens/s per device and peak memory, with the verdict against the
+    targets (None where a figure is missing; not judged for the ``matched`` profile)."""
+    m = record.get("metrics") or {}
+    s = entry.get("result") or {}
+    a_tps, s_tps = m.get("tokens_per_s_per_device"), s.get("tokens_per_s_per_device")
+    a_mem = m.get("peak_alloc_bytes") or m.get("peak_rss_bytes")
+    s_mem = s.get("peak_memory_bytes")
+    tps_ratio = a_tps / s_tps if a_tps and s_tps else None
+    mem_ratio = a_mem / s_mem if a_mem and s_mem else None
+    tps_ok = tps_ratio >= TPS_TARGET if tps_ratio is not None else None
+    mem_ok = mem_ratio <= MEM_TARGET if mem_ratio is not None else None
+    if ((record.get("case") or {}).get("options") or {}).get("profile") == "matched":
+        verdict = "not judged (matched profile)"
+    elif tps_ok is None or mem_ok is None:
+        verdict = None
+    else:
+        verdict = "pass" if tps_ok and mem_ok else "fail"
+    return {
+        "adapter_tps": a_tps,
+        "script_tps": s_tps,
+        "tps_ratio": tps_ratio,
+        "tps_ok": tps_ok,
+        "adapter_mem": a_mem,
+        "script_mem": s_mem,
+        "mem_ratio": mem_ratio,
+        "mem_ok": mem_ok,
+        "verdict": verdict,
+    }
+
+
+def _adapter_loss_at_last_timed_step(record: dict):
+    losses = (record.get("metrics") or {}).get("losses") or []
+    case = record.get("case") or {}
+    i = case.get("warmup", 0) + case.get("steps", 0) - 1
+    return losses[i] if 0 <= i < len(losses) else None
+
+
+def _mib(v):
+    return v / 2**20 if v else None
+
+
+def fidelity_rows(run_dirs: list[Path], runs) -> list[dict]:
+    rows = []
+    for run_dir, (manifest, records) in zip(run_dirs, runs):
+        folder = Path(run_dir) / "fidelity"
+        if not folder.is_dir():
+            continue
+        by_hash = {r.get("case_hash"): r for r in records}
+        for path in sorted(folder.glob("*.json")):
+            try:
+                entry = json.loads(path.read_text())
+            except (OSError, ValueError) as exc:
+                rows.append({"label": path.name, "status": "unreadable", "reason": str(exc)})
+                continue
+            if not isinstance(entry, dict):
+                continue
+            record = by_hash.get(entry.get("case_hash"), {})
+            r = ratios(record, entry)
+            result = entry.get("result") or {}
+            rows.append(
+                {
+                    "run": f"{manifest.get('suite')}/{manifest.get('run_id')}",
+                    "label": entry.get("label") or record.get("label"),
+                    "recipe": entry.get("recipe") or "–",
+                    "status": entry.get("status"),
+                    **r,
+                    "adapter_mem_MiB": _mib(r["adapter_mem"]),
+                    "script_mem_MiB": _mib(r["script_mem"]),
+                    "adapter_loss": _adapter_loss_at_last_timed_step(record) if record else None,
+                    "script_loss": result.get("final_loss"),
+                    "script_optimizer": (result.get("config") or {}).get("optimizer"),
+                    "reason": entry.get("reason") or ("no case record with this hash" if not record else ""),
+                }
+            )
+    return rows
+
+
+def table_specs(run_dirs: list[Path], runs, run_col: list) -> list[dict]:
+    """The section's table as keyword arguments of ``parabench.report.html._table`` (none without
+    fidelity results)."""
+    rows = fidelity_rows(run_dirs, runs)
+    if not rows:
+        return []
+    return [
+        {
+            "id_": "peer-fidelity",
+            "title": "Peer fidelity: each adapter against its library's documented minimal script",
+            "columns": run_col + COLUMNS,
+            "rows": rows,
+            "note": NOTE,
+            "row_class": lambda r: (
+                "bad-row" if r.get("verdict") == "fail" or r.get("status") not in ("ok", "skipped") else ""
+            ),
+        }
+    ]

@@ -1,0 +1,177 @@
+"""Peer fidelity: the library scripts run standalone, import nothing of parabench, train the very
+model parabench trains, and ``parabench fidelity`` sets them beside their adapters in the report."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from parabench.cli import main as cli_main
+from parabench.fidelity import PEER_SCRIPTS, SCRIPTS_DIR, plan
+from parabench.models import build_model, model_config, parameter_count
+from parabench.report.html import render_report
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = sorted(p for p in SCRIPTS_DIR.glob("*.py") if p.name != "__init__.py")
+TINY = ["--n-layer=2", "--n-head=4", "--d-model=64", "--vocab=256", "--seq-len=64", "--micro-batch=2"]
+RESULT_KEYS = {
+    "tokens_per_s_per_device",
+    "step_time_s_median",
+    "step_times_s",
+    "peak_memory_bytes",
+    "peak_memory_source",
+    "final_loss",
+    "losses",
+    "config",
+}
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add("." if node.level else node.module.split(".")[0])
+    return names
+
+
+def test_scripts_import_only_torch_deepspeed_and_the_standard_library():
+    assert {p.name for p in SCRIPTS} >= {"_gpt.py", *(s.script for s in PEER_SCRIPTS.values())}
+    allowed = set(sys.stdlib_module_names) | {"torch", "_gpt"}
+    for path in SCRIPTS:
+        names = _imports(path)
+        extra = names - allowed - ({"deepspeed"} if path.name.startswith("deepspeed") else set())
+        assert not extra, f"{path.name} imports {sorted(extra)}: the scripts stand alone (torch/deepspeed only)"
+        assert "parabench" not in names and "reference_impls" not in names
+
+
+def test_script_gpt_is_parabench_gpt_name_for_name_and_weight_for_weight():
+    sys.path.insert(0, str(SCRIPTS_DIR))
+    try:
+        import _gpt
+    finally:
+        sys.path.remove(str(SCRIPTS_DIR))
+    cfg = model_config("tiny")
+    args = _gpt.parser("t").parse_args(TINY + ["--seed=7"])
+    mine = dict(_gpt.build_gpt(args, torch.device("cpu")).named_parameters())
+    theirs = dict(build_model(cfg, 7).named_parameters())
+    assert list(mine) == list(theirs)
+    assert sum(p.numel() for p in mine.values()) == parameter_count(cfg)["total"]
+    for name, p in theirs.items():
+        assert torch.equal(mine[name], p), name
+    from parabench.models import global_batch
+
+    x, y = _gpt.global_batch(3, 4, args)
+    px, py = global_batch(3, 4, cfg, 7)
+    assert torch.equal(x, px) and torch.equal(y, py)
+
+
+STANDALONE = {
+    "fsdp2": ("torch_fsdp2.py", "--precision=bf16", "--recipe=amp"),
+    "tp": ("torch_tp.py", "--precision=bf16", "--recipe=master"),
+    "zero3": ("deepspeed_zero.py", "--stage=3", "--precision=bf16"),
+}
+
+
+@pytest.fixture(scope="module")
+def standalone(tmp_path_factory) -> dict:
+    """Each script under its own ``torchrun --nproc-per-node=2`` on gloo, all at once (they wait
+    on start-up more than they compute); name -> (exit status, output tail, JSON result or None)."""
+    tmp = tmp_path_factory.mktemp("standalone")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    procs = {}
+    for name, (script, *args) in STANDALONE.items():
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(SCRIPTS_DIR / script), *TINY, "--steps=2", "--warmup=1", "--device=cpu",
+               f"--out={tmp / name}.json", *args]  # fmt: skip
+        log = open(tmp / f"{name}.log", "w")
+        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp), log)
+    out = {}
+    for name, (proc, log) in procs.items():
+        try:
+            rc = proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        log.close()
+        path = tmp / f"{name}.json"
+        out[name] = (
+            rc,
+            (tmp / f"{name}.log").read_text()[-3000:],
+            json.loads(path.read_text()) if path.exists() else None,
+        )
+    return out
+
+
+@pytest.mark.parametrize("name", list(STANDALONE))
+def test_scripts_run_standalone_under_torchrun_with_a_well_formed_result(standalone, name):
+    rc, tail, result = standalone[name]
+    assert rc == 0 and result is not None, tail
+    assert RESULT_KEYS <= set(result), sorted(RESULT_KEYS - set(result))
+    assert result["tokens_per_s_per_device"] > 0 and result["peak_memory_bytes"] > 0
+    assert result["peak_memory_source"] == "ru_maxrss" and len(result["step_times_s"]) == 2
+    assert len(result["losses"]) == 3 and all(l == l for l in result["losses"])
+    assert result["config"]["world_size"] == 2 and result["config"]["device"] == "cpu"
+    assert result["config"]["recipe"] == {"fsdp2": "amp", "tp": "master", "zero3": "master"}[name]
+
+
+def test_deepspeed_script_config_is_the_documented_one(standalone):
+    result = standalone["zero3"][2]
+    assert result is not None, standalone["zero3"][1]
+    cfg = result["config"]["ds_config"]
+    assert cfg["bf16"] == {"enabled": True}
+    assert cfg["zero_optimization"] == {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}
+    assert result["config"]["optimizer_wrapper"] == "DeepSpeedZeroOptimizer_Stage3"
+    assert result["config"]["optimizer"] == "torch.optim.adamw.AdamW"  # FusedAdam is CUDA's
+
+
+def test_plan_names_why_a_case_has_no_script_run():
+    def record(**case):
+        base = dict(strategy="torch.ddp", model="tiny", world_size=2, precision="bf16", micro_batch=2,
+                    grad_accum=1, steps=2, warmup=1, seed=1, lr=1e-3, options={})  # fmt: skip
+        return {"case": {**base, **case}, "device": {"type": "cpu"}}
+
+    args, why = plan(record())
+    assert why is None and "--recipe=amp" in args and "--device=cpu" in args  # DDP's own recipe
+    assert "--recipe=master" in plan(record(strategy="torch.fsdp2"))[0]
+    assert "--recipe=master" in plan(record(recipe="bf16-master"))[0]
+    assert "--stage" in plan(record(strategy="deepspeed.zero2"))[0]
+    assert "gradient accumulation" in plan(record(grad_accum=2))[1]
+    assert "activation_checkpointing" in plan(record(options={"activation_checkpointing": True}))[1]
+    assert "no recipe 'amp'" in plan(record(strategy="deepspeed.zero3", recipe="amp"))[1]
+    assert "whole world" in plan(record(strategy="torch.tp", world_size=4, options={"tp": 2}))[1]
+    assert "fp16" in plan(record(precision="fp16"))[1]
+
+
+def test_fidelity_command_writes_results_and_the_report_table(tmp_path):
+    out = tmp_path / "res"
+    proc = subprocess.run(
+        [sys.executable, "-m", "parabench.cli", "run", "suite", "peer-fidelity", "--filter", "torch.ddp",
+         "--out", str(out), "--run-id", "t", "--no-report"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run_dir = out / "peer-fidelity" / "t"
+    assert cli_main(["fidelity", str(run_dir), "--no-report"]) == 0
+    (record_path,) = (run_dir / "cases").glob("*.json")
+    record = json.loads(record_path.read_text())
+    entry = json.loads((run_dir / "fidelity" / record_path.name).read_text())
+    assert entry["status"] == "ok" and entry["recipe"] == "amp" and entry["strategy"] == "torch.ddp"
+    case, result = record["case"], entry["result"]
+    assert result["config"]["micro_batch"] == case["micro_batch"] and result["config"]["steps"] == case["steps"]
+    # Same weights, same data, same library calls: on CPU the script retraces the adapter exactly.
+    n = case["warmup"] + case["steps"]
+    assert result["losses"] == record["metrics"]["losses"][:n]
+    html = render_report([run_dir], with_figures=False)
+    assert 'id="tbl-peer-fidelity"' in html and record["label"] in html
+    # Kept on a second call; --redo runs it again.
+    assert cli_main(["fidelity", str(run_dir), "--no-report"]) == 0
+    assert json.loads((run_dir / "fidelity" / record_path.name).read_text())["started_at"] == entry["started_at"]
