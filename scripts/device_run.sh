@@ -42,5 +42,10 @@ for suite in "$@"; do
   if [ "$left" -lt 20 ]; then echo "device_run: no time left for $suite" | tee -a "$out/console.txt"; continue; fi
   timeout -s INT "$left" python3 -m parabench.cli run suite "$suite" --out "$work/res" $run_args ${PARABENCH_ARGS:-} 2>&1 | tee -a "$out/console.txt"
   pack
+  if [[ $suite == peer-fidelity* ]]; then  # each peer case beside its library's minimal script (resumes too)
+    left=$(( deadline - ($(date +%s) - start) ))
+    [ "$left" -ge 30 ] && timeout -s INT "$left" python3 -m parabench.cli fidelity "$work/res/$suite/$(cat "$work/run_id")" 2>&1 | tee -a "$out/console.txt"
+    pack
+  fi
 done
 pack

@@ -163,8 +163,9 @@ def test_fidelity_command_writes_results_and_the_report_table(tmp_path):
     assert cli_main(["fidelity", str(run_dir), "--no-report"]) == 0
     (record_path,) = (run_dir / "cases").glob("*.json")
     record = json.loads(record_path.read_text())
+    case_recipe = record["case"]["recipe"]  # bf16: the suite's default, master
     entry = json.loads((run_dir / "fidelity" / record_path.name).read_text())
-    assert entry["status"] == "ok" and entry["recipe"] == "amp" and entry["strategy"] == "torch.ddp"
+    assert entry["status"] == "ok" and entry["recipe"] == case_recipe == "master" and entry["strategy"] == "torch.ddp"
     case, result = record["case"], entry["result"]
     assert result["config"]["micro_batch"] == case["micro_batch"] and result["config"]["steps"] == case["steps"]
     # Same weights, same data, same library calls: on CPU the script retraces the adapter exactly.

@@ -53,14 +53,11 @@ NEUTRAL_OPTIONS = {"tp", "profile", "telemetry", "roofline", "step_breakdown", "
 
 def recipe_of(record: dict) -> str | None:
     """The case's precision recipe as the scripts name it; None for fp32. A case from before the
-    recipe axis (no ``recipe`` field) ran its library's own recipe."""
-    case = record["case"]
-    if case.get("precision", "fp32") == "fp32":
-        return None
-    given = case.get("recipe")
-    if given is None:
-        return PEER_SCRIPTS[case["strategy"]].default_recipe
-    return RECIPE_NAMES.get(given, given)
+    recipe axis (no ``recipe`` field) ran its strategy's recipe of the time (``parabench.recipes``)."""
+    from parabench.recipes import recipe_of as case_recipe
+
+    recipe = case_recipe(record["case"])
+    return RECIPE_NAMES.get(recipe, recipe)
 
 
 def plan(record: dict) -> tuple[list[str] | None, str | None]:
