@@ -31,17 +31,16 @@ SCRIPTS_DIR = Path(__file__).resolve().parent / "scripts"
 class PeerScript:
     script: str
     recipes: tuple[str, ...]  # the bf16 recipes the script runs
-    default_recipe: str  # what the adapter runs when its case names no recipe
     extra_args: tuple[str, ...] = ()
 
 
 PEER_SCRIPTS: dict[str, PeerScript] = {
-    "torch.ddp": PeerScript("torch_ddp.py", ("amp", "master"), "amp"),
-    "torch.fsdp2": PeerScript("torch_fsdp2.py", ("amp", "master"), "master"),
-    "torch.tp": PeerScript("torch_tp.py", ("amp", "master"), "amp"),
-    "deepspeed.zero1": PeerScript("deepspeed_zero.py", ("master",), "master", ("--stage", "1")),
-    "deepspeed.zero2": PeerScript("deepspeed_zero.py", ("master",), "master", ("--stage", "2")),
-    "deepspeed.zero3": PeerScript("deepspeed_zero.py", ("master",), "master", ("--stage", "3")),
+    "torch.ddp": PeerScript("torch_ddp.py", ("amp", "master")),
+    "torch.fsdp2": PeerScript("torch_fsdp2.py", ("amp", "master")),
+    "torch.tp": PeerScript("torch_tp.py", ("amp", "master")),
+    "deepspeed.zero1": PeerScript("deepspeed_zero.py", ("master",), ("--stage", "1")),
+    "deepspeed.zero2": PeerScript("deepspeed_zero.py", ("master",), ("--stage", "2")),
+    "deepspeed.zero3": PeerScript("deepspeed_zero.py", ("master",), ("--stage", "3")),
 }
 # The names and the short ones the scripts take.
 RECIPE_NAMES = {"amp": "amp", "master": "master", "bf16-master": "master", "fp16-master": None, "fp16-amp": None}
