@@ -4,7 +4,8 @@ One launch may run several cases in a row (same world size and device), which sa
 start-up of torch, NCCL and the rendezvous for each. Per case, every rank:
 
 1. builds the rank grid and the strategy's trainer from the shared model and seed;
-2. runs ``warmup`` untimed steps, then ``steps`` timed steps with nothing else on them
+2. runs ``warmup`` untimed steps (the first of them timed on its own, synchronised: compilation
+   and other first-call costs, ``first_step_s``), then ``steps`` timed steps with nothing else on them
    (device events on GPU, the host clock on CPU; peak memory reset just before);
 3. runs one more, instrumented step: communication meter on, model-state bytes sampled; then,
    when the case asks, one more step under the memory-breakdown meter (``memory_breakdown``) and
@@ -118,6 +119,25 @@ def is_oom(exc: BaseException) -> bool:
     )
 
 
+def compile_failure(case: Case, exc: BaseException) -> str | None:
+    """The cause to record when ``exc`` (or an exception it came from) is torch.compile's own
+    (dynamo, AOTAutograd or inductor: ``torch._dynamo.exc.TorchDynamoException``) in a case with
+    option ``compile``, else None. Compilation runs at the first call of a compiled block, inside
+    a training step, so without this the record would name only the step that failed."""
+    if not case.options.get("compile"):
+        return None
+    from torch._dynamo.exc import TorchDynamoException
+
+    seen, e = set(), exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, TorchDynamoException):
+            text = str(e).strip()
+            return f"compilation failed (option compile = true, torch.compile per block): {type(e).__name__}: {text}"
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 class StepClock:
     """Per-step durations that do not stall the device: CUDA events read once at the end."""
 
@@ -225,9 +245,18 @@ def run_case(case: Case, device: torch.device, leftover: int | None = None) -> d
     # it may sync the host with the device (GradScaler keeps its scale on the GPU): a small cost on
     # the timed steps of fp16 cases, and none at all on other cases, which never call it.
     scales: list | None = [] if case.precision == "fp16" else None
+    # The first warm-up step alone, synchronised on both ends: it carries torch.compile's
+    # compilation (option compile) and every other first-call cost, kept out of the timed steps.
+    first_step_s = None
     for step in range(case.warmup):
         _inject_fault(case, step)
+        if step == 0:
+            synchronize(device)
+            t_first = time.perf_counter()
         losses.append(trainer.train_step(*batches[step]))
+        if step == 0:
+            synchronize(device)
+            first_step_s = time.perf_counter() - t_first
         scales is not None and scales.append(trainer.loss_scale())
 
     synchronize(device)
@@ -293,6 +322,7 @@ def run_case(case: Case, device: torch.device, leftover: int | None = None) -> d
         "comm": comm,
         "flight_recorder": fr,
         "setup_s": setup_s,
+        "first_step_s": first_step_s,
         "allocated_at_start_bytes": leftover,
         "loss_scale": scales,
         "telemetry": device_telemetry,
@@ -356,13 +386,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             result = run_case(case, device, leftover)
         except BaseException as exc:
+            compile_cause = compile_failure(case, exc)
             err = {
                 "rank": rank,
                 "type": type(exc).__name__,
-                "message": str(exc)[:2000],
+                "message": (compile_cause or str(exc))[:2000],
                 "traceback": traceback.format_exc()[-4000:],
                 "time": time.time(),
                 "oom": is_oom(exc),
+                "compile_failed": compile_cause is not None,
             }
             write_json_atomic(os.path.join(args.scratch, f"{key}.rank{rank}.error.json"), err)
             raise

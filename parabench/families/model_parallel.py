@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from parabench.models import GPTConfig, build_model
-from parabench.peers.common import adamw, autocast, optimizer_state_bytes, tensor_bytes
+from parabench.peers.common import adamw, autocast, compile_blocks, optimizer_state_bytes, tensor_bytes
 from parabench.strategies import CommonOptions, StrategySpec, Trainer, TrainSpec
 from parabench.theory import BYTES, Expectation, scalar_ops, sum_ops
 
@@ -133,6 +133,8 @@ class ModelParallelTrainer(Trainer):
         # it), so the timed steps of a record_timeline case keep their speed.
         self._timeline_wanted = o.record_timeline
         del model
+        blocks = self.par.module.blocks  # a ModuleDict keyed by global index on a pipeline stage
+        compile_blocks(blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks, spec)
         self.optimizer = adamw(self.par.module.parameters(), spec)
         self.measure_state = False
         self._grad_bytes = 0
@@ -592,7 +594,16 @@ def expect_torch_pipeline(cfg, case, o, dp):
     )
 
 
+# Option compile: these builders compile the blocks (peers.common.compile_blocks), after tensor
+# parallelism and the pipeline split.
+COMPILES = ("ref.tp", "ref.tp_sp", "ref.pp_gpipe", "ref.pp_1f1b", "torch.tp", "torch.tp_sp", "torch.pp_gpipe", "torch.pp_1f1b")
+
+
 def _row(name, builder, kind, description, expect, **kw):
+    if name in COMPILES:
+        kw.setdefault("compile_unsupported", None)
+    elif name == "deepspeed.pp":
+        kw.setdefault("compile_unsupported", "DeepSpeed's PipelineModule runs its layers itself; no compile hook is wired")
     return StrategySpec(
         name,
         "model_parallel",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from parabench.models import build_model
-from parabench.peers.common import TorchTrainer, adamw, checkpoint_blocks
+from parabench.peers.common import TorchTrainer, adamw, checkpoint_blocks, compile_blocks
 from parabench.strategies import TrainSpec
 
 
@@ -15,4 +15,5 @@ class SingleTrainer(TorchTrainer):
 def build(spec: TrainSpec) -> SingleTrainer:
     model = build_model(spec.model, spec.seed, spec.device)
     checkpoint_blocks(model, spec)
+    compile_blocks(model.blocks, spec)
     return SingleTrainer(spec, model, adamw(model.parameters(), spec))

@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from parabench.models import build_model, lm_loss
-from parabench.peers.common import TorchTrainer, autocast, local_tensor, tensor_bytes
+from parabench.peers.common import TorchTrainer, autocast, compile_blocks, local_tensor, tensor_bytes
 from parabench.strategies import TrainSpec
 
 
@@ -149,6 +149,7 @@ def tp_adamw(model: torch.nn.Module, spec: TrainSpec) -> torch.optim.Optimizer:
 def _build(spec: TrainSpec, sequence_parallel: bool) -> TorchTPTrainer:
     model = build_model(spec.model, spec.seed, spec.device)
     parallelize_module(model, spec.topology.mesh["tp"], _plan(model, sequence_parallel))
+    compile_blocks(model.blocks, spec)  # after TP, so the DTensor blocks are traced (torchtitan's order)
     return TorchTPTrainer(spec, model, tp_adamw(model, spec))
 
 
