@@ -208,7 +208,10 @@ PEER_PROFILE_HELP = (
 )
 
 
-NO_COMPILE_HOOK = "its builder has no torch.compile hook (parabench.peers.common.compile_blocks) yet"
+NO_COMPILE_HOOK = (
+    "its builder has no torch.compile hook (parabench.peers.common.compile_blocks), or compiled training "
+    "is not verified for it (tests/test_compile.py)"
+)
 
 
 def option_defaults(cls: type) -> dict:

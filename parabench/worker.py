@@ -25,6 +25,7 @@ runner starts the remaining cases in a fresh launch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -136,6 +137,16 @@ def compile_failure(case: Case, exc: BaseException) -> str | None:
         seen.add(id(e))
         e = e.__cause__ or e.__context__
     return None
+
+
+def eager_under_meter(case: Case):
+    """Around a step under a meter that is a ``TorchDispatchMode`` (communication, memory
+    breakdown): the compiled blocks run their eager code. Dynamo does not compile while such a mode
+    is active ("non-infra torch dispatch mode present"), and with ``fullgraph`` that is an error;
+    eager blocks issue the same collectives on the same tensors, and those steps are untimed."""
+    if not case.options.get("compile"):
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
 
 
 class StepClock:
@@ -286,7 +297,7 @@ def run_case(case: Case, device: torch.device, leftover: int | None = None) -> d
     trainer.measure_state = True
     fr_start = flight_recorder.last_record_id() if flight_recorder.enabled() else None
     if case.comm_meter:
-        with CommMeter() as meter:
+        with eager_under_meter(case), CommMeter() as meter:
             losses.append(trainer.train_step(*batches[step]))
         comm = meter.summary()
     else:
@@ -303,7 +314,8 @@ def run_case(case: Case, device: torch.device, leftover: int | None = None) -> d
     if breakdown_on:  # one more untimed step under the memory-breakdown meter (its loss is not recorded)
         from parabench.meters.memory_breakdown import measure_step
 
-        _, breakdown = measure_step(trainer, *batches[n_steps])
+        with eager_under_meter(case):
+            _, breakdown = measure_step(trainer, *batches[n_steps])
     step_breakdown = None
     if step_breakdown_on:  # one more untimed step under torch.profiler (its loss is not recorded)
         from parabench.meters import step_breakdown as step_meter
