@@ -596,14 +596,25 @@ def expect_torch_pipeline(cfg, case, o, dp):
 
 # Option compile: these builders compile the blocks (peers.common.compile_blocks), after tensor
 # parallelism and the pipeline split.
-COMPILES = ("ref.tp", "ref.tp_sp", "ref.pp_gpipe", "ref.pp_1f1b", "torch.tp", "torch.tp_sp", "torch.pp_gpipe", "torch.pp_1f1b")
+COMPILES = (
+    "ref.tp",
+    "ref.tp_sp",
+    "ref.pp_gpipe",
+    "ref.pp_1f1b",
+    "torch.tp",
+    "torch.tp_sp",
+    "torch.pp_gpipe",
+    "torch.pp_1f1b",
+)
 
 
 def _row(name, builder, kind, description, expect, **kw):
     if name in COMPILES:
         kw.setdefault("compile_unsupported", None)
     elif name == "deepspeed.pp":
-        kw.setdefault("compile_unsupported", "DeepSpeed's PipelineModule runs its layers itself; no compile hook is wired")
+        kw.setdefault(
+            "compile_unsupported", "DeepSpeed's PipelineModule runs its layers itself; no compile hook is wired"
+        )
     return StrategySpec(
         name,
         "model_parallel",
