@@ -10,6 +10,8 @@ Names carry their units. Conventions:
   (over a matmul rate measured on the spot) is given instead.
 - ``hfu``: as ``mfu`` but over hardware FLOPs, which count the recomputation of activation
   checkpointing (``parabench.models.HFU_CONVENTION``); equal to ``mfu`` without it.
+- ``first_step_s_max``: the first warm-up step (slowest rank), timed apart from the timed steps;
+  ``compile_s`` (cases with option ``compile``): that step minus ``step_time_s_median``.
 - Memory: the maximum over ranks of each rank's peak during the timed steps.
 - ``loss_scale`` (fp16 only, else None): see :func:`loss_scale_summary`; the fp16-vs-fp32 loss
   deviation of two records of the same case is :func:`loss_deviation` (for the report).
@@ -104,9 +106,20 @@ def summarize(case, raw: dict) -> dict:
         "losses": losses,
         "final_loss": next((l for l in reversed(losses) if l is not None), None),
         "setup_s_max": max(r["setup_s"] for r in per_rank),
+        **first_step_summary(case, per_rank, median),
         "loss_scale": loss_scale_summary(raw.get("loss_scale")),
         **telemetry_summary(per_rank, tokens_per_step * len(steps)),
     }
+
+
+def first_step_summary(case, per_rank: list[dict], median_step_s: float) -> dict:
+    """``first_step_s_max``: the first warm-up step, slowest rank (None without warm-up, or in
+    records made before it was measured). ``compile_s`` (option ``compile`` only, else None): that
+    step minus the median timed step, the time torch.compile's compilation added to the run."""
+    firsts = [r.get("first_step_s") for r in per_rank]
+    first = max(firsts) if firsts and all(f is not None for f in firsts) else None
+    compiled = bool(case.options.get("compile")) and first is not None
+    return {"first_step_s_max": first, "compile_s": first - median_step_s if compiled else None}
 
 
 def lowest_or_highest(rows: list[dict], key: str, pick) -> float | None:

@@ -197,6 +197,7 @@ class CommonOptions:
     optim: dict = field(default_factory=dict)  # AdamW overrides: lr, beta1, beta2, eps, weight_decay
     inject_fault: dict | None = None  # test hook {kind: oom|cpu_oom|memory_error|crash|abort|hang|leak, rank, step}
     telemetry: bool = True  # NVML power, energy, clocks and throttle reasons sampled during the timed steps (GPU)
+    compile: bool = False  # torch.compile every transformer block (torchtitan's order); see peers.common.compile_blocks
 
     # Options that every case of the strategy carries explicitly, default or not (``Case`` fills
     # them in): their default changed what is measured, so a record must say which value it ran.
@@ -232,6 +233,12 @@ PeerProfile = Literal["tuned", "matched"]
 PEER_PROFILE_HELP = (
     "peer configuration: 'tuned' = the library's documented best practice for throughput (sources in "
     "the adapter's docstring), 'matched' = aligned with the references' memory and traffic"
+)
+
+
+NO_COMPILE_HOOK = (
+    "its builder has no torch.compile hook (parabench.peers.common.compile_blocks), or compiled training "
+    "is not verified for it (tests/test_compile.py)"
 )
 
 
@@ -271,6 +278,10 @@ class StrategySpec:
     # (precision, text): known behaviour of the implementation a reader of its numbers must know,
     # copied into every record of that precision and shown in the report beside the case.
     caveats: tuple[tuple[str, str], ...] = ()
+    # Why option ``compile = true`` is refused for this strategy, or None where its builder compiles
+    # the blocks (``peers.common.compile_blocks``). Refusing is the default: a strategy whose builder
+    # never calls the hook would otherwise record eager numbers under a compiled label.
+    compile_unsupported: str | None = NO_COMPILE_HOOK
     options: type = CommonOptions
     validate: Callable | None = None
     expect: Callable | None = None
@@ -286,7 +297,10 @@ class StrategySpec:
         return [text for p, text in self.caveats if p == precision]
 
     def parse_options(self, options: dict) -> CommonOptions:
-        return self.options.parse(options, self.name)
+        opts = self.options.parse(options, self.name)
+        if getattr(opts, "compile", False) and self.compile_unsupported:
+            raise ValueError(f"{self.name} does not support compile = true: {self.compile_unsupported}")
+        return opts
 
     def build(self, spec: TrainSpec) -> Trainer:
         module, func = self.builder.split(":")

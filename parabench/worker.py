@@ -4,7 +4,8 @@ One launch may run several cases in a row (same world size and device), which sa
 start-up of torch, NCCL and the rendezvous for each. Per case, every rank:
 
 1. builds the rank grid and the strategy's trainer from the shared model and seed;
-2. runs ``warmup`` untimed steps, then ``steps`` timed steps with nothing else on them
+2. runs ``warmup`` untimed steps (the first of them timed on its own, synchronised: compilation
+   and other first-call costs, ``first_step_s``), then ``steps`` timed steps with nothing else on them
    (device events on GPU, the host clock on CPU; peak memory reset just before);
 3. runs one more, instrumented step: communication meter on, model-state bytes sampled; then,
    when the case asks, one more step under the memory-breakdown meter (``memory_breakdown``), one
@@ -29,6 +30,7 @@ runner starts the remaining cases in a fresh launch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -123,6 +125,35 @@ def is_oom(exc: BaseException) -> bool:
         or "out of memory" in text
         or "can't allocate memory" in text
     )
+
+
+def compile_failure(case: Case, exc: BaseException) -> str | None:
+    """The cause to record when ``exc`` (or an exception it came from) is torch.compile's own
+    (dynamo, AOTAutograd or inductor: ``torch._dynamo.exc.TorchDynamoException``) in a case with
+    option ``compile``, else None. Compilation runs at the first call of a compiled block, inside
+    a training step, so without this the record would name only the step that failed."""
+    if not case.options.get("compile"):
+        return None
+    from torch._dynamo.exc import TorchDynamoException
+
+    seen, e = set(), exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, TorchDynamoException):
+            text = str(e).strip()
+            return f"compilation failed (option compile = true, torch.compile per block): {type(e).__name__}: {text}"
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def eager_under_meter(case: Case):
+    """Around a step under a meter that is a ``TorchDispatchMode`` (communication, memory
+    breakdown): the compiled blocks run their eager code. Dynamo does not compile while such a mode
+    is active ("non-infra torch dispatch mode present"), and with ``fullgraph`` that is an error;
+    eager blocks issue the same collectives on the same tensors, and those steps are untimed."""
+    if not case.options.get("compile"):
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
 
 
 class StepClock:
@@ -249,9 +280,18 @@ def run_case(
     # the timed steps of fp16 cases, and none at all on other cases, which never call it.
     scales: list | None = [] if case.precision == "fp16" else None
     progress.phase("warm-up", case.warmup)
+    # The first warm-up step alone, synchronised on both ends: it carries torch.compile's
+    # compilation (option compile) and every other first-call cost, kept out of the timed steps.
+    first_step_s = None
     for step in range(case.warmup):
         _inject_fault(case, step)
+        if step == 0:
+            synchronize(device)
+            t_first = time.perf_counter()
         losses.append(trainer.train_step(*batches[step]))
+        if step == 0:
+            synchronize(device)
+            first_step_s = time.perf_counter() - t_first
         scales is not None and scales.append(trainer.loss_scale())
         progress.step(step + 1)
 
@@ -287,7 +327,7 @@ def run_case(
     trainer.measure_state = True
     fr_start = flight_recorder.last_record_id() if flight_recorder.enabled() else None
     if case.comm_meter:
-        with CommMeter() as meter:
+        with eager_under_meter(case), CommMeter() as meter:
             losses.append(trainer.train_step(*batches[step]))
         comm = meter.summary()
     else:
@@ -305,7 +345,8 @@ def run_case(
         from parabench.meters.memory_breakdown import measure_step
 
         progress.phase("meters", detail="memory breakdown")
-        _, breakdown = measure_step(trainer, *batches[n_steps])
+        with eager_under_meter(case):
+            _, breakdown = measure_step(trainer, *batches[n_steps])
     step_breakdown = trace = snapshot = None
     if profiled_on:  # one more untimed step under torch.profiler (its loss is not recorded)
         from parabench.meters import step_breakdown as step_meter
@@ -338,6 +379,7 @@ def run_case(
         "comm": comm,
         "flight_recorder": fr,
         "setup_s": setup_s,
+        "first_step_s": first_step_s,
         "allocated_at_start_bytes": leftover,
         "loss_scale": scales,
         "telemetry": device_telemetry,
@@ -407,13 +449,15 @@ def main(argv: list[str] | None = None) -> int:
             progress = PhaseReporter(status_path(args.scratch, key) if rank == 0 else None)
             result = run_case(case, device, leftover, progress, TraceFiles(args.scratch, key))
         except BaseException as exc:
+            compile_cause = compile_failure(case, exc)
             err = {
                 "rank": rank,
                 "type": type(exc).__name__,
-                "message": str(exc)[:2000],
+                "message": (compile_cause or str(exc))[:2000],
                 "traceback": traceback.format_exc()[-4000:],
                 "time": time.time(),
                 "oom": is_oom(exc),
+                "compile_failed": compile_cause is not None,
             }
             write_json_atomic(os.path.join(args.scratch, f"{key}.rank{rank}.error.json"), err)
             raise

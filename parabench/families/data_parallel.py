@@ -93,6 +93,9 @@ def reference_model(spec: TrainSpec, o: LossScaleOptions):
         from reference_impls.activation_checkpointing import checkpoint_blocks
 
         checkpoint_blocks(model.blocks)
+    from parabench.peers.common import compile_blocks
+
+    compile_blocks(model.blocks, spec)  # after checkpointing, before the flat buffers and their hooks
     return model
 
 
@@ -228,7 +231,13 @@ def validate_single(case, o, cfg) -> None:
         raise ValueError("strategy 'single' runs on world_size 1 only")
 
 
+# Option compile: these builders compile the blocks (peers.common.compile_blocks); the others refuse it.
+COMPILES = ("single", "torch.ddp", "ref.ddp", "ref.ps")
+
+
 def _row(name, builder, kind, description, expect, options=DataParallelOptions, **kw):
+    if name in COMPILES:
+        kw.setdefault("compile_unsupported", None)
     return StrategySpec(
         name,
         "data_parallel",

@@ -87,6 +87,26 @@ def checkpoint_blocks(model: torch.nn.Module, spec: TrainSpec) -> None:
         _ckpt(model.blocks)
 
 
+def compile_blocks(blocks, spec: TrainSpec) -> None:
+    """Option ``compile``: ``torch.compile`` every transformer block, in torchtitan's order
+    (torchtitan/models/llama3/infra/parallelize.py: tensor parallelism, then activation
+    checkpointing, then ``apply_compile`` per block, then FSDP / DDP), so call it after
+    ``parallelize_module`` and ``checkpoint_blocks`` and before DDP / ``fully_shard``.
+
+    torchtitan wraps each block (``torch.compile(block)``, an ``OptimizedModule`` re-registered
+    in its place); here the block's *forward* is compiled instead (its instance attribute, as
+    ``checkpoint_blocks`` does), which gives the same compiled region, with the module's hooks
+    (FSDP's gathers, DDP's nothing) outside it, and keeps the parameter names (no ``_orig_mod.``),
+    which the references' flat buffers and the equivalence tests key on. ``fullgraph`` as
+    torchtitan: dense blocks in one graph (a graph break is an error, not a silent eager region),
+    mixture-of-experts blocks allowed to break. Compilation itself happens at the first call, in
+    the first warm-up step, which the worker times apart (``first_step_s``, metric ``compile_s``)."""
+    if not spec.options.get("compile", False):
+        return
+    for block in blocks:
+        block.forward = torch.compile(block.forward, fullgraph=not spec.model.is_moe)
+
+
 def grad_scaler(spec: TrainSpec):
     """fp16: ``torch.amp.GradScaler`` (keywords: ShardedGradScaler orders the factors differently);
     options ``init_scale`` (2**16) and ``growth_interval`` (2000). None for fp32/bf16."""

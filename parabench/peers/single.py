@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from parabench.models import build_model
-from parabench.peers.common import TorchTrainer, checkpoint_blocks, recipe_module, recipe_optimizer
+from parabench.peers.common import TorchTrainer, checkpoint_blocks, compile_blocks, recipe_module, recipe_optimizer
 from parabench.strategies import TrainSpec
 
 
@@ -15,4 +15,5 @@ class SingleTrainer(TorchTrainer):
 def build(spec: TrainSpec) -> SingleTrainer:
     model = recipe_module(build_model(spec.model, spec.seed, spec.device), spec)
     checkpoint_blocks(model, spec)
+    compile_blocks(model.blocks, spec)
     return SingleTrainer(spec, model, recipe_optimizer(model.parameters(), spec))

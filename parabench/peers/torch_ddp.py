@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parabench.families.data_parallel import DataParallelOptions
 from parabench.models import build_model
-from parabench.peers.common import TorchTrainer, checkpoint_blocks, recipe_module, recipe_optimizer
+from parabench.peers.common import TorchTrainer, checkpoint_blocks, compile_blocks, recipe_module, recipe_optimizer
 from parabench.strategies import TrainSpec
 
 
@@ -29,6 +29,7 @@ class DDPTrainer(TorchTrainer):
 def build(spec: TrainSpec) -> DDPTrainer:
     model = recipe_module(build_model(spec.model, spec.seed, spec.device), spec)
     checkpoint_blocks(model, spec)  # before DDP: DDP wraps whatever forward the blocks have
+    compile_blocks(model.blocks, spec)  # after checkpointing, before DDP (torchtitan's order)
     ddp = DDP(
         model,
         device_ids=[spec.device.index] if spec.device.type == "cuda" else None,

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from parabench.families.sharded import ShardedPeerOptions
 from parabench.models import build_model
-from parabench.peers.common import TorchTrainer, adamw, checkpoint_blocks
+from parabench.peers.common import TorchTrainer, adamw, checkpoint_blocks, compile_blocks
 from parabench.strategies import TrainSpec
 
 
@@ -54,6 +54,7 @@ def block_reshard_after_forward(o: ShardedPeerOptions, n_blocks: int, given: dic
 def build(spec: TrainSpec, offload: bool = False, mesh=None) -> FSDP2Trainer:
     model = build_model(spec.model, spec.seed, spec.device)
     checkpoint_blocks(model, spec)  # before fully_shard: its hooks stay outside the recomputed region
+    compile_blocks(model.blocks, spec)  # ... and outside the compiled one (torchtitan's order)
     mesh = mesh if mesh is not None else spec.topology.mesh["dp"]
     o = ShardedPeerOptions.read(spec.options)
     mp = mixed_precision_policy(spec, o)

@@ -17,7 +17,14 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from parabench.families.model_parallel import ModelParallelOptions
 from parabench.models import build_model, lm_loss
-from parabench.peers.common import autocast, optimizer_state_bytes, recipe_module, recipe_optimizer, tensor_bytes
+from parabench.peers.common import (
+    autocast,
+    compile_blocks,
+    optimizer_state_bytes,
+    recipe_module,
+    recipe_optimizer,
+    tensor_bytes,
+)
 from parabench.strategies import Trainer, TrainSpec
 from reference_impls.pipeline import partition_layers
 
@@ -59,6 +66,8 @@ class TorchPipelineTrainer(Trainer):
         self.stage_ids = [self.pp_rank + k * pp for k in range(v)]
         self.modules = [GPTStage(model, *bounds[s], s == 0, s == n_chunks - 1, spec) for s in self.stage_ids]
         del model
+        for m in self.modules:  # per block of this rank's stages, as torchtitan's pipelined llama
+            compile_blocks(m.blocks.values(), spec)
         self.stages = [
             PipelineStage(m, s, n_chunks, spec.device, group=topo.pp_group)
             for m, s in zip(self.modules, self.stage_ids)

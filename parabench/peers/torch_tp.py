@@ -31,7 +31,15 @@ from torch.distributed.tensor.parallel import (
 )
 
 from parabench.models import build_model, lm_loss
-from parabench.peers.common import TorchTrainer, autocast, local_tensor, recipe_module, recipe_optimizer, tensor_bytes
+from parabench.peers.common import (
+    TorchTrainer,
+    autocast,
+    compile_blocks,
+    local_tensor,
+    recipe_module,
+    recipe_optimizer,
+    tensor_bytes,
+)
 from parabench.strategies import TrainSpec
 
 
@@ -149,6 +157,7 @@ def tp_adamw(params, spec: TrainSpec) -> torch.optim.Optimizer:
 def _build(spec: TrainSpec, sequence_parallel: bool) -> TorchTPTrainer:
     model = recipe_module(build_model(spec.model, spec.seed, spec.device), spec)
     parallelize_module(model, spec.topology.mesh["tp"], _plan(model, sequence_parallel))
+    compile_blocks(model.blocks, spec)  # after TP, so the DTensor blocks are traced (torchtitan's order)
     # "master": AdamW over fp32 copies of the local shards (plain tensors: one group, one kernel).
     return TorchTPTrainer(spec, model, recipe_optimizer(model.parameters(), spec, make=lambda ps: tp_adamw(ps, spec)))
 

@@ -175,9 +175,7 @@ def _table(id_: str, title: str, columns, rows, note: str = "", row_class=None, 
             elif kind == "wrap":
                 cls = "wrapcell"
             exact = _exact_bytes(v) if kind == "bytes" else ""
-            cells.append(
-                {"text": _fmt(v, kind), "sort": num, "cls": cls, "title": exact, "href": r.get(f"{key}_href")}
-            )
+            cells.append({"text": _fmt(v, kind), "sort": num, "cls": cls, "title": exact, "href": r.get(f"{key}_href")})
         body.append({"cells": cells, "cls": row_class(r) if row_class else ""})
     return {
         "id": id_,
