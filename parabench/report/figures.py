@@ -20,7 +20,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-DPI = 80
+DPI = 90
 BAR_IN = 0.22  # inches per bar in the horizontal bar charts
 KIND_COLOURS = {"peer": "#4c72b0", "reference": "#dd8452"}
 KIND_NAMES = {"peer": "production library (torch.*, deepspeed.*)", "reference": "reference implementation (ref.*)"}
@@ -104,6 +104,11 @@ def _column(sizes: list[int], width=8.0, per=BAR_IN, extra=0.9):
     return fig, axes.ravel()
 
 
+def _width(labels, plot_in: float = 5.5) -> float:
+    """Figure width that leaves the bars ``plot_in`` inches beside labels as long as these."""
+    return plot_in + 0.07 * max((len(str(x)) for x in labels), default=10)
+
+
 def _models(df):
     order = df.groupby("model")["params"].max().sort_values(na_position="last")
     return list(order.index)
@@ -148,7 +153,7 @@ def _bars(ok: pd.DataFrame, value: str, xlabel: str, err=None):
     ok = ok.dropna(subset=[value])
     panels = _panels(ok)
     sizes = [int((ok.panel == p).sum()) for p in panels]
-    fig, axes = _column(sizes)
+    fig, axes = _column(sizes, width=_width(ok.bar))
     for ax, panel in zip(axes, panels):
         sub = _bar_order(ok[ok.panel == panel], value)
         ys = list(range(len(sub)))[::-1]
@@ -165,7 +170,7 @@ def _bars(ok: pd.DataFrame, value: str, xlabel: str, err=None):
             height=0.75,
         )
         ax.set_yticks(ys)
-        ax.set_yticklabels(sub.bar, fontsize=7)
+        ax.set_yticklabels(sub.bar, fontsize=8)
         mbs = list(sub.micro_batch)
         for i in range(1, len(mbs)):
             if mbs[i] != mbs[i - 1]:
@@ -307,7 +312,7 @@ def memory(ok: pd.DataFrame) -> list[dict]:
     long["figure"] = long.figure.map(cols)
     panels = _panels(long)
     sizes = [long[long.panel == p].bar.nunique() * 2 for p in panels]
-    fig, axes = _column(sizes, width=8.5)
+    fig, axes = _column(sizes, width=_width(long.bar))
     for ax, panel in zip(axes, panels):
         sub = long[long.panel == panel]
         order = list(dict.fromkeys(_bar_order(sub, "order_MiB").bar))
@@ -388,7 +393,7 @@ def communication(comm_rows: list[dict]) -> list[dict]:
     df = pd.DataFrame(long)
     models = sorted(df.model.unique())
     sizes = [df[df.model == m].case.nunique() * 2 for m in models]
-    fig, axes = _column(sizes, width=8.5)
+    fig, axes = _column(sizes, width=_width(df.case))
     for ax, model in zip(axes, models):
         sub = df[df.model == model]
         sns.barplot(

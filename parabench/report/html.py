@@ -28,6 +28,8 @@ from parabench.stats import combine_launches
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 
+# columns naming a case: they wrap (so that no table outgrows a 1,400 px page)
+LABEL_KEYS = {"label", "variant", "best_peer", "short", "case", "run"}
 # column key -> (header, format): format "int", "f1", "f2", "f3", "g4", "pct", "str", "wrap" (text that wraps),
 # "bytes" (a byte count, or a [low, high] range, in binary units; the exact count in the cell's title)
 CASE_COLUMNS = [
@@ -172,6 +174,8 @@ def _table(
                 cls = "bad"
             elif kind == "wrap":
                 cls = "wrapcell"
+            elif key in LABEL_KEYS:
+                cls = "labelcell"
             exact = _exact_bytes(v) if kind == "bytes" else ""
             cells.append({"text": _fmt(v, kind), "sort": num, "cls": cls, "title": exact})
         body.append({"cells": cells, "cls": row_class(r) if row_class else ""})
@@ -374,7 +378,7 @@ def render_report(run_dirs: list[Path], *, threshold: float = DEFAULT_THRESHOLD,
             _table(
                 "caveats",
                 "Caveats: known behaviour behind some numbers",
-                run_col + [("label", "case", "str"), ("caveat", "what to know", "str")],
+                run_col + [("label", "case", "str"), ("caveat", "what to know", "wrap")],
                 caveats,
                 "Written into the records by the strategy that measured them: read these cases' "
                 "figures with it in mind.",
@@ -397,6 +401,7 @@ def render_report(run_dirs: list[Path], *, threshold: float = DEFAULT_THRESHOLD,
                 "communication one rank's payload over one instrumented step. "
                 "% of 1 device: tokens/s per device relative to the single-device run of the same model.",
                 row_class=lambda r: "" if r["status"] == "ok" else "bad-row",
+                drop_empty=True,
             )
         )
     if ok:
