@@ -37,7 +37,7 @@ def _plain_number(v, _pos=None) -> str:
     """Tick text without TeX (parse_math is off): 1024 -> '1K', 3e9 -> '3G'."""
     for div, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
         if abs(v) >= div:
-            return f"{v / div:g}{unit}"
+            return f"{v / div:.3g}{unit}"
     return f"{v:g}"
 
 
