@@ -50,9 +50,35 @@ def records_of(runs, strategies):
                 yield idx, run_name(manifest), r
 
 
-def short_case(r: dict) -> str:
+def variant(case: dict, usual_seed=None) -> str:
+    """What tells cases of one model, device count, recipe and micro-batch apart: the strategy,
+    gradient accumulation, options (as the case label writes them) and a seed other than the
+    run's usual one (a suite repeats cases under other seeds)."""
+    opts = ",".join(f"{k}={v}" for k, v in sorted((case.get("options") or {}).items()))
+    ga = case.get("grad_accum")
+    seed = case.get("seed")
+    return (
+        str(case.get("strategy"))
+        + (f" ga{ga}" if isinstance(ga, int) and ga > 1 else "")
+        + (f" [{opts}]" if opts else "")
+        + (f" seed {seed}" if seed is not None and usual_seed is not None and seed != usual_seed else "")
+    )
+
+
+def usual_seed(records) -> object:
+    """The seed most cases of a run use (None for a run without cases)."""
+    seeds = [dig(r, "case", "seed") for r in records]
+    return max(set(seeds), key=seeds.count) if seeds else None
+
+
+def short_case(r: dict, seed=None) -> str:
+    """A case without its model: strategy (with options and an unusual seed), devices, recipe,
+    micro-batch, so no two cases of one model and run share it."""
     c = r.get("case") or {}
-    return f"{c.get('strategy')} w{c.get('world_size')} {recipe_name(str(c.get('precision')), recipe_of(c))}"
+    return (
+        f"{variant(c, seed)} w{c.get('world_size')} {recipe_name(str(c.get('precision')), recipe_of(c))} "
+        f"mb{c.get('micro_batch')}"
+    )
 
 
 def _ms(seconds):
@@ -68,6 +94,7 @@ def case_rows(runs) -> list[dict]:
     in the report's units (ms, %, MiB), with its launch, error and pipeline columns."""
     rows = []
     for idx, (manifest, records) in enumerate(runs):
+        seed = usual_seed(records)
         for r in records:
             d = case_row(manifest, r, registry=False)  # the report imports no training code
             peak = as_number(d.get("peak_alloc_bytes")) or as_number(d.get("peak_rss_bytes"))
@@ -80,6 +107,10 @@ def case_rows(runs) -> list[dict]:
                     "case_hash": d["case_hash"] or "",
                     "status": d["status"] or "?",
                     "strategy": str(d["strategy"]),
+                    # production library ("peer") or from-scratch reference ("reference")
+                    "kind": d["kind"],
+                    "variant": variant(r.get("case") or {}, seed),
+                    "seed": dig(r, "case", "seed"),
                     "model": str(d["model"]),
                     "params": d["params"],
                     "world_size": d["world_size"],
@@ -89,7 +120,7 @@ def case_rows(runs) -> list[dict]:
                     "micro_batch": d["micro_batch"],
                     "grad_accum": d["grad_accum"],
                     "device": d["device"],
-                    "short": short_case(r),
+                    "short": short_case(r, seed),
                     "tokens_per_s_per_device": as_number(d.get("tokens_per_s_per_device")),
                     "tokens_per_s": as_number(d.get("tokens_per_s")),
                     "tokens_per_step": as_number(d.get("tokens_per_step")),
@@ -101,6 +132,8 @@ def case_rows(runs) -> list[dict]:
                     "mfu_pct": _pct(d.get("mfu")),
                     "roofline_pct": _pct(d.get("roofline_fraction")),
                     "peak_mem_MiB": _mib(peak),
+                    "peak_mem_GiB": peak / 2**30 if peak is not None else None,
+                    "tokens_per_j": as_number(d.get("tokens_per_j")),
                     "peak_alloc_MiB": _mib(d.get("peak_alloc_bytes")),
                     "peak_requested_MiB": _mib(d.get("peak_requested_bytes")),
                     "peak_reserved_MiB": _mib(d.get("peak_reserved_bytes")),
@@ -141,6 +174,8 @@ def launch_columns(r: dict) -> dict:
     cv = as_number(tps.get("cv"))
     return {
         "launches": stats.get("n"),
+        "tps_device_ci_low": low,
+        "tps_device_ci_high": high,
         "tps_device_interval": interval,
         "launch_cv_pct": cv * 100 if cv is not None else None,
     }
@@ -184,6 +219,7 @@ def pipeline_rows(r: dict) -> list[dict]:
 def comm_check_rows(runs) -> list[dict]:
     rows = []
     for manifest, records in runs:
+        seed = usual_seed(records)
         for r in records:
             checks = dig(r, "checks", "comm")
             by_kind = (rank0_comm(r) or {}).get("by_kind") or {}
@@ -195,7 +231,7 @@ def comm_check_rows(runs) -> list[dict]:
                     {
                         "run": run_name(manifest),
                         "label": r.get("label", ""),
-                        "short": short_case(r),
+                        "short": short_case(r, seed),
                         "model": dig(r, "case", "model"),
                         "kind": kind,
                         "expected_MiB": _mib(byte_high(c.get("expected_bytes"))),
@@ -269,47 +305,6 @@ def collectives_rows(run_dirs: list[Path]) -> tuple[list[dict], list[dict]]:
                     }
                 )
     return rows, heads
-
-
-def overview_rows(rows: list[dict]) -> list[dict]:
-    """Per run, model, world size and precision: the fastest strategy by tokens/s per device,
-    the runner-up and the lightest in memory."""
-    groups: dict = {}
-    for r in rows:
-        if r["status"] == "ok" and r["tokens_per_s_per_device"]:
-            groups.setdefault((r["run_idx"], r["run"], r["model"], r["world_size"], r["precision"]), []).append(r)
-    out = []
-    for (_idx, run, model, world, prec), rs in sorted(
-        groups.items(), key=lambda kv: (kv[0][0], kv[1][0]["params"] or 0, kv[0][2], kv[0][3], kv[0][4])
-    ):
-        rs = sorted(rs, key=lambda r: -r["tokens_per_s_per_device"])
-        best = rs[0]
-        second = rs[1] if len(rs) > 1 else None
-        mem = [r for r in rs if r["peak_mem_MiB"]]
-        light = min(mem, key=lambda r: r["peak_mem_MiB"]) if mem else None
-        out.append(
-            {
-                "run": run,
-                "model": model,
-                "params_M": best["params"] / 1e6 if best["params"] else None,
-                "world_size": world,
-                "precision": prec,
-                "n": len(rs),
-                "best": best["strategy"],
-                "tokens_per_s_per_device": best["tokens_per_s_per_device"],
-                "step_time_ms": best["step_time_ms_median"],
-                "peak_mem_MiB": best["peak_mem_MiB"],
-                "mfu_pct": best["mfu_pct"],
-                "roofline_pct": best["roofline_pct"],
-                "runner_up": second["strategy"] if second else None,
-                "lead_pct": (best["tokens_per_s_per_device"] / second["tokens_per_s_per_device"] - 1) * 100
-                if second
-                else None,
-                "lightest": light["strategy"] if light else None,
-                "lightest_MiB": light["peak_mem_MiB"] if light else None,
-            }
-        )
-    return out
 
 
 def loss_scale_points(rows: list[dict]) -> list[dict]:

@@ -5,7 +5,8 @@ it never imports training code. Figures are seaborn PNGs embedded as data URIs, 
 HTML with a few lines of inline script for sorting and filtering, so the file opens offline (no
 CDN). Every string from a result file goes through Jinja's autoescaping: results are untrusted text.
 
-Sections: overview (fastest strategy per model, device count and precision), figures, all cases,
+Sections: overview (production libraries ranked per model, device count, recipe and micro-batch,
+then the references against the fastest of them: ``overview``), figures, all cases,
 memory, communication vs theory, pipeline, ring-attention balance (``cp_balance``), expert routing
 of the MoE strategies (``moe_routing``), run-to-run
 spread of repeated cases (``spread``), peer fidelity (``fidelity``), links to traces and memory
@@ -21,7 +22,7 @@ from pathlib import Path
 import jinja2
 
 from parabench.compare import DEFAULT_THRESHOLD, METRICS, compare_runs
-from parabench.report import cp_balance, frames, moe_routing, spread
+from parabench.report import cp_balance, frames, moe_routing, overview, spread
 from parabench.report import fidelity as fidelity_section
 from parabench.report import step_breakdown as step_breakdown_section
 from parabench.report import traces as traces_section
@@ -30,6 +31,8 @@ from parabench.stats import combine_launches
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 
+# columns naming a case: they wrap (so that no table outgrows a 1,400 px page)
+LABEL_KEYS = {"label", "variant", "best_peer", "short", "case", "run"}
 # column key -> (header, format): format "int", "f1", "f2", "f3", "g4", "pct", "str", "wrap" (text that wraps),
 # "bytes" (a byte count, or a [low, high] range, in binary units; the exact count in the cell's title)
 CASE_COLUMNS = [
@@ -76,23 +79,6 @@ COMM_COLUMNS = [
     ("dtypes", "dtypes", "str"),
     ("wire_MiB", "wire MiB (est.)", "f2"),
     ("theory_source", "analytic from", "str"),
-]
-OVERVIEW_COLUMNS = [
-    ("model", "model", "str"),
-    ("params_M", "params (M)", "f1"),
-    ("world_size", "devices", "int"),
-    ("precision", "precision", "str"),
-    ("n", "strategies", "int"),
-    ("best", "fastest", "str"),
-    ("tokens_per_s_per_device", "tok/s/device", "int"),
-    ("step_time_ms", "step ms", "f2"),
-    ("peak_mem_MiB", "its peak MiB", "f1"),
-    ("mfu_pct", "its MFU %", "f2"),
-    ("roofline_pct", "its roofline %", "f2"),
-    ("runner_up", "runner-up", "str"),
-    ("lead_pct", "lead %", "f1"),
-    ("lightest", "least memory", "str"),
-    ("lightest_MiB", "its peak MiB", "f1"),
 ]
 PIPE_COLUMNS = [
     ("label", "case", "str"),
@@ -157,8 +143,25 @@ def _fmt(v, kind: str) -> str:
     return f"{v:.4g}"
 
 
-def _table(id_: str, title: str, columns, rows, note: str = "", row_class=None, footer: str = "") -> dict:
-    """A table as plain cells: (text, sort key or None, css class); ``footer``: a warning under it."""
+def _change_text(baseline, candidate, kind: str) -> str:
+    """ "baseline → candidate", with as many digits as it takes to show two different values
+    differently (a final loss of 11.0861 → 11.0874 is not "11.09 → 11.09")."""
+    a, b = _fmt(baseline, kind), _fmt(candidate, kind)
+    if a == b and baseline != candidate and kind == "g4" and _is_number(baseline) and _is_number(candidate):
+        for digits in range(5, 13):
+            a, b = f"{baseline:.{digits}g}", f"{candidate:.{digits}g}"
+            if a != b:
+                break
+    return f"{a} → {b}"
+
+
+def _table(
+    id_: str, title: str, columns, rows, note: str = "", row_class=None, footer: str = "", drop_empty: bool = False
+) -> dict:
+    """A table as plain cells: (text, sort key or None, css class); ``footer``: a warning under it;
+    ``drop_empty``: leave out the columns no row fills (MFU on CPU, roofline and energy on GPU)."""
+    if drop_empty:
+        columns = [c for c in columns if any(r.get(c[0]) is not None for r in rows)]
     body = []
     for r in rows:
         cells = []
@@ -174,6 +177,8 @@ def _table(id_: str, title: str, columns, rows, note: str = "", row_class=None, 
                 cls = "bad"
             elif kind == "wrap":
                 cls = "wrapcell"
+            elif key in LABEL_KEYS:
+                cls = "labelcell"
             exact = _exact_bytes(v) if kind == "bytes" else ""
             cells.append({"text": _fmt(v, kind), "sort": num, "cls": cls, "title": exact, "href": r.get(f"{key}_href")})
         body.append({"cells": cells, "cls": row_class(r) if row_class else ""})
@@ -249,7 +254,7 @@ def _comparisons(runs, threshold: float) -> list[dict]:
                     kind = "bytes"
                 else:
                     kind = "g4" if isinstance(m["baseline"], float) or isinstance(m["candidate"], float) else "int"
-                text = f"{_fmt(m['baseline'], kind)} → {_fmt(m['candidate'], kind)}"
+                text = _change_text(m["baseline"], m["candidate"], kind)
                 title = (
                     f"{_exact_bytes(m['baseline']) or '–'} → {_exact_bytes(m['candidate']) or '–'}"
                     if kind == "bytes"
@@ -265,6 +270,12 @@ def _comparisons(runs, threshold: float) -> list[dict]:
                 for m in c["metrics"]
                 if m["verdict"] not in ("same", "n/a") and m["metric"] not in dict(cols)
             ]
+            # one sentence per reason, naming the figures it concerns ("tok/s/device, MFU: not enough
+            # repeats to judge"), never the same sentence once per figure
+            by_note: dict[str, list[str]] = {}
+            for m in c["metrics"]:
+                if m["note"]:
+                    by_note.setdefault(m["note"], []).append(dict(CMP_METRICS).get(m["metric"], m["metric"]))
             status = (
                 c["baseline_status"]
                 if c["baseline_status"] == c["candidate_status"]
@@ -276,7 +287,11 @@ def _comparisons(runs, threshold: float) -> list[dict]:
                     "status": status,
                     "verdict": c["verdict"],
                     "cells": cells,
-                    "note": "; ".join(c["notes"] + [m["note"] for m in c["metrics"] if m["note"]] + others),
+                    "note": "; ".join(
+                        list(dict.fromkeys(c["notes"]))
+                        + [f"{', '.join(names)}: {note}" for note, names in by_note.items()]
+                        + others
+                    ),
                 }
             )
         out.append(
@@ -294,20 +309,20 @@ def _comparisons(runs, threshold: float) -> list[dict]:
     return out
 
 
-def _env_summary(manifests: list[dict]) -> dict:
-    def dev(m):
-        # a GPU is one entry per card; the CPU is one entry with its core count in "count"
-        counts: dict[tuple[str, str], int] = {}
-        for d in m.get("devices") or []:
-            if isinstance(d, dict):
-                key = (str(d.get("type")), str(d.get("name")))
-                n = d.get("count")
-                counts[key] = counts.get(key, 0) + (n if isinstance(n, int) and not isinstance(n, bool) else 1)
-        parts = [
-            f"{name}, {n} cores" if kind == "cpu" else f"{name} ×{n}" for (kind, name), n in sorted(counts.items())
-        ]
-        return "; ".join(parts) if parts else "–"
+def devices_text(m: dict) -> str:
+    """A manifest's devices in words: a GPU is one entry per card, the CPU one entry with its core
+    count in "count" ("NVIDIA H100 80GB HBM3 ×2", "x86_64, 2 cores")."""
+    counts: dict[tuple[str, str], int] = {}
+    for d in m.get("devices") or []:
+        if isinstance(d, dict):
+            key = (str(d.get("type")), str(d.get("name")))
+            n = d.get("count")
+            counts[key] = counts.get(key, 0) + (n if isinstance(n, int) and not isinstance(n, bool) else 1)
+    parts = [f"{name}, {n} cores" if kind == "cpu" else f"{name} ×{n}" for (kind, name), n in sorted(counts.items())]
+    return "; ".join(parts) if parts else "–"
 
+
+def _env_summary(manifests: list[dict]) -> dict:
     keys = [
         ("suite", lambda m: m.get("suite")),
         ("run id", lambda m: m.get("run_id")),
@@ -319,7 +334,7 @@ def _env_summary(manifests: list[dict]) -> dict:
                 + (" (dirty)" if frames.dig(m, "git", "dirty") else "")
             ),
         ),
-        ("devices", dev),
+        ("devices", devices_text),
         ("host", lambda m: frames.dig(m, "host", "hostname")),
         ("platform", lambda m: frames.dig(m, "host", "platform")),
         ("python", lambda m: frames.dig(m, "versions", "python")),
@@ -360,17 +375,9 @@ def render_report(
 
     run_col = [("run", "run", "str")] if several else []
     tables = []
-    overview = frames.overview_rows(rows)
-    if overview:
-        tables.append(
-            _table(
-                "overview",
-                "Overview: fastest strategy per model, device count and precision",
-                run_col + OVERVIEW_COLUMNS,
-                overview,
-                "Fastest by median tokens/s per device; lead = its margin over the runner-up.",
-            )
-        )
+    for spec in overview.first_screen(rows):  # which strategy, what cost; then the references
+        spec["columns"] = run_col + spec["columns"]
+        tables.append(_table(**spec, row_class=lambda r: "group-start" if r["group_start"] else "", drop_empty=True))
     caveats = [
         {"run": f"{m.get('suite')}/{m.get('run_id')}", "label": r.get("label", ""), "caveat": text}
         for m, records in runs
@@ -382,7 +389,7 @@ def render_report(
             _table(
                 "caveats",
                 "Caveats: known behaviour behind some numbers",
-                run_col + [("label", "case", "str"), ("caveat", "what to know", "str")],
+                run_col + [("label", "case", "str"), ("caveat", "what to know", "wrap")],
                 caveats,
                 "Written into the records by the strategy that measured them: read these cases' "
                 "figures with it in mind.",
@@ -405,6 +412,7 @@ def render_report(
                 "communication one rank's payload over one instrumented step. "
                 "% of 1 device: tokens/s per device relative to the single-device run of the same model.",
                 row_class=lambda r: "" if r["status"] == "ok" else "bad-row",
+                drop_empty=True,
             )
         )
     if ok:
@@ -488,6 +496,7 @@ def render_report(
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), autoescape=True)
     return env.get_template("report.html.j2").render(
         manifests=manifests,
+        device_texts=[devices_text(m) for m in manifests],
         env_summary=_env_summary(manifests),
         tables=tables,
         failed=failed,

@@ -32,7 +32,6 @@ COLUMNS = [
     ("tokens_per_s_ci_high", "interval high", "int"),
     ("ci_coverage_pct", "coverage %", "f1"),
     ("tokens_per_s_min", "tok/s min", "int"),
-    ("tokens_per_s_mean", "tok/s mean", "int"),
     ("tokens_per_s_max", "tok/s max", "int"),
     ("spread_pct", "spread % (max-min)/mean", "f2"),
     ("cv_pct", "CV %", "f2"),

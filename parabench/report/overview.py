@@ -1,0 +1,217 @@
+"""The report's first screen: which strategy, at what cost.
+
+Two questions, kept apart:
+
+1. **Which production library** (``kind == "peer"``: torch.*, deepspeed.*) to use for a model, a
+   device count and a precision recipe: the peers ranked by median tokens/s per device, beside
+   what that speed costs (MFU, peak memory, tokens per joule). Cases are ranked only against
+   cases of the same micro-batch: a larger micro-batch is a different trade (more memory for more
+   speed), never a faster strategy.
+2. **How close a from-scratch implementation gets** (``kind == "reference"``): each reference's
+   tokens/s as a ratio to the fastest peer of the same model, device count, recipe and micro-batch.
+
+No winner is declared where the measurements cannot tell two cases apart. With at least
+``MIN_LAUNCHES`` launches on both sides, two cases tie when the intervals of their medians over
+launches overlap (``parabench.stats.median_ci``, recorded in ``launch_stats``); with fewer, when
+they differ by less than ``TIE_PCT`` (one launch says nothing about where the next lands: the
+same deepspeed.zero3 case gave 15,282, 26,707 and 16,670 tok/s/GPU in three launches on 2x H100).
+Ties are judged pairwise, so they need not be transitive: a case tied with the fastest shares
+its rank, and a rank counts only the cases clearly faster than the one it labels.
+"""
+
+from __future__ import annotations
+
+MIN_LAUNCHES = 3
+TIE_PCT = 3.0
+
+
+def group_key(r: dict) -> tuple:
+    """What a ranking holds fixed: run, model, device count, precision recipe, micro-batch."""
+    return (r["run_idx"], r["model"], r["world_size"], r["precision"], r["micro_batch"])
+
+
+def _tps(r: dict) -> float:
+    return r["tokens_per_s_per_device"]
+
+
+def interval(r: dict) -> tuple[float, float] | None:
+    """The interval of the median tokens/s per device over launches, where there are enough of them."""
+    low, high = r.get("tps_device_ci_low"), r.get("tps_device_ci_high")
+    if (r.get("launches") or 0) >= MIN_LAUNCHES and low is not None and high is not None:
+        return low, high
+    return None
+
+
+def tied(a: dict, b: dict) -> bool:
+    """Whether these launches cannot tell the two cases' tokens/s per device apart."""
+    ia, ib = interval(a), interval(b)
+    if ia is not None and ib is not None:
+        return ia[0] <= ib[1] and ib[0] <= ia[1]
+    hi, lo = max(_tps(a), _tps(b)), min(_tps(a), _tps(b))
+    return lo > 0 and (hi / lo - 1) * 100 < TIE_PCT
+
+
+def basis(rs: list[dict]) -> str:
+    """How a group was ranked, in words."""
+    if all(interval(r) is not None for r in rs):
+        return f"intervals over ≥{MIN_LAUNCHES} launches"
+    if all((r.get("launches") or 1) <= 1 for r in rs):
+        return f"one launch each: < {TIE_PCT:g} % is a tie"
+    return f"< {MIN_LAUNCHES} launches for some: < {TIE_PCT:g} % is a tie"
+
+
+def rank(rs: list[dict]) -> list[dict]:
+    """The rows of one group, fastest first, each with ``rank`` (1 + the cases clearly faster),
+    ``rank_text`` ("1", "1 (tie)", "3"), ``vs_fastest_pct`` and ``ranked_on``."""
+    rs = sorted(rs, key=lambda r: -_tps(r))
+    on = basis(rs)
+    ranks = [1 + sum(1 for o in rs if _tps(o) > _tps(r) and not tied(o, r)) for r in rs]
+    best = _tps(rs[0])
+    out = []
+    for r, k in zip(rs, ranks):
+        shared = ranks.count(k) > 1
+        out.append(
+            {
+                **r,
+                "rank": k,
+                "rank_text": f"{k} (tie)" if shared else str(k),
+                "vs_fastest_pct": (_tps(r) / best - 1) * 100,
+                "ranked_on": on,
+            }
+        )
+    return out
+
+
+def groups(rows: list[dict], kind: str) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["status"] == "ok" and r.get("kind") == kind and r["tokens_per_s_per_device"]:
+            out.setdefault(group_key(r), []).append(r)
+    return out
+
+
+def _order(rows: list[dict]) -> tuple:
+    return (
+        rows[0]["run_idx"],
+        rows[0]["params"] or 0,
+        rows[0]["model"],
+        rows[0]["world_size"] or 0,
+        rows[0]["precision"],
+        rows[0]["micro_batch"] or 0,
+    )
+
+
+def peer_rows(rows: list[dict]) -> list[dict]:
+    """Every production-library case, ranked within its group; groups by run, model size,
+    devices, recipe, micro-batch; ``group_start`` marks a group's first row."""
+    out = []
+    for rs in sorted(groups(rows, "peer").values(), key=_order):
+        ranked = rank(rs)
+        for i, r in enumerate(ranked):
+            out.append({**r, "group_start": i == 0, "group_size": len(ranked)})
+    return out
+
+
+def reference_rows(rows: list[dict]) -> list[dict]:
+    """Every reference case beside the fastest peer of its group (none where no peer ran it)."""
+    peers = {k: max(rs, key=_tps) for k, rs in groups(rows, "peer").items()}
+    out = []
+    for key, rs in sorted(groups(rows, "reference").items(), key=lambda kv: _order(kv[1])):
+        best = peers.get(key)
+        for i, r in enumerate(sorted(rs, key=lambda r: -_tps(r))):
+            verdict = None
+            if best is not None:
+                verdict = "tie" if tied(r, best) else ("faster" if _tps(r) > _tps(best) else "slower")
+            out.append(
+                {
+                    **r,
+                    "group_start": i == 0,
+                    "best_peer": best["variant"] if best else None,
+                    "best_peer_tps": _tps(best) if best else None,
+                    "ratio": _tps(r) / _tps(best) if best else None,
+                    "verdict": verdict,
+                    "ranked_on": basis([r, best]) if best else None,
+                }
+            )
+    return out
+
+
+# column key -> (header, format), as html.CASE_COLUMNS; the html module drops columns no row fills
+GROUP_COLUMNS = [
+    ("model", "model", "str"),
+    ("world_size", "devices", "int"),
+    ("precision", "recipe", "str"),
+    ("micro_batch", "micro-batch", "int"),
+]
+PEER_COLUMNS = [
+    ("rank_text", "rank", "str"),
+    ("variant", "library strategy", "wrap"),
+    ("tokens_per_s_per_device", "tok/s/device", "int"),
+    ("tps_device_interval", "interval of the median (coverage)", "str"),
+    ("vs_fastest_pct", "vs fastest %", "f1"),
+    ("mfu_pct", "MFU %", "f1"),
+    ("roofline_pct", "roofline % (CPU)", "f2"),
+    ("peak_mem_GiB", "peak memory GiB", "f2"),
+    ("tokens_per_j", "tokens/J", "int"),
+    ("launches", "launches", "int"),
+]
+REFERENCE_COLUMNS = [
+    ("variant", "reference", "wrap"),
+    ("tokens_per_s_per_device", "tok/s/device", "int"),
+    ("best_peer", "fastest peer", "wrap"),
+    ("best_peer_tps", "its tok/s/device", "int"),
+    ("ratio", "ratio ref / peer", "f3"),
+    ("verdict", "verdict", "str"),
+    ("mfu_pct", "MFU %", "f1"),
+    ("peak_mem_GiB", "peak memory GiB", "f2"),
+    ("launches", "launches", "int"),
+]
+PEER_NOTE = (
+    "Production libraries (torch.*, deepspeed.*) only, ranked by median tokens/s per device within the "
+    "same model, device count, precision recipe and micro-batch (a thick line starts each group; "
+    "different micro-batches are never ranked against each other). A tie: with ≥3 launches on both "
+    "sides, the intervals of the medians over launches overlap; with fewer launches, the two differ by "
+    "less than 3 %, because one launch cannot tell a smaller difference from launch-to-launch noise. "
+    "Peak memory: the largest rank's allocator peak on GPUs, resident set on CPUs. Tokens/J: timed "
+    "tokens over the devices' energy (NVML), where recorded."
+)
+REFERENCE_NOTE = (
+    "A separate question: how close does a from-scratch implementation (reference_impls/) get to the "
+    "fastest production library of the same model, device count, recipe and micro-batch? Ratio above "
+    "1: the reference is faster. Verdict by the same tie rule as above."
+)
+
+
+def first_screen(rows: list[dict]) -> list[dict]:
+    """The first screen's tables as ``html._table`` keyword arguments (without the run column)."""
+    specs = []
+    peer = peer_rows(rows)
+    if peer:
+        one_launch = sum(1 for r in peer if r["group_start"] and r["ranked_on"].startswith("one launch"))
+        specs.append(
+            {
+                "id_": "overview",
+                "title": "Which strategy, what cost: production libraries ranked",
+                "columns": GROUP_COLUMNS + PEER_COLUMNS,
+                "rows": peer,
+                "note": PEER_NOTE,
+                "footer": (
+                    f"{one_launch} of {sum(1 for r in peer if r['group_start'])} groups are ranked from a single "
+                    "launch per case: read their order as provisional (run with repeats = 3 for intervals)."
+                    if one_launch
+                    else ""
+                ),
+            }
+        )
+    refs = reference_rows(rows)
+    if refs:
+        specs.append(
+            {
+                "id_": "overview-references",
+                "title": "How close is a from-scratch implementation: references against the fastest peer",
+                "columns": GROUP_COLUMNS + REFERENCE_COLUMNS,
+                "rows": refs,
+                "note": REFERENCE_NOTE,
+            }
+        )
+    return specs
