@@ -96,7 +96,10 @@ class LaunchOptions:
     rdzv_id: str = "parabench"
     extra_args: list[str] = field(default_factory=list)
     batch: bool = True
+    # Cases per launch at most: a crash ends the launch, and the rest of it is launched again.
+    # Starting torch, gloo and the imports costs ~5 s of a 2-core CPU, far more than a tiny case.
     max_batch: int = 8
+    max_batch_cpu: int = 24
 
     def torchrun_args(self, nproc: int) -> list[str]:
         if self.nnodes == 1 and not self.rdzv_endpoint:
@@ -896,8 +899,9 @@ class Runner(LaunchOwner):
         batch = [first]
         if self.launch.batch and shareable(first):
             # take the next cases that can share this launch, in suite order
+            limit = self.launch.max_batch_cpu if resolve_device(first) == "cpu" else self.launch.max_batch
             for c in list(pending):
-                if len(batch) >= self.launch.max_batch:
+                if len(batch) >= limit:
                     break
                 if c.world_size == first.world_size and resolve_device(c) == resolve_device(first) and shareable(c):
                     batch.append(c)

@@ -42,8 +42,6 @@ expert parallelism (DeepSpeed-MoE).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -81,8 +79,9 @@ class _DeepSpeedUlyssesTrainer(CPTrainer):
 
 
 def build_deepspeed_ulysses(spec: TrainSpec):
-    if spec.device.type == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from parabench.peers.deepspeed_zero import deepspeed_on_cpu
+
+    deepspeed_on_cpu(spec)
     return _DeepSpeedUlyssesTrainer(spec)
 
 
@@ -349,6 +348,7 @@ def build_deepspeed_moe(spec: TrainSpec):
     if o.activation_checkpointing:
         raise ValueError("deepspeed.moe: activation_checkpointing is not supported (nor by ref.ep)")
     check_degree("ep", o.ep)
-    if spec.device.type == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from parabench.peers.deepspeed_zero import deepspeed_on_cpu
+
+    deepspeed_on_cpu(spec)
     return _DeepSpeedMoETrainer(spec)

@@ -36,7 +36,6 @@ equal to parabench.theory) and on 2 H100s over NCCL (results/h100x2, bytes equal
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import torch
@@ -213,6 +212,7 @@ class DeepSpeedPipelineTrainer(Trainer):
 
 
 def build(spec: TrainSpec) -> DeepSpeedPipelineTrainer:
-    if spec.device.type == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from parabench.peers.deepspeed_zero import deepspeed_on_cpu
+
+    deepspeed_on_cpu(spec)
     return DeepSpeedPipelineTrainer(spec)
