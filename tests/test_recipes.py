@@ -151,3 +151,21 @@ def test_report_legacy_rule_agrees_with_the_registry():
     from parabench.strategies import STRATEGIES
 
     assert {n: legacy_recipe(n) for n in STRATEGIES} == {n: s.legacy_recipe for n, s in STRATEGIES.items()}
+
+
+def test_report_sets_one_strategy_in_both_recipes_apart():
+    """The committed 1-GPU run has every strategy but DeepSpeed in both recipes: the recipe-effect
+    table pairs each with itself (never with another strategy), and DeepSpeed, master only, is absent."""
+    from pathlib import Path
+
+    from parabench.report.recipe_effect import effect_rows
+    from parabench.results import load_run
+
+    run = Path(__file__).resolve().parent.parent / "results" / "h100x1" / "20261126-153915"
+    rows = effect_rows([load_run(run)])
+    pairs = {(r["strategy"], r["model"]) for r in rows}
+    assert ("ref.ddp", "gpt-1.3b") in pairs and ("torch.ddp", "gpt-350m") in pairs
+    assert not any(s.startswith("deepspeed.") for s, _ in pairs)
+    assert len(rows) == len(pairs)  # one row per strategy and shape
+    ddp = next(r for r in rows if (r["strategy"], r["model"]) == ("ref.ddp", "gpt-1.3b"))
+    assert ddp["tps_ratio"] == ddp["master_tps"] / ddp["amp_tps"] and 1.0 < ddp["tps_ratio"] < 1.5

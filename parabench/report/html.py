@@ -22,7 +22,7 @@ from pathlib import Path
 import jinja2
 
 from parabench.compare import DEFAULT_THRESHOLD, METRICS, compare_runs
-from parabench.report import cp_balance, frames, moe_routing, overview, spread
+from parabench.report import cp_balance, frames, moe_routing, overview, recipe_effect, spread
 from parabench.report import fidelity as fidelity_section
 from parabench.report import step_breakdown as step_breakdown_section
 from parabench.report import traces as traces_section
@@ -464,6 +464,8 @@ def render_report(
     for spec in step_breakdown_section.table_specs(runs, run_col):  # compute vs exposed communication
         tables.append(_table(**spec))
     for spec in traces_section.table_specs(runs, run_dirs, run_col, link_from):  # links to trace files
+        tables.append(_table(**spec))
+    for spec in recipe_effect.table_specs(runs, run_col):  # one strategy in both recipes, kept apart
         tables.append(_table(**spec))
     for spec in spread.table_specs(runs, run_col):  # repeated cases and ref/peer ratios, with intervals
         tables.append(_table(**spec))
