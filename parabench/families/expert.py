@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch.distributed as dist
 
 from parabench.models import MOE_ROUTING, GPTConfig, build_model, lm_loss, parameter_count
 from parabench.peers.common import ReplicatedTrainer, adamw, assemble_on_rank0, autocast, check_degree
-from parabench.strategies import AMP_ONLY, MASTER_ONLY, CommonOptions, StrategySpec, TrainSpec
+from parabench.strategies import AMP_ONLY, MASTER_ONLY, CommonOptions, PeerProfile, StrategySpec, TrainSpec
 from parabench.theory import BYTES, Expectation, sum_ops
 
 
@@ -20,6 +21,13 @@ class ExpertOptions(CommonOptions):
     ep: int | None = None  # expert-parallel degree; None: the world size (the only one supported)
     min_capacity: int = 0  # deepspeed.moe capacity mode: the gate's minimum slots per expert
     activation_checkpointing: bool = False  # not supported by either strategy: refused when set
+
+
+@dataclass(frozen=True)
+class DeepSpeedMoEOptions(ExpertOptions):
+    profile: PeerProfile = "tuned"  # strategies.PEER_PROFILE_HELP
+
+    RECORDED_DEFAULTS: ClassVar[tuple[str, ...]] = ("profile",)
 
 
 def validate(case, o: ExpertOptions, cfg: GPTConfig) -> None:
@@ -278,7 +286,7 @@ def _row(name, builder, kind, description, expect, **kw):
         builder,
         kind,
         description,
-        options=ExpertOptions,
+        options=kw.pop("options", ExpertOptions),
         validate=validate,
         expect=expect,
         routed_comm=routed_comm,
@@ -305,5 +313,7 @@ ROWS = (
         "DeepSpeed-MoE (deepspeed.moe.layer.MoE, top-2, deterministic gate; capacity mode for models with a "
         "capacity factor, else dropless) in the MoE blocks; ZeRO-0 engine reduces expert / non-expert gradients",
         expect_deepspeed_moe,
+        options=DeepSpeedMoEOptions,
+        version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
     ),
 )

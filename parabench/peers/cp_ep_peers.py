@@ -48,7 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parabench.families.context import ContextOptions
-from parabench.families.expert import ExpertOptions
+from parabench.families.expert import DeepSpeedMoEOptions, ExpertOptions
 from parabench.peers.common import CPTrainer, assemble_on_rank0, check_degree
 from parabench.peers.deepspeed_zero import DeepSpeedTrainer
 from parabench.strategies import TrainSpec
@@ -294,7 +294,8 @@ class _DeepSpeedMoETrainer(DeepSpeedTrainer):
         groups = split_params_into_different_moe_groups_for_optimizer(
             {"params": list(model.parameters()), "name": "non_expert"}
         )
-        super().__init__(spec, stage=0, model=model, param_groups=groups)
+        profile = DeepSpeedMoEOptions.read(spec.options).profile  # tuned: DeepSpeed's FusedAdam on GPUs
+        super().__init__(spec, stage=0, model=model, param_groups=groups, profile=profile)
         self.ep = ep
 
     def train_step(self, inputs, targets):

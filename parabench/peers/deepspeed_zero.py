@@ -65,8 +65,8 @@ from parabench.strategies import Trainer, TrainSpec
 
 
 def ds_config(spec: TrainSpec, stage: int, offload: bool = False, profile: str = "matched") -> dict:
-    """The engine's config. ``profile`` (see the module docstring): ``matched`` (the default for
-    callers that have no profile option: deepspeed.pp, deepspeed.moe) or ``tuned``."""
+    """The engine's config. ``profile`` (see the module docstring): ``matched`` or ``tuned`` (every
+    DeepSpeed peer's option, deepspeed.pp's and deepspeed.moe's included)."""
     o = ShardedOptions.read(spec.options)
     cfg = {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
