@@ -197,6 +197,9 @@ class CommonOptions:
     optim: dict = field(default_factory=dict)  # AdamW overrides: lr, beta1, beta2, eps, weight_decay
     inject_fault: dict | None = None  # test hook {kind: oom|cpu_oom|memory_error|crash|abort|hang|leak, rank, step}
     telemetry: bool = True  # NVML power, energy, clocks and throttle reasons sampled during the timed steps (GPU)
+    # Synchronise the device after every step, as a loop that reads its loss each step does
+    # (DeepSpeed's throughput timer does too); off, the host may run ahead into the next step.
+    step_sync: bool = False
     compile: bool = False  # torch.compile every transformer block (torchtitan's order); see peers.common.compile_blocks
 
     # Options that every case of the strategy carries explicitly, default or not (``Case`` fills

@@ -304,11 +304,14 @@ def run_case(
     sampler is not None and sampler.start()
     clock.mark()
     slowdown = debug_slowdown()
+    step_sync = bool(case.options.get("step_sync"))
     for step in range(case.warmup, case.warmup + case.steps):
         _inject_fault(case, step)
         t_step = time.perf_counter()
         losses.append(trainer.train_step(*batches[step]))
         scales is not None and scales.append(trainer.loss_scale())
+        if step_sync:
+            synchronize(device)
         if slowdown:  # idle the device for that fraction of the step before the step's end mark
             synchronize(device)
             time.sleep(slowdown * (time.perf_counter() - t_step))

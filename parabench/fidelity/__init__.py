@@ -47,7 +47,16 @@ RECIPE_NAMES = {"amp": "amp", "master": "master", "bf16-master": "master", "fp16
 # Options that change neither the work of a step nor what it holds (meters, the profile's label,
 # the TP degree the script takes from the world size): anything else and the script would not be
 # the same training.
-NEUTRAL_OPTIONS = {"tp", "profile", "telemetry", "roofline", "step_breakdown", "memory_breakdown", "record_timeline"}
+NEUTRAL_OPTIONS = {
+    "tp",
+    "profile",
+    "telemetry",
+    "roofline",
+    "step_breakdown",
+    "memory_breakdown",
+    "record_timeline",
+    "step_sync",
+}
 
 
 def recipe_of(record: dict) -> str | None:
