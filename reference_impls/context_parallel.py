@@ -1,7 +1,7 @@
 """Context parallelism: the sequence split over a group of ``cp`` ranks (torch only).
 
 Every rank holds all parameters and a *part of every sequence*; only attention mixes positions,
-so only attention communicates. Two ways to do it:
+so only attention communicates. Three ways to do it:
 
 **Ring attention** (Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers for
 Near-Infinite Context"). Each rank keeps its queries; the key/value blocks travel round the ring
@@ -44,7 +44,10 @@ shards. Forward: 4 all-to-alls per layer of ``b*s*h/cp`` elements each (q, k, v,
 backward of an all-to-all is the reverse all-to-all, so backward moves the same. Needs
 ``cp | n_heads``; the split is contiguous (every rank does the same work anyway).
 
-Both: every rank's parameter gradients cover only its tokens' contributions, so gradients are
+**All-gather** (Llama 3, section 3.3.2): K and V all-gathered over the group before attention,
+their gradients reduce-scattered in backward; in ``reference_impls/cp_allgather.py``.
+
+All: every rank's parameter gradients cover only its tokens' contributions, so gradients are
 all-reduced over the cp group (one flat fp32 buffer) and divided by cp (each rank's loss is the
 mean over its own tokens, equally many on every rank).
 """
@@ -481,8 +484,9 @@ def ulysses_attention(q, k, v, group, reverse: bool = True):
 class ContextParallel:
     """Train a replicated GPT with its sequence split over ``group``.
 
-    ``mode``: "ring" or "ulysses"; ``split``: "zigzag" | "contiguous" (ring only; Ulysses is always
-    contiguous). ``broken``: tests only ("no_lse" for the ring, "no_reverse" for Ulysses).
+    ``mode``: "ring", "ulysses" or "allgather"; ``split``: "zigzag" | "contiguous" (ring and
+    all-gather; Ulysses is always contiguous). ``broken``: tests only ("no_lse" for the ring,
+    "no_reverse" for Ulysses, "no_reduce_scatter" for the all-gather).
 
     Data: the trainer is handed this rank's data-parallel slice of the global batch. The cp group
     must see the *same* samples, so the token ids of the group's slices are all-gathered (one
@@ -494,11 +498,11 @@ class ContextParallel:
     def __init__(
         self, model: nn.Module, group, mode: str, split: str = "zigzag", broken: str | None = None, *, loss_fn
     ):
-        if mode not in ("ring", "ulysses"):
+        if mode not in ("ring", "ulysses", "allgather"):
             raise ValueError(f"unknown context-parallel mode {mode!r}")
         self.model, self.group, self.mode = model, group, mode
         self.loss_fn = loss_fn  # (logits, targets) -> mean loss
-        self.split = split if mode == "ring" else "contiguous"
+        self.split = "contiguous" if mode == "ulysses" else split
         self.broken = broken
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         cfg = model.cfg
@@ -509,6 +513,11 @@ class ContextParallel:
     def attention(self, q, k, v):
         if self.mode == "ring":
             return ring_attention(q, k, v, self.group, self.split, self.stats, lse_correction=self.broken != "no_lse")
+        if self.mode == "allgather":
+            from reference_impls.cp_allgather import allgather_attention  # it builds on this module
+
+            reduce_grads = self.broken != "no_reduce_scatter"
+            return allgather_attention(q, k, v, self.group, self.split, self.stats, reduce_grads=reduce_grads)
         return ulysses_attention(q, k, v, self.group, reverse=self.broken != "no_reverse")
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Context parallelism: ring attention and DeepSpeed-Ulysses as references
-(``reference_impls/context_parallel.py``), DeepSpeed's DistributedAttention and torch's
+"""Context parallelism: ring attention and DeepSpeed-Ulysses (``reference_impls/context_parallel.py``)
+and Llama 3's all-gather of K and V (``reference_impls/cp_allgather.py``) as references, DeepSpeed's DistributedAttention and torch's
 experimental context_parallel as peers. For now the whole world is the cp group, alone."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from parabench.theory import BYTES, Expectation, psi, sum_ops, zero_paper_state_
 @dataclass(frozen=True)
 class ContextOptions(CommonOptions):
     cp: int | None = None  # context-parallel degree; None: the world size (the only one supported)
-    cp_split: Literal["zigzag", "contiguous"] = "zigzag"  # ring: how a sequence is cut into the ranks' chunks
+    cp_split: Literal["zigzag", "contiguous"] = "zigzag"  # ring, all-gather: how a sequence is cut into chunks
     activation_checkpointing: bool = False  # recompute every transformer block in backward (peers that wire it)
 
 
@@ -27,7 +27,7 @@ def validate(case, o: ContextOptions, cfg: GPTConfig) -> None:
     if cfg.n_experts:
         raise ValueError(f"{case.strategy}: context parallelism supports dense models only ({case.model} is MoE)")
     seq = case.seq_len or cfg.seq_len
-    split = o.cp_split if case.strategy == "ref.cp_ring" else "contiguous"
+    split = o.cp_split if case.strategy in ("ref.cp_ring", "ref.cp_allgather") else "contiguous"
     chunks = 2 * cp if split == "zigzag" else cp
     if seq % chunks:
         raise ValueError(
@@ -51,7 +51,11 @@ def build_cp_ulysses(spec: TrainSpec) -> CPTrainer:
     return _build(spec, "ulysses")
 
 
-# --- context parallelism (ring attention, Ulysses) and expert parallelism ------------------------
+def build_cp_allgather(spec: TrainSpec) -> CPTrainer:
+    return _build(spec, "allgather")
+
+
+# --- context parallelism (ring attention, Ulysses, all-gather) ------------------------------------
 # Conventions: c = cp (the whole world for now), B = micro_batch x grad_accum samples handed to a
 # rank per step; the group all-gathers its token ids, so each of the grad_accum micro-batches has
 # b = c x micro_batch samples of which a rank holds n = s/c positions; h = d_model.
@@ -69,6 +73,9 @@ def cp_ops(cfg: GPTConfig, case, mode: str) -> list[tuple[str, int]]:
     and as many received, all in the compute dtype (bf16 under autocast).
     Ulysses, per layer per micro-batch: 4 all-to-alls forward (q, k, v to head shards; the output
     back to sequence shards) and 4 backward, each of b·n·h = b·s·h/c elements (input payload).
+    All-gather (Llama 3), per layer per micro-batch: one all-gather of the stacked K and V, payload
+    the gathered buffer of 2·b·s·h elements, and in backward one reduce-scatter of dK, dV, payload
+    the buffer before scattering, 2·b·s·h elements; both in the compute dtype.
     Gradients: one all-reduce of all Ψ parameters' fp32 gradients per step.
     """
     c = case.world_size
@@ -83,30 +90,38 @@ def cp_ops(cfg: GPTConfig, case, mode: str) -> list[tuple[str, int]]:
             if mode == "ring":
                 # forward K, V; backward K, V again and the dK, dV partial sums
                 ops += [("send", 2 * act), ("recv", 2 * act)] * (3 * (c - 1))
+            elif mode == "allgather":
+                ops += [("all_gather", 2 * c * act), ("reduce_scatter", 2 * c * act)]
             else:
                 ops += [("all_to_all", act)] * 8
     ops.append(("all_reduce", 4 * psi(cfg)))
     return ops
 
 
+_ATTENTION_NOTES = {
+    "ring": "ring attention: per layer per micro-batch (c-1) hops of K and V (2·b·(s/c)·h elements sent and "
+    "as many received per hop) forward; backward (a second ring pass) (c-1) hops of K and V again and "
+    "(c-1) hops of the dK, dV partial sums, all in the compute dtype; ",
+    "ulysses": "Ulysses: per layer per micro-batch 4 all-to-alls of b·s·h/c elements forward (q, k, v, out) and 4 "
+    "backward; ",
+    "allgather": "all-gather (Llama 3): per layer per micro-batch one all-gather of K and V (2·b·s·h elements "
+    "gathered) forward and one reduce-scatter of dK, dV (2·b·s·h elements before scattering) backward, in the "
+    "compute dtype; ",
+}
+
+
 def cp_expectation(mode: str):
     def fn(cfg, case, o, dp):
         p = psi(cfg)
         # The ring's blocks and Ulysses' q, k, v and output shards travel in the compute dtype:
-        # measured equal in bf16 on 2 GPUs as well (ring, ref.cp_ulysses and deepspeed.ulysses).
+        # measured equal in bf16 on 2 GPUs as well (ring, ref.cp_ulysses and deepspeed.ulysses);
+        # the all-gather's K, V and their gradients too (bf16 checked on CPU).
         exact = case.precision in ("fp32", "bf16")
         return Expectation(
             state_bytes={"params": 4 * p, "grads": 4 * p, "optimizer": 8 * p},
             comm_payload_bytes=sum_ops(cp_ops(cfg, case, mode)) if exact else None,
             paper_state_bytes=zero_paper_state_bytes(0, p, dp),
-            notes=(
-                "ring attention: per layer per micro-batch (c-1) hops of K and V (2·b·(s/c)·h elements sent and "
-                "as many received per hop) forward; backward (a second ring pass) (c-1) hops of K and V again and "
-                "(c-1) hops of the dK, dV partial sums, all in the compute dtype; "
-                if mode == "ring"
-                else "Ulysses: per layer per micro-batch 4 all-to-alls of b·s·h/c elements forward (q, k, v, out) and 4 "
-                "backward; "
-            )
+            notes=_ATTENTION_NOTES[mode]
             + "b = cp x micro_batch samples (the group all-gathers its token ids: c·2·B·s int64 per step); one fp32 "
             "all-reduce of all gradients. Model state fully replicated: 16Ψ in fp32. Exact for fp32 and bf16.",
         )
@@ -146,6 +161,14 @@ ROWS = (
         "reference",
         "DeepSpeed-Ulysses context parallel: all-to-all sequence shards <-> head shards around attention",
         cp_expectation("ulysses"),
+    ),
+    _row(
+        "ref.cp_allgather",
+        "parabench.families.context:build_cp_allgather",
+        "reference",
+        "Llama 3 all-gather context parallel: K, V all-gathered before attention, local queries, dK, dV "
+        "reduce-scattered; load-balanced split (option cp_split = zigzag | contiguous)",
+        cp_expectation("allgather"),
     ),
     # DeepSpeed's DistributedAttention issues the same 4 + 4 all-to-alls per layer; the rest of the
     # step is ref.cp_ulysses's (token all-gather, one gradient all-reduce).
