@@ -160,7 +160,7 @@ def test_section_puts_contiguous_beside_zigzag_from_a_cpu_run(cpu_ring_run):
 def test_section_flags_host_clock_gpu_times_of_the_committed_run():
     cases, ranks, untrusted = cp_balance.balance_rows([load_run(GPU_RUN)])
     assert untrusted == ["cp-ep-gpu/20261126-031027"]
-    by = {(r["group"].split()[1], r["split"]): r for r in cases}
+    by = {(r["group"].split()[2], r["split"]): r for r in cases}  # "<strategy> <model> s=<seq> ..."
     four_k = [by[("s=4096", "contiguous")], by[("s=4096", "zigzag")]]
     assert cases.index(four_k[1]) == cases.index(four_k[0]) + 1  # side by side
     assert [r["flops_ratio"] for r in four_k] == [pytest.approx(4 / 3), 1.0]

@@ -95,7 +95,7 @@ def _ratio(values: list) -> float | None:
 def balance_rows(runs) -> tuple[list[dict], list[dict], list[str]]:
     """Per case and per rank rows, and the runs whose GPU compute times came from host clocks."""
     cases, ranks, untrusted_runs = [], [], []
-    for idx, run, r in records_of(runs, ("ref.cp_ring",)):
+    for idx, run, r in records_of(runs, ("ref.cp_ring", "ref.cp_allgather")):
         c = r.get("case") or {}
         split = str((c.get("options") or {}).get("cp_split", "zigzag"))
         cp = c.get("world_size")
@@ -114,9 +114,12 @@ def balance_rows(runs) -> tuple[list[dict], list[dict], list[str]]:
             untrusted_runs.append(run)
         flops = [s.get("attn_flops_fwd") for s in stats]
         times = [s.get("attn_compute_s_fwd") for s in stats]
-        group = f"{c.get('model')} s={seq_len} cp={cp} {c.get('precision')} mb{c.get('micro_batch')}"
+        group = (
+            f"{c.get('strategy')} {c.get('model')} s={seq_len} cp={cp} {c.get('precision')} mb{c.get('micro_batch')}"
+        )
         sort_key = (
             idx,
+            str(c.get("strategy")),
             str(c.get("model")),
             seq_len or 0,
             cp or 0,
