@@ -8,7 +8,9 @@ Order, and why (picotron's TP -> PP -> DP; torchtitan writes its reasons down th
    on its first and last stage). Everything after it sees the final local parameters.
 2. **Pipeline second.** It keeps the layers of this rank's stage and drops the rest. The boundary
    activation it sends is whatever the TP model's residual stream is: ``[b, s, h]`` replicated
-   over the TP group, or ``[b, s/t, h]`` under sequence parallelism.
+   over the TP group, or ``[b, s/t, h]`` under sequence parallelism. With ``virtual_stages > 1``
+   the rank keeps ``v`` chunks instead of one stage (``pipeline_interleaved.py``); nothing else
+   changes for TP or DP.
 3. **Data parallelism last.** It only has to reduce the gradients of whatever parameters this
    rank ended up holding, once per step, after the pipeline flush (all micro-batches) and after
    the sequence-parallel all-reduce of the replicated parameters over the TP group. Reducing once
@@ -26,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from reference_impls.pipeline import PipelineEngine, split_stage
+from reference_impls.pipeline_interleaved import InterleavedPipelineEngine, split_chunks
 from reference_impls.tensor_parallel import allreduce_sequence_parallel_grads, apply_tensor_parallel
 
 
@@ -53,7 +56,7 @@ class ParallelGPT:
         shard_dims: dict,
         tp_group,
         dp_group,
-        engine: PipelineEngine | None,
+        engine: PipelineEngine | InterleavedPipelineEngine | None,
         microbatches: int,
         seq_len: int,
         d_model: int,
@@ -104,6 +107,7 @@ def parallelize(
     schedule: str = "1f1b",
     microbatches: int | None = None,
     record_timeline: bool = False,
+    virtual_stages: int = 1,
 ) -> ParallelGPT:
     """Apply TP, then PP, then DP to the full ``model`` (built identically on every rank)."""
     cfg = model.cfg
@@ -120,15 +124,16 @@ def parallelize(
     engine = None
     if pp > 1:  # 2. pipeline
         stage = dist.get_rank(pp_group)
-        model = split_stage(model, stage, pp)
-        engine = PipelineEngine(
-            model,
-            stage,
-            dist.get_process_group_ranks(pp_group),
-            pp_group,
-            schedule=schedule,
-            record_timeline=record_timeline,
-        )
+        ranks = dist.get_process_group_ranks(pp_group)
+        if virtual_stages > 1:
+            n_layers = len(model.blocks)
+            model = split_chunks(model, stage, pp, virtual_stages)
+            engine = InterleavedPipelineEngine(
+                model, stage, ranks, pp_group, virtual_stages, n_layers, record_timeline=record_timeline
+            )
+        else:
+            model = split_stage(model, stage, pp)
+            engine = PipelineEngine(model, stage, ranks, pp_group, schedule=schedule, record_timeline=record_timeline)
     names = dict(model.named_parameters())
     shard_dims = {n: shard_dims[n] for n in names}
     sp_params = [p for n, p in names.items() if n in sp_names]

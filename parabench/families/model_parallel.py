@@ -6,6 +6,8 @@ pipeline engine).
 ``ref.tp`` on ``tp x dp`` ranks, ``ref.pp_1f1b`` on ``pp x dp`` and ``ref.pp_1f1b`` with ``tp`` set
 on ``tp x pp x dp`` all go through the one composition function,
 :func:`reference_impls.compose.parallelize`; the topology lays the grid out from ``tp`` and ``pp``.
+``ref.pp_interleaved`` (``pipeline_interleaved.py``) runs Megatron's interleaved 1F1B with
+``virtual_stages`` chunks per rank through the same function.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ from parabench.theory import BYTES, Expectation, scalar_ops, sum_ops
 
 TP_STRATEGIES = ("ref.tp", "ref.tp_sp", "torch.tp", "torch.tp_sp")
 SP_STRATEGIES = ("ref.tp_sp", "torch.tp_sp")
+INTERLEAVED_STRATEGIES = ("ref.pp_interleaved", "torch.pp_interleaved")
+
+
+def virtual_stages_of(case, o: ModelParallelOptions) -> int:
+    """Model chunks per pipeline rank: ``virtual_stages`` for the interleaved schedules, else 1."""
+    return o.virtual_stages if case.strategy in INTERLEAVED_STRATEGIES else 1
 
 
 @dataclass(frozen=True)
@@ -48,7 +56,7 @@ class ModelParallelOptions(CommonOptions):
     schedule: Literal["1f1b", "gpipe"] = "1f1b"  # ref.tp / ref.tp_sp with pp > 1: the pipeline schedule
     sp: bool = False  # sequence parallel under a pipeline strategy (ref.pp_*)
     record_timeline: bool = False  # sync the device around every pipeline event of the instrumented step
-    virtual_stages: int = 2  # torch.pp_interleaved: model chunks per rank
+    virtual_stages: int = 2  # ref.pp_interleaved / torch.pp_interleaved: model chunks per rank
 
     @property
     def n_microbatches(self) -> int:
@@ -79,10 +87,14 @@ def validate(case, o: ModelParallelOptions, cfg: GPTConfig) -> None:
                 f"(each pipeline micro-batch is micro_batch / microbatches samples; "
                 f"the default is 2*pp = {2 * pp})"
             )
-    if case.strategy == "torch.pp_interleaved":
+    if case.strategy in INTERLEAVED_STRATEGIES:
         v = o.virtual_stages
         if pp * v > cfg.n_layers:
             raise ValueError(f"pp={pp} x virtual_stages={v} chunks for a model of {cfg.n_layers} layers")
+    if case.strategy == "ref.pp_interleaved" and pp > 1:
+        from reference_impls.pipeline_interleaved import check_interleaving
+
+        check_interleaving(pp, o.virtual_stages, o.n_microbatches)
     if tp > 1 and cfg.vocab_size % tp:
         raise ValueError(f"tp={tp} does not divide the vocabulary ({cfg.vocab_size}) of {case.model}")
     if case.strategy in SP_STRATEGIES or o.sp:
@@ -135,7 +147,7 @@ def gather_full_parameters(named: dict[str, torch.Tensor], shard_dims: dict, coo
 
 
 class ModelParallelTrainer(Trainer):
-    def __init__(self, spec: TrainSpec, sequence_parallel: bool, schedule: str):
+    def __init__(self, spec: TrainSpec, sequence_parallel: bool, schedule: str, virtual_stages: int = 1):
         from reference_impls.compose import parallelize
 
         self.spec = spec
@@ -150,6 +162,7 @@ class ModelParallelTrainer(Trainer):
             sequence_parallel=sequence_parallel,
             schedule=schedule,
             microbatches=o.microbatches,
+            virtual_stages=virtual_stages,
         )
         # The synchronised timeline runs on the instrumented step only (measure_state is set for
         # it), so the timed steps of a record_timeline case keep their speed.
@@ -212,6 +225,11 @@ def build_pp_1f1b(spec: TrainSpec) -> ModelParallelTrainer:
     return ModelParallelTrainer(spec, sequence_parallel=ModelParallelOptions.read(spec.options).sp, schedule="1f1b")
 
 
+def build_pp_interleaved(spec: TrainSpec) -> ModelParallelTrainer:
+    o = ModelParallelOptions.read(spec.options)
+    return ModelParallelTrainer(spec, sequence_parallel=o.sp, schedule="1f1b", virtual_stages=o.virtual_stages)
+
+
 # --- expectations -------------------------------------------------------------------------------
 
 # --- model parallelism: Megatron TP (+SP), GPipe / 1F1B pipelines, composed with DP -------------
@@ -257,6 +275,17 @@ def _mp_sp_params(cfg: GPTConfig, lo: int, hi: int, first: bool, last: bool) -> 
     return (hi - lo) * 6 * h + (cfg.seq_len * h if first else 0) + (2 * h if last else 0)
 
 
+def rank_chunks(cfg: GPTConfig, p: int, v: int, pp_rank: int) -> list[tuple[int, int, bool, bool]]:
+    """``(lo, hi, first, last)`` of each model chunk pipeline rank ``pp_rank`` holds: one stage
+    (v = 1), or chunks ``pp_rank + k p`` of ``p v`` (interleaved); ``first`` holds the embedding,
+    ``last`` the final LayerNorm, head and loss."""
+    from reference_impls.pipeline import partition_layers
+
+    C = p * v
+    bounds = partition_layers(cfg.n_layers, C)
+    return [(*bounds[c], c == 0, c == C - 1) for c in range(pp_rank, C, p)]
+
+
 def model_parallel_ops(
     cfg: GPTConfig,
     case,
@@ -278,12 +307,16 @@ def model_parallel_ops(
     one all-reduce per step of the sequence-sharded replicated parameters' gradients
     (LayerNorms, row-parallel biases, positions). Pipeline: per micro-batch, a stage other than
     the first receives b·s·h (b·s/t·h under SP) activations and sends the same gradient back; a
-    stage other than the last sends activations and receives gradients. Data parallel: one
-    all-reduce of all local gradients per step. ``step_ops=False``: the per-micro-batch ops only
-    (not those once-per-step gradient all-reduces, which the torch peers issue per parameter).
+    stage other than the last sends activations and receives gradients. Interleaved
+    (``ref.pp_interleaved``, v chunks per rank): the same per chunk, so per micro-batch each of
+    the p·v − 1 chunk boundaries (not p − 1) carries one activation forward and one gradient back;
+    a rank sends and receives on both sides of each of its chunks except chunk 0's input and
+    chunk p·v − 1's output: per micro-batch 2v boundary crossings (each a send and a recv) per
+    rank, 2v − 1 on ranks 0 and p − 1, i.e. v times 1F1B's volume on the middle ranks and 2v − 1
+    times on the end ranks. The TP ops follow the layers the rank holds over all its chunks. Data parallel: one all-reduce of all local
+    gradients per step. ``step_ops=False``: the per-micro-batch ops only (not those once-per-step
+    gradient all-reduces, which the torch peers issue per parameter).
     """
-    from reference_impls.pipeline import partition_layers
-
     dp_rank, pp_rank, tp_rank = coords
     o = ModelParallelOptions.read(case.options)
     t, p = o.tp, o.pp
@@ -291,8 +324,9 @@ def model_parallel_ops(
     # E: bytes of what lives in the parameter dtype (fp32 under "amp", bf16/fp16 under "master",
     # where every activation and gradient is in the compute dtype).
     h, s, E = cfg.d_model, cfg.seq_len, BYTES[case.param_precision]
-    lo, hi = partition_layers(cfg.n_layers, p)[pp_rank]
-    first, last = pp_rank == 0, pp_rank == p - 1
+    chunks = rank_chunks(cfg, p, virtual_stages_of(case, o), pp_rank)
+    layers = sum(hi - lo for lo, hi, _, _ in chunks)
+    first, last = chunks[0][2], chunks[-1][3]
     B = case.micro_batch * case.grad_accum
     n = (microbatches or o.n_microbatches) * case.grad_accum if p > 1 else case.grad_accum
     b = B // n
@@ -309,7 +343,7 @@ def model_parallel_ops(
                 head = ["all_gather", "reduce_scatter"]
             else:
                 emb, head = ["all_reduce"], ["all_reduce"]
-            for _layer in range(hi - lo):
+            for _layer in range(layers):
                 if sequence_parallel:
                     # forward: all-gather of the fp32 LayerNorm output, reduce-scatter of the
                     # row-parallel output (compute dtype); backward: their conjugates, in the
@@ -326,31 +360,33 @@ def model_parallel_ops(
         if p > 1:
             s_local = s // t if sequence_parallel else s
             pact = b * s_local * h * E
-            if not first:
-                ops += [("recv", pact), ("send", pact)]
-            if not last:
-                ops += [("send", pact), ("recv", pact)]
+            for _, _, chunk_first, chunk_last in chunks:
+                if not chunk_first:
+                    ops += [("recv", pact), ("send", pact)]
+                if not chunk_last:
+                    ops += [("send", pact), ("recv", pact)]
     if sequence_parallel and step_ops:
-        ops.append(("all_reduce", _mp_sp_params(cfg, lo, hi, first, last) * E))
+        ops.append(("all_reduce", sum(_mp_sp_params(cfg, *c) for c in chunks) * E))
     if d > 1 and step_ops:
-        ops.append(("all_reduce", _mp_local_params(cfg, t, lo, hi, first, last) * E))
+        ops.append(("all_reduce", sum(_mp_local_params(cfg, t, *c) for c in chunks) * E))
     return ops
 
 
 def model_parallel_expectation(sequence_parallel: bool | None, schedule: str | None):
     def fn(cfg, case, o, dp):
-        from reference_impls.pipeline import bubble_fraction_theory, partition_layers
+        from reference_impls import pipeline_interleaved as interleaved
+        from reference_impls.pipeline import bubble_fraction_theory
 
         sp = o.sp if sequence_parallel is None else sequence_parallel
         t, p = o.tp, o.pp
+        v = virtual_stages_of(case, o)
         m = o.n_microbatches
         world = case.world_size
         grid = [(r // (t * p), (r // t) % p, r % t) for r in range(world)]
         per_rank = [sum_ops(model_parallel_ops(cfg, case, c, sp)) for c in grid]
         state = []
         for _, pp_rank, _ in grid:
-            lo, hi = partition_layers(cfg.n_layers, p)[pp_rank]
-            n = _mp_local_params(cfg, t, lo, hi, pp_rank == 0, pp_rank == p - 1)
+            n = sum(_mp_local_params(cfg, t, *c) for c in rank_chunks(cfg, p, v, pp_rank))
             state.append(recipe_state_bytes(case, n))
         out = Expectation(
             state_bytes=state,
@@ -362,7 +398,17 @@ def model_parallel_expectation(sequence_parallel: bool | None, schedule: str | N
             "bf16/fp16 the row-parallel outputs (g's forward all-reduce, or SP's forward reduce-scatter and "
             "its backward all-gather) travel in the compute dtype, everything else in fp32.",
         )
-        if p > 1:
+        if p > 1 and v > 1:
+            n_micro = m * case.grad_accum
+            out["pipeline"] = {
+                "schedule": schedule,
+                "microbatches": n_micro,
+                "virtual_stages": v,
+                "bubble_fraction": interleaved.bubble_fraction_theory(p, v, n_micro),
+                # (chunk, micro-batch) activations, each 1/v of a plain stage's
+                "peak_live_microbatches_per_stage": [interleaved.peak_live_theory(s, p, v, n_micro) for s in range(p)],
+            }
+        elif p > 1:
             n_micro = m * case.grad_accum
             out["pipeline"] = {
                 "schedule": schedule or o.schedule,
@@ -557,7 +603,7 @@ def torch_pipeline_ops(cfg: GPTConfig, case, pp_rank: int, dp: int) -> list[tupl
     from reference_impls.pipeline import partition_layers
 
     o = ModelParallelOptions.read(case.options)
-    p, v = o.pp, (o.virtual_stages if case.strategy == "torch.pp_interleaved" else 1)
+    p, v = o.pp, virtual_stages_of(case, o)
     chunks = p * v
     n = o.n_microbatches * case.grad_accum
     b = case.micro_batch * case.grad_accum // n
@@ -599,7 +645,7 @@ def expect_torch_pipeline(cfg, case, o, dp):
     from reference_impls.pipeline import partition_layers
 
     p = o.pp
-    v = o.virtual_stages if case.strategy == "torch.pp_interleaved" else 1
+    v = virtual_stages_of(case, o)
     chunks = p * v
     bounds = partition_layers(cfg.n_layers, chunks)
     grid = [(r // p, r % p) for r in range(case.world_size)]  # (dp rank, pp rank); no tp
@@ -634,6 +680,7 @@ COMPILES = (
     "ref.tp_sp",
     "ref.pp_gpipe",
     "ref.pp_1f1b",
+    "ref.pp_interleaved",
     "torch.tp",
     "torch.tp_sp",
     "torch.pp_gpipe",
@@ -699,6 +746,15 @@ ROWS = (
         "reference",
         "1F1B (PipeDream-Flush) pipeline over send/recv (options pp, microbatches, tp, sp; x dp)",
         model_parallel_expectation(None, "1f1b"),
+    ),
+    _row(
+        "ref.pp_interleaved",
+        f"{_REF}:build_pp_interleaved",
+        "reference",
+        "Megatron interleaved 1F1B over send/recv: virtual_stages (default 2) chunks per rank, "
+        "micro-batches a multiple of pp (options pp, virtual_stages, microbatches, tp, sp; x dp)",
+        model_parallel_expectation(None, "interleaved_1f1b"),
+        version="1",
     ),
     _row(
         "torch.tp",
