@@ -146,15 +146,19 @@ def record(strategy, world, mb, step_s, modes, *, comm_share=None, state=None, p
     }
 
 
+PROFILED = {"step_breakdown": True}
+
+
 def runs_of(*records):
     return [({"suite": "sc", "run_id": "r1"}, list(records))]
 
 
 SERIES = runs_of(
     # strong, global batch 8: t(1)·1 / (N·t(N)) = 1, 1 / (2 × 0.625) = 0.8, 1 / (4 × 0.5) = 0.5
-    record("ref.ddp", 1, 8, 1.0, ["strong"], comm_share=0.0, state=16 * PSI),
-    record("ref.ddp", 2, 4, 0.625, ["strong", "weak"], comm_share=0.1, state=16 * PSI),
-    record("ref.ddp", 4, 2, 0.5, ["strong"], comm_share=0.3, state=16 * PSI),
+    # (profiled points and an unprofiled one: step_breakdown adds an untimed step, one series)
+    record("ref.ddp", 1, 8, 1.0, ["strong"], state=16 * PSI),
+    record("ref.ddp", 2, 4, 0.625, ["strong", "weak"], comm_share=0.1, state=16 * PSI, options=PROFILED),
+    record("ref.ddp", 4, 2, 0.5, ["strong"], comm_share=0.3, state=16 * PSI, options=PROFILED),
     # weak, 4 per rank: tokens/s per device 256/0.5 -> 256/0.625 -> 256/1.0 relative to N = 1
     record("ref.ddp", 1, 4, 0.5, ["weak"], state=16 * PSI),
     record("ref.ddp", 4, 4, 1.0, ["weak"], state=16 * PSI),

@@ -335,6 +335,11 @@ ZERO_LINES = (
 )
 # a measured pipeline bubble further than this from (p−1)/(m+p−1) is flagged
 BUBBLE_TOLERANCE = 0.05
+# options that add untimed, metered steps and leave the timed ones alone: a series' name and
+# grouping ignore them, so a strategy's profiled and unprofiled points form one series
+METER_OPTIONS = frozenset(
+    {"step_breakdown", "memory_breakdown", "trace", "memory_snapshot", "telemetry", "roofline", "record_timeline"}
+)
 
 
 def zero_line_rows(psi: float, ranks) -> list[dict]:
@@ -377,7 +382,8 @@ def scaling_rows(runs) -> list[dict]:
     Both are 1 for perfect scaling (with the tokens per step of each mode the two are the same
     ratio of tokens/s per device, computed here as each mode is defined). Beside them: the
     communication share of the profiled step (``step_breakdown``), rank 0's measured and analytic
-    communication bytes per step, and the model-state bytes per rank, measured and the paper's."""
+    communication bytes per step, and the model-state bytes per rank, measured and the paper's.
+    Options that only add metered steps (``METER_OPTIONS``) neither name nor split a series."""
     rows = []
     for idx, (manifest, records) in enumerate(runs):
         seed = usual_seed(records)
@@ -390,6 +396,7 @@ def scaling_rows(runs) -> list[dict]:
             dp, mb, ga = _case_dp(c), c.get("micro_batch"), c.get("grad_accum") or 1
             gb = mb * ga * dp if isinstance(mb, int) and dp else None
             comm_share, exposed_share = _breakdown_shares(r)
+            timed_as = {**c, "options": {k: v for k, v in (c.get("options") or {}).items() if k not in METER_OPTIONS}}
             for mode in modes:
                 size = f"gb{gb}" if mode == "strong" else f"mb{mb}"
                 recipe = recipe_name(str(d["precision"]), d["recipe"])
@@ -399,7 +406,7 @@ def scaling_rows(runs) -> list[dict]:
                         "run_idx": idx,
                         "label": r.get("label", ""),
                         "mode": mode,
-                        "series": f"{variant(c, seed)} {size}",
+                        "series": f"{variant(timed_as, seed)} {size}",
                         "strategy": str(d["strategy"]),
                         "kind": d["kind"],
                         "model": str(d["model"]),
