@@ -12,6 +12,8 @@ from parabench.recipes import RECIPES, recipe_name
 from parabench.strategies import STRATEGIES, get_strategy
 from parabench.topology import Topology
 
+SCALING_MODES = ("strong", "weak")
+
 
 @dataclass(frozen=True)
 class Case:
@@ -45,10 +47,20 @@ class Case:
     # share the case hash, and each writes its own record (``record_key``).
     repeats: int = 1
     repeat: int = 0
+    # The scaling series this case belongs to (``SCALING_MODES``; ``parabench.suite``): "strong"
+    # (global batch fixed across world sizes), "weak" (micro-batch per rank fixed), or both when two
+    # series share a point. It groups cases in the report and never changes what is measured, so it
+    # is not in the hash: a weak-series case pairs with the same shape run outside any series.
+    scaling: tuple = ()
 
-    IDENTITY_EXCLUDES = ("timeout_s", "own_launch", "repeats", "repeat")
+    IDENTITY_EXCLUDES = ("timeout_s", "own_launch", "repeats", "repeat", "scaling")
 
     def __post_init__(self):
+        modes = (self.scaling,) if isinstance(self.scaling, str) else tuple(self.scaling or ())
+        unknown = [m for m in modes if m not in SCALING_MODES]
+        if unknown:
+            raise ValueError(f"unknown scaling mode {unknown[0]!r}; valid modes: {', '.join(SCALING_MODES)}")
+        object.__setattr__(self, "scaling", tuple(sorted(set(modes))))
         if self.precision == "fp32":  # nothing to choose (a suite's recipe axis collapses here)
             object.__setattr__(self, "recipe", None)
         elif self.recipe is None:
@@ -107,6 +119,7 @@ class Case:
             f"{self.strategy} {self.model} w{self.world_size} {self.precision_recipe} mb{self.micro_batch}"
             + (f" ga{self.grad_accum}" if self.grad_accum > 1 else "")
             + (f" [{opts}]" if opts else "")
+            + (f" scaling={'+'.join(self.scaling)}" if self.scaling else "")
         )
 
     @property
@@ -129,7 +142,10 @@ class Case:
         return self.micro_batch * self.grad_accum * self.dp
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not d["scaling"]:  # records of cases outside a series read as they always have
+            del d["scaling"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Case":

@@ -25,6 +25,18 @@ value a strategy lacks is an error.
 Several ``[[matrix]]`` tables are expanded one by one and concatenated, which is how a suite
 gives each model size its own micro-batch. Every error names the file, the line and the field.
 
+Scaling series (``scaling``, one mode per matrix, listing at least two world sizes):
+
+* ``scaling = "weak"``: the per-rank micro-batch is fixed (``micro_batch`` as usual), so the global
+  batch grows with the world size;
+* ``scaling = "strong"`` with ``global_batch = G``: the global batch is fixed and each case's
+  micro-batch is derived as G / (dp × grad_accum), dp the data-parallel degree at that world size
+  (world size over pp × tp); a G that does not divide is an error naming the line. ``micro_batch``
+  in such a matrix is an error (a ``[suite]`` default is not applied to it).
+
+The mode is recorded in each case (``Case.scaling``) for the report's scaling section, outside
+the hash: a case in both a strong and a weak series runs once and belongs to both.
+
 ``repeats = N`` (in ``[suite]`` or a matrix) runs each case in N separate torchrun launches,
 interleaved across the suite (every case's first launch, then every case's second...), so that
 drift over the run hits every case alike; the regression gate and the report's intervals need
@@ -37,12 +49,12 @@ import hashlib
 import itertools
 import math
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import tomllib
 
-from parabench.case import Case
+from parabench.case import SCALING_MODES, Case
 from parabench.models import MODEL_LADDER
 from parabench.recipes import RECIPES
 from parabench.results import UnsafeNameError, check_path_component
@@ -57,7 +69,9 @@ class SuiteError(ValueError):
 
 
 CASE_FIELDS = {f.name: f for f in fields(Case) if f.name != "repeat"}  # what suite files may set
-SUITE_KEYS = {"name", "description", "kind"} | (set(CASE_FIELDS) - {"model", "strategy", "world_size"})
+# keys that shape cases without being a Case field: global_batch gives strong scaling its micro-batches
+MATRIX_KEYS = set(CASE_FIELDS) | {"global_batch"}
+SUITE_KEYS = {"name", "description", "kind"} | (MATRIX_KEYS - {"model", "strategy", "world_size"})
 _TYPES = {
     "world_size": int,
     "micro_batch": int,
@@ -71,6 +85,8 @@ _TYPES = {
     "comm_meter": bool,
     "own_launch": bool,
     "repeats": int,
+    "global_batch": int,
+    "scaling": str,
     "model": str,
     "strategy": str,
     "precision": str,
@@ -182,7 +198,7 @@ def load_suite(name_or_path: str) -> Suite:
         if "name" in head:
             fail(str(exc), "name", "suite")
         raise SuiteError(f"{path}: {exc} (from the file name; set [suite] name)") from None
-    defaults = {k: v for k, v in head.items() if k in CASE_FIELDS}
+    defaults = {k: v for k, v in head.items() if k in MATRIX_KEYS}
     for key, value in defaults.items():
         _check_value(key, value, lambda m, k=key: fail(m, k, "suite"))
 
@@ -205,18 +221,27 @@ def load_suite(name_or_path: str) -> Suite:
     cases: list[Case] = []
     for mi, matrix in enumerate(matrices):
         for key, value in matrix.items():
-            if key not in CASE_FIELDS:
-                fail(f"unknown key; valid keys: {', '.join(sorted(CASE_FIELDS))}", key, "matrix", mi)
+            if key not in MATRIX_KEYS:
+                fail(f"unknown key; valid keys: {', '.join(sorted(MATRIX_KEYS))}", key, "matrix", mi)
             for v in value if isinstance(value, list) else [value]:
                 _check_value(key, v, lambda m, k=key: fail(m, k, "matrix", mi))
         for key in ("model", "strategy", "world_size"):
             if key not in matrix:
                 fail("required key missing", key, "matrix", mi)
+        mode = _scaling_mode(matrix, defaults, lambda m, k: fail(m, k, "matrix", mi))
         keys = list(matrix)
         axes = [v if isinstance(v, list) else [v] for v in matrix.values()]
         recipe_axis = isinstance(matrix.get("recipe"), list)
         for combo in itertools.product(*axes):
             spec = {**defaults, **dict(zip(keys, combo))}
+            spec.pop("scaling", None)
+            global_batch = spec.pop("global_batch", None)
+            if mode == "strong":
+                spec["micro_batch"] = _strong_micro_batch(
+                    spec, global_batch, lambda m: fail(m, "global_batch", "matrix", mi)
+                )
+            if mode is not None:
+                spec["scaling"] = (mode,)
             if (
                 recipe_axis
                 and spec.get("precision", "fp32") != "fp32"
@@ -238,8 +263,55 @@ def load_suite(name_or_path: str) -> Suite:
     cases = [c for c in cases if not any(all(_excludes(c, k, v) for k, v in ex.items()) for ex in excludes)]
     seen: dict[str, Case] = {}
     for c in cases:
-        seen.setdefault(c.case_hash, c)  # the same case from two matrices runs once
+        first = seen.setdefault(c.case_hash, c)  # the same case from two matrices runs once
+        if first.scaling != c.scaling:  # ... in every series that lists it
+            seen[c.case_hash] = replace(first, scaling=first.scaling + c.scaling)
     return Suite(name=name, path=path, description=head.get("description", ""), cases=list(seen.values()), raw=data)
+
+
+def _scaling_mode(matrix: dict, defaults: dict, fail) -> str | None:
+    """The matrix's scaling mode (None outside a series), after the checks that need the whole
+    matrix: one mode, at least two world sizes, global_batch with strong scaling and only there."""
+    mode = matrix.get("scaling", defaults.get("scaling"))
+    where = "scaling" if "scaling" in matrix else "world_size"
+    if isinstance(mode, list):
+        fail("one scaling mode per [[matrix]] (a strong and a weak series are two matrices)", "scaling")
+    has_gb = "global_batch" in matrix or "global_batch" in defaults
+    if mode is None:
+        if has_gb:
+            fail('global_batch sets a strong-scaling series: add scaling = "strong"', "global_batch")
+        return None
+    sizes = matrix["world_size"] if isinstance(matrix["world_size"], list) else [matrix["world_size"]]
+    if len(set(sizes)) < 2:
+        fail(f"a {mode}-scaling series needs at least two world sizes (e.g. [1, 2, 4])", "world_size")
+    if mode == "strong":
+        if not has_gb:
+            fail('scaling = "strong" fixes the global batch: give global_batch = N', where)
+        if "micro_batch" in matrix:
+            fail("strong scaling derives micro_batch from global_batch / (dp × grad_accum): remove it", "micro_batch")
+    elif has_gb:
+        fail(
+            f'global_batch belongs to scaling = "strong", not {mode!r} (weak scaling fixes micro_batch)', "global_batch"
+        )
+    return mode
+
+
+def _strong_micro_batch(spec: dict, global_batch: int, fail) -> int:
+    """The micro-batch that keeps ``global_batch`` at this case's world size: G / (dp × grad_accum)."""
+    world = spec["world_size"]
+    opts = spec.get("options") or {}
+    pp, tp = opts.get("pp", 1), opts.get("tp", 1)
+    try:
+        dp = Topology.check(world, pp, tp)
+    except TopologyError as exc:
+        fail(str(exc))
+    accum = spec.get("grad_accum", 1)
+    if global_batch % (dp * accum):
+        fail(
+            f"global_batch {global_batch} is not divisible by dp × grad_accum = {dp} × {accum} at "
+            f"world_size {world}" + (f" (pp {pp}, tp {tp})" if pp * tp > 1 else "")
+        )
+    return global_batch // (dp * accum)
 
 
 def _matches(actual, wanted) -> bool:
@@ -249,6 +321,8 @@ def _matches(actual, wanted) -> bool:
 def _excludes(case: Case, key: str, wanted) -> bool:
     if key == "options":  # as written: a peer's recorded default (its profile) is not in the file
         return _matches(case.options, wanted) or _matches(case.options_as_written(), wanted)
+    if key == "scaling":  # a case in two series matches either mode
+        return any(_matches(mode, wanted) for mode in case.scaling)
     return _matches(getattr(case, key), wanted)
 
 
@@ -262,12 +336,14 @@ def _check_value(key: str, value, fail) -> None:
         fail(f"unknown strategy {value!r}; valid strategies: {', '.join(sorted(STRATEGIES))}")
     if key == "precision" and value not in DP_PRECISIONS:
         fail(f"unknown precision {value!r}; valid precisions: {', '.join(DP_PRECISIONS)}")
+    if key == "scaling" and value not in SCALING_MODES:
+        fail(f"unknown scaling mode {value!r}; valid modes: {', '.join(SCALING_MODES)}")
     if key == "recipe" and value not in RECIPES:
         fail(f"unknown recipe {value!r}; valid recipes: {', '.join(RECIPES)}")
     if key == "device" and value not in ("auto", "cpu", "cuda"):
         fail(f"unknown device {value!r}; valid devices: auto, cpu, cuda")
     if (
-        key in ("world_size", "micro_batch", "grad_accum", "steps", "seq_len", "repeats")
+        key in ("world_size", "micro_batch", "grad_accum", "steps", "seq_len", "repeats", "global_batch")
         and isinstance(value, int)
         and value < 1
     ):

@@ -208,18 +208,19 @@ def throughput(ok: pd.DataFrame) -> list[dict]:
 
 
 def scaling(ok: pd.DataFrame) -> list[dict]:
-    """Global tokens/s against the number of devices, when a strategy ran at several sizes."""
-    multi = ok[ok.world_size > 1]
-    if multi.empty or not (multi.groupby(["model", "series"]).world_size.nunique() > 1).any():
+    """Global tokens/s against the number of devices, for every strategy (and micro-batch) that ran
+    at two device counts or more; one device counts (it is the baseline the dashed line starts from)."""
+    spans = ok.groupby(["model", "series"]).world_size.transform("nunique") > 1
+    multi = ok[spans].dropna(subset=["tokens_per_s"])
+    if multi.empty:
         return []
-    models = [m for m in _models(ok) if (multi[multi.model == m].groupby("series").world_size.nunique() > 1).any()]
+    models = [m for m in _models(ok) if m in set(multi.model)]
     fig, axes = _grid(len(models), 7.5, 3.6, ncols=1)
     for ax, model in zip(axes, models):
-        sub = ok[ok.model == model]
+        sub = multi[multi.model == model]
         style = "precision" if sub.precision.nunique() > 1 else None
-        keep = sub[sub.world_size > 1].groupby("series").world_size.transform("nunique") > 1
         sns.lineplot(
-            data=sub[sub.world_size > 1][keep],
+            data=sub,
             x="world_size",
             y="tokens_per_s",
             hue="series",
@@ -228,13 +229,14 @@ def scaling(ok: pd.DataFrame) -> list[dict]:
             ax=ax,
             errorbar=None,
         )
-        one = sub[sub.world_size == 1].tokens_per_s.max()
+        one = ok[(ok.model == model) & (ok.world_size == 1)].tokens_per_s.max()
         if one == one and one:
             ws = sorted(sub.world_size.unique())
             ax.plot(ws, [one * w for w in ws], "k--", lw=0.8, label="linear from 1 device")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.set_xticks(sorted(sub.world_size.unique()))
         ax.set_xlabel("devices")
         ax.set_ylabel("tokens/s (global)")
         ax.set_title(model)
@@ -242,7 +244,8 @@ def scaling(ok: pd.DataFrame) -> list[dict]:
         figure_entry(
             "scaling",
             "Scaling across device counts",
-            "One line per strategy and micro-batch. Dashed: linear scaling from the best one-device run.",
+            "One line per strategy and micro-batch that ran at two device counts or more (1 device included). "
+            "Dashed: linear scaling from the best one-device run of the model.",
             fig,
         )
     ]

@@ -322,3 +322,180 @@ def loss_scale_points(rows: list[dict]) -> list[dict]:
                     }
                 )
     return pts
+
+
+# The ZeRO paper's model-state bytes per rank (Rajbhandari et al. 2020, Sec. 5: mixed precision and
+# Adam, K = 12), Ψ parameters over N data-parallel ranks: ``parabench.theory.zero_paper_state_bytes``,
+# restated because the report imports no training code.
+ZERO_LINES = (
+    ("DP: 16Ψ", lambda psi, n: 16 * psi),
+    ("ZeRO-1: 4Ψ + 12Ψ/N", lambda psi, n: 4 * psi + 12 * psi / n),
+    ("ZeRO-2: 2Ψ + 14Ψ/N", lambda psi, n: 2 * psi + 14 * psi / n),
+    ("ZeRO-3: 16Ψ/N", lambda psi, n: 16 * psi / n),
+)
+# a measured pipeline bubble further than this from (p−1)/(m+p−1) is flagged
+BUBBLE_TOLERANCE = 0.05
+# options that add untimed, metered steps and leave the timed ones alone: a series' name and
+# grouping ignore them, so a strategy's profiled and unprofiled points form one series
+METER_OPTIONS = frozenset(
+    {"step_breakdown", "memory_breakdown", "trace", "memory_snapshot", "telemetry", "roofline", "record_timeline"}
+)
+
+
+def zero_line_rows(psi: float, ranks) -> list[dict]:
+    """The four ZeRO lines at each data-parallel degree in ``ranks``: ``{line, ranks, bytes}``."""
+    return [{"line": name, "ranks": n, "bytes": f(psi, n)} for name, f in ZERO_LINES for n in ranks]
+
+
+def _case_dp(case: dict) -> int | None:
+    opts = case.get("options") or {}
+    world = case.get("world_size")
+    split = (opts.get("pp") or 1) * (opts.get("tp") or 1)
+    return world // split if isinstance(world, int) and isinstance(split, int) and split > 0 else None
+
+
+def _breakdown_shares(r: dict) -> tuple[float | None, float | None]:
+    """(communication, exposed communication) as fractions of the profiled step, mean over ranks
+    (``parabench.meters.step_breakdown``); None without a complete breakdown."""
+    parts = [pr.get("step_breakdown") for pr in r.get("per_rank") or []]
+    parts = [b for b in parts if isinstance(b, dict)]
+    if not parts:
+        return None, None
+
+    def share(key):
+        vals = [(as_number(b.get(key)), as_number(b.get("step_s"))) for b in parts]
+        if any(v is None or not s for v, s in vals):
+            return None
+        return sum(v / s for v, s in vals) / len(vals)
+
+    return share("comm_s"), share("exposed_comm_s")
+
+
+def scaling_rows(runs) -> list[dict]:
+    """One row per case and scaling series it belongs to (``case.scaling``, ``parabench.suite``),
+    ok cases only, with the series' efficiency against its smallest world size (N = 1 where the
+    series has it; ``base_world_size`` says which):
+
+    * strong (global batch fixed): t(N0)·N0 / (N·t(N)) on the median step time t;
+    * weak (micro-batch per rank fixed): tokens/s per device at N over tokens/s per device at N0.
+
+    Both are 1 for perfect scaling (with the tokens per step of each mode the two are the same
+    ratio of tokens/s per device, computed here as each mode is defined). Beside them: the
+    communication share of the profiled step (``step_breakdown``), rank 0's measured and analytic
+    communication bytes per step, and the model-state bytes per rank, measured and the paper's.
+    Options that only add metered steps (``METER_OPTIONS``) neither name nor split a series."""
+    rows = []
+    for idx, (manifest, records) in enumerate(runs):
+        seed = usual_seed(records)
+        for r in records:
+            c = r.get("case") or {}
+            modes = c.get("scaling") or []
+            if r.get("status") != "ok" or not modes:
+                continue
+            d = case_row(manifest, r, registry=False)
+            dp, mb, ga = _case_dp(c), c.get("micro_batch"), c.get("grad_accum") or 1
+            gb = mb * ga * dp if isinstance(mb, int) and dp else None
+            comm_share, exposed_share = _breakdown_shares(r)
+            timed_as = {**c, "options": {k: v for k, v in (c.get("options") or {}).items() if k not in METER_OPTIONS}}
+            for mode in modes:
+                size = f"gb{gb}" if mode == "strong" else f"mb{mb}"
+                recipe = recipe_name(str(d["precision"]), d["recipe"])
+                rows.append(
+                    {
+                        "run": d["run"],
+                        "run_idx": idx,
+                        "label": r.get("label", ""),
+                        "mode": mode,
+                        "series": f"{variant(timed_as, seed)} {size}",
+                        "strategy": str(d["strategy"]),
+                        "kind": d["kind"],
+                        "model": str(d["model"]),
+                        "params": d["params"],
+                        "precision": recipe,
+                        "world_size": d["world_size"],
+                        "dp": dp,
+                        "micro_batch": mb,
+                        "grad_accum": ga,
+                        "global_batch": gb,
+                        "step_time_ms": _ms(as_number(d.get("step_time_s_median"))),
+                        "tokens_per_s_per_device": as_number(d.get("tokens_per_s_per_device")),
+                        "comm_share_pct": _pct(comm_share),
+                        "exposed_comm_share_pct": _pct(exposed_share),
+                        "comm_bytes": as_number(d["comm_payload_bytes"]),
+                        "theory_comm_bytes": as_number(d["theory_comm_bytes"]),
+                        "state_bytes": as_number(d.get("model_state_bytes_max")),
+                        "paper_state_bytes": as_number(dig(r, "theory", "paper_state_bytes")),
+                        "peak_mem_bytes": as_number(d.get("peak_alloc_bytes")) or as_number(d.get("peak_rss_bytes")),
+                    }
+                )
+    series: dict[tuple, list[dict]] = {}
+    for row in rows:
+        series.setdefault((row["run_idx"], row["mode"], row["model"], row["precision"], row["series"]), []).append(row)
+    for members in series.values():
+        timed = [m for m in members if m["step_time_ms"] and m["tokens_per_s_per_device"]]
+        base = min(timed, key=lambda m: m["world_size"], default=None)
+        for m in members:
+            m["base_world_size"] = base["world_size"] if base else None
+            m["efficiency_pct"] = None
+            if base is None or m not in timed:
+                continue
+            if m["mode"] == "strong":
+                eff = base["step_time_ms"] * base["world_size"] / (m["world_size"] * m["step_time_ms"])
+            else:
+                eff = m["tokens_per_s_per_device"] / base["tokens_per_s_per_device"]
+            m["efficiency_pct"] = eff * 100
+    rows.sort(key=lambda m: (m["run_idx"], m["params"] or 0, m["model"], m["mode"], m["series"], m["world_size"]))
+    return rows
+
+
+def bubble_rows(runs) -> list[dict]:
+    """One row per pipeline case: the measured bubble (idle share of each stage's step, mean and
+    range over stages) against (p−1)/(m+p−1) for its p stages and m micro-batches; ``agrees`` is
+    False where the mean differs by more than ``BUBBLE_TOLERANCE`` and None without a measurement
+    (a peer's schedule, or a GPU timeline that did not synchronise)."""
+    out = []
+    for idx, (manifest, records) in enumerate(runs):
+        for r in records:
+            if r.get("status") != "ok":
+                continue
+            stages = pipeline_rows(r)
+            if not stages:
+                continue
+            p, m = stages[0]["stages"], stages[0]["microbatches"]
+            theory = (
+                (p - 1) / (m + p - 1)
+                if isinstance(p, int) and isinstance(m, int) and m + p > 1
+                else stages[0]["theory"]
+            )
+            measured = [s["measured"] for s in stages if s["measured"] is not None]
+            mean = sum(measured) / len(measured) if measured else None
+            diff = mean - theory if mean is not None and theory is not None else None
+            worst = (
+                max((s for s in stages if s["measured"] is not None), key=lambda s: abs(s["measured"] - theory))
+                if measured and theory is not None
+                else None
+            )
+            out.append(
+                {
+                    "run": run_name(manifest),
+                    "run_idx": idx,
+                    "label": r.get("label", ""),
+                    "model": dig(r, "case", "model"),
+                    "strategy": dig(r, "case", "strategy"),
+                    "world_size": dig(r, "case", "world_size"),
+                    "schedule": stages[0]["schedule"],
+                    "stages": p,
+                    "microbatches": m,
+                    "measured_stages": len(measured),
+                    "measured_pct": _pct(mean),
+                    "measured_min_pct": _pct(min(measured)) if measured else None,
+                    "measured_max_pct": _pct(max(measured)) if measured else None,
+                    "theory_pct": _pct(theory),
+                    "difference_pct": _pct(diff),
+                    "worst_stage": worst["stage"] if worst else None,
+                    "worst_difference_pct": _pct(worst["measured"] - theory) if worst else None,
+                    "agrees": None if diff is None else abs(diff) <= BUBBLE_TOLERANCE,
+                }
+            )
+    out.sort(key=lambda b: (b["run_idx"], str(b["model"]), b["stages"] or 0, b["microbatches"] or 0, b["label"]))
+    return out

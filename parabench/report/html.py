@@ -24,6 +24,7 @@ import jinja2
 from parabench.compare import DEFAULT_THRESHOLD, METRICS, compare_runs
 from parabench.report import cp_balance, frames, moe_routing, overview, recipe_effect, spread
 from parabench.report import fidelity as fidelity_section
+from parabench.report import scaling as scaling_section
 from parabench.report import step_breakdown as step_breakdown_section
 from parabench.report import traces as traces_section
 from parabench.results import load_run
@@ -457,6 +458,8 @@ def render_report(
     ]
     if pipe:
         tables.append(_table("pipeline-table", "Pipeline bubbles", run_col + PIPE_COLUMNS, pipe))
+    for spec in scaling_section.table_specs(runs, run_col):  # scaling series; bubbles against (p-1)/(m+p-1)
+        tables.append(_table(**spec))
     for spec in cp_balance.table_specs(runs, run_col):  # ring attention: contiguous vs zig-zag balance
         tables.append(_table(**spec))
     for spec in moe_routing.table_specs(runs, run_col):  # MoE: expert load, all-to-all, drops, collapse
@@ -482,6 +485,7 @@ def render_report(
 
         figures = all_figures(rows, comm_rows, coll_rows, frames.loss_scale_points(rows))
         figures += step_breakdown_section.figures(runs)  # compute, exposed communication, the rest
+        figures += scaling_section.figures(runs)  # efficiency, communication share, ZeRO lines against N
 
     failed = [
         {
