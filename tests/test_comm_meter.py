@@ -55,7 +55,7 @@ def test_meter_sees_every_op_kind_with_payload_conventions():
 
 
 def test_bf16_tensor_and_pipeline_parallel_traffic_matches_theory(tmp_path):
-    """Under autocast, g's forward all-reduces (with SP: the forward reduce-scatters and their
+    """Under autocast (the "amp" recipe), g's forward all-reduces (with SP: the forward reduce-scatters and their
     backward all-gathers; expert parallelism's token rows) travel in bf16 while f's backward, the embedding, the cross-entropy and the
     pipeline's residual-stream activations stay fp32; theory says so, per rank, to 1 %."""
     from helpers import run_suite_cli
@@ -64,7 +64,7 @@ def test_bf16_tensor_and_pipeline_parallel_traffic_matches_theory(tmp_path):
 
     suite = tmp_path / "mp16.toml"
     suite.write_text(
-        '[suite]\nname = "mp16"\ndevice = "cpu"\nprecision = "bf16"\nsteps = 1\nwarmup = 0\n'
+        '[suite]\nname = "mp16"\ndevice = "cpu"\nprecision = "bf16"\nrecipe = "amp"\nsteps = 1\nwarmup = 0\n'
         '[[matrix]]\nmodel = "tiny"\nstrategy = "ref.tp"\nworld_size = 2\nmicro_batch = 8\noptions = {tp = 2}\n'
         '[[matrix]]\nmodel = "tiny"\nstrategy = "ref.pp_1f1b"\nworld_size = 2\nmicro_batch = 8\n'
         "options = {pp = 2, microbatches = 4}\n"
