@@ -5,6 +5,7 @@ and label, and an unknown profile is refused. CPU, gloo, 2 ranks, the tiny model
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -43,6 +44,10 @@ def mk(strategy: str, profile: str | None, grad_accum: int = 1) -> Case:
 CASES = {f"{s}/tuned": mk(s, None) for s in TUNED}
 CASES |= {f"{s}/matched": mk(s, "matched") for s in MATCHED}
 CASES |= {f"{s}/tuned/ga2": mk(s, None, grad_accum=2) for s in ("torch.fsdp2", "deepspeed.zero3")}
+# AdamW named in DeepSpeed's engine config instead of a client optimizer (option optimizer_in_config)
+CASES["deepspeed.zero3/tuned/config-optimizer"] = dataclasses.replace(
+    mk("deepspeed.zero3", None), options={"profile": "tuned", "optimizer_in_config": True}
+)
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +84,13 @@ def test_profile_traffic_matches_its_theory(group, name):
     ]
     checks = check_against_theory(theory, per_rank)
     assert checks["comm_ok"] is True, checks["comm"]
+
+
+def test_the_config_optimizer_is_the_one_deepspeed_built(group):
+    stats = group["deepspeed.zero3/tuned/config-optimizer"]["per_rank"][0]["strategy_stats"]
+    assert stats["optimizer"].startswith("engine config AdamW -> ")  # built by DeepSpeed, named as it ran
+    client = group["deepspeed.zero3/tuned"]["per_rank"][0]["strategy_stats"]["optimizer"]
+    assert client.startswith("torch.optim.AdamW")
 
 
 def test_profile_is_in_the_case_hash_and_label():

@@ -40,6 +40,13 @@ class ShardedPeerOptions(ShardedOptions):
     RECORDED_DEFAULTS: ClassVar[tuple[str, ...]] = ("profile",)
 
 
+@dataclass(frozen=True)
+class DeepSpeedZeroOptions(ShardedPeerOptions):
+    # AdamW named in the engine config (DeepSpeed builds it: FusedAdam on GPUs), as DeepSpeed's
+    # getting-started page does, instead of a client optimizer handed to deepspeed.initialize.
+    optimizer_in_config: bool = False
+
+
 # --- builders -----------------------------------------------------------------------------------
 
 
@@ -464,7 +471,9 @@ def _row(name, builder, kind, description, expect, **kw):
         kind,
         description,
         precisions=DP_PRECISIONS,
-        options=ShardedPeerOptions if kind == "peer" else ShardedOptions,
+        options=(DeepSpeedZeroOptions if name.startswith("deepspeed.") else ShardedPeerOptions)
+        if kind == "peer"
+        else ShardedOptions,
         expect=expect,
         **(MASTER_ONLY if name.startswith("deepspeed.") else {}),
         **kw,

@@ -56,6 +56,7 @@ NEUTRAL_OPTIONS = {
     "memory_breakdown",
     "record_timeline",
     "step_sync",
+    "optimizer_in_config",
 }
 
 

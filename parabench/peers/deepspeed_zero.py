@@ -58,7 +58,7 @@ from dataclasses import replace
 
 import torch
 
-from parabench.families.sharded import ShardedOptions, ShardedPeerOptions
+from parabench.families.sharded import DeepSpeedZeroOptions, ShardedOptions, ShardedPeerOptions
 from parabench.models import build_model, lm_loss
 from parabench.peers.common import adamw, checkpoint_blocks, optimizer_state_bytes, tensor_bytes
 from parabench.strategies import Trainer, TrainSpec
@@ -206,17 +206,30 @@ class DeepSpeedTrainer(Trainer):
             checkpoint_blocks(model, spec)  # a model-level option: the blocks recompute inside the engine
         self.profile = profile
         config = ds_config(spec, stage, offload, profile)
-        opt_spec = replace(spec, device=torch.device("cpu")) if offload else spec  # AdamW runs on the CPU
-        optimizer, self.optimizer_name = deepspeed_adamw(
-            param_groups if param_groups is not None else model.parameters(), opt_spec, profile, offload
-        )
+        params = param_groups if param_groups is not None else list(model.parameters())
+        if DeepSpeedZeroOptions.read(spec.options).optimizer_in_config and not offload:
+            o = spec.optim
+            config["optimizer"] = {
+                "type": "AdamW",
+                "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
+            }
+            if spec.device.type != "cuda":
+                config["optimizer"]["params"]["torch_adam"] = True  # no fused op to build on a CPU
+            optimizer = None
+        else:
+            opt_spec = replace(spec, device=torch.device("cpu")) if offload else spec  # AdamW runs on the CPU
+            optimizer, self.optimizer_name = deepspeed_adamw(params, opt_spec, profile, offload)
         self.engine, *_ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
+            model_parameters=params if optimizer is None else None,
             config=config,
             dist_init_required=False,
             mpu=None,
         )
+        if optimizer is None:
+            inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+            self.optimizer_name = f"engine config AdamW -> {type(inner).__module__}.{type(inner).__name__}"
         self.measure_state = False
         self._step = 0
         self._prev_scale = self._scale() if spec.precision == "fp16" else None
