@@ -20,6 +20,15 @@ import math
 from parabench.models import GPTConfig, parameter_count
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def recipe_state_bytes(case, n: int) -> dict:
+    """Model-state bytes of n parameters held whole: fp32 parameters, gradients and Adam moments,
+    or ("master") bf16/fp16 parameters and gradients with an fp32 master copy beside the moments."""
+    e = BYTES[case.param_precision]
+    return {"params": e * n, "grads": e * n, "optimizer": (8 if e == 4 else 12) * n}
+
+
 # The comm meter lists ops of at most this many bytes apart from the volume (parabench.meters.comm).
 SCALAR_BYTES = 64
 

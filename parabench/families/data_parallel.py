@@ -20,7 +20,15 @@ from parabench.strategies import (
     TrainSpec,
     as_trainer,
 )
-from parabench.theory import BYTES, Expectation, psi, ref_bucket_sizes, volume, zero_paper_state_bytes
+from parabench.theory import (
+    BYTES,
+    Expectation,
+    psi,
+    recipe_state_bytes,
+    ref_bucket_sizes,
+    volume,
+    zero_paper_state_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -173,7 +181,7 @@ def expect_torch_ddp(cfg, case, o, dp):
     e = BYTES[case.param_precision]
     comm = {"all_reduce": e * p} if case.strategy == "torch.ddp" else {}
     return Expectation(
-        state_bytes={"params": e * p, "grads": e * p, "optimizer": (8 if e == 4 else 12) * p},
+        state_bytes=recipe_state_bytes(case, p),
         comm_payload_bytes=comm,
         paper_state_bytes=zero_paper_state_bytes(0, p, dp),
         notes="amp: fp32 parameters and gradients, autocast forward; master: bf16/fp16 parameters and "

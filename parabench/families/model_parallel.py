@@ -36,7 +36,7 @@ from parabench.strategies import (
     Trainer,
     TrainSpec,
 )
-from parabench.theory import BYTES, Expectation, scalar_ops, sum_ops
+from parabench.theory import BYTES, Expectation, recipe_state_bytes, scalar_ops, sum_ops
 
 TP_STRATEGIES = ("ref.tp", "ref.tp_sp", "torch.tp", "torch.tp_sp")
 SP_STRATEGIES = ("ref.tp_sp", "torch.tp_sp")
@@ -238,13 +238,6 @@ def build_pp_interleaved(spec: TrainSpec) -> ModelParallelTrainer:
 # micro-batches of B/n samples (without a pipeline, grad_accum chunks of micro_batch samples).
 # Every op's payload is computed one by one so that the meter's scalar cut-off (ops of at most
 # SCALAR_BYTES are listed apart from volume) is applied exactly as on the measurement.
-
-
-def recipe_state_bytes(case, n: int) -> dict:
-    """Model-state bytes of n parameters held whole: fp32 parameters, gradients and Adam moments,
-    or ("master") bf16/fp16 parameters and gradients with an fp32 master copy beside the moments."""
-    e = BYTES[case.param_precision]
-    return {"params": e * n, "grads": e * n, "optimizer": (8 if e == 4 else 12) * n}
 
 
 def _mp_local_params(cfg: GPTConfig, t: int, lo: int, hi: int, first: bool, last: bool) -> int:
