@@ -57,6 +57,8 @@ NEUTRAL_OPTIONS = {
     "record_timeline",
     "step_sync",
     "optimizer_in_config",
+    "trace",
+    "memory_snapshot",
 }
 
 
