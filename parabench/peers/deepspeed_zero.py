@@ -372,39 +372,41 @@ build_zero3 = _builder(3)
 build_zero2_offload = _builder(2, offload=True)
 
 
-def build_zeropp(spec: TrainSpec) -> DeepSpeedTrainer:
+class DeepSpeedZeroPPTrainer(DeepSpeedTrainer):
     """ZeRO-3 with ZeRO++'s three switches as DeepSpeed's config keys (https://www.deepspeed.ai/tutorials/zeropp/):
     ``zero_quantized_weights`` (qwz), ``zero_hpz_partition_size`` (hpz), ``zero_quantized_gradients``
     (qgz). The quantizers are CUDA ops (the runner skips those cases on a CPU:
     ``families.sharded.deepspeed_zeropp_unsupported``); hpZ alone runs on the CPU accelerator."""
-    from parabench.families.sharded import DeepSpeedZeroPPOptions
 
-    deepspeed_on_cpu(spec)
-    o = DeepSpeedZeroPPOptions.read(spec.options)
-    zero = {
-        "zero_quantized_weights": o.qwz,
-        "zero_hpz_partition_size": o.hpz_partition_size if o.hpz else 1,
-        "zero_quantized_gradients": o.qgz,
-        **o.zero,
-    }
-    spec = replace(spec, options={**spec.options, "zero": zero})
-    trainer = DeepSpeedTrainer(spec, 3, profile=o.profile)
-    trainer.close = _closing_hpz_group(trainer.close)
-    return trainer
+    def __init__(self, spec: TrainSpec):
+        from parabench.families.sharded import DeepSpeedZeroPPOptions
 
+        o = DeepSpeedZeroPPOptions.read(spec.options)
+        self.zeropp = {
+            "zero_quantized_weights": o.qwz,
+            "zero_hpz_partition_size": o.hpz_partition_size if o.hpz else 1,
+            "zero_quantized_gradients": o.qgz,
+        }
+        super().__init__(
+            replace(spec, options={**spec.options, "zero": {**self.zeropp, **o.zero}}), 3, profile=o.profile
+        )
 
-def _closing_hpz_group(close):
-    """DeepSpeed keeps hpZ's sub-group in a module global it refuses to create twice
-    (utils/groups.py ``_create_zero_param_parallel_group`` asserts it is None): forget it on close,
-    so a later engine in the same process can make its own."""
+    def strategy_stats(self) -> dict:
+        """The ZeRO++ keys given, and how many parameters hold an hpZ secondary partition (0 with hpZ off)."""
+        params = self.engine.module.parameters()
+        secondary = sum(getattr(p, "ds_secondary_tensor", None) is not None for p in params)
+        return {**super().strategy_stats(), **self.zeropp, "hpz_secondary_tensors": secondary}
 
-    def wrapped():
-        close()
+    def close(self):
+        super().close()
+        # DeepSpeed keeps hpZ's sub-group in a module global that it refuses to create twice
+        # (utils/groups.py ``_create_zero_param_parallel_group`` asserts it is None): forget it, so
+        # a later engine in the same process can make its own.
         from deepspeed.utils import groups
 
         groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
 
-    return wrapped
 
-
-build_zero3_offload = _builder(3, offload=True)
+def build_zeropp(spec: TrainSpec) -> DeepSpeedZeroPPTrainer:
+    deepspeed_on_cpu(spec)
+    return DeepSpeedZeroPPTrainer(spec)
