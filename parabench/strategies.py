@@ -289,6 +289,9 @@ class StrategySpec:
     validate: Callable | None = None
     expect: Callable | None = None
     routed_comm: Callable | None = None
+    # ``unsupported(case, device) -> str | None``: why the case cannot run on that device ("cpu" or
+    # "cuda"); the runner records it as skipped with that reason instead of launching it.
+    unsupported: Callable | None = None
 
     def recipes_for(self, precision: str) -> tuple[str, ...]:
         """The recipes a case of ``precision`` may name; the first is its default (none for fp32)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,27 @@ class DeepSpeedZeroOptions(ShardedPeerOptions):
     # AdamW named in the engine config (DeepSpeed builds it: FusedAdam on GPUs), as DeepSpeed's
     # getting-started page does, instead of a client optimizer handed to deepspeed.initialize.
     optimizer_in_config: bool = False
+
+
+@dataclass(frozen=True)
+class ZeroPPSwitches:
+    """ZeRO++ (Wang et al. 2023), each switchable alone; shared by ref.zeropp and deepspeed.zeropp."""
+
+    qwz: bool = False  # Sec. 3.1: weights all-gathered as block-wise int8 + fp32 scales
+    hpz: bool = False  # Sec. 3.2: secondary weight partition; backward all-gathers inside it
+    hpz_partition_size: int = 2  # hpZ: ranks per secondary partition (a stand-in for a node's GPUs)
+    qgz: bool = False  # Sec. 3.3: gradient reduce-scatter -> all-to-all of quantized chunks
+
+
+@dataclass(frozen=True)
+class ZeroPPOptions(ShardedOptions, ZeroPPSwitches):
+    qgz_bits: Literal[4, 8] = 4  # qgZ: bits per gradient code (4 as in the paper and DeepSpeed; packed 2 a byte)
+    quant_block: int = 2048  # qwZ/qgZ: elements per quantization block (one fp32 scale each)
+
+
+@dataclass(frozen=True)
+class DeepSpeedZeroPPOptions(DeepSpeedZeroOptions, ZeroPPSwitches):
+    pass
 
 
 # --- builders -----------------------------------------------------------------------------------
@@ -121,6 +142,62 @@ def build_zero3(spec: TrainSpec):
 
 def build_fsdp(spec: TrainSpec):
     return _fsdp(spec, reshard_root=False)
+
+
+def build_zeropp(spec: TrainSpec):
+    from reference_impls.zeropp import ZeroPP
+
+    o = ZeroPPOptions.read(spec.options)
+    topo = spec.topology
+    hpz_group = None
+    if o.hpz and o.hpz_partition_size > 1:  # consecutive dp ranks, as DeepSpeed's (and HSDP's) groups
+        secondary, _, _, _ = hsdp_groups(topo.world_size, topo.dp, topo.pp, topo.tp, o.hpz_partition_size, topo.rank)
+        hpz_group, _ = dist.new_subgroups_by_enumeration(secondary)
+    model = reference_model(spec, o)
+    group = topo.dp_group
+    return with_lr_spike(
+        as_trainer(ZeroPP)(
+            model,
+            lm_loss,
+            list(model.blocks),
+            group,
+            qwz=o.qwz,
+            hpz=o.hpz,
+            hpz_group=hpz_group,
+            qgz=o.qgz,
+            qgz_bits=o.qgz_bits,
+            block=o.quant_block,
+            prefetch=bool(o.prefetch),
+            in_flight=o.in_flight,
+            **common_kwargs(spec, o, [group or dist.group.WORLD]),
+        ),
+        o,
+    )
+
+
+def validate_zeropp(case, o, cfg) -> None:
+    if o.hpz and (o.hpz_partition_size < 1 or case.dp % o.hpz_partition_size):
+        raise ValueError(
+            f"{case.strategy}: hpz_partition_size {o.hpz_partition_size} must divide the data-parallel degree {case.dp}"
+        )
+    if getattr(o, "quant_block", 2) % 2 or getattr(o, "quant_block", 2) < 2:
+        raise ValueError(f"{case.strategy}: quant_block must be even (int4 codes pack two a byte)")
+    if case.strategy.startswith("deepspeed.") and o.hpz and o.hpz_partition_size == 1:
+        raise ValueError(
+            f"{case.strategy}: DeepSpeed reads zero_hpz_partition_size 1 as hpZ off; use hpz_partition_size >= 2 "
+            "(ref.zeropp takes 1: every rank keeps the whole unit as its secondary copy)"
+        )
+
+
+def deepspeed_zeropp_unsupported(case, device: str) -> str | None:
+    """Why a deepspeed.zeropp case cannot run on ``device`` (None: it can)."""
+    o = DeepSpeedZeroPPOptions.read(case.options)
+    if device != "cuda" and (o.qwz or o.qgz):
+        return (
+            "DeepSpeed's ZeRO++ quantizers (qwZ: CUDAQuantizer, qgZ: all_to_all_quant_reduce) load "
+            "op_builder.QuantizerBuilder, a CUDA-only JIT op: not available on a CPU accelerator"
+        )
+    return None
 
 
 def hsdp_groups(world: int, dp: int, pp: int, tp: int, shard_size: int, rank: int):
@@ -385,6 +462,87 @@ def ref_sharded_expectation(variant: str):
     return fn
 
 
+def ref_zeropp_expectation(cfg, case, o, dp):
+    """ref.zeropp (reference_impls/zeropp.py): ref.zero3's units, with each option changing the
+    collectives of every unit per micro-batch. A quantized all-gather of an n-element source slice
+    over a group of g ranks is two ops: int8 codes g·ceil(n/B)·B bytes and fp32 scales
+    4·g·ceil(n/B) (B = quant_block; each op above the meter's scalar cut-off counts). qgZ: one
+    all-to-all of codes, N·ceil(s/B)·B·bits/8 bytes, and one of scales, 4·N·ceil(s/B), per unit."""
+    base = ref_sharded_expectation("zero3")(cfg, case, o, dp)
+    b, block, k = BYTES[case.param_precision], o.quant_block, o.hpz_partition_size
+    root, blk = _ref_units(cfg, dp)
+    units = [root] + [blk] * cfg.n_layers
+
+    def gather(padded: int, g: int) -> list[int]:  # all-gather ops of one unit from slices of padded/g
+        if not o.qwz:
+            return [b * padded]
+        nb = -(-(padded // g) // block)
+        return [g * nb * block, 4 * g * nb]
+
+    gathers, a2a, rs = [], [], []
+    for u in units:
+        gathers += gather(u, dp)  # forward: the primary shard over the whole group
+        if not o.hpz:
+            gathers += gather(u, dp)  # backward: the primary again
+        elif k > 1:
+            gathers += gather(u, k)  # backward: the secondary partition, inside the sub-group
+        if o.qgz:
+            nb = -(-(u // dp) // block)
+            a2a += [dp * nb * block * o.qgz_bits // 8, 4 * dp * nb]
+        else:
+            rs.append(b * u)
+    comm = {"all_gather": case.grad_accum * volume(gathers)}
+    comm.update({"all_to_all": case.grad_accum * volume(a2a)} if o.qgz else {})
+    comm.update({"reduce_scatter": case.grad_accum * volume(rs)} if not o.qgz else {})
+    state = dict(base["state_bytes"])
+    if o.hpz:
+        state["params"] += sum(b * u // k for u in units)
+    zero3 = base["comm_payload_bytes"]
+    saved = {kind: zero3[kind] - comm.get(kind, 0) for kind in zero3}
+    return Expectation(
+        state_bytes=state,
+        comm_payload_bytes=comm,
+        paper_state_bytes=base["paper_state_bytes"],
+        zero3_comm_payload_bytes=zero3,
+        comm_reduction=sum(zero3.values()) / max(1, sum(comm.values())),
+        notes=f"ref.zero3 units, qwz={o.qwz} hpz={o.hpz} (k={k}) qgz={o.qgz} (int{o.qgz_bits}), block {block}. "
+        + ("qwZ: every weight all-gather int8 + fp32 scales per block. " if o.qwz else "")
+        + (
+            f"hpZ: + a b·Ψp/{k} secondary copy per rank; backward gathers "
+            + ("nothing (k = 1: the copy is whole). " if k == 1 else f"inside the sub-group of {k}. ")
+            if o.hpz
+            else ""
+        )
+        + ("qgZ: gradients as an all-to-all of quantized chunks, summed in fp32 (one hop: one node). " if o.qgz else "")
+        + f"Bytes saved vs ref.zero3 by kind: {saved}.",
+    )
+
+
+def expect_deepspeed_zeropp(cfg, case, o, dp):
+    """DeepSpeed ZeRO-3 with ZeRO++ (0.19.8, read from its source). qwZ: every parameter all-gather
+    (forward, backward, primary or secondary) sends int8 codes (CUDAQuantizer) plus fp32 scales, one
+    per group of an adaptive size (partition_parameters.py: the smallest group count >= n/8000 with
+    n divisible by 8·groups, so between 4/8000 and 4/8 bytes of scale per element); the persistent
+    parameters' once-a-step gather stays unquantized. hpZ: backward gathers from the secondary
+    partition inside groups of hpz_partition_size consecutive ranks: the same payload, in a smaller
+    group. qgZ: stage3.py uses the quantized all-to-all only when the world spans several nodes
+    (world // accelerator.device_count() > 1); within one node, as in parabench's launches, it keeps
+    ZeRO-3's reduce-scatter."""
+    base = deepspeed_expectation(3)(cfg, case, o, dp)
+    comm = dict(base["comm_payload_bytes"] or {})
+    if comm and o.qwz:
+        p, b, accum = psi(cfg), BYTES[case.param_precision], case.grad_accum
+        kept = deepspeed_persistent_numel(cfg, o)
+        comm["all_gather"] = [accum * (p - kept) + b * kept, 1.5 * accum * 2 * (p - kept) + b * kept]
+    return Expectation(
+        state_bytes=None,
+        comm_payload_bytes=comm or None,
+        paper_state_bytes=base["paper_state_bytes"],
+        notes="DeepSpeed ZeRO++ (zero_quantized_weights / zero_hpz_partition_size / zero_quantized_gradients); "
+        "one node: qgZ falls back to reduce-scatter inside DeepSpeed. " + (expect_deepspeed_zeropp.__doc__ or ""),
+    )
+
+
 # --- expectations: CPU offload (device-resident model state) -------------------------------------
 # What stays on the device when the optimizer (and for FSDP2 the sharded parameters) live in CPU
 # memory. On a CPU-only machine "device" and "CPU" are the same memory: the offload is then a copy
@@ -451,6 +609,7 @@ COMPILES = (
     "ref.zero3",
     "ref.fsdp",
     "ref.hsdp",
+    "ref.zeropp",
 )
 DEEPSPEED_NO_COMPILE = (
     "DeepSpeed compiles through its engine (engine.compile(), which traces its ZeRO hooks with the "
@@ -471,9 +630,12 @@ def _row(name, builder, kind, description, expect, **kw):
         kind,
         description,
         precisions=DP_PRECISIONS,
-        options=(DeepSpeedZeroOptions if name.startswith("deepspeed.") else ShardedPeerOptions)
-        if kind == "peer"
-        else ShardedOptions,
+        options=kw.pop("options", None)
+        or (
+            (DeepSpeedZeroOptions if name.startswith("deepspeed.") else ShardedPeerOptions)
+            if kind == "peer"
+            else ShardedOptions
+        ),
         expect=expect,
         **(MASTER_ONLY if name.startswith("deepspeed.") else {}),
         **kw,
@@ -616,5 +778,29 @@ ROWS = (
         "PyTorch FSDP2 with CPUOffloadPolicy (sharded params, grads and AdamW on the CPU)",
         expect_torch_fsdp2_offload,
         version="3",  # 3: matched reduces in the compute dtype; 2: tuned by default (1 ran "matched")
+    ),
+    _row(
+        "ref.zeropp",
+        f"{_REF}:build_zeropp",
+        "reference",
+        "reference ZeRO++ over ref.zero3: options qwz (int8 weight gathers), hpz (secondary partition), "
+        "qgz (quantized gradient all-to-all)",
+        ref_zeropp_expectation,
+        options=ZeroPPOptions,
+        validate=validate_zeropp,
+        version="1",
+    ),
+    _row(
+        "deepspeed.zeropp",
+        f"{_DS}:build_zeropp",
+        "peer",
+        "DeepSpeed ZeRO-3 + ZeRO++: zero_quantized_weights (qwz), zero_hpz_partition_size (hpz), "
+        "zero_quantized_gradients (qgz)",
+        expect_deepspeed_zeropp,
+        options=DeepSpeedZeroPPOptions,
+        validate=validate_zeropp,
+        unsupported=deepspeed_zeropp_unsupported,
+        shares_launch=False,
+        version="1",
     ),
 )

@@ -370,4 +370,43 @@ build_zero3 = _builder(3)
 # ZeRO-Offload: optimizer states, fp32 master and the update on the CPU. On a CPU-only machine the
 # "device" is the CPU already: the offload is a copy within the same memory (a no-op in effect).
 build_zero2_offload = _builder(2, offload=True)
-build_zero3_offload = _builder(3, offload=True)
+
+
+class DeepSpeedZeroPPTrainer(DeepSpeedTrainer):
+    """ZeRO-3 with ZeRO++'s three switches as DeepSpeed's config keys (https://www.deepspeed.ai/tutorials/zeropp/):
+    ``zero_quantized_weights`` (qwz), ``zero_hpz_partition_size`` (hpz), ``zero_quantized_gradients``
+    (qgz). The quantizers are CUDA ops (the runner skips those cases on a CPU:
+    ``families.sharded.deepspeed_zeropp_unsupported``); hpZ alone runs on the CPU accelerator."""
+
+    def __init__(self, spec: TrainSpec):
+        from parabench.families.sharded import DeepSpeedZeroPPOptions
+
+        o = DeepSpeedZeroPPOptions.read(spec.options)
+        self.zeropp = {
+            "zero_quantized_weights": o.qwz,
+            "zero_hpz_partition_size": o.hpz_partition_size if o.hpz else 1,
+            "zero_quantized_gradients": o.qgz,
+        }
+        super().__init__(
+            replace(spec, options={**spec.options, "zero": {**self.zeropp, **o.zero}}), 3, profile=o.profile
+        )
+
+    def strategy_stats(self) -> dict:
+        """The ZeRO++ keys given, and how many parameters hold an hpZ secondary partition (0 with hpZ off)."""
+        params = self.engine.module.parameters()
+        secondary = sum(getattr(p, "ds_secondary_tensor", None) is not None for p in params)
+        return {**super().strategy_stats(), **self.zeropp, "hpz_secondary_tensors": secondary}
+
+    def close(self):
+        super().close()
+        # DeepSpeed keeps hpZ's sub-group in a module global that it refuses to create twice
+        # (utils/groups.py ``_create_zero_param_parallel_group`` asserts it is None): forget it, so
+        # a later engine in the same process can make its own.
+        from deepspeed.utils import groups
+
+        groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+
+
+def build_zeropp(spec: TrainSpec) -> DeepSpeedZeroPPTrainer:
+    deepspeed_on_cpu(spec)
+    return DeepSpeedZeroPPTrainer(spec)
