@@ -226,3 +226,19 @@ def test_point_to_point_bytes_are_1f1bs(group2):
     for rank, (ref, peer) in enumerate(zip(group2["p2_m4"]["per_rank"], group2["torch_p2_m4"]["per_rank"])):
         assert payload_by_kind(ref["comm"]) == payload_by_kind(peer["comm"]) == {"send": each_way, "recv": each_way}
         assert payload_by_kind(ref["comm"]) == one_f_one_b[rank]
+
+
+def test_bubble_table_compares_against_the_zero_bubble_theory(group2):
+    """The report's bubble row takes the theory the stages recorded, (p-1)/(3m+p-1) here, not 1F1B's."""
+    from parabench.report import frames
+
+    case = CASES["p2_m4"]
+    rec = {
+        "status": "ok",
+        "case": case.to_dict(),
+        "device": {"type": "cpu"},
+        "per_rank": [{"rank": n, "pipeline": r["stats"]} for n, r in enumerate(group2["p2_m4"]["per_rank"])],
+    }
+    (row,) = frames.bubble_rows([({"suite": "t", "run_id": "r"}, [rec])])
+    assert (row["schedule"], row["stages"], row["microbatches"]) == ("zb_h1", 2, 4)
+    assert row["theory_pct"] == pytest.approx(100 / 13)
