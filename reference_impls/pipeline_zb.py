@@ -94,6 +94,34 @@ def peak_live_theory(n_stages: int, m: int) -> int:
     return min(n_stages, m)
 
 
+# --- B and W --------------------------------------------------------------------------------------
+
+
+def backward_input(out: torch.Tensor, grad: torch.Tensor | None, stage_input: torch.Tensor | None, outputs: list):
+    """B: the gradient of the stage input (None on the first stage) and of every recorded module
+    output ``(module, y)``, in one pass that computes no weight gradient (no parameter is asked
+    for). Returns ``(d stage input, [(module, y, dy)])``, the list being what W needs; the graph is
+    kept for it (``retain_graph``)."""
+    wrt = ([] if stage_input is None else [stage_input]) + [y for _, y in outputs]
+    grads = torch.autograd.grad(out, wrt, grad, retain_graph=True, allow_unused=True)
+    dx = None
+    if stage_input is not None:
+        dx, grads = grads[0], grads[1:]
+    return dx, [(mod, y, dy) for (mod, y), dy in zip(outputs, grads) if dy is not None]
+
+
+def backward_weight(deferred: list) -> None:
+    """W: per module, the gradient of its own parameters from its output's gradient (only its
+    weights are asked for: the ``x^T dy`` half of its backward), accumulated into ``.grad``."""
+    for mod, y, dy in deferred:
+        params = [q for q in mod.parameters(recurse=False) if q.requires_grad]
+        for q, g in zip(params, torch.autograd.grad(y, params, dy)):
+            if q.grad is None:
+                q.grad = g
+            else:
+                q.grad += g
+
+
 # --- the engine ----------------------------------------------------------------------------------
 
 
@@ -185,23 +213,12 @@ class ZeroBubblePipelineEngine:
                 x_in, out, outputs = saved.pop(i)
                 grad = None if self.last else recv(out.shape, self.next, TAG_GRAD)
                 t0 = self._now()
-                wrt = ([] if self.first else [x_in]) + [y for _, y in outputs]
-                # Input gradient (and each module output's gradient on the way); no weight gradient.
-                grads = torch.autograd.grad(out, wrt, grad, retain_graph=True, allow_unused=True)
+                dx, deferred[i] = backward_input(out, grad, x_in, outputs)
                 if not self.first:
-                    dx, grads = grads[0], grads[1:]
                     sends.append((dist.isend(dx, dst=self.prev, group=self.group, tag=TAG_GRAD), dx))
-                deferred[i] = [(mod, y, dy) for (mod, y), dy in zip(outputs, grads) if dy is not None]
             else:
                 t0 = self._now()
-                for mod, y, dy in deferred.pop(i):
-                    params = [q for q in mod.parameters(recurse=False) if q.requires_grad]
-                    # Only this module's weights are asked for: the x^T dy half of its backward.
-                    for q, g in zip(params, torch.autograd.grad(y, params, dy)):
-                        if q.grad is None:
-                            q.grad = g
-                        else:
-                            q.grad += g
+                backward_weight(deferred.pop(i))
                 live -= 1  # the last reference to this micro-batch's graph is gone
             t1 = self._now()
             compute[kind] += t1 - t0

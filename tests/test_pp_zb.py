@@ -242,3 +242,46 @@ def test_bubble_table_compares_against_the_zero_bubble_theory(group2):
     (row,) = frames.bubble_rows([({"suite": "t", "run_id": "r"}, [rec])])
     assert (row["schedule"], row["stages"], row["microbatches"]) == ("zb_h1", 2, 4)
     assert row["theory_pct"] == pytest.approx(100 / 13)
+
+
+def test_b_and_w_split_one_backward_without_doing_any_of_it_twice():
+    """In one process: B computes no weight gradient and W no input gradient, so their matmul
+    FLOPs add up to one full backward's, and W's gradients equal a full backward's bit for bit."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from parabench.models import build_model
+    from reference_impls.pipeline import stage_head_loss
+    from reference_impls.pipeline_zb import backward_input, backward_weight
+
+    cfg = model_config("tiny")
+    model = build_model(cfg, 0)
+    outputs: list = []
+    for mod in model.modules():
+        if any(True for _ in mod.parameters(recurse=False)):
+            mod.register_forward_hook(lambda mod, args, y: outputs.append((mod, y)))
+    tokens, targets = (
+        torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(s)) for s in (1, 2)
+    )
+
+    def forward():
+        outputs.clear()
+        x = model.embed(tokens)
+        for block in model.blocks:
+            x = block(x)
+        return stage_head_loss(model, x, targets)
+
+    loss = forward()
+    with FlopCounterMode(display=False) as full:
+        loss.backward()
+    truth = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    loss = forward()
+    with FlopCounterMode(display=False) as b:
+        _, deferred = backward_input(loss, None, None, list(outputs))
+    assert all(p.grad is None for p in model.parameters())
+    with FlopCounterMode(display=False) as w:
+        backward_weight(deferred)
+    assert b.get_total_flops() == w.get_total_flops() == full.get_total_flops() // 2 > 0
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, truth[n]), n

@@ -1,5 +1,5 @@
 """Model parallelism: Megatron tensor (+ sequence) parallelism and pipelines (GPipe, 1F1B,
-interleaved 1F1B), composed with data parallelism, as references (``reference_impls/compose.py``,
+interleaved 1F1B, zero-bubble ZB-H1), composed with data parallelism, as references (``reference_impls/compose.py``,
 ``tensor_parallel.py``, ``pipeline.py``) and as peers (PyTorch DTensor and pipelining, DeepSpeed's
 pipeline engine).
 
@@ -7,7 +7,10 @@ pipeline engine).
 on ``tp x pp x dp`` all go through the one composition function,
 :func:`reference_impls.compose.parallelize`; the topology lays the grid out from ``tp`` and ``pp``.
 ``ref.pp_interleaved`` (``pipeline_interleaved.py``) runs Megatron's interleaved 1F1B with
-``virtual_stages`` chunks per rank through the same function.
+``virtual_stages`` chunks per rank through the same function, and ``ref.pp_zb``
+(``pipeline_zb.py``) ZB-H1 with the backward split into input and weight gradients (plain
+pipeline x dp; its peer ``torch.pp_zb`` is torch's ScheduleInterleavedZeroBubble with one stage
+per rank, the same order).
 """
 
 from __future__ import annotations
