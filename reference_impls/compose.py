@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from reference_impls.pipeline import PipelineEngine, split_stage
 from reference_impls.pipeline_interleaved import InterleavedPipelineEngine, split_chunks
+from reference_impls.pipeline_zb import ZeroBubblePipelineEngine
 from reference_impls.tensor_parallel import allreduce_sequence_parallel_grads, apply_tensor_parallel
 
 
@@ -56,7 +57,7 @@ class ParallelGPT:
         shard_dims: dict,
         tp_group,
         dp_group,
-        engine: PipelineEngine | InterleavedPipelineEngine | None,
+        engine: PipelineEngine | InterleavedPipelineEngine | ZeroBubblePipelineEngine | None,
         microbatches: int,
         seq_len: int,
         d_model: int,
@@ -131,6 +132,9 @@ def parallelize(
             engine = InterleavedPipelineEngine(
                 model, stage, ranks, pp_group, virtual_stages, n_layers, record_timeline=record_timeline
             )
+        elif schedule == "zb_h1":  # B and W split (pipeline_zb.py); the stage split of 1F1B
+            model = split_stage(model, stage, pp)
+            engine = ZeroBubblePipelineEngine(model, stage, ranks, pp_group, record_timeline=record_timeline)
         else:
             model = split_stage(model, stage, pp)
             engine = PipelineEngine(model, stage, ranks, pp_group, schedule=schedule, record_timeline=record_timeline)

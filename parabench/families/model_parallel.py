@@ -1,5 +1,5 @@
 """Model parallelism: Megatron tensor (+ sequence) parallelism and pipelines (GPipe, 1F1B,
-interleaved 1F1B), composed with data parallelism, as references (``reference_impls/compose.py``,
+interleaved 1F1B, zero-bubble ZB-H1), composed with data parallelism, as references (``reference_impls/compose.py``,
 ``tensor_parallel.py``, ``pipeline.py``) and as peers (PyTorch DTensor and pipelining, DeepSpeed's
 pipeline engine).
 
@@ -7,7 +7,10 @@ pipeline engine).
 on ``tp x pp x dp`` all go through the one composition function,
 :func:`reference_impls.compose.parallelize`; the topology lays the grid out from ``tp`` and ``pp``.
 ``ref.pp_interleaved`` (``pipeline_interleaved.py``) runs Megatron's interleaved 1F1B with
-``virtual_stages`` chunks per rank through the same function.
+``virtual_stages`` chunks per rank through the same function, and ``ref.pp_zb``
+(``pipeline_zb.py``) ZB-H1 with the backward split into input and weight gradients (plain
+pipeline x dp; its peer ``torch.pp_zb`` is torch's ScheduleInterleavedZeroBubble with one stage
+per rank, the same order).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from parabench.theory import BYTES, Expectation, recipe_state_bytes, scalar_ops,
 TP_STRATEGIES = ("ref.tp", "ref.tp_sp", "torch.tp", "torch.tp_sp")
 SP_STRATEGIES = ("ref.tp_sp", "torch.tp_sp")
 INTERLEAVED_STRATEGIES = ("ref.pp_interleaved", "torch.pp_interleaved")
+ZERO_BUBBLE_STRATEGIES = ("ref.pp_zb", "torch.pp_zb")
 
 
 def virtual_stages_of(case, o: ModelParallelOptions) -> int:
@@ -95,6 +99,18 @@ def validate(case, o: ModelParallelOptions, cfg: GPTConfig) -> None:
         from reference_impls.pipeline_interleaved import check_interleaving
 
         check_interleaving(pp, o.virtual_stages, o.n_microbatches)
+    if case.strategy in ZERO_BUBBLE_STRATEGIES and pp > 1:
+        from reference_impls.pipeline_zb import check_zero_bubble
+
+        check_zero_bubble(pp, o.n_microbatches)
+        if tp != 1 or o.sp:
+            raise ValueError(f"{case.strategy} runs a plain pipeline (x dp): tp must be 1 and sp off (got tp={tp})")
+    if case.strategy == "torch.pp_zb" and pp > 1:
+        # ScheduleInterleavedZeroBubble takes the micro-batches in max(1, m // pp) equal rounds
+        m = o.n_microbatches * case.grad_accum
+        rounds = max(1, m // pp)
+        if m % rounds:
+            raise ValueError(f"torch.pp_zb: {m} micro-batches do not split into {rounds} equal rounds of ~pp={pp}")
     if tp > 1 and cfg.vocab_size % tp:
         raise ValueError(f"tp={tp} does not divide the vocabulary ({cfg.vocab_size}) of {case.model}")
     if case.strategy in SP_STRATEGIES or o.sp:
@@ -223,6 +239,10 @@ def build_pp_gpipe(spec: TrainSpec) -> ModelParallelTrainer:
 
 def build_pp_1f1b(spec: TrainSpec) -> ModelParallelTrainer:
     return ModelParallelTrainer(spec, sequence_parallel=ModelParallelOptions.read(spec.options).sp, schedule="1f1b")
+
+
+def build_pp_zb(spec: TrainSpec) -> ModelParallelTrainer:
+    return ModelParallelTrainer(spec, sequence_parallel=False, schedule="zb_h1")
 
 
 def build_pp_interleaved(spec: TrainSpec) -> ModelParallelTrainer:
@@ -365,6 +385,23 @@ def model_parallel_ops(
     return ops
 
 
+def zero_bubble_pipeline(p: int, n_micro: int) -> dict:
+    """The expectation's pipeline entry for ZB-H1 (Qi et al. 2024, Sec. 3.1): bubble
+    (p-1)(T_F+T_B-T_W) over the step, (p-1)/(3m+p-1) at equal F, B and W times, beside 1F1B's
+    (p-1)/(m+p-1) at the same activation memory (p micro-batches alive at the peak). The engine's
+    record adds the same formula at its measured mean T_F, T_B, T_W."""
+    from reference_impls import pipeline_zb as zb
+    from reference_impls.pipeline import bubble_fraction_theory
+
+    return {
+        "schedule": "zb_h1",
+        "microbatches": n_micro,
+        "bubble_fraction": zb.bubble_fraction_theory(p, n_micro),
+        "bubble_fraction_1f1b": bubble_fraction_theory(p, n_micro),
+        "peak_live_microbatches_per_stage": [zb.peak_live_theory(p, n_micro)] * p,
+    }
+
+
 def model_parallel_expectation(sequence_parallel: bool | None, schedule: str | None):
     def fn(cfg, case, o, dp):
         from reference_impls import pipeline_interleaved as interleaved
@@ -401,6 +438,8 @@ def model_parallel_expectation(sequence_parallel: bool | None, schedule: str | N
                 # (chunk, micro-batch) activations, each 1/v of a plain stage's
                 "peak_live_microbatches_per_stage": [interleaved.peak_live_theory(s, p, v, n_micro) for s in range(p)],
             }
+        elif p > 1 and schedule == "zb_h1":
+            out["pipeline"] = zero_bubble_pipeline(p, m * case.grad_accum)
         elif p > 1:
             n_micro = m * case.grad_accum
             out["pipeline"] = {
@@ -648,6 +687,17 @@ def expect_torch_pipeline(cfg, case, o, dp):
         n = sum(sum(_chunk_param_numels(cfg, *bounds[c], c == 0, c == chunks - 1)) for c in range(pp_rank, chunks, p))
         state.append(recipe_state_bytes(case, n))
     n_micro = o.n_microbatches * case.grad_accum
+    if case.strategy == "torch.pp_zb":
+        # ScheduleInterleavedZeroBubble with one stage per rank runs ZB-H1's order (its ZB1P)
+        pipeline = zero_bubble_pipeline(p, n_micro)
+    else:
+        pipeline = {
+            "schedule": "interleaved_1f1b" if v > 1 else ("gpipe" if case.strategy == "torch.pp_gpipe" else "1f1b"),
+            "microbatches": n_micro,
+            "virtual_stages": v,
+            # Narayanan et al. 2021, Sec. 2.2: v chunks per rank divide the bubble by v.
+            "bubble_fraction": (p - 1) / (v * n_micro + p - 1),
+        }
     return Expectation(
         state_bytes=state,
         comm_payload_bytes=per_rank[0],
@@ -656,13 +706,7 @@ def expect_torch_pipeline(cfg, case, o, dp):
         notes=f"torch.distributed.pipelining over {chunks} chunks ({v} per rank): per micro-batch each chunk "
         "boundary sends the fp32 activation b·s·h forward and its gradient back; fp32 parameters, gradients "
         "and AdamW moments of the rank's chunks; see parabench.families.model_parallel.torch_pipeline_ops.",
-        pipeline={
-            "schedule": "interleaved_1f1b" if v > 1 else ("gpipe" if case.strategy == "torch.pp_gpipe" else "1f1b"),
-            "microbatches": n_micro,
-            "virtual_stages": v,
-            # Narayanan et al. 2021, Sec. 2.2: v chunks per rank divide the bubble by v.
-            "bubble_fraction": (p - 1) / (v * n_micro + p - 1),
-        },
+        pipeline=pipeline,
     )
 
 
@@ -684,6 +728,12 @@ COMPILES = (
 def _row(name, builder, kind, description, expect, **kw):
     if name in COMPILES:
         kw.setdefault("compile_unsupported", None)
+    elif name in ZERO_BUBBLE_STRATEGIES:
+        kw.setdefault(
+            "compile_unsupported",
+            "the split backward asks autograd for per-module gradients (hooks on module outputs, "
+            "B and W as separate graph walks); torch's own zero-bubble schedules refuse torch.compile too",
+        )
     elif name == "deepspeed.pp":
         kw.setdefault(
             "compile_unsupported", "DeepSpeed's PipelineModule runs its layers itself; no compile hook is wired"
@@ -750,6 +800,14 @@ ROWS = (
         version="1",
     ),
     _row(
+        "ref.pp_zb",
+        f"{_REF}:build_pp_zb",
+        "reference",
+        "Zero-bubble ZB-H1 pipeline over send/recv (Qi et al. 2024): backward split into input (B) and "
+        "weight (W) gradients, W's deferred into the bubble; micro-batches >= pp (options pp, microbatches; x dp)",
+        model_parallel_expectation(None, "zb_h1"),
+    ),
+    _row(
         "torch.tp",
         "parabench.peers.torch_tp:build_tp",
         "peer",
@@ -788,6 +846,14 @@ ROWS = (
         "torch.distributed.pipelining ScheduleInterleaved1F1B, virtual_stages (default 2) chunks per rank",
         expect_torch_pipeline,
         version="2",
+    ),
+    _row(
+        "torch.pp_zb",
+        f"{_TORCH_PP}:build_zb",
+        "peer",
+        "torch.distributed.pipelining ScheduleInterleavedZeroBubble with one stage per rank (ZB-H1's order; "
+        "stage_backward_input / stage_backward_weight split the backward)",
+        expect_torch_pipeline,
     ),
     _row(
         "deepspeed.pp",

@@ -2,10 +2,16 @@
 
 The stage of this rank keeps contiguous blocks (the first stage also the embeddings, the last
 the final LayerNorm and head); ``PipelineStage`` talks to its neighbours over
-``topology.pp_group``; ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` run
-``microbatches * grad_accum`` micro-batches (``microbatches`` defaults to ``2*pp``) with
+``topology.pp_group``; ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` /
+``ScheduleInterleavedZeroBubble`` run ``microbatches * grad_accum`` micro-batches (``microbatches`` defaults to ``2*pp``) with
 ``scale_grads=True`` (gradients of the mean loss). With ``dp > 1`` the stage's gradients are
 averaged over ``topology.dp_group`` after the schedule.
+
+``torch.pp_zb`` gives ``ScheduleInterleavedZeroBubble`` one stage per rank: its order is then
+ZB-H1's (Qi et al. 2024, Sec. 3.1; the class calls it ZB1P), with the backward split into
+``stage_backward_input`` and ``stage_backward_weight``. It is the zero-bubble schedule of torch
+that takes the same one-stage-per-rank layout as ``ref.pp_zb``; ``ScheduleZBVZeroBubble`` and
+``ScheduleDualPipeV`` need exactly two stages per rank in a V.
 """
 
 from __future__ import annotations
@@ -13,7 +19,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
 
 from parabench.families.model_parallel import ModelParallelOptions
 from parabench.models import build_model, lm_loss
@@ -73,8 +85,14 @@ class TorchPipelineTrainer(Trainer):
             for m, s in zip(self.modules, self.stage_ids)
         ]
         self.n_micro = o.n_microbatches * spec.grad_accum
-        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[schedule]
-        stage_arg = self.stages if schedule == "interleaved" else self.stages[0]
+        cls = {
+            "gpipe": ScheduleGPipe,
+            "1f1b": Schedule1F1B,
+            "interleaved": ScheduleInterleaved1F1B,
+            "zb": ScheduleInterleavedZeroBubble,
+        }[schedule]
+        # The multi-stage schedules take a list of this rank's stages (one for zero-bubble).
+        stage_arg = self.stages if schedule in ("interleaved", "zb") else self.stages[0]
         self.schedule = cls(stage_arg, n_microbatches=self.n_micro, loss_fn=lm_loss)
         self.has_first = 0 in self.stage_ids
         self.has_last = n_chunks - 1 in self.stage_ids
@@ -137,3 +155,7 @@ def build_1f1b(spec: TrainSpec) -> TorchPipelineTrainer:
 
 def build_interleaved(spec: TrainSpec) -> TorchPipelineTrainer:
     return TorchPipelineTrainer(spec, "interleaved")
+
+
+def build_zb(spec: TrainSpec) -> TorchPipelineTrainer:
+    return TorchPipelineTrainer(spec, "zb")

@@ -450,7 +450,8 @@ def scaling_rows(runs) -> list[dict]:
 
 def bubble_rows(runs) -> list[dict]:
     """One row per pipeline case: the measured bubble (idle share of each stage's step, mean and
-    range over stages) against (p−1)/(m+p−1) for its p stages and m micro-batches; ``agrees`` is
+    range over stages) against its schedule's theory as the stage recorded it ((p−1)/(m+p−1) for
+    GPipe and 1F1B with p stages and m micro-batches); ``agrees`` is
     False where the mean differs by more than ``BUBBLE_TOLERANCE`` and None without a measurement
     (a peer's schedule, or a GPU timeline that did not synchronise)."""
     out = []
@@ -462,10 +463,13 @@ def bubble_rows(runs) -> list[dict]:
             if not stages:
                 continue
             p, m = stages[0]["stages"], stages[0]["microbatches"]
+            # the stage's own schedule theory (interleaved and zero-bubble differ from 1F1B's)
             theory = (
-                (p - 1) / (m + p - 1)
+                stages[0]["theory"]
+                if stages[0]["theory"] is not None
+                else (p - 1) / (m + p - 1)
                 if isinstance(p, int) and isinstance(m, int) and m + p > 1
-                else stages[0]["theory"]
+                else None
             )
             measured = [s["measured"] for s in stages if s["measured"] is not None]
             mean = sum(measured) / len(measured) if measured else None

@@ -1,0 +1,263 @@
+"""Zero-bubble pipeline parallelism, schedule ZB-H1, over send/recv (torch only).
+
+Qi, Wan, Huang and Lin 2024, "Zero Bubble Pipeline Parallelism" (ICLR 2024, arXiv:2401.10241).
+
+Sec. 2 splits a stage's backward in two. For a linear layer ``y = x W``:
+
+* **B**, the input gradient ``dx = dy W^T``: the previous stage waits for it, so it stays on the
+  critical path;
+* **W**, the weight gradient ``dW = x^T dy``: nothing downstream waits for it, so it can run
+  whenever the stage would otherwise idle, as long as it comes after its B.
+
+Sec. 3.1, ZB-H1: keep 1F1B's warm-up (stage ``i`` runs ``p - i - 1`` forwards ahead), but let
+stage ``i`` run its first ``i`` backwards as B only and defer their W; from then on each B is
+followed by the oldest deferred W, and the deferred ones drain at the end, where 1F1B's last
+stages sit idle. The last stage thus sends input gradients back ``p - 1`` W's sooner and the
+tail bubble fills with W's. With forward, B and W times ``T_F, T_B, T_W`` and ``m >= p``
+micro-batches, the bubble shrinks from 1F1B's ``(p - 1)(T_F + T_B + T_W)`` to
+
+    bubble time = (p - 1)(T_F + T_B - T_W),  i.e.  (p - 1) / (3m + p - 1) of the step when T_F = T_B = T_W,
+
+about a third of 1F1B's (while T_W is no longer than T_F and T_B; see :func:`bubble_fraction_theory`), while every stage keeps at most ``p`` micro-batches of activations
+alive (a micro-batch's activations live from its F until its W), 1F1B's first-stage peak.
+Torch's ``ScheduleInterleavedZeroBubble`` with one stage per rank runs the same order (its ZB1P).
+
+How the split is done with autograd, layer by layer (Sec. 2: "B and W for each layer"):
+during F every module that owns parameters records its output ``y``. B is one
+``torch.autograd.grad(out, [stage input, every y], retain_graph=True)``: autograd computes only
+what leads to the requested tensors, so it runs the input-gradient chain and skips every
+``dW`` (no parameter is asked for), and it returns ``dy`` for each recorded output on the way.
+W is, per recorded module, ``torch.autograd.grad(y, module's own parameters, dy)``: it starts at
+that module's output and asks for its weights only, so it runs just the ``x^T dy`` half of that
+module's backward. Each parameter affects the stage's output only through its module's ``y``,
+so these per-module weight gradients sum to exactly what one full backward accumulates.
+
+Transport as :mod:`reference_impls.pipeline` (non-blocking sends, blocking receives, handles
+waited at the end of the step); W sends nothing, so the point-to-point bytes are 1F1B's.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from reference_impls.pipeline import TAG_ACT, TAG_GRAD, stage_head_loss
+
+# --- schedule and theory -------------------------------------------------------------------------
+
+
+def check_zero_bubble(n_stages: int, m: int) -> None:
+    if m < n_stages:
+        raise ValueError(
+            f"ZB-H1 needs at least as many micro-batches as pipeline stages (the paper's setting; "
+            f"its bubble formula assumes it): {m} micro-batches, p={n_stages}"
+        )
+
+
+def zb_h1_order(stage: int, n_stages: int, m: int) -> list[tuple[str, int]]:
+    """``(kind, micro-batch)`` with kind F, B (input gradient) or W (weight gradient), in the order
+    stage ``stage`` runs them: 1F1B's warm-up, then F B [W] pairs where the first ``stage`` W's are
+    deferred, then B [W] for the rest, then the deferred W's."""
+    warmup = min(n_stages - stage - 1, m)
+    order = [("F", i) for i in range(warmup)]
+    n_b = n_w = 0
+    for k in range(m):  # k-th backward; while forwards remain each comes with one
+        if warmup + k < m:
+            order.append(("F", warmup + k))
+        order.append(("B", n_b))
+        n_b += 1
+        if k >= stage:  # the first `stage` W's wait for the tail
+            order.append(("W", n_w))
+            n_w += 1
+    return order + [("W", i) for i in range(n_w, m)]
+
+
+def bubble_fraction_theory(n_stages: int, m: int, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> float:
+    """ZB-H1's bubble as a share of the step ``m (T_F + T_B + T_W) + bubble`` (m >= p).
+
+    Qi et al. 2024, Sec. 3.1 give ``(p-1)(T_F + T_B - T_W)``; that holds while ``T_W <= T_F`` and
+    ``T_W <= T_B`` (their setting, equal times: ``(p-1) / (3m + p-1)``). A slower W cannot
+    shrink the bubble below the last stage's wait for its first forward, ``(p-1) T_F``, nor below
+    the first stage's wait for the last backward, ``(p-1) T_B``, so in general (checked by the
+    zero-latency simulation in ``tests/test_pp_zb.py``) the bubble is
+    ``(p-1) max(T_F, T_B, T_F + T_B - T_W)``. On a CPU, W's many small autograd calls can make
+    ``T_W`` the longest, which is when the general form matters."""
+    bubble = (n_stages - 1) * max(t_f, t_b, t_f + t_b - t_w)
+    return bubble / (m * (t_f + t_b + t_w) + bubble)
+
+
+def peak_live_theory(n_stages: int, m: int) -> int:
+    """Micro-batches between their F and their W at the peak, on every stage (m >= p)."""
+    return min(n_stages, m)
+
+
+# --- B and W --------------------------------------------------------------------------------------
+
+
+def backward_input(out: torch.Tensor, grad: torch.Tensor | None, stage_input: torch.Tensor | None, outputs: list):
+    """B: the gradient of the stage input (None on the first stage) and of every recorded module
+    output ``(module, y)``, in one pass that computes no weight gradient (no parameter is asked
+    for). Returns ``(d stage input, [(module, y, dy)])``, the list being what W needs; the graph is
+    kept for it (``retain_graph``)."""
+    wrt = ([] if stage_input is None else [stage_input]) + [y for _, y in outputs]
+    grads = torch.autograd.grad(out, wrt, grad, retain_graph=True, allow_unused=True)
+    dx = None
+    if stage_input is not None:
+        dx, grads = grads[0], grads[1:]
+    return dx, [(mod, y, dy) for (mod, y), dy in zip(outputs, grads) if dy is not None]
+
+
+def backward_weight(deferred: list) -> None:
+    """W: per module, the gradient of its own parameters from its output's gradient (only its
+    weights are asked for: the ``x^T dy`` half of its backward), accumulated into ``.grad``."""
+    for mod, y, dy in deferred:
+        params = [q for q in mod.parameters(recurse=False) if q.requires_grad]
+        for q, g in zip(params, torch.autograd.grad(y, params, dy)):
+            if q.grad is None:
+                q.grad = g
+            else:
+                q.grad += g
+
+
+# --- the engine ----------------------------------------------------------------------------------
+
+
+class ZeroBubblePipelineEngine:
+    """Runs one stage's part of ZB-H1 for one batch; records order, timing and live activations.
+    Same interface as :class:`reference_impls.pipeline.PipelineEngine` (``module`` is the stage
+    that :func:`reference_impls.pipeline.split_stage` kept)."""
+
+    schedule = "zb_h1"
+
+    def __init__(self, module: nn.Module, stage: int, ranks: list[int], group, record_timeline: bool = False):
+        self.module, self.stage, self.ranks, self.group = module, stage, ranks, group
+        self.n_stages = len(ranks)
+        self.first, self.last = stage == 0, stage == self.n_stages - 1
+        self.prev = ranks[stage - 1] if not self.first else None
+        self.next = ranks[stage + 1] if not self.last else None
+        self.record_timeline = record_timeline
+        self._stats: dict = {}
+        # Every module that owns parameters hands its output to the running forward's list.
+        self._outputs: list | None = None
+        for mod in module.modules():
+            if any(p.requires_grad for p in mod.parameters(recurse=False)):
+                mod.register_forward_hook(self._record_output)
+
+    def _record_output(self, mod, args, output):
+        if self._outputs is not None and torch.is_grad_enabled():
+            self._outputs.append((mod, output))
+
+    def _now(self) -> float:
+        if self.record_timeline and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def run(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        n_micro: int,
+        act_shape: tuple[int, ...],
+        act_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor | None:
+        """Forward, B and W of all ``n_micro`` micro-batches; the mean loss on the last stage."""
+        if inputs.shape[0] % n_micro:
+            raise ValueError(f"{n_micro} micro-batches do not divide a batch of {inputs.shape[0]}")
+        p, m = self.n_stages, n_micro
+        check_zero_bubble(p, m)
+        order = zb_h1_order(self.stage, p, m)
+        xs, ys = inputs.chunk(m), targets.chunk(m)
+        device = inputs.device
+        saved: dict[int, tuple] = {}  # micro-batch -> (stage input, output or loss, module outputs)
+        deferred: dict[int, list] = {}  # micro-batch -> [(module, its output, the output's gradient)]
+        sends: list = []
+        total = torch.zeros((), device=device, dtype=torch.float32)
+        live = peak_live = 0
+        compute = {"F": 0.0, "B": 0.0, "W": 0.0}
+        wait_s = 0.0
+        events = []
+        t_step = self._now()
+
+        def recv(shape, src, tag):
+            nonlocal wait_s
+            buf = torch.empty(shape, dtype=act_dtype, device=device)
+            t0 = self._now()
+            dist.recv(buf, src=src, group=self.group, tag=tag)
+            t1 = self._now()
+            wait_s += t1 - t0
+            events.append(("wait", -1, t0 - t_step, t1 - t_step))
+            return buf
+
+        for kind, i in order:
+            if kind == "F":
+                x_in = None if self.first else recv(act_shape, self.prev, TAG_ACT).requires_grad_(True)
+                t0 = self._now()
+                self._outputs = []
+                x = self.module.embed(xs[i]) if self.first else x_in
+                for block in self.module.blocks.values():
+                    x = block(x)
+                if self.last:
+                    out = stage_head_loss(self.module, x, ys[i]) / m
+                    total += out.detach()
+                else:
+                    out = x
+                    sends.append((dist.isend(out.detach(), dst=self.next, group=self.group, tag=TAG_ACT), out))
+                saved[i] = (x_in, out, self._outputs)
+                self._outputs = None
+                live += 1
+                peak_live = max(peak_live, live)
+            elif kind == "B":
+                x_in, out, outputs = saved.pop(i)
+                grad = None if self.last else recv(out.shape, self.next, TAG_GRAD)
+                t0 = self._now()
+                dx, deferred[i] = backward_input(out, grad, x_in, outputs)
+                if not self.first:
+                    sends.append((dist.isend(dx, dst=self.prev, group=self.group, tag=TAG_GRAD), dx))
+            else:
+                t0 = self._now()
+                backward_weight(deferred.pop(i))
+                live -= 1  # the last reference to this micro-batch's graph is gone
+            t1 = self._now()
+            compute[kind] += t1 - t0
+            events.append((kind, i, t0 - t_step, t1 - t_step))
+
+        t0 = self._now()
+        for work, _ in sends:
+            work.wait()
+        t1 = self._now()
+        wait_s += t1 - t0
+        step_s = t1 - t_step
+        compute_s = sum(compute.values())
+        t_f, t_b, t_w = (compute[k] / m for k in "FBW")
+        self._stats = {
+            "schedule": self.schedule,
+            "stage": self.stage,
+            "stages": p,
+            "microbatches": m,
+            "order": [f"{k}{i}" for k, i in order],
+            "step_s": step_s,
+            "compute_s": compute_s,
+            "compute_s_by_kind": dict(compute),
+            "wait_s": wait_s,
+            "bubble_fraction_measured": (wait_s / step_s if step_s > 0 else None)
+            if (self.record_timeline or device.type != "cuda")
+            else None,
+            "bubble_fraction_host_clock": wait_s / step_s if step_s > 0 else None,
+            # T_F = T_B = T_W (the paper's headline), and with this stage's own measured mean times
+            "bubble_fraction_theory": bubble_fraction_theory(p, m),
+            "bubble_fraction_theory_measured_times": bubble_fraction_theory(p, m, t_f, t_b, t_w)
+            if compute_s > 0
+            else None,
+            "bubble_fraction_theory_1f1b": (p - 1) / (m + p - 1),
+            "peak_live_microbatches": peak_live,
+            "peak_live_microbatches_theory": peak_live_theory(p, m),
+            "timeline_synchronized": bool(self.record_timeline),
+            "timeline": events,
+        }
+        return total if self.last else None
+
+    def stats(self) -> dict:
+        return dict(self._stats)
