@@ -44,6 +44,10 @@ import torch
 TORCHAO_VERSION = "0.17.0"
 INSTALL_HINT = f"install parabench[fp8] (torchao=={TORCHAO_VERSION})"
 MIN_CAPABILITY = (8, 9)
+# torchao's emulated float8 matmul (``Float8LinearConfig.emulate``: the casts and scales are real, the
+# product runs in high precision, so it runs on a CPU). For tests only: no case runs emulated, the
+# runner skips fp8 cases without an sm_89+ GPU instead.
+EMULATE = False
 # Module names never converted: the output head (bf16, as torchtitan's ``output``) and MoE routers.
 SKIPPED_MODULES = ("head", "router")
 
@@ -100,7 +104,7 @@ def convert(model: torch.nn.Module, fsdp_float8_all_gather: bool = False) -> tor
         raise RuntimeError(f"the fp8 recipe needs torchao: {INSTALL_HINT}")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather, emulate=EMULATE)
     return convert_to_float8_training(model, config=config, module_filter_fn=converts)
 
 
