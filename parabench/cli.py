@@ -450,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--strategy", required=True)
             p.add_argument("--world-size", type=_int_at_least(1), default=1)
             p.add_argument("--precision")
-            p.add_argument("--recipe", help="bf16/fp16 precision recipe: master (default) or amp")
+            p.add_argument("--recipe", help="bf16/fp16 precision recipe: master (default), amp or (bf16) fp8")
             p.add_argument("--micro-batch", type=_int_at_least(1))
             p.add_argument("--grad-accum", type=_int_at_least(1))
             p.add_argument("--seq-len", type=_int_at_least(1))
