@@ -151,3 +151,29 @@ def test_emulated_fp8_training_tracks_amp_on_the_same_data(monkeypatch):
     assert f["losses"][-1] < f["losses"][0] - 0.1  # it learns
     assert f["losses"] != a["losses"]
     assert max(abs(x - y) / y for x, y in zip(f["losses"], a["losses"])) < 5e-3
+
+
+def test_report_sets_fp8_beside_each_bf16_recipe_of_the_same_case():
+    from parabench.report.recipe_effect import fp8_rows, table_specs
+
+    def record(recipe, tps, peak, losses, strategy="ref.ddp"):
+        case = mk(strategy, recipe).to_dict()
+        metrics = {"tokens_per_s_per_device": tps, "peak_alloc_bytes": peak, "losses": losses}
+        return {"status": "ok", "case": case, "metrics": metrics}
+
+    tail = [3.0] * 20
+    records = [
+        record("amp", 100.0, 2**31, [9.0] * 5 + tail),
+        record("master", 120.0, 2**30, [9.0] * 5 + [2.9] * 20),
+        record("fp8", 150.0, 2**31, [9.0] * 5 + [3.1] * 20),
+        record("fp8", 150.0, 2**31, tail, strategy="torch.ddp"),  # no bf16 recipe beside it: no row
+    ]
+    rows = fp8_rows([({"suite": "s", "run_id": "r"}, records)])
+    assert [(r["strategy"], r["base"]) for r in rows] == [("ref.ddp", "bf16-amp"), ("ref.ddp", "bf16-master")]
+    amp, master = rows
+    assert amp["tps_ratio"] == 1.5 and amp["mem_ratio"] == 1.0 and master["mem_ratio"] == 2.0
+    assert amp["loss_diff"] == pytest.approx(0.1) and master["loss_diff"] == pytest.approx(0.2)  # last 10 steps
+    assert [s["id_"] for s in table_specs([({"suite": "s", "run_id": "r"}, records)], [])] == [
+        "recipe-effect",
+        "fp8-effect",
+    ]
