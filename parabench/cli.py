@@ -322,7 +322,7 @@ def cmd_list(args) -> int:
     print("strategies:")
     for name, info in sorted(STRATEGIES.items(), key=lambda kv: (kv[1].kind, kv[0])):
         recipes = "/".join(info.recipes)
-        print(f"  {name:<22} {info.kind:<9} {recipes:<10} {info.description}")
+        print(f"  {name:<22} {info.kind:<9} {recipes:<14} {info.description}")
     print("models:")
     for name, cfg in MODEL_LADDER.items():
         print(
