@@ -23,7 +23,7 @@ class Case:
     strategy: str
     world_size: int
     precision: str = "fp32"
-    # bf16/fp16: "master" or "amp" (``strategies.RECIPES``); None picks the strategy's default and
+    # bf16/fp16: "master", "amp" or (bf16) "fp8" (``strategies.RECIPES``); None picks the strategy's default and
     # is resolved here, so every low-precision case names the recipe it ran. fp32 has none.
     recipe: str | None = None
     micro_batch: int = 2
@@ -129,8 +129,8 @@ class Case:
 
     @property
     def param_precision(self) -> str:
-        """The precision parameters and gradients live and travel in: fp32 under "amp"."""
-        return "fp32" if self.recipe == "amp" else self.precision
+        """The precision parameters and gradients live and travel in: fp32 under "amp" and "fp8"."""
+        return "fp32" if self.recipe in ("amp", "fp8") else self.precision
 
     @property
     def dp(self) -> int:

@@ -322,7 +322,7 @@ def cmd_list(args) -> int:
     print("strategies:")
     for name, info in sorted(STRATEGIES.items(), key=lambda kv: (kv[1].kind, kv[0])):
         recipes = "/".join(info.recipes)
-        print(f"  {name:<22} {info.kind:<9} {recipes:<10} {info.description}")
+        print(f"  {name:<22} {info.kind:<9} {recipes:<14} {info.description}")
     print("models:")
     for name, cfg in MODEL_LADDER.items():
         print(
@@ -450,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--strategy", required=True)
             p.add_argument("--world-size", type=_int_at_least(1), default=1)
             p.add_argument("--precision")
-            p.add_argument("--recipe", help="bf16/fp16 precision recipe: master (default) or amp")
+            p.add_argument("--recipe", help="bf16/fp16 precision recipe: master (default), amp or (bf16) fp8")
             p.add_argument("--micro-batch", type=_int_at_least(1))
             p.add_argument("--grad-accum", type=_int_at_least(1))
             p.add_argument("--seq-len", type=_int_at_least(1))

@@ -6,13 +6,19 @@ report reads recipes from records without training code.
   bf16/fp16, Megatron's and ZeRO's layout). What travels is in the low precision.
 - ``amp``: fp32 parameters, gradients and optimizer states, matmuls in the low precision under
   ``torch.autocast`` (torch.amp's recipe). What travels is fp32.
+- ``fp8`` (bf16 cases only): "amp" with the transformer blocks' linears swapped for torchao's
+  ``Float8Linear`` (dynamic tensorwise scaling: e4m3 inputs and weights, e5m2 gradients), as
+  torchtitan's float8 training does; everything else computes in bf16 under autocast. Parameters,
+  gradients and optimizer states are those of "amp" (``parabench.fp8`` says why).
 
 Compute, memory and traffic all differ between the two, so a ratio pairs like recipes only.
 """
 
 from __future__ import annotations
 
-RECIPES = ("master", "amp")
+RECIPES = ("master", "amp", "fp8")
+# The precisions each recipe applies to (fp8 replaces bf16 matmuls; no fp16 variant is documented).
+RECIPE_PRECISIONS = {"master": ("bf16", "fp16"), "amp": ("bf16", "fp16"), "fp8": ("bf16",)}
 
 # What bf16/fp16 meant, per strategy, in records made before cases named their recipe; the
 # registry's ``StrategySpec.legacy_recipe`` says the same (tests/test_recipes.py keeps them equal).
@@ -31,7 +37,7 @@ def legacy_recipe(strategy: str | None) -> str:
 
 
 def recipe_of(case: dict) -> str | None:
-    """A stored case's recipe ("master" | "amp"; None in fp32), also for records made before
+    """A stored case's recipe ("master" | "amp" | "fp8"; None in fp32), also for records made before
     cases named one."""
     if case.get("precision", "fp32") == "fp32":
         return None

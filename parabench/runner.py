@@ -139,6 +139,12 @@ def skip_reason(case: Case, launch: LaunchOptions) -> str | None:
         per_node = case.world_size // launch.nnodes
         if per_node > have:
             return f"needs {per_node} GPUs per node, this machine has {have}"
+    if case.recipe == "fp8":  # float8 matmuls: sm_89+ and torchao (parabench.fp8)
+        from parabench.fp8 import skip_reason as fp8_skip_reason
+
+        reason = fp8_skip_reason(device)
+        if reason:
+            return reason
     from parabench.strategies import get_strategy
 
     unsupported = get_strategy(case.strategy).unsupported

@@ -19,7 +19,7 @@ from typing import Callable, ClassVar, Literal
 import torch
 
 from parabench.models import GPTConfig
-from parabench.recipes import RECIPES, recipe_name  # noqa: F401 (re-exported)
+from parabench.recipes import RECIPE_PRECISIONS, RECIPES, recipe_name  # noqa: F401 (re-exported)
 from parabench.topology import Topology
 
 # Every precision a case may name; data-parallel strategies train in all three (fp16: fp32 master
@@ -34,6 +34,12 @@ TORCH_PEER_RECIPES = dict(recipes=("master", "amp"), fp16_recipes=("amp",), lega
 # parameters with fp32 masters (its ``torch_autocast`` mode reduces some gradients in bf16: not modelled).
 AMP_ONLY = dict(recipes=("amp",), legacy_recipe="amp")
 MASTER_ONLY = dict(recipes=("master",), legacy_recipe="master")
+
+
+def with_fp8(declared: dict) -> dict:
+    """A row's recipe keywords plus ``fp8`` (bf16 only, ``parabench.fp8``): for the strategies
+    whose builder converts the model's linears (``fp8.convert``)."""
+    return {**declared, "recipes": declared.get("recipes", ("master", "amp")) + ("fp8",)}
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ class TrainSpec:
     grad_accum: int = 1
     optim: OptimConfig = field(default_factory=OptimConfig)
     options: dict = field(default_factory=dict)
-    recipe: str | None = None  # "master" | "amp" (RECIPES) for bf16/fp16, None for fp32
+    recipe: str | None = None  # "master" | "amp" | "fp8" (RECIPES) for bf16/fp16, None for fp32
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -73,12 +79,12 @@ class TrainSpec:
     @property
     def param_dtype(self) -> torch.dtype:
         """The dtype parameters and gradients are kept (and communicated) in: the compute dtype
-        under "master", fp32 under "amp" (autocast casts the matmul inputs)."""
-        return torch.float32 if self.recipe == "amp" else self.compute_dtype  # None: as before recipes
+        under "master", fp32 under "amp" and "fp8" (autocast casts the matmul inputs)."""
+        return torch.float32 if self.recipe in ("amp", "fp8") else self.compute_dtype  # None: as before recipes
 
     @property
     def autocast_on(self) -> bool:
-        """Forward under torch.autocast: the "amp" recipe (and a spec made without a recipe)."""
+        """Forward under torch.autocast: the "amp" and "fp8" recipes (and a spec made without a recipe)."""
         return self.recipe != "master" and self.precision != "fp32"
 
 
@@ -297,7 +303,8 @@ class StrategySpec:
         """The recipes a case of ``precision`` may name; the first is its default (none for fp32)."""
         if precision == "fp32":
             return ()
-        return self.fp16_recipes if precision == "fp16" and self.fp16_recipes is not None else self.recipes
+        declared = self.fp16_recipes if precision == "fp16" and self.fp16_recipes is not None else self.recipes
+        return tuple(r for r in declared if precision in RECIPE_PRECISIONS[r])
 
     def caveats_for(self, precision: str) -> list[str]:
         return [text for p, text in self.caveats if p == precision]

@@ -17,10 +17,10 @@ A suite file is flat TOML::
     strategy = "torch.fsdp2"
     precision = "bf16"
 
-``recipe`` ("master" or "amp", ``parabench.strategies.RECIPES``) picks how a bf16/fp16 case
-keeps its parameters; left out, each strategy's default (master where it has it). As a list it is
-an axis that runs each strategy in the recipes it supports (DeepSpeed: master only); a single
-value a strategy lacks is an error.
+``recipe`` ("master", "amp" or "fp8", ``parabench.strategies.RECIPES``) picks how a bf16/fp16 case
+keeps its parameters (fp8: bf16 cases, float8 linears, ``parabench.fp8``); left out, each strategy's
+default (master where it has it). As a list it is an axis that runs each strategy in the recipes it
+supports (DeepSpeed: master only); a single value a strategy lacks is an error.
 
 Several ``[[matrix]]`` tables are expanded one by one and concatenated, which is how a suite
 gives each model size its own micro-batch. Every error names the file, the line and the field.

@@ -108,8 +108,8 @@ def test_recipe_is_in_case_hash_label_and_defaults():
         validate_case(Case(model="tiny", strategy="torch.ddp", world_size=2, precision="fp16", recipe="master"))
     with pytest.raises(SuiteError, match="supported: master"):
         validate_case(mk("deepspeed.zero2", "amp"))
-    with pytest.raises(ValueError, match="valid recipes: master, amp"):
-        mk("ref.ddp", "fp8")
+    with pytest.raises(ValueError, match="valid recipes: master, amp, fp8"):
+        mk("ref.ddp", "fp4")
 
 
 def test_records_made_before_recipes_read_as_what_ran_then():
@@ -138,7 +138,7 @@ def test_suite_recipe_axis_runs_each_strategy_in_what_it_supports(tmp_path):
     ]
     bad = tmp_path / "bad.toml"
     bad.write_text(
-        '[suite]\nname = "b"\n\n[[matrix]]\nmodel = "tiny"\nstrategy = "ref.ddp"\nworld_size = 2\nrecipe = "fp8"\n'
+        '[suite]\nname = "b"\n\n[[matrix]]\nmodel = "tiny"\nstrategy = "ref.ddp"\nworld_size = 2\nrecipe = "fp4"\n'
     )
     with pytest.raises(SuiteError, match=r"bad.toml:\d+: field 'recipe'.*valid recipes"):
         load_suite(str(bad))

@@ -19,6 +19,7 @@ from parabench.strategies import (
     StrategySpec,
     TrainSpec,
     as_trainer,
+    with_fp8,
 )
 from parabench.theory import (
     BYTES,
@@ -92,10 +93,15 @@ def common_kwargs(spec: TrainSpec, o: LossScaleOptions, groups=()) -> dict:
 
 def reference_model(spec: TrainSpec, o: LossScaleOptions):
     """The GPT a reference trains. Under the "amp" recipe its forward runs under torch.autocast (the
-    reference then keeps, reduces and updates fp32 parameters: ``compute_dtype`` is fp32); under
+    reference then keeps, reduces and updates fp32 parameters: ``compute_dtype`` is fp32); "fp8" is
+    "amp" with the blocks' linears in float8 (``parabench.fp8``); under
     "master" the reference casts its flat buffers to bf16/fp16 itself."""
     model = build_model(spec.model, spec.seed, spec.device)
-    if spec.recipe == "amp" and spec.precision != "fp32":
+    if spec.recipe == "fp8":  # torchao Float8Linear in the blocks, before the flat buffers see them
+        from parabench.fp8 import convert
+
+        convert(model)
+    if spec.recipe in ("amp", "fp8") and spec.precision != "fp32":
         model.forward = torch.autocast(device_type=spec.device.type, dtype=spec.compute_dtype)(model.forward)
     if o.activation_checkpointing:
         from reference_impls.activation_checkpointing import checkpoint_blocks
@@ -241,11 +247,15 @@ def validate_single(case, o, cfg) -> None:
 
 # Option compile: these builders compile the blocks (peers.common.compile_blocks); the others refuse it.
 COMPILES = ("single", "torch.ddp", "ref.ddp", "ref.ps")
+# Recipe fp8: these builders convert the linears (parabench.fp8.convert).
+TAKES_FP8 = ("single", "torch.ddp", "ref.ddp")
 
 
 def _row(name, builder, kind, description, expect, options=DataParallelOptions, **kw):
     if name in COMPILES:
         kw.setdefault("compile_unsupported", None)
+    recipes = TORCH_PEER_RECIPES if kind == "peer" or name == "single" else {}
+    recipes = with_fp8(recipes) if name in TAKES_FP8 else recipes
     return StrategySpec(
         name,
         "data_parallel",
@@ -255,7 +265,7 @@ def _row(name, builder, kind, description, expect, options=DataParallelOptions, 
         precisions=DP_PRECISIONS,
         options=options,
         expect=expect,
-        **(TORCH_PEER_RECIPES if kind == "peer" or name == "single" else {}),
+        **recipes,
         **kw,
     )
 

@@ -20,7 +20,15 @@ from parabench.families.data_parallel import (
     with_lr_spike,
 )
 from parabench.models import lm_loss, parameter_count
-from parabench.strategies import DP_PRECISIONS, MASTER_ONLY, PeerProfile, StrategySpec, TrainSpec, as_trainer
+from parabench.strategies import (
+    DP_PRECISIONS,
+    MASTER_ONLY,
+    PeerProfile,
+    StrategySpec,
+    TrainSpec,
+    as_trainer,
+    with_fp8,
+)
 from parabench.theory import BYTES, Expectation, psi, ref_bucket_sizes, shard_numel, volume, zero_paper_state_bytes
 
 
@@ -36,6 +44,9 @@ class ShardedOptions(DataParallelOptions):
 @dataclass(frozen=True)
 class ShardedPeerOptions(ShardedOptions):
     profile: PeerProfile = "tuned"  # strategies.PEER_PROFILE_HELP
+    # torch.fsdp2, recipe fp8: all-gather the float8 linears' weights in float8 (torchao's
+    # enable_fsdp_float8_all_gather) instead of fp32
+    fp8_all_gather: bool = False
 
     RECORDED_DEFAULTS: ClassVar[tuple[str, ...]] = ("profile",)
 
@@ -243,6 +254,18 @@ def fsdp2_reduce_bytes(case, o) -> int:
     return BYTES[case.precision]
 
 
+def fsdp2_float8_gather_saving(cfg, case, o, pbytes: int) -> int:
+    """Option ``fp8_all_gather`` (recipe fp8): the float8 linears' weights travel in 1 byte instead of
+    ``pbytes``, in every gather of every block (forward, and backward except a block kept gathered)."""
+    if not getattr(o, "fp8_all_gather", False):
+        return 0
+    from parabench.fp8 import block_float8_numel
+
+    kept_blocks = 1 if fsdp2_kept_after_forward(cfg, case, o) else 0
+    gathers = case.grad_accum * (2 * cfg.n_layers - kept_blocks)
+    return gathers * block_float8_numel(cfg) * (pbytes - 1)
+
+
 def expect_torch_fsdp2(cfg, case, o, dp):
     p = psi(cfg)
     pbytes = BYTES[case.param_precision]
@@ -253,7 +276,8 @@ def expect_torch_fsdp2(cfg, case, o, dp):
             # (reshard_after_forward=True, the root included) but the last block under the tuned
             # profile; gradients are reduce-scattered after every micro-batch (fp32, or the
             # compute dtype under the matched profile).
-            "all_gather": accum * (2 * p - fsdp2_kept_after_forward(cfg, case, o)) * pbytes,
+            "all_gather": accum * (2 * p - fsdp2_kept_after_forward(cfg, case, o)) * pbytes
+            - fsdp2_float8_gather_saving(cfg, case, o, pbytes),
             "reduce_scatter": accum * p * fsdp2_reduce_bytes(case, o),
         }
         if dp > 1
@@ -618,11 +642,24 @@ DEEPSPEED_NO_COMPILE = (
 )
 
 
+# Recipe fp8: these builders convert the linears (parabench.fp8.convert).
+TAKES_FP8 = ("torch.fsdp2", "ref.zero1", "ref.zero2", "ref.zero3", "ref.fsdp")
+
+
+def validate_fp8_all_gather(case, o, cfg) -> None:
+    if getattr(o, "fp8_all_gather", False) and (case.strategy != "torch.fsdp2" or case.recipe != "fp8"):
+        raise ValueError("option fp8_all_gather needs strategy torch.fsdp2 and recipe fp8")
+
+
 def _row(name, builder, kind, description, expect, **kw):
     if name in COMPILES:
         kw.setdefault("compile_unsupported", None)
     elif name.startswith("deepspeed."):
         kw.setdefault("compile_unsupported", DEEPSPEED_NO_COMPILE)
+    recipes = MASTER_ONLY if name.startswith("deepspeed.") else {}
+    recipes = with_fp8(recipes) if name in TAKES_FP8 else recipes
+    if kind == "peer":
+        kw.setdefault("validate", validate_fp8_all_gather)
     return StrategySpec(
         name,
         "sharded",
@@ -637,7 +674,7 @@ def _row(name, builder, kind, description, expect, **kw):
             else ShardedOptions
         ),
         expect=expect,
-        **(MASTER_ONLY if name.startswith("deepspeed.") else {}),
+        **recipes,
         **kw,
     )
 

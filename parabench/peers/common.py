@@ -53,7 +53,12 @@ def master_recipe(spec: TrainSpec) -> bool:
 
 
 def recipe_module(model: torch.nn.Module, spec: TrainSpec) -> torch.nn.Module:
-    """ "master": the module's parameters in the compute dtype (bf16), before any wrapper sees them."""
+    """ "master": the module's parameters in the compute dtype (bf16), before any wrapper sees them;
+    "fp8": fp32 parameters, the blocks' linears swapped for torchao's Float8Linear (``parabench.fp8``)."""
+    if spec.recipe == "fp8":
+        from parabench.fp8 import convert
+
+        return convert(model)
     return model.to(spec.compute_dtype) if master_recipe(spec) else model
 
 

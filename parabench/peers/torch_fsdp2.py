@@ -5,7 +5,9 @@ parameters are all-gathered before its forward and backward and resharded after,
 are reduce-scattered. Recipe "master" (bf16/fp16): the policy is 16-bit parameters for compute and
 fp32 gradient reduction (torchtitan's default; ``matched`` reduces in the compute dtype, as the
 references do), so the sharded fp32 parameters are the master weights. Recipe "amp": fp32 shards,
-fp32 traffic, autocast forward. fp16 adds
+fp32 traffic, autocast forward. Recipe "fp8" (``parabench.fp8``): "amp" with the blocks' linears
+in torchao's Float8Linear; option ``fp8_all_gather`` gathers their weights in float8 (torchao's
+``enable_fsdp_float8_all_gather``, cast from the fp32 shard before the gather). fp16 adds
 the plain ``torch.amp.GradScaler`` (see ``common.TorchTrainer``): its unscale of DTensor gradient
 shards all-reduces the found-inf flag over the mesh, so every rank skips alike (FACTS).
 
@@ -53,10 +55,14 @@ def block_reshard_after_forward(o: ShardedPeerOptions, n_blocks: int, given: dic
 
 def build(spec: TrainSpec, offload: bool = False, mesh=None) -> FSDP2Trainer:
     model = build_model(spec.model, spec.seed, spec.device)
+    o = ShardedPeerOptions.read(spec.options)
+    if spec.recipe == "fp8":  # first, as torchtitan converts before parallelizing
+        from parabench.fp8 import convert
+
+        convert(model, fsdp_float8_all_gather=o.fp8_all_gather)
     checkpoint_blocks(model, spec)  # before fully_shard: its hooks stay outside the recomputed region
     compile_blocks(model.blocks, spec)  # ... and outside the compiled one (torchtitan's order)
     mesh = mesh if mesh is not None else spec.topology.mesh["dp"]
-    o = ShardedPeerOptions.read(spec.options)
     mp = mixed_precision_policy(spec, o)
     extra = {"offload_policy": CPUOffloadPolicy(pin_memory=spec.device.type == "cuda")} if offload else {}
     for block, reshard in zip(model.blocks, block_reshard_after_forward(o, len(model.blocks), spec.options)):

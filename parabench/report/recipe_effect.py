@@ -3,7 +3,9 @@
 The overview and every reference/peer ratio pair like recipes only. Where a run has the same case
 (strategy, model, GPU count, micro-batch, options) in two recipes, this table sets them side by
 side: tokens/s per device and peak memory of ``bf16-master`` over ``bf16-amp``. That ratio is what
-the recipe does to one strategy, never a result about the strategy. Reads records only.
+the recipe does to one strategy, never a result about the strategy. A second table sets the ``fp8``
+recipe (``parabench.fp8``) beside each bf16 recipe of the same case: tokens/s, peak memory and the
+loss reached on the same data (the mean of the last ``LOSS_TAIL`` steps' losses). Reads records only.
 """
 
 from __future__ import annotations
@@ -33,6 +35,40 @@ NOTE = (
 )
 
 
+FP8_COLUMNS = [
+    ("strategy", "strategy", "str"),
+    ("model", "model", "str"),
+    ("world_size", "devices", "int"),
+    ("micro_batch", "micro-batch", "int"),
+    ("base", "beside", "str"),
+    ("base_tps", "beside tok/s/device", "int"),
+    ("fp8_tps", "fp8 tok/s/device", "int"),
+    ("tps_ratio", "fp8 / beside tok/s", "f3"),
+    ("base_gib", "beside peak GiB", "f2"),
+    ("fp8_gib", "fp8 peak GiB", "f2"),
+    ("mem_ratio", "fp8 / beside peak", "f3"),
+    ("base_loss", "beside loss", "f3"),
+    ("fp8_loss", "fp8 loss", "f3"),
+    ("loss_diff", "fp8 − beside loss", "g4"),
+]
+LOSS_TAIL = 10
+FP8_NOTE = (
+    "The same case in the fp8 recipe (torchao Float8Linear on the transformer blocks' linears, dynamic "
+    "tensorwise scaling, fp32 parameters under bf16 autocast) beside each bf16 recipe it also ran in. Loss: "
+    f"the mean over the last {LOSS_TAIL} steps' losses on the same data (same seed), so the difference is "
+    "what float8 matmuls cost in accuracy over that many steps. Same-strategy effect, not a strategy result."
+)
+
+
+def tail_loss(r: dict, n: int = LOSS_TAIL) -> float | None:
+    """The mean of the last ``n`` recorded losses (a single step's loss is too noisy to compare)."""
+    losses = [as_number(x) for x in (dig(r, "metrics", "losses") or [])]
+    losses = [x for x in losses if x is not None]
+    if not losses:
+        return as_number(dig(r, "metrics", "final_loss"))
+    return sum(losses[-n:]) / len(losses[-n:])
+
+
 def _key(r: dict):
     c = r.get("case") or {}
     opts = json.dumps(c.get("options") or {}, sort_keys=True)
@@ -42,12 +78,7 @@ def _key(r: dict):
 def effect_rows(runs) -> list[dict]:
     rows = []
     for manifest, records in runs:
-        pairs: dict = {}
-        for r in records:
-            c = r.get("case") or {}
-            if r.get("status") != "ok" or c.get("precision") == "fp32" or int(c.get("repeat") or 0):
-                continue
-            pairs.setdefault(_key(r), {})[recipe_of(c)] = r
+        pairs = _pairs(manifest, records)
         for (strategy, model, world, mb, _, _), by in sorted(pairs.items(), key=lambda kv: str(kv[0])):
             if "master" not in by or "amp" not in by:
                 continue
@@ -73,17 +104,75 @@ def effect_rows(runs) -> list[dict]:
     return rows
 
 
+def _pairs(manifest, records) -> dict:
+    pairs: dict = {}
+    for r in records:
+        c = r.get("case") or {}
+        if r.get("status") != "ok" or c.get("precision") == "fp32" or int(c.get("repeat") or 0):
+            continue
+        pairs.setdefault(_key(r), {})[recipe_of(c)] = r
+    return pairs
+
+
+def fp8_rows(runs) -> list[dict]:
+    rows = []
+    for manifest, records in runs:
+        for (strategy, model, world, mb, _, _), by in sorted(
+            _pairs(manifest, records).items(), key=lambda kv: str(kv[0])
+        ):
+            f = by.get("fp8")
+            for base in ("amp", "master"):
+                if f is None or base not in by:
+                    continue
+                b = by[base]
+                bt, ft = (as_number(dig(x, "metrics", "tokens_per_s_per_device")) for x in (b, f))
+                bm, fm = (as_number(dig(x, "metrics", "peak_alloc_bytes")) for x in (b, f))
+                bl, fl = tail_loss(b), tail_loss(f)
+                rows.append(
+                    {
+                        "run": run_name(manifest),
+                        "strategy": strategy,
+                        "model": model,
+                        "world_size": world,
+                        "micro_batch": mb,
+                        "base": f"bf16-{base}",
+                        "base_tps": bt,
+                        "fp8_tps": ft,
+                        "tps_ratio": ft / bt if ft and bt else None,
+                        "base_gib": bm / 2**30 if bm else None,
+                        "fp8_gib": fm / 2**30 if fm else None,
+                        "mem_ratio": fm / bm if fm and bm else None,
+                        "base_loss": bl,
+                        "fp8_loss": fl,
+                        "loss_diff": fl - bl if fl is not None and bl is not None else None,
+                    }
+                )
+    return rows
+
+
 def table_specs(runs, run_col: list) -> list[dict]:
     """The section's table as keyword arguments of ``parabench.report.html._table`` (none without pairs)."""
+    specs = []
     rows = effect_rows(runs)
-    if not rows:
-        return []
-    return [
-        {
-            "id_": "recipe-effect",
-            "title": "Precision recipe effect",
-            "columns": run_col + COLUMNS,
-            "rows": rows,
-            "note": NOTE,
-        }
-    ]
+    if rows:
+        specs.append(
+            {
+                "id_": "recipe-effect",
+                "title": "Precision recipe effect",
+                "columns": run_col + COLUMNS,
+                "rows": rows,
+                "note": NOTE,
+            }
+        )
+    rows = fp8_rows(runs)
+    if rows:
+        specs.append(
+            {
+                "id_": "fp8-effect",
+                "title": "FP8 recipe effect",
+                "columns": run_col + FP8_COLUMNS,
+                "rows": rows,
+                "note": FP8_NOTE,
+            }
+        )
+    return specs
