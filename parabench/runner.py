@@ -139,7 +139,10 @@ def skip_reason(case: Case, launch: LaunchOptions) -> str | None:
         per_node = case.world_size // launch.nnodes
         if per_node > have:
             return f"needs {per_node} GPUs per node, this machine has {have}"
-    return None
+    from parabench.strategies import get_strategy
+
+    unavailable = get_strategy(case.strategy).unavailable
+    return unavailable(device) if unavailable is not None else None
 
 
 _ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)

@@ -289,6 +289,9 @@ class StrategySpec:
     validate: Callable | None = None
     expect: Callable | None = None
     routed_comm: Callable | None = None
+    # ``unavailable(device_type)``: why the strategy cannot run on this machine (a library op that
+    # does not build), or None; the runner records the case as skipped with that reason.
+    unavailable: Callable | None = None
 
     def recipes_for(self, precision: str) -> tuple[str, ...]:
         """The recipes a case of ``precision`` may name; the first is its default (none for fp32)."""
