@@ -63,20 +63,23 @@ def nvme_config(
     nvme_path: str,
     pin_memory: bool,
     buffer_size: int,
+    buffer_count: int = 5,
     offload_param: dict | None = None,
     offload_optimizer: dict | None = None,
     aio: dict | None = None,
 ) -> dict:
     """The three ZeRO-Infinity sections: ``offload_param`` and ``offload_optimizer`` to
     ``device: nvme`` at ``nvme_path``, and ``aio``. ``buffer_size`` (elements) must hold the largest
-    parameter partition (partitioned_param_swapper asserts it). The dicts given win key by key."""
+    parameter partition (partitioned_param_swapper asserts it). ``max_in_cpu`` 0: every parameter
+    partition DeepSpeed deems swappable (at least max(1 MiB, block_size) bytes) lives on NVMe. The
+    dicts given win key by key."""
     param = {
         "device": "nvme",
         "nvme_path": nvme_path,
         "pin_memory": pin_memory,
-        "buffer_count": 5,
+        "buffer_count": buffer_count,
         "buffer_size": buffer_size,
-        "max_in_cpu": 1_000_000_000,
+        "max_in_cpu": 0,  # documented default 1e9 would keep up to 1e9 elements in CPU memory, not on disk
     }
     optimizer = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": pin_memory, "buffer_count": 4}
     return {
@@ -92,6 +95,15 @@ def swap_buffer_elements(model: torch.nn.Module, world: int, floor: int = 100_00
     gpt-6.7b's and gpt-13b's embeddings (206 M and 258 M elements) exceed the default on one rank."""
     largest = max(math.ceil(p.numel() / world) for p in model.parameters())
     return max(floor, -(-largest // 2**20) * 2**20)
+
+
+def swap_buffer_count(model: torch.nn.Module) -> int:
+    """Parameter swap buffers: DeepSpeed swaps a transformer block's parameters in together (15 for
+    parabench's GPT block) and prefetches the next block meanwhile, so two blocks' worth plus the
+    embeddings, final norm and head. DeepSpeed's default of 5 fails its assertion ("Not enough
+    buffers 5 for swapping 15") once every parameter lives on NVMe."""
+    per_block = max((len(list(b.parameters())) for b in getattr(model, "blocks", [])), default=0)
+    return max(5, 2 * per_block + 5)
 
 
 def disk_probe(folder: str, nbytes: int, chunk: int = 8 << 20) -> dict:
@@ -240,6 +252,7 @@ class DeepSpeedNVMeTrainer(DeepSpeedTrainer):
                 self.nvme_root,
                 pin_memory=spec.device.type == "cuda",
                 buffer_size=swap_buffer_elements(model, spec.topology.dp),
+                buffer_count=swap_buffer_count(model),
                 offload_param=o.offload_param,
                 offload_optimizer=o.offload_optimizer,
                 aio=o.aio,
