@@ -450,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(repr(time.time()))
         try:
             progress = PhaseReporter(status_path(args.scratch, key) if rank == 0 else None)
+            os.environ["PARABENCH_CASE_SCRATCH"] = os.path.join(args.scratch, key)  # per-case files (NVMe swap)
             result = run_case(case, device, leftover, progress, TraceFiles(args.scratch, key))
         except BaseException as exc:
             compile_cause = compile_failure(case, exc)

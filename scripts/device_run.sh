@@ -23,6 +23,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 fi
+# libaio for DeepSpeed's async I/O op (ZeRO-Infinity), packed by scripts/libaio_bundle.sh
+if [ -d .whl/libaio ]; then
+  a=$PWD/.whl/libaio
+  export CPATH=$a/include${CPATH:+:$CPATH} LIBRARY_PATH=$a/lib${LIBRARY_PATH:+:$LIBRARY_PATH} LD_LIBRARY_PATH=$a/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
 export TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-20000}
 # The copy's .git (if any) is the session's first commit, not this tree's: the commit comes along

@@ -79,6 +79,15 @@ class DeepSpeedZeroPPOptions(DeepSpeedZeroOptions, ZeroPPSwitches):
     pass
 
 
+@dataclass(frozen=True)
+class DeepSpeedNVMeOptions(DeepSpeedZeroOptions):
+    nvme_path: str = ""  # swap folder root; empty: a per-case folder in the launch's scratch (deleted after)
+    offload_param: dict = field(default_factory=dict)  # keys over peers.deepspeed_nvme.nvme_config's
+    offload_optimizer: dict = field(default_factory=dict)  # keys over peers.deepspeed_nvme.nvme_config's
+    aio: dict = field(default_factory=dict)  # keys over the documented aio defaults (peers.deepspeed_nvme)
+    disk_probe_mb: float = 1024.0  # sequential write/read probe of nvme_path before the steps; 0: none
+
+
 # --- builders -----------------------------------------------------------------------------------
 
 
@@ -609,6 +618,45 @@ def deepspeed_offload_expectation(stage: int):
     return fn
 
 
+def expect_deepspeed_zero3_nvme(cfg, case, o, dp):
+    """ZeRO-Infinity (Rajbhandari et al. 2021, Sec. 5): on the device only the parameters of the
+    modules being computed (gathered, transient); per rank on NVMe the 16-bit parameter partition
+    bΨ/N, the fp32 master and Adam moments 12Ψ/N, and the fp32 gradient partition 4Ψ/N that the
+    optimizer swapper writes out beside them (swap_tensor/optimizer_utils.py). Per step, read:
+    the parameter partition for forward and again for backward unless still in the swap buffers
+    (0 to 2bΨ/N) plus optimizer state and gradients 16Ψ/N; written: the gradients 4Ψ/N, the state 12Ψ/N
+    and the updated parameters bΨ/N. Read from DeepSpeed 0.19.8's swappers, not yet checked
+    against a GPU run."""
+    base = deepspeed_expectation(3)(cfg, case, o, dp)
+    p, b = psi(cfg), BYTES[case.param_precision]
+    shard = shard_numel(p, dp)
+    return Expectation(
+        state_bytes=None,  # read from the engine
+        comm_payload_bytes=base["comm_payload_bytes"],
+        paper_state_bytes=0,
+        device_state_bytes={"params": 0, "grads": None, "optimizer": 0},
+        nvme_state_bytes={"params": b * shard, "grads": 4 * shard, "optimizer": 12 * shard},
+        nvme_io_bytes_per_step={
+            "read": [16 * shard, 16 * shard + 2 * b * shard],
+            "write": 16 * shard + b * shard,
+        },
+        notes="ZeRO-3 with offload_param and offload_optimizer to NVMe (ZeRO-Infinity): the device holds "
+        "no persistent model state, only the gathered parameters of the modules in flight (and "
+        "max_in_cpu / buffer_count swap buffers sit in pinned CPU memory); per rank on NVMe bΨ/N "
+        "parameters + 4Ψ/N fp32 gradients + 12Ψ/N fp32 master and Adam moments. I/O per step as in "
+        "expect_deepspeed_zero3_nvme's docstring (DeepSpeed source, unverified on GPU). Client torch "
+        "AdamW on the CPU, as deepspeed.zero3_offload.",
+    )
+
+
+def nvme_unsupported(case, device_type: str) -> str | None:
+    """The runner's question before launching a deepspeed.zero3_nvme case: why DeepSpeed's async
+    I/O op cannot run on this machine's ``device_type`` (its builder's verdict), or None."""
+    from parabench.peers.deepspeed_nvme import aio_unavailable
+
+    return aio_unavailable(device_type)
+
+
 def expect_torch_fsdp2_offload(cfg, case, o, dp):
     base = expect_torch_fsdp2(cfg, case, o, dp)
     return Expectation(
@@ -807,6 +855,16 @@ ROWS = (
         deepspeed_offload_expectation(3),
         shares_launch=False,
         version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
+    ),
+    _row(
+        "deepspeed.zero3_nvme",
+        "parabench.peers.deepspeed_nvme:build_zero3_nvme",
+        "peer",
+        "DeepSpeed ZeRO-3 + offload_param and offload_optimizer to NVMe (ZeRO-Infinity, async I/O op)",
+        expect_deepspeed_zero3_nvme,
+        shares_launch=False,
+        unsupported=nvme_unsupported,
+        options=DeepSpeedNVMeOptions,
     ),
     _row(
         "torch.fsdp2_offload",

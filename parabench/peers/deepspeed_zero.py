@@ -64,9 +64,13 @@ from parabench.peers.common import adamw, checkpoint_blocks, optimizer_state_byt
 from parabench.strategies import Trainer, TrainSpec
 
 
-def ds_config(spec: TrainSpec, stage: int, offload: bool = False, profile: str = "matched") -> dict:
+def ds_config(
+    spec: TrainSpec, stage: int, offload: bool = False, profile: str = "matched", nvme: dict | None = None
+) -> dict:
     """The engine's config. ``profile`` (see the module docstring): ``matched`` or ``tuned`` (every
-    DeepSpeed peer's option, deepspeed.pp's and deepspeed.moe's included)."""
+    DeepSpeed peer's option, deepspeed.pp's and deepspeed.moe's included). ``nvme``: the
+    ZeRO-Infinity sections (``offload_param``, ``offload_optimizer``, ``aio``) of
+    ``peers.deepspeed_nvme.nvme_config``, which replace the CPU offload below."""
     o = ShardedOptions.read(spec.options)
     cfg = {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
@@ -111,6 +115,11 @@ def ds_config(spec: TrainSpec, stage: int, offload: bool = False, profile: str =
         # refuses a client optimizer with offload unless told not to force its own.
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": spec.device.type == "cuda"}
         cfg["zero_force_ds_cpu_optimizer"] = False
+    if nvme:
+        cfg["aio"] = nvme["aio"]
+        cfg["zero_optimization"].update(
+            offload_param=nvme["offload_param"], offload_optimizer=nvme["offload_optimizer"]
+        )
     if "bucket_mb" in spec.options:  # unset: DeepSpeed's own bucket sizes, not ShardedOptions' default
         # DeepSpeed counts both bucket sizes in elements; gradients and parameters travel in the
         # parameter dtype (fp32, or bf16/fp16 under its mixed precision).
@@ -194,6 +203,7 @@ class DeepSpeedTrainer(Trainer):
         model: torch.nn.Module | None = None,
         param_groups: list[dict] | None = None,
         profile: str = "matched",
+        nvme: dict | None = None,
     ):
         """``model`` / ``param_groups``: a prepared module and optimizer groups (deepspeed.moe passes
         its MoE model and DeepSpeed's expert / non-expert groups); by default the GPT, one group."""
@@ -205,7 +215,7 @@ class DeepSpeedTrainer(Trainer):
             model = build_model(spec.model, spec.seed, spec.device)
             checkpoint_blocks(model, spec)  # a model-level option: the blocks recompute inside the engine
         self.profile = profile
-        config = ds_config(spec, stage, offload, profile)
+        config = ds_config(spec, stage, offload, profile, nvme)
         params = param_groups if param_groups is not None else list(model.parameters())
         if DeepSpeedZeroOptions.read(spec.options).optimizer_in_config and not offload:
             o = spec.optim
