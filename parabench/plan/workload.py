@@ -41,6 +41,14 @@ def _state_total(theory: dict) -> tuple[float | None, str]:
     return None, "none"
 
 
+def _cpu_state(theory: dict, strategy: str, params: int, world_size: int) -> float:
+    """Bytes of optimizer state on the host: the theory's figure, else the ZeRO-Offload layout
+    (fp32 master, gradients and two moments: 16 bytes per parameter, sharded over the ranks)."""
+    if "offload" not in strategy:
+        return 0.0
+    return _sum_bytes(theory.get("cpu_state_bytes")) or 16.0 * params / world_size
+
+
 def _degrees(strategy: str, world_size: int, options: dict, n_layers: int) -> dict:
     tp = int(options.get("tp") or 1)
     pp = int(options.get("pp") or 1)
@@ -99,7 +107,7 @@ def build(*, model: str, shape: dict, params: int, flops_per_token: float, hw_fl
         state_bytes=state,
         state_source=source,
         working_set_bytes=_sum_bytes(theory.get("working_set_bytes")) or 0.0,
-        cpu_state_bytes=_sum_bytes(theory.get("cpu_state_bytes")) or 0.0,
+        cpu_state_bytes=_cpu_state(theory, strategy, params, world_size),
         comm_bytes={k: v for k, v in comm.items() if v > 0},
         **_degrees(strategy, world_size, options, shape["n_layers"]),
     )
