@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from parabench.plan import model as M
-from parabench.plan.workload import for_config
+from parabench.plan.workload import for_config  # noqa: F401 (tests compare against it)
 
 # GPU names the CLI accepts: calibration kind and device memory (what torch reports as total).
 GPUS = {
@@ -106,6 +106,33 @@ def candidates(cfg, gpus: int, recipe: str, global_batch: int | None) -> list[Ca
     return out
 
 
+_EXPECTATIONS: dict = {}
+
+
+def _workload(model: str, cfg, c: Candidate) -> M.Workload | None:
+    """The theory's workload of ``c``. The theory builds the model (on the meta device) for every
+    expectation, so it is asked at two batch sizes per strategy and options only: model states do
+    not depend on the batch, and every traffic figure is affine in the sequences a rank processes
+    per micro-batch at a fixed accumulation (gradients and gathered parameters: constant; activations:
+    proportional), so two points per accumulation give the rest exactly."""
+    from dataclasses import replace
+
+    key = (model, cfg, c.strategy, c.world_size, c.recipe, c.grad_accum, tuple(sorted(c.options.items())))
+    m = int(c.options.get("microbatches") or 1)
+    points = _EXPECTATIONS.setdefault(key, {})
+    for rows in (m, 2 * m):
+        if rows not in points:
+            points[rows] = for_config(model=model, cfg=cfg, strategy=c.strategy, world_size=c.world_size,
+                                      recipe=c.recipe, micro_batch=rows, grad_accum=c.grad_accum, options=c.options)
+    w1, w2 = points[m], points[2 * m]
+    if w1 is None:
+        return None
+    rows = c.micro_batch
+    comm = {k: w1.comm_bytes.get(k, 0.0) + (w2.comm_bytes.get(k, 0.0) - w1.comm_bytes.get(k, 0.0)) * (rows - m) / m
+            for k in set(w1.comm_bytes) | set(w2.comm_bytes)}
+    return replace(w1, micro_batch=c.micro_batch, grad_accum=c.grad_accum, comm_bytes=comm)
+
+
 def evaluate(c: Candidate, model: str, cfg, cal: dict, capacity: float) -> Candidate:
     from parabench.case import Case
     from parabench.suite import validate_case
@@ -123,8 +150,7 @@ def evaluate(c: Candidate, model: str, cfg, cal: dict, capacity: float) -> Candi
             validate_case(Case(model=model, strategy=c.strategy, world_size=c.world_size, precision="bf16",
                                recipe=c.recipe, micro_batch=c.micro_batch, grad_accum=c.grad_accum,
                                seq_len=cfg.seq_len, options=c.options, device="cuda"))
-        w = for_config(model=model, cfg=cfg, strategy=c.strategy, world_size=c.world_size, recipe=c.recipe,
-                       micro_batch=c.micro_batch, grad_accum=c.grad_accum, options=c.options)
+        w = _workload(model, cfg, c)
     except (ValueError, KeyError) as exc:
         c.dropped = f"invalid: {exc}"
         return c
