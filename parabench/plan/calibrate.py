@@ -63,10 +63,20 @@ class Observation:
 
 def config_key(record: dict) -> str:
     c = record["case"]
-    return json.dumps([c.get("model"), c.get("seq_len") or (record.get("model") or {}).get("config", {}).get("seq_len"),
-                       c.get("world_size"), c.get("precision"), _recipe(c),
-                       c.get("micro_batch"), c.get("grad_accum") or 1, c.get("strategy"),
-                       config_options(c.get("options"))], sort_keys=True)
+    return json.dumps(
+        [
+            c.get("model"),
+            c.get("seq_len") or (record.get("model") or {}).get("config", {}).get("seq_len"),
+            c.get("world_size"),
+            c.get("precision"),
+            _recipe(c),
+            c.get("micro_batch"),
+            c.get("grad_accum") or 1,
+            c.get("strategy"),
+            config_options(c.get("options")),
+        ],
+        sort_keys=True,
+    )
 
 
 def _recipe(case: dict):
@@ -105,8 +115,16 @@ def observations(results_dir="results", kind: str = "h100") -> list[Observation]
     for key, items in sorted(by_key.items()):
         steps = [r["metrics"]["step_time_s_median"] for _, r, _ in items]
         peaks = [r["metrics"].get("peak_alloc_bytes") for _, r, _ in items if r["metrics"].get("peak_alloc_bytes")]
-        out.append(Observation(key, items[0][2], statistics.median(steps), statistics.median(peaks) if peaks else None,
-                               sorted({run for run, _, _ in items}), len(items)))
+        out.append(
+            Observation(
+                key,
+                items[0][2],
+                statistics.median(steps),
+                statistics.median(peaks) if peaks else None,
+                sorted({run for run, _, _ in items}),
+                len(items),
+            )
+        )
     return out
 
 
@@ -135,8 +153,13 @@ def fit_collectives(results_dir="results", kind: str = "h100") -> dict:
             (alpha, beta), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
             alpha = max(float(alpha), 0.0)
             beta = max(float(beta), 1e-15)
-            out[op] = {"alpha_s": alpha, "busbw_Bps": M.bus_factor(op, n) / beta, "group_size": n,
-                       "source": str(path.parent), "points": len(pts)}
+            out[op] = {
+                "alpha_s": alpha,
+                "busbw_Bps": M.bus_factor(op, n) / beta,
+                "group_size": n,
+                "source": str(path.parent),
+                "points": len(pts),
+            }
     if not out:
         raise CalibrationError(f"no collectives-suite result for {kind} under {results_dir}")
     return out
@@ -212,8 +235,15 @@ def fit_memory(obs: list[Observation]) -> tuple[dict, dict]:
         rows = [max(mf.values(), key=lambda f: M._dot(consts, f)) for mf in mfs]
         x = np.array([[f[c] for c in cols] for f in rows])
         used = [j for j, c in enumerate(cols) if np.any(x[:, j])]
-        y = np.array([o.peak_bytes - o.workload.state_bytes - o.workload.working_set_bytes
-                      - impl.get(o.workload.impl, 0.0) * M.memory_unit(o.workload) for o in obs])
+        y = np.array(
+            [
+                o.peak_bytes
+                - o.workload.state_bytes
+                - o.workload.working_set_bytes
+                - impl.get(o.workload.impl, 0.0) * M.memory_unit(o.workload)
+                for o in obs
+            ]
+        )
         peak = np.array([o.peak_bytes for o in obs])
         sol = nnls(x[:, used] / peak[:, None], y / peak)
         for j, v in zip(used, sol):
@@ -248,7 +278,7 @@ def fit(obs: list[Observation], collectives: dict, kind: str = "h100", device_na
         "impl_memory": dict(sorted(impl_m.items())),
         "configurations": len(obs),
         "records": sum(o.n_records for o in obs),
-        "runs": sorted({r for o in obs for r in o.runs} | {c["source"] for c in collectives.values()}),
+        "runs": sorted({r for o in obs for r in o.runs} | {c["source"] for c in collectives.values() if "source" in c}),
     }
 
 
@@ -274,8 +304,10 @@ def load(path) -> dict:
     path = Path(path)
     cal = json.loads(path.read_text())
     if cal.get("kind") != "plan-calibration" or cal.get("schema_version") != SCHEMA_VERSION:
-        raise CalibrationError(f"{path}: not a plan calibration of schema {SCHEMA_VERSION} "
-                               f"(got kind={cal.get('kind')!r}, schema_version={cal.get('schema_version')!r})")
+        raise CalibrationError(
+            f"{path}: not a plan calibration of schema {SCHEMA_VERSION} "
+            f"(got kind={cal.get('kind')!r}, schema_version={cal.get('schema_version')!r})"
+        )
     return cal
 
 

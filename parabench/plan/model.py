@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 
 GIB = 1 << 30
 
+
 # Collective kinds and how many times the payload crosses a link per rank (nccl-tests bus factor).
 def bus_factor(kind: str, n: int) -> float:
     if n <= 1:
@@ -49,12 +50,28 @@ def bus_factor(kind: str, n: int) -> float:
 
 
 # Which collectives suite op stands in for a kind the suite does not time.
-BENCH_OP = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
-            "send": "all_gather", "recv": "all_gather", "broadcast": "all_gather", "all_to_all": "all_gather"}
+BENCH_OP = {
+    "all_reduce": "all_reduce",
+    "all_gather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "send": "all_gather",
+    "recv": "all_gather",
+    "broadcast": "all_gather",
+    "all_to_all": "all_gather",
+}
 
 # The fitted step-time constants, in the order of the least-squares columns.
-TIME_CONSTANTS = ("inv_rate", "inv_rate_x", "inv_mem_bw", "host_s", "inv_host_bw",
-                  "exp_dp", "exp_shard", "exp_tp", "exp_p2p")
+TIME_CONSTANTS = (
+    "inv_rate",
+    "inv_rate_x",
+    "inv_mem_bw",
+    "host_s",
+    "inv_host_bw",
+    "exp_dp",
+    "exp_shard",
+    "exp_tp",
+    "exp_p2p",
+)
 MEMORY_CONSTANTS = ("act_master", "act_amp", "logit_bytes_master", "logit_bytes_amp", "cast", "const_bytes")
 TIME_DOC = {
     "inv_rate": "s/FLOP at large GEMMs (1 / achieved matmul rate R)",
@@ -76,10 +93,25 @@ MEMORY_DOC = {
     "const_bytes": "fixed bytes (CUDA workspaces, allocator slack)",
 }
 # Used where the calibration has no record that exercises a constant (never silently zero).
-TIME_DEFAULTS = {"inv_rate": 1 / 600e12, "inv_rate_x": 0.0, "inv_mem_bw": 1 / 2.0e12, "host_s": 0.0,
-                 "inv_host_bw": 1 / 20e9, "exp_dp": 1.0, "exp_shard": 1.0, "exp_tp": 1.0, "exp_p2p": 1.0}
-MEMORY_DEFAULTS = {"act_master": 1.0, "act_amp": 1.3, "logit_bytes_master": 10.0, "logit_bytes_amp": 12.0,
-                   "cast": 1.0, "const_bytes": 0.5 * GIB}
+TIME_DEFAULTS = {
+    "inv_rate": 1 / 600e12,
+    "inv_rate_x": 0.0,
+    "inv_mem_bw": 1 / 2.0e12,
+    "host_s": 0.0,
+    "inv_host_bw": 1 / 20e9,
+    "exp_dp": 1.0,
+    "exp_shard": 1.0,
+    "exp_tp": 1.0,
+    "exp_p2p": 1.0,
+}
+MEMORY_DEFAULTS = {
+    "act_master": 1.0,
+    "act_amp": 1.3,
+    "logit_bytes_master": 10.0,
+    "logit_bytes_amp": 12.0,
+    "cast": 1.0,
+    "const_bytes": 0.5 * GIB,
+}
 # Implementation factors are shrunk toward 1 (time) and 0 (memory) as if this many configurations
 # had shown no difference: one configuration of an implementation does not define it.
 SHRINK = 1.0
@@ -226,8 +258,13 @@ def time_features(w: Workload, collectives: dict) -> dict:
     return f
 
 
-TIME_PARTS = {"compute": ("inv_rate", "inv_rate_x"), "memory": ("inv_mem_bw",), "host": ("host_s",),
-              "offload": ("inv_host_bw",), "comm": ("exp_dp", "exp_shard", "exp_tp", "exp_p2p")}
+TIME_PARTS = {
+    "compute": ("inv_rate", "inv_rate_x"),
+    "memory": ("inv_mem_bw",),
+    "host": ("host_s",),
+    "offload": ("inv_host_bw",),
+    "comm": ("exp_dp", "exp_shard", "exp_tp", "exp_p2p"),
+}
 
 
 # --- memory --------------------------------------------------------------------------------------

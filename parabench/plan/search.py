@@ -24,8 +24,20 @@ GPUS = {
 # above allocated, the context about 0.5 GiB).
 USABLE = 0.88
 
-DATA_PARALLEL = ("ref.ddp", "torch.ddp", "ref.zero1", "deepspeed.zero1", "ref.zero2", "deepspeed.zero2",
-                 "ref.zero3", "ref.fsdp", "deepspeed.zero3", "torch.fsdp2", "torch.hsdp", "ref.hsdp")
+DATA_PARALLEL = (
+    "ref.ddp",
+    "torch.ddp",
+    "ref.zero1",
+    "deepspeed.zero1",
+    "ref.zero2",
+    "deepspeed.zero2",
+    "ref.zero3",
+    "ref.fsdp",
+    "deepspeed.zero3",
+    "torch.fsdp2",
+    "torch.hsdp",
+    "ref.hsdp",
+)
 OFFLOAD = ("ref.zero2_offload", "deepspeed.zero2_offload", "deepspeed.zero3_offload", "torch.fsdp2_offload")
 TENSOR = ("ref.tp", "ref.tp_sp", "torch.tp", "torch.tp_sp")
 PIPELINE = ("ref.pp_1f1b", "ref.pp_gpipe", "ref.pp_interleaved", "torch.pp_1f1b")
@@ -122,21 +134,31 @@ def _workload(model: str, cfg, c: Candidate) -> M.Workload | None:
     points = _EXPECTATIONS.setdefault(key, {})
     for rows in (m, 2 * m):
         if rows not in points:
-            points[rows] = for_config(model=model, cfg=cfg, strategy=c.strategy, world_size=c.world_size,
-                                      recipe=c.recipe, micro_batch=rows, grad_accum=c.grad_accum, options=c.options)
+            points[rows] = for_config(
+                model=model,
+                cfg=cfg,
+                strategy=c.strategy,
+                world_size=c.world_size,
+                recipe=c.recipe,
+                micro_batch=rows,
+                grad_accum=c.grad_accum,
+                options=c.options,
+            )
     w1, w2 = points[m], points[2 * m]
     if w1 is None:
         return None
     rows = c.micro_batch
-    comm = {k: w1.comm_bytes.get(k, 0.0) + (w2.comm_bytes.get(k, 0.0) - w1.comm_bytes.get(k, 0.0)) * (rows - m) / m
-            for k in set(w1.comm_bytes) | set(w2.comm_bytes)}
+    comm = {
+        k: w1.comm_bytes.get(k, 0.0) + (w2.comm_bytes.get(k, 0.0) - w1.comm_bytes.get(k, 0.0)) * (rows - m) / m
+        for k in set(w1.comm_bytes) | set(w2.comm_bytes)
+    }
     return replace(w1, micro_batch=c.micro_batch, grad_accum=c.grad_accum, comm_bytes=comm)
 
 
 def evaluate(c: Candidate, model: str, cfg, cal: dict, capacity: float) -> Candidate:
     from parabench.case import Case
-    from parabench.suite import validate_case
     from parabench.strategies import STRATEGIES
+    from parabench.suite import validate_case
 
     spec = STRATEGIES[c.strategy]
     if c.recipe not in spec.recipes_for("bf16"):
@@ -147,9 +169,20 @@ def evaluate(c: Candidate, model: str, cfg, cal: dict, capacity: float) -> Candi
         return c
     try:
         if model != "custom":
-            validate_case(Case(model=model, strategy=c.strategy, world_size=c.world_size, precision="bf16",
-                               recipe=c.recipe, micro_batch=c.micro_batch, grad_accum=c.grad_accum,
-                               seq_len=cfg.seq_len, options=c.options, device="cuda"))
+            validate_case(
+                Case(
+                    model=model,
+                    strategy=c.strategy,
+                    world_size=c.world_size,
+                    precision="bf16",
+                    recipe=c.recipe,
+                    micro_batch=c.micro_batch,
+                    grad_accum=c.grad_accum,
+                    seq_len=cfg.seq_len,
+                    options=c.options,
+                    device="cuda",
+                )
+            )
         w = _workload(model, cfg, c)
     except (ValueError, KeyError) as exc:
         c.dropped = f"invalid: {exc}"
@@ -163,14 +196,17 @@ def evaluate(c: Candidate, model: str, cfg, cal: dict, capacity: float) -> Candi
     if p.peak_bytes is None:
         c.dropped = "no memory prediction (the theory has no state expectation)"
     elif p.peak_bytes > USABLE * capacity:
-        c.dropped = (f"does not fit: predicted peak {p.peak_bytes / M.GIB:.1f} GiB > {USABLE * capacity / M.GIB:.1f} GiB "
-                     f"usable (states {w.state_bytes / M.GIB:.1f}, activations "
-                     f"{(p.memory_bytes['activations'] + p.memory_bytes['logits']) / M.GIB:.1f} GiB)")
+        c.dropped = (
+            f"does not fit: predicted peak {p.peak_bytes / M.GIB:.1f} GiB > {USABLE * capacity / M.GIB:.1f} GiB "
+            f"usable (states {w.state_bytes / M.GIB:.1f}, activations "
+            f"{(p.memory_bytes['activations'] + p.memory_bytes['logits']) / M.GIB:.1f} GiB)"
+        )
     return c
 
 
-def plan(model: str, cfg, gpus: int, gpu: str, cal: dict, recipe: str = "master",
-         global_batch: int | None = None) -> tuple[list[Candidate], list[Candidate]]:
+def plan(
+    model: str, cfg, gpus: int, gpu: str, cal: dict, recipe: str = "master", global_batch: int | None = None
+) -> tuple[list[Candidate], list[Candidate]]:
     """(feasible ranked by predicted tokens/s per GPU, dropped with reasons)."""
     _, capacity = GPUS[gpu]
     evaluated = [evaluate(c, model, cfg, cal, capacity) for c in candidates(cfg, gpus, recipe, global_batch)]
@@ -191,29 +227,48 @@ def table(ok: list[Candidate], top: int) -> str:
     for i, c in enumerate(ok[:top], 1):
         p = c.prediction
         mfu = f"{p.mfu * 100:5.1f}%" if p.mfu is not None else "   - "
-        lines.append(f"{i:>3} {describe(c):42s} {c.degrees:13s} {c.micro_batch:>3} {c.grad_accum:>3} "
-                     f"{p.tokens_per_s_per_gpu:>10.0f} {mfu:>6} {p.peak_bytes / M.GIB:>9.1f}  {p.bottleneck}")
+        lines.append(
+            f"{i:>3} {describe(c):42s} {c.degrees:13s} {c.micro_batch:>3} {c.grad_accum:>3} "
+            f"{p.tokens_per_s_per_gpu:>10.0f} {mfu:>6} {p.peak_bytes / M.GIB:>9.1f}  {p.bottleneck}"
+        )
     return "\n".join(lines)
 
 
 def suite_toml(name: str, model: str, cfg, chosen: list[Candidate], gpu: str) -> str:
     """A suite of the chosen configurations, one [[matrix]] each, so one ``parabench run suite``
     measures what the planner predicted."""
+
     def val(v):
         if isinstance(v, bool):
             return "true" if v else "false"
         return str(v) if isinstance(v, (int, float)) else f'"{v}"'
 
-    lines = [f"# Written by `parabench plan` for {model} on {chosen[0].world_size if chosen else 0}x {gpu}: "
-             "the top configurations, to check the predictions.", "[suite]", f'name = "{name}"',
-             f'description = "parabench plan: top {len(chosen)} configurations of {model}"',
-             'device = "cuda"', 'precision = "bf16"', f"seq_len = {cfg.seq_len}", "steps = 10", "warmup = 3", ""]
+    lines = [
+        f"# Written by `parabench plan` for {model} on {chosen[0].world_size if chosen else 0}x {gpu}: "
+        "the top configurations, to check the predictions.",
+        "[suite]",
+        f'name = "{name}"',
+        f'description = "parabench plan: top {len(chosen)} configurations of {model}"',
+        'device = "cuda"',
+        'precision = "bf16"',
+        f"seq_len = {cfg.seq_len}",
+        "steps = 10",
+        "warmup = 3",
+        "",
+    ]
     for c in chosen:
         p = c.prediction
-        lines += [f"# predicted {p.tokens_per_s_per_gpu:.0f} tok/s/GPU, peak {p.peak_bytes / M.GIB:.1f} GiB, "
-                  f"step {p.step_s * 1e3:.0f} ms", "[[matrix]]", f'model = "{model}"', f'strategy = "{c.strategy}"',
-                  f"world_size = {c.world_size}", f'recipe = "{c.recipe}"', f"micro_batch = {c.micro_batch}",
-                  f"grad_accum = {c.grad_accum}"]
+        lines += [
+            f"# predicted {p.tokens_per_s_per_gpu:.0f} tok/s/GPU, peak {p.peak_bytes / M.GIB:.1f} GiB, "
+            f"step {p.step_s * 1e3:.0f} ms",
+            "[[matrix]]",
+            f'model = "{model}"',
+            f'strategy = "{c.strategy}"',
+            f"world_size = {c.world_size}",
+            f'recipe = "{c.recipe}"',
+            f"micro_batch = {c.micro_batch}",
+            f"grad_accum = {c.grad_accum}",
+        ]
         if c.options:
             lines.append("options = {" + ", ".join(f"{k} = {val(v)}" for k, v in c.options.items()) + "}")
         lines.append("")

@@ -70,9 +70,16 @@ def summarize(rows: list[dict]) -> dict:
         s = spearman(meas, pred) if len(rs) >= 3 else None
         if s is not None:
             rho.append(s)
-        per_group.append({"group": g, "configs": len(rs), "spearman": s, "fastest_named": ok,
-                          "fastest_measured": rs[int(np.argmin(meas))]["label"],
-                          "fastest_predicted": rs[int(np.argmin(pred))]["label"]})
+        per_group.append(
+            {
+                "group": g,
+                "configs": len(rs),
+                "spearman": s,
+                "fastest_named": ok,
+                "fastest_measured": rs[int(np.argmin(meas))]["label"],
+                "fastest_predicted": rs[int(np.argmin(pred))]["label"],
+            }
+        )
     pc = lambda v, q: float(np.percentile(v, q)) if v else None  # noqa: E731
     return {
         "configurations": len(rows),
@@ -99,15 +106,22 @@ def label(o: C.Observation) -> str:
 
 
 def _row(o: C.Observation, p: M.Prediction) -> dict:
-    return {"key": o.key, "label": label(o), "group": group_of(o.workload), "step_s": o.step_s,
-            "pred_step_s": p.step_s, "peak_bytes": o.peak_bytes, "pred_peak_bytes": p.peak_bytes,
-            "runs": o.runs}
+    return {
+        "key": o.key,
+        "label": label(o),
+        "group": group_of(o.workload),
+        "step_s": o.step_s,
+        "pred_step_s": p.step_s,
+        "peak_bytes": o.peak_bytes,
+        "pred_peak_bytes": p.peak_bytes,
+        "runs": o.runs,
+    }
 
 
 def leave_one_out(obs: list[C.Observation], collectives: dict) -> list[dict]:
     rows = []
     for i, o in enumerate(obs):
-        cal = C.fit(obs[:i] + obs[i + 1:], collectives)
+        cal = C.fit(obs[:i] + obs[i + 1 :], collectives)
         rows.append(_row(o, M.predict(o.workload, cal)))
     return rows
 
@@ -147,16 +161,22 @@ def _fmt(v, unit=""):
 
 
 def table(report: dict) -> str:
-    lines = ["| test | configs | step err median | step err p90 | peak err median | peak err p90 | Spearman median (groups) | fastest named |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| test | configs | step err median | step err p90 | peak err median | peak err p90 | Spearman median (groups) | fastest named |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name in ("in_sample", "leave_one_out", "out_of_scale"):
         s = report[name]
         fast = "-" if s["fastest_share"] is None else f"{s['fastest_share'] * 100:.0f}% of {s['fastest_groups']}"
-        lines.append(f"| {name.replace('_', ' ')} | {s['configurations']} | {_fmt(s['step_median_pct'], '%')} | "
-                     f"{_fmt(s['step_p90_pct'], '%')} | {_fmt(s['peak_median_pct'], '%')} | {_fmt(s['peak_p90_pct'], '%')} | "
-                     f"{_fmt(s['spearman_median'])} ({s['spearman_groups']}) | {fast} |")
+        lines.append(
+            f"| {name.replace('_', ' ')} | {s['configurations']} | {_fmt(s['step_median_pct'], '%')} | "
+            f"{_fmt(s['step_p90_pct'], '%')} | {_fmt(s['peak_median_pct'], '%')} | {_fmt(s['peak_p90_pct'], '%')} | "
+            f"{_fmt(s['spearman_median'])} ({s['spearman_groups']}) | {fast} |"
+        )
     t = report["targets"]
-    lines.append(f"| target | | <= {t['step_median_pct']:.0f}% | | <= {t['peak_median_pct']:.0f}% | | >= {t['spearman_min']} | >= {t['fastest_share'] * 100:.0f}% |")
+    lines.append(
+        f"| target | | <= {t['step_median_pct']:.0f}% | | <= {t['peak_median_pct']:.0f}% | | >= {t['spearman_min']} | >= {t['fastest_share'] * 100:.0f}% |"
+    )
     return "\n".join(lines)
 
 
@@ -174,8 +194,11 @@ def main(argv=None) -> int:
     if a.worst:
         rows = sorted(rep["predictions"], key=lambda r: -abs(r["pred_step_s"] / r["step_s"] - 1))[: a.worst]
         for r in rows:
-            pk = (f"peak {r['peak_bytes'] / M.GIB:.1f} pred {r['pred_peak_bytes'] / M.GIB:.1f} GiB"
-                  if r["pred_peak_bytes"] and r["peak_bytes"] else "")
+            pk = (
+                f"peak {r['peak_bytes'] / M.GIB:.1f} pred {r['pred_peak_bytes'] / M.GIB:.1f} GiB"
+                if r["pred_peak_bytes"] and r["peak_bytes"]
+                else ""
+            )
             print(f"  {r['group']:28s} {r['label']:50s} {r['step_s']:.3f}s pred {r['pred_step_s']:.3f}s {pk}")
     print(f"written {out}")
     return 0

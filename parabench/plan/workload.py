@@ -10,8 +10,18 @@ from parabench.record import byte_high
 
 # Options that change what is recorded, not what is timed or held (meters, traces): configurations
 # that differ only in these are the same configuration.
-INSTRUMENT_OPTIONS = frozenset({"step_breakdown", "memory_breakdown", "trace", "memory_snapshot", "roofline",
-                                "telemetry", "record_timeline", "step_sync"})
+INSTRUMENT_OPTIONS = frozenset(
+    {
+        "step_breakdown",
+        "memory_breakdown",
+        "trace",
+        "memory_snapshot",
+        "roofline",
+        "telemetry",
+        "record_timeline",
+        "step_sync",
+    }
+)
 
 
 def config_options(options: dict | None) -> dict:
@@ -74,9 +84,22 @@ def _degrees(strategy: str, world_size: int, options: dict, n_layers: int) -> di
     }
 
 
-def build(*, model: str, shape: dict, params: int, flops_per_token: float, hw_flops_per_token: float,
-          strategy: str, world_size: int, precision: str, recipe: str | None, micro_batch: int,
-          grad_accum: int, options: dict, theory: dict | None) -> Workload | None:
+def build(
+    *,
+    model: str,
+    shape: dict,
+    params: int,
+    flops_per_token: float,
+    hw_flops_per_token: float,
+    strategy: str,
+    world_size: int,
+    precision: str,
+    recipe: str | None,
+    micro_batch: int,
+    grad_accum: int,
+    options: dict,
+    theory: dict | None,
+) -> Workload | None:
     """A workload from plain values; None for a strategy family the planner does not model."""
     family = family_of(strategy)
     if family is None or shape.get("n_experts"):
@@ -145,18 +168,35 @@ def from_record(record: dict) -> Workload | None:
     )
 
 
-def for_config(*, model: str, cfg, strategy: str, world_size: int, precision: str = "bf16",
-               recipe: str | None = "master", micro_batch: int = 1, grad_accum: int = 1,
-               options: dict | None = None) -> Workload | None:
+def for_config(
+    *,
+    model: str,
+    cfg,
+    strategy: str,
+    world_size: int,
+    precision: str = "bf16",
+    recipe: str | None = "master",
+    micro_batch: int = 1,
+    grad_accum: int = 1,
+    options: dict | None = None,
+) -> Workload | None:
     """The workload of a configuration nobody ran: the theory's expectation computed now."""
     from parabench import theory
     from parabench.case import Case
     from parabench.models import MODEL_LADDER, hardware_flops_per_token, model_flops_per_token, parameter_count
 
     options = dict(options or {})
-    case = Case(model=model if model in MODEL_LADDER else "gpt-125m", strategy=strategy, world_size=world_size,
-                precision=precision, recipe=recipe, micro_batch=micro_batch, grad_accum=grad_accum,
-                seq_len=cfg.seq_len, options=options)
+    case = Case(
+        model=model if model in MODEL_LADDER else "gpt-125m",
+        strategy=strategy,
+        world_size=world_size,
+        precision=precision,
+        recipe=recipe,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        seq_len=cfg.seq_len,
+        options=options,
+    )
     deg = _degrees(strategy, world_size, case.options, cfg.n_layers)
     exp = theory.expected(case, cfg, deg["dp"])
     return build(

@@ -54,19 +54,21 @@ def prediction_rows(runs, calibration_dir=None) -> tuple[list[dict], list[str]]:
             step_err = (p.step_s - step) / step
             peak_err = (p.peak_bytes - peak) / peak if peak and p.peak_bytes else None
             miss = abs(step_err) > MISS or (peak_err is not None and abs(peak_err) > MISS)
-            rows.append({
-                "run": run_name(manifest),
-                "label": r.get("label"),
-                "step_ms": step * 1e3,
-                "pred_step_ms": p.step_s * 1e3,
-                "step_err_pct": step_err * 100,
-                "peak_gib": peak / M.GIB if peak else None,
-                "pred_peak_gib": p.peak_bytes / M.GIB if p.peak_bytes else None,
-                "peak_err_pct": peak_err * 100 if peak_err is not None else None,
-                "bottleneck": p.bottleneck,
-                "flag": "MISS" if miss else "",
-                "miss": miss,
-            })
+            rows.append(
+                {
+                    "run": run_name(manifest),
+                    "label": r.get("label"),
+                    "step_ms": step * 1e3,
+                    "pred_step_ms": p.step_s * 1e3,
+                    "step_err_pct": step_err * 100,
+                    "peak_gib": peak / M.GIB if peak else None,
+                    "pred_peak_gib": p.peak_bytes / M.GIB if p.peak_bytes else None,
+                    "peak_err_pct": peak_err * 100 if peak_err is not None else None,
+                    "bottleneck": p.bottleneck,
+                    "flag": "MISS" if miss else "",
+                    "miss": miss,
+                }
+            )
     return rows, sorted(missing)
 
 
@@ -76,12 +78,22 @@ def table_specs(runs, run_col: list, calibration_dir=None) -> list[dict]:
     rows, missing = prediction_rows(runs, calibration_dir)
     if not rows and not missing:
         return []
-    note = ("Each case beside the calibrated planner's prediction (parabench plan), from the record's own theory. "
-            f"Rows flagged MISS are off by more than {MISS:.0%} in step time or peak memory. The calibration may "
-            "include this run: see results/calibration/validation-*.json for leave-one-out errors.")
+    note = (
+        "Each case beside the calibrated planner's prediction (parabench plan), from the record's own theory. "
+        f"Rows flagged MISS are off by more than {MISS:.0%} in step time or peak memory. The calibration may "
+        "include this run: see results/calibration/validation-*.json for leave-one-out errors."
+    )
     if not rows:
         note = f"No planner calibration for {', '.join(missing)}: no predictions (calibrated GPU kinds only)."
     elif missing:
         note += f" No calibration for {', '.join(missing)}: those cases are left out."
-    return [{"id_": "predicted", "title": "Predicted vs measured", "columns": run_col + COLUMNS, "rows": rows,
-             "note": note, "row_class": lambda r: "bad-row" if r.get("miss") else ""}]
+    return [
+        {
+            "id_": "predicted",
+            "title": "Predicted vs measured",
+            "columns": run_col + COLUMNS,
+            "rows": rows,
+            "note": note,
+            "row_class": lambda r: "bad-row" if r.get("miss") else "",
+        }
+    ]
