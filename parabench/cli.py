@@ -417,6 +417,12 @@ def cmd_fidelity(args) -> int:
     return 1 if counts["failed"] or counts["timeout"] else 0
 
 
+def cmd_plan(args) -> int:
+    from parabench.plan.cli import plan_main
+
+    return plan_main(args)
+
+
 def cmd_env(args) -> int:
     from parabench.results import device_inventory, library_versions, recorded_env
 
@@ -541,6 +547,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redo", action="store_true", help="run scripts again where a result exists")
     p.add_argument("--no-report", action="store_true")
     p.set_defaults(func=cmd_fidelity)
+
+    p = sub.add_parser("plan", help="predict and rank the configurations of a model on N GPUs (calibrated model)")
+    from parabench.plan.cli import add_arguments as _plan_arguments
+
+    _plan_arguments(p)
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("env", help="versions, devices and recorded environment variables")
     p.set_defaults(func=cmd_env)

@@ -24,6 +24,7 @@ import jinja2
 from parabench.compare import DEFAULT_THRESHOLD, METRICS, compare_runs
 from parabench.report import cp_balance, frames, moe_routing, overview, recipe_effect, spread
 from parabench.report import fidelity as fidelity_section
+from parabench.report import predicted as predicted_section
 from parabench.report import scaling as scaling_section
 from parabench.report import step_breakdown as step_breakdown_section
 from parabench.report import traces as traces_section
@@ -473,6 +474,8 @@ def render_report(
     for spec in spread.table_specs(runs, run_col):  # repeated cases and ref/peer ratios, with intervals
         tables.append(_table(**spec))
     for spec in fidelity_section.table_specs(run_dirs, runs, run_col):  # adapters vs their library's script
+        tables.append(_table(**spec))
+    for spec in predicted_section.table_specs(runs, run_col):  # the planner's prediction beside each case
         tables.append(_table(**spec))
     if coll_rows:
         tables.append(

@@ -1,0 +1,341 @@
+"""Fit the planner's device constants from committed GPU runs.
+
+Observations are configurations, not records: every record of one configuration (same model,
+shape, strategy, options that change the run, recipe, batch, GPU count; meter options ignored)
+is one observation whose step time and peak are the medians over its records. Collective costs
+come from the collectives suite (``results/collectives-gpu``): alpha-beta per op, nccl-tests bus
+bandwidth. The rest is a weighted (relative-error) non-negative least-squares fit of the few
+constants in ``parabench.plan.model``; implementation factors are fitted last, from the residuals
+of each implementation's own configurations, shrunk toward "no difference".
+
+    python -m parabench.plan.calibrate [results] [--out results/calibration/h100.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from parabench.plan import model as M
+from parabench.plan.workload import config_options, from_record
+
+SCHEMA_VERSION = 1
+CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "results" / "calibration"
+# Device kinds: the substring of the CUDA device name, its dense bf16 peak (parabench.hardware).
+DEVICE_KINDS = {"h100": ("H100", 989.4e12), "h200": ("H200", 989.4e12), "a100": ("A100", 312e12)}
+# The large-GEMM ceiling R is measured, not fitted: fitted freely it trades against the per-layer
+# host term and lands above the vendor peak. bf16 8192^3 matmul on the 2x H100 machine
+# (docs/FACTS: about 790 TFLOP/s per GPU).
+MATMUL_CEILING = {"h100": 790e12, "h200": 790e12}
+
+
+class CalibrationError(RuntimeError):
+    pass
+
+
+def device_kind(name: str | None) -> str | None:
+    """``h100`` for "NVIDIA H100 80GB HBM3"; None for a CPU or an unknown device."""
+    if not name or "PCIe" in name:
+        return None
+    for kind, (sub, _) in DEVICE_KINDS.items():
+        if sub in name:
+            return kind
+    return None
+
+
+@dataclass
+class Observation:
+    key: str
+    workload: M.Workload
+    step_s: float
+    peak_bytes: float | None
+    runs: list = field(default_factory=list)
+    n_records: int = 0
+
+
+def config_key(record: dict) -> str:
+    c = record["case"]
+    return json.dumps(
+        [
+            c.get("model"),
+            c.get("seq_len") or (record.get("model") or {}).get("config", {}).get("seq_len"),
+            c.get("world_size"),
+            c.get("precision"),
+            _recipe(c),
+            c.get("micro_batch"),
+            c.get("grad_accum") or 1,
+            c.get("strategy"),
+            config_options(c.get("options")),
+        ],
+        sort_keys=True,
+    )
+
+
+def _recipe(case: dict):
+    from parabench.recipes import recipe_of
+
+    return recipe_of(case)
+
+
+def gpu_records(results_dir, kind: str = "h100"):
+    """(run dir, record) of every ok record of device ``kind`` below ``results_dir``."""
+    from parabench.results import load_run
+
+    root = Path(results_dir)
+    for manifest_path in sorted(root.rglob("manifest.json")):
+        run = manifest_path.parent
+        if not (run / "cases").is_dir():
+            continue
+        _, records = load_run(run)
+        for r in records:
+            if r.get("status") != "ok" or device_kind((r.get("device") or {}).get("name")) != kind:
+                continue
+            yield str(run.relative_to(root.parent) if root.parent in run.parents else run), r
+
+
+def observations(results_dir="results", kind: str = "h100") -> list[Observation]:
+    by_key: dict[str, list] = {}
+    for run, r in gpu_records(results_dir, kind):
+        m = r.get("metrics") or {}
+        if not m.get("step_time_s_median"):
+            continue
+        w = from_record(r)
+        if w is None:
+            continue
+        by_key.setdefault(config_key(r), []).append((run, r, w))
+    out = []
+    for key, items in sorted(by_key.items()):
+        steps = [r["metrics"]["step_time_s_median"] for _, r, _ in items]
+        peaks = [r["metrics"].get("peak_alloc_bytes") for _, r, _ in items if r["metrics"].get("peak_alloc_bytes")]
+        out.append(
+            Observation(
+                key,
+                items[0][2],
+                statistics.median(steps),
+                statistics.median(peaks) if peaks else None,
+                sorted({run for run, _, _ in items}),
+                len(items),
+            )
+        )
+    return out
+
+
+# --- collectives ----------------------------------------------------------------------------------
+
+
+def fit_collectives(results_dir="results", kind: str = "h100") -> dict:
+    """alpha (s) and bus bandwidth (B/s) per op from the backend rows of the collectives suite,
+    fitted on relative error so small and large messages both count; the largest group size wins."""
+    out: dict = {}
+    for path in sorted(Path(results_dir).glob("collectives*/*/collectives-w*.json")):
+        doc = json.loads(path.read_text())
+        if not doc.get("ok") or device_kind((doc.get("device") or {}).get("name")) != kind:
+            continue
+        n = int(doc["world_size"])
+        by_op: dict[str, list] = {}
+        for row in doc.get("rows") or []:
+            if row.get("algorithm") == "backend" and row.get("time_s_median"):
+                by_op.setdefault(row["op"], []).append((row["bytes"], row["time_s_median"]))
+        for op, pts in by_op.items():
+            if op in out and out[op]["group_size"] >= n:
+                continue
+            b = np.array([p[0] for p in pts], float)
+            t = np.array([p[1] for p in pts], float)
+            a = np.stack([np.ones_like(b), b], 1) / t[:, None]
+            (alpha, beta), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+            alpha = max(float(alpha), 0.0)
+            beta = max(float(beta), 1e-15)
+            out[op] = {
+                "alpha_s": alpha,
+                "busbw_Bps": M.bus_factor(op, n) / beta,
+                "group_size": n,
+                "source": str(path.parent),
+                "points": len(pts),
+            }
+    if not out:
+        raise CalibrationError(f"no collectives-suite result for {kind} under {results_dir}")
+    return out
+
+
+# --- fitting ---------------------------------------------------------------------------------------
+
+
+def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares by dropping the most negative column until none is (small
+    problems only; the columns are scaled to unit norm first)."""
+    norms = np.linalg.norm(a, axis=0)
+    norms[norms == 0] = 1.0
+    a = a / norms
+    active = [j for j in range(a.shape[1]) if np.any(a[:, j])]
+    x = np.zeros(a.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(a[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            x[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return x / norms
+
+
+def _impl_factors(ratios: dict[str, list[float]], log: bool) -> dict[str, float]:
+    """Per implementation, the median residual (a log ratio for time, a fraction for memory), shrunk
+    toward none: the median because one launch that stalled must not set a library's factor."""
+    out = {}
+    for impl, rs in ratios.items():
+        shrink = len(rs) / (len(rs) + M.SHRINK)
+        if log:
+            out[impl] = math.exp(statistics.median(math.log(r) for r in rs) * shrink)
+        else:
+            out[impl] = statistics.median(rs) * shrink
+    return out
+
+
+def fit_time(obs: list[Observation], collectives: dict, kind: str = "h100", rounds: int = 4) -> tuple[dict, dict]:
+    cols = M.TIME_CONSTANTS
+    feats = [M.time_features(o.workload, collectives) for o in obs]
+    x = np.array([[f[c] for c in cols] for f in feats])
+    consts = dict(M.TIME_DEFAULTS)
+    if kind in MATMUL_CEILING:
+        consts["inv_rate"] = 1 / MATMUL_CEILING[kind]
+    used = [j for j, c in enumerate(cols) if np.any(x[:, j]) and not (c == "inv_rate" and kind in MATMUL_CEILING)]
+    impl = {o.workload.impl: 1.0 for o in obs}
+    for _ in range(rounds):
+        y = np.array([o.step_s / impl[o.workload.impl] for o in obs])
+        fixed = np.array([sum(consts[c] * f[c] for j, c in enumerate(cols) if j not in used) for f in feats])
+        sol = nnls(x[:, used] / y[:, None], (y - fixed) / y)
+        for j, v in zip(used, sol):
+            consts[cols[j]] = float(v)
+        ratios: dict[str, list] = {}
+        for o, f in zip(obs, feats):
+            pred = sum(consts[c] * f[c] for c in cols)
+            ratios.setdefault(o.workload.impl, []).append(o.step_s / pred)
+        impl = _impl_factors(ratios, log=True)
+    # A constant no observation exercises keeps its default and says so.
+    return consts, impl | {"_fitted": [cols[j] for j in used]}
+
+
+def fit_memory(obs: list[Observation]) -> tuple[dict, dict]:
+    obs = [o for o in obs if o.peak_bytes and o.workload.state_bytes is not None]
+    cols = M.MEMORY_CONSTANTS
+    consts = dict(M.MEMORY_DEFAULTS)
+    impl: dict[str, float] = {}
+    if not obs:
+        return consts, {"_fitted": []}
+    mfs = [M.memory_features(o.workload) for o in obs]
+    used: list[int] = []
+    for _ in range(3):
+        rows = [max(mf.values(), key=lambda f: M._dot(consts, f)) for mf in mfs]
+        x = np.array([[f[c] for c in cols] for f in rows])
+        used = [j for j, c in enumerate(cols) if np.any(x[:, j])]
+        y = np.array(
+            [
+                o.peak_bytes
+                - o.workload.state_bytes
+                - o.workload.working_set_bytes
+                - impl.get(o.workload.impl, 0.0) * M.memory_unit(o.workload)
+                for o in obs
+            ]
+        )
+        peak = np.array([o.peak_bytes for o in obs])
+        sol = nnls(x[:, used] / peak[:, None], y / peak)
+        for j, v in zip(used, sol):
+            consts[cols[j]] = float(v)
+        resid: dict[str, list] = {}
+        for o, f in zip(obs, rows):
+            pred = o.workload.state_bytes + o.workload.working_set_bytes + M._dot(consts, f)
+            resid.setdefault(o.workload.impl, []).append((o.peak_bytes - pred) / M.memory_unit(o.workload))
+        impl = _impl_factors(resid, log=False)
+    return consts, impl | {"_fitted": [cols[j] for j in used]}
+
+
+def fit(obs: list[Observation], collectives: dict, kind: str = "h100", device_name: str | None = None) -> dict:
+    if not obs:
+        raise CalibrationError(f"no {kind} records to calibrate from")
+    time_c, impl_t = fit_time(obs, collectives, kind)
+    mem_c, impl_m = fit_memory(obs)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "plan-calibration",
+        "device_kind": kind,
+        "device_name": device_name,
+        "peak_flops": DEVICE_KINDS[kind][1],
+        "time": time_c,
+        "time_fitted": impl_t.pop("_fitted"),
+        "time_doc": M.TIME_DOC,
+        "memory": mem_c,
+        "memory_fitted": impl_m.pop("_fitted"),
+        "memory_doc": M.MEMORY_DOC,
+        "collectives": collectives,
+        "impl_time": dict(sorted(impl_t.items())),
+        "impl_memory": dict(sorted(impl_m.items())),
+        "configurations": len(obs),
+        "records": sum(o.n_records for o in obs),
+        "runs": sorted({r for o in obs for r in o.runs} | {c["source"] for c in collectives.values() if "source" in c}),
+    }
+
+
+def calibrate(results_dir="results", kind: str = "h100") -> dict:
+    return fit(observations(results_dir, kind), fit_collectives(results_dir, kind), kind, DEVICE_KINDS[kind][0])
+
+
+# --- storage ---------------------------------------------------------------------------------------
+
+
+def save(cal: dict, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(cal, f, indent=1, sort_keys=False)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load(path) -> dict:
+    path = Path(path)
+    cal = json.loads(path.read_text())
+    if cal.get("kind") != "plan-calibration" or cal.get("schema_version") != SCHEMA_VERSION:
+        raise CalibrationError(
+            f"{path}: not a plan calibration of schema {SCHEMA_VERSION} "
+            f"(got kind={cal.get('kind')!r}, schema_version={cal.get('schema_version')!r})"
+        )
+    return cal
+
+
+def calibration_path(kind: str, directory=None) -> Path:
+    return Path(directory or CALIBRATION_DIR) / f"{kind}.json"
+
+
+def load_kind(kind: str, directory=None) -> dict | None:
+    """The stored calibration of a device kind, or None where there is none."""
+    path = calibration_path(kind, directory)
+    return load(path) if path.is_file() else None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m parabench.plan.calibrate", description=__doc__.split("\n")[0])
+    ap.add_argument("results", nargs="?", default="results")
+    ap.add_argument("--kind", default="h100", choices=sorted(DEVICE_KINDS))
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    cal = calibrate(a.results, a.kind)
+    path = save(cal, a.out or calibration_path(a.kind, Path(a.results) / "calibration"))
+    print(f"{path}: {cal['configurations']} configurations from {cal['records']} records")
+    for k, v in cal["time"].items():
+        print(f"  {k:12s} {v:.4g}{'' if k in cal['time_fitted'] else '  (default)'}")
+    for k, v in cal["memory"].items():
+        print(f"  {k:18s} {v:.4g}{'' if k in cal['memory_fitted'] else '  (default)'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,133 @@
+"""``parabench plan``: arguments and output (cli.py keeps a two-line hook)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import tomllib
+
+SHAPE_FLAGS = ("layers", "hidden", "heads", "vocab", "seq")
+
+
+def add_arguments(p) -> None:
+    p.add_argument(
+        "--model", help="a model of the ladder (parabench list), or 'custom' with the shape flags or --shape"
+    )
+    p.add_argument(
+        "--shape",
+        metavar="TOML",
+        help="custom shape: a TOML file with n_layers, d_model, n_heads[, vocab_size, seq_len]",
+    )
+    p.add_argument("--layers", type=int)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--seq", type=int, help="sequence length (also overrides a ladder model's)")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpu", default="h100-80g", help="GPU kind (h100-80g, ...)")
+    p.add_argument(
+        "--recipe", default="master", help="master (bf16 params, fp32 masters) or amp (fp32 params, autocast)"
+    )
+    p.add_argument(
+        "--global-batch", type=int, help="sequences per optimizer step (fixes micro-batch x accumulation x dp)"
+    )
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--dropped", type=int, default=8, help="list this many dropped configurations with their reason")
+    p.add_argument("--write-suite", metavar="FILE", help="write a suite TOML of the top configurations")
+    p.add_argument(
+        "--calibration", metavar="DIR", help="folder of <kind>.json calibrations (default results/calibration)"
+    )
+
+
+class PlanError(ValueError):
+    pass
+
+
+def resolve_model(args):
+    from parabench.models import MODEL_LADDER, GPTConfig, model_config
+
+    custom = {k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k) is not None}
+    if args.shape:
+        data = tomllib.loads(Path(args.shape).read_text())
+        data = data.get("model", data)
+        known = {f.name for f in fields(GPTConfig)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError(f"{args.shape}: unknown shape keys {unknown}; valid: {', '.join(sorted(known))}")
+        return "custom", GPTConfig(**data)
+    if args.model in (None, "custom"):
+        need = ("layers", "hidden", "heads")
+        if not all(k in custom for k in need):
+            raise PlanError(
+                "give --model NAME, or a custom shape with --layers --hidden --heads [--vocab --seq] or --shape FILE"
+            )
+        return "custom", GPTConfig(
+            n_layers=custom["layers"],
+            d_model=custom["hidden"],
+            n_heads=custom["heads"],
+            vocab_size=custom.get("vocab", 50304),
+            seq_len=custom.get("seq", 2048),
+        )
+    dense = [n for n, c in MODEL_LADDER.items() if not c.is_moe]
+    if args.model not in dense:
+        raise PlanError(f"unknown model {args.model!r}; valid models: {', '.join(dense)} (or custom)")
+    return args.model, model_config(args.model, seq_len=custom.get("seq"), vocab_size=custom.get("vocab"))
+
+
+def plan_main(args) -> int:
+    from parabench.plan import calibrate as C
+    from parabench.plan import search as S
+    from parabench.recipes import RECIPES
+
+    try:
+        if args.gpu not in S.GPUS:
+            raise PlanError(f"unknown GPU {args.gpu!r}; valid GPUs: {', '.join(S.GPUS)}")
+        if args.recipe not in RECIPES:
+            raise PlanError(f"unknown recipe {args.recipe!r}; valid recipes: {', '.join(RECIPES)}")
+        if args.gpus < 1:
+            raise PlanError("--gpus must be at least 1")
+        model, cfg = resolve_model(args)
+        kind = S.GPUS[args.gpu][0]
+        cal = C.load_kind(kind, args.calibration)
+        if cal is None:
+            have = sorted(
+                p.stem
+                for p in Path(args.calibration or C.CALIBRATION_DIR).glob("*.json")
+                if not p.stem.startswith("validation")
+            )
+            raise PlanError(
+                f"no calibration for {args.gpu} ({kind}); calibrated kinds: {', '.join(have) or 'none'} "
+                f"(python -m parabench.plan.calibrate --kind {kind})"
+            )
+    except (PlanError, C.CalibrationError, OSError, tomllib.TOMLDecodeError, TypeError) as exc:
+        print(f"parabench plan: {exc}", file=sys.stderr)
+        return 2
+    ok, dropped = S.plan(model, cfg, args.gpus, args.gpu, cal, args.recipe, args.global_batch)
+    print(
+        f"{model}: {cfg.n_layers} layers, d {cfg.d_model}, {cfg.n_heads} heads, vocab {cfg.vocab_size}, seq "
+        f"{cfg.seq_len}; {args.gpus}x {args.gpu}, bf16-{args.recipe}"
+        + (f", global batch {args.global_batch}" if args.global_batch else "")
+        + f"; calibration {kind} ({cal['configurations']} configurations)"
+    )
+    print(f"{len(ok)} of {len(ok) + len(dropped)} configurations fit; predicted, ranked by tokens/s per GPU:\n")
+    print(S.table(ok, args.top) if ok else "(none fits)")
+    shown = [c for c in dropped if not c.dropped.startswith("invalid")][: args.dropped]
+    if shown:
+        print("\ndropped (first of each kind):")
+        for c in shown:
+            print(f"  {S.describe(c):42s} mb {c.micro_batch:<3} {c.dropped}")
+    if args.write_suite:
+        if model == "custom":
+            print("parabench plan: --write-suite needs a ladder model (suites name models by name)", file=sys.stderr)
+            return 2
+        name = re.sub(r"[^A-Za-z0-9_.-]", "-", Path(args.write_suite).stem)
+        text = S.suite_toml(name, model, cfg, ok[: args.top], args.gpu)
+        Path(args.write_suite).write_text(text)
+        from parabench.suite import load_suite
+
+        suite = load_suite(str(args.write_suite))
+        print(f"\nwrote {args.write_suite}: {len(suite.cases)} cases (parabench run suite {args.write_suite})")
+    return 0

@@ -1,0 +1,382 @@
+"""The physics of one training step, from parts a reader can check.
+
+A ``Workload`` is one configuration: model shape x strategy and degrees (dp, tp, pp) x recipe x
+micro-batch and accumulation x GPU count, together with the analytic expectation parabench's
+theory gives for it (``parabench.theory.expected``: model-state bytes per rank, communication
+payload by kind). Nothing here recomputes those: state and traffic come from the theory (or, in
+the report, from the record's own ``theory`` section), so a ZeRO line predicted here is the
+ZeRO line the theory checks measurements against.
+
+Step time (per optimizer step, per rank), every term a rate times an amount:
+
+- compute      FLOPs of the rank (model FLOPs + recomputation) / achieved matmul rate, where the
+               rate saturates with the GEMM size x = tokens per micro-batch x width / tp:
+               t = F * (1/R + (x0/R) / x)  (a roofline with a half-saturation size x0)
+- bubble       pipeline: compute * (p-1) / (v*m)  (GPipe/1F1B bubble (p-1)/(m+p-1) of the step)
+- memory       bytes the optimizer step and the casts move / memory bandwidth: optimizer
+               reads and writes every state byte; autocast ("amp") casts fp32 weights per pass
+- host         launch overhead per layer and micro-batch pass
+- offload      bytes of the CPU optimizer states / host bandwidth
+- comm         sum over collective kinds of exposure_class * (calls*alpha + bytes*bus/busbw),
+               alpha-beta from the collectives suite, exposure (the part not hidden behind
+               compute) fitted per strategy family
+- x impl       one factor per implementation (a peer's eager dispatch, a library's extra syncs),
+               fitted from the other configurations of the same implementation only
+
+Peak memory per rank: model states (theory) + activations after Korthikanti et al. 2022
+("Reducing Activation Recomputation in Large Transformer Models", Sec. 4, flash attention so no
+5as/h term) per layer x layers held x micro-batches in flight, with or without checkpointing
++ logits (b*s*V elements, per recipe bytes per element fitted) + autocast's weight copies
++ the theory's working set (gathered parameters, gradient buckets) + a constant.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+GIB = 1 << 30
+
+
+# Collective kinds and how many times the payload crosses a link per rank (nccl-tests bus factor).
+def bus_factor(kind: str, n: int) -> float:
+    if n <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0  # send, recv, broadcast, reduce
+
+
+# Which collectives suite op stands in for a kind the suite does not time.
+BENCH_OP = {
+    "all_reduce": "all_reduce",
+    "all_gather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "send": "all_gather",
+    "recv": "all_gather",
+    "broadcast": "all_gather",
+    "all_to_all": "all_gather",
+}
+
+# The fitted step-time constants, in the order of the least-squares columns.
+TIME_CONSTANTS = (
+    "inv_rate",
+    "inv_rate_x",
+    "inv_mem_bw",
+    "host_s",
+    "inv_host_bw",
+    "exp_dp",
+    "exp_shard",
+    "exp_tp",
+    "exp_p2p",
+)
+MEMORY_CONSTANTS = ("act_master", "act_amp", "logit_bytes_master", "logit_bytes_amp", "cast", "const_bytes")
+TIME_DOC = {
+    "inv_rate": "s/FLOP at large GEMMs (1 / achieved matmul rate R)",
+    "inv_rate_x": "x0/R: s/FLOP x GEMM size (M tokens x width / tp, in 1e6) of the small-GEMM penalty",
+    "inv_mem_bw": "s/byte of optimizer-step and cast traffic (1 / achieved HBM bandwidth)",
+    "host_s": "s of host/launch overhead per layer per micro-batch pass",
+    "inv_host_bw": "s/byte of CPU-offloaded optimizer state (1 / host bandwidth)",
+    "exp_dp": "exposed fraction of data-parallel gradient traffic (DDP family)",
+    "exp_shard": "exposed fraction of sharded (ZeRO/FSDP) traffic",
+    "exp_tp": "exposed fraction of tensor-parallel traffic",
+    "exp_p2p": "exposed fraction of pipeline send/recv",
+}
+MEMORY_DOC = {
+    "act_master": "multiplier on Korthikanti's activation bytes, bf16/fp16 parameters",
+    "act_amp": "multiplier on Korthikanti's activation bytes under autocast (fp32 residual stream)",
+    "logit_bytes_master": "bytes per logit element (b*s*V) alive at the peak, master recipe",
+    "logit_bytes_amp": "bytes per logit element alive at the peak, amp recipe",
+    "cast": "multiplier on autocast's 16-bit weight copies (2 bytes per parameter held)",
+    "const_bytes": "fixed bytes (CUDA workspaces, allocator slack)",
+}
+# Used where the calibration has no record that exercises a constant (never silently zero).
+TIME_DEFAULTS = {
+    "inv_rate": 1 / 600e12,
+    "inv_rate_x": 0.0,
+    "inv_mem_bw": 1 / 2.0e12,
+    "host_s": 0.0,
+    "inv_host_bw": 1 / 20e9,
+    "exp_dp": 1.0,
+    "exp_shard": 1.0,
+    "exp_tp": 1.0,
+    "exp_p2p": 1.0,
+}
+MEMORY_DEFAULTS = {
+    "act_master": 1.0,
+    "act_amp": 1.3,
+    "logit_bytes_master": 10.0,
+    "logit_bytes_amp": 12.0,
+    "cast": 1.0,
+    "const_bytes": 0.5 * GIB,
+}
+# Implementation factors are shrunk toward 1 (time) and 0 (memory) as if this many configurations
+# had shown no difference: one configuration of an implementation does not define it.
+SHRINK = 1.0
+
+
+def family_of(strategy: str) -> str | None:
+    """The strategy family the planner models, from the name (the report has no registry)."""
+    s = strategy.split(".", 1)[-1]
+    if strategy.startswith("deepspeed.pp") or s.startswith(("tp", "pp")):
+        return "model_parallel"
+    if s.startswith(("zero", "fsdp", "hsdp")):
+        return "sharded"
+    if s in ("ddp", "single", "ps"):
+        return "data_parallel"
+    return None  # compression, context, expert parallelism: not modelled
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One configuration, with what the theory expects of it (bytes per rank)."""
+
+    model: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    vocab_size: int
+    seq_len: int
+    params: int
+    flops_per_token: float  # model FLOPs (6N + 12Lsd)
+    hw_flops_per_token: float  # + recomputation
+    strategy: str
+    family: str
+    world_size: int
+    precision: str
+    recipe: str | None
+    micro_batch: int
+    grad_accum: int = 1
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    microbatches: int = 1  # pipeline micro-batches per micro_batch
+    virtual_stages: int = 1
+    schedule: str | None = None  # "1f1b" | "gpipe"
+    sp: bool = False
+    checkpointing: bool = False
+    offload: bool = False
+    profile: str | None = None
+    state_bytes: float | None = None  # model states of the heaviest rank
+    state_source: str = "theory"
+    working_set_bytes: float = 0.0
+    cpu_state_bytes: float = 0.0
+    comm_bytes: dict = field(default_factory=dict)  # kind -> payload bytes per step, rank 0
+
+    @property
+    def impl(self) -> str:
+        return f"{self.strategy}:{self.profile}" if self.profile else self.strategy
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch * self.grad_accum * self.dp * self.seq_len
+
+    @property
+    def rows(self) -> float:
+        """Sequences in one forward pass of one rank."""
+        return self.micro_batch / (self.microbatches if self.pp > 1 else 1)
+
+    @property
+    def passes(self) -> int:
+        """Forward+backward passes of one rank per optimizer step."""
+        return self.grad_accum * (self.microbatches if self.pp > 1 else 1)
+
+    @property
+    def gemm_size(self) -> float:
+        return self.rows * self.seq_len * self.d_model / self.tp / 1e6
+
+
+@dataclass
+class Prediction:
+    step_s: float
+    time_s: dict  # part -> seconds (after the implementation factor)
+    tokens_per_s_per_gpu: float
+    mfu: float | None
+    peak_bytes: float | None
+    memory_bytes: dict
+    comm_bytes: dict
+    bottleneck: str
+    notes: list = field(default_factory=list)
+
+
+# --- step time ---------------------------------------------------------------------------------
+
+
+def exposure_class(w: Workload, kind: str) -> str:
+    if kind in ("send", "recv"):
+        return "exp_p2p"
+    if w.family == "model_parallel":
+        return "exp_tp" if w.tp > 1 else "exp_dp"
+    return "exp_shard" if w.family == "sharded" else "exp_dp"
+
+
+def group_size(w: Workload, kind: str) -> int:
+    if kind in ("send", "recv"):
+        return 2
+    if w.family == "model_parallel" and w.tp > 1:
+        return w.tp
+    return w.dp
+
+
+def collective_s(collectives: dict, kind: str, nbytes: float, n: int, calls: float) -> float:
+    """alpha-beta time of ``calls`` collectives moving ``nbytes`` payload in a group of n."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    c = collectives.get(BENCH_OP.get(kind, "all_reduce")) or collectives.get("all_reduce")
+    return calls * c["alpha_s"] + nbytes * bus_factor(kind, n) / c["busbw_Bps"]
+
+
+def comm_calls(w: Workload, kind: str, nbytes: float) -> float:
+    """Collective launches per step: per layer and pass for tensor parallelism and pipelines,
+    25 MiB buckets for gradient traffic (the default of DDP and the references)."""
+    if kind in ("send", "recv"):
+        return 2 * w.passes
+    if w.family == "model_parallel" and w.tp > 1:
+        return 4 * w.n_layers / w.pp * w.passes
+    if w.family == "sharded":
+        return max(1.0, nbytes / (25 << 20), w.n_layers)
+    return max(1.0, nbytes / (25 << 20))
+
+
+def time_features(w: Workload, collectives: dict) -> dict:
+    """The amounts each fitted constant multiplies: step_s = sum(constant * feature)."""
+    flops = w.tokens_per_step * w.hw_flops_per_token / w.world_size
+    bubble = (w.pp - 1) / (w.virtual_stages * w.microbatches) if w.pp > 1 else 0.0
+    params_rank = w.params / (w.tp * w.pp)
+    mem_bytes = 2 * (w.state_bytes or 0) + (6 * params_rank * w.passes if w.recipe == "amp" else 0)
+    f = dict.fromkeys(TIME_CONSTANTS, 0.0)
+    f["inv_rate"] = flops * (1 + bubble)
+    f["inv_rate_x"] = flops * (1 + bubble) / w.gemm_size
+    f["inv_mem_bw"] = mem_bytes
+    f["host_s"] = w.n_layers / w.pp * w.passes
+    f["inv_host_bw"] = 2 * w.cpu_state_bytes if w.offload else 0.0
+    for kind, nbytes in w.comm_bytes.items():
+        n = group_size(w, kind)
+        f[exposure_class(w, kind)] += collective_s(collectives, kind, nbytes, n, comm_calls(w, kind, nbytes))
+    return f
+
+
+TIME_PARTS = {
+    "compute": ("inv_rate", "inv_rate_x"),
+    "memory": ("inv_mem_bw",),
+    "host": ("host_s",),
+    "offload": ("inv_host_bw",),
+    "comm": ("exp_dp", "exp_shard", "exp_tp", "exp_p2p"),
+}
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+
+def activation_layer_bytes(w: Workload) -> float:
+    """Korthikanti et al. Table 2 bytes per layer per micro-batch (16-bit, flash attention)."""
+    sbh = w.seq_len * w.rows * w.d_model
+    t = w.tp if w.family == "model_parallel" else 1
+    if t == 1:
+        return 34 * sbh
+    return 34 * sbh / t if w.sp or w.strategy.endswith("_sp") else sbh * (10 + 24 / t)
+
+
+def in_flight(w: Workload) -> int:
+    """Micro-batches whose activations stage 0 holds at its peak."""
+    if w.pp <= 1:
+        return 1
+    return w.microbatches if w.schedule == "gpipe" else min(w.pp, w.microbatches)
+
+
+def memory_features(w: Workload) -> dict:
+    """Amounts per fitted memory constant for the heaviest pipeline stage (stage 0 holds the most
+    activations, the last the logits: both are computed, the larger wins at the fitted constants,
+    so this returns both as ``first`` and ``last``)."""
+    layers = w.n_layers / w.pp
+    per_layer = activation_layer_bytes(w)
+    if w.checkpointing:  # each block's input kept, one block's activations live during recompute
+        sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
+        act_first = 2 * w.seq_len * w.rows * w.d_model / sp_div * layers * in_flight(w) + per_layer
+        act_last = act_first if w.pp == 1 else 2 * w.seq_len * w.rows * w.d_model / sp_div * layers + per_layer
+    else:
+        act_first = per_layer * layers * in_flight(w)
+        act_last = per_layer * layers
+    vocab_div = w.tp if w.family == "model_parallel" else 1
+    logits = w.rows * w.seq_len * w.vocab_size / vocab_div
+    sharded_params = w.family == "sharded" and ("zero3" in w.strategy or "fsdp" in w.strategy or "hsdp" in w.strategy)
+    cast = 2 * w.params / (w.tp * w.pp) if w.recipe == "amp" and not sharded_params else 0.0
+    amp = w.recipe == "amp"
+    base = dict.fromkeys(MEMORY_CONSTANTS, 0.0)
+    base["cast"] = cast
+    base["const_bytes"] = 1.0
+    first, last = dict(base), dict(base)
+    first["act_amp" if amp else "act_master"] = act_first
+    last["act_amp" if amp else "act_master"] = act_last
+    last["logit_bytes_amp" if amp else "logit_bytes_master"] = logits
+    if w.pp == 1:
+        first["logit_bytes_amp" if amp else "logit_bytes_master"] = logits
+    return {"first": first, "last": last}
+
+
+def memory_unit(w: Workload) -> float:
+    """What an implementation's extra memory scales with: its model states (parameter bytes
+    where everything is offloaded)."""
+    return w.state_bytes or 2.0 * w.params / (w.tp * w.pp)
+
+
+# --- prediction ----------------------------------------------------------------------------------
+
+
+def _dot(consts: dict, feats: dict) -> float:
+    return sum(consts[k] * feats[k] for k in feats)
+
+
+def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
+    """Step time, throughput, MFU, peak memory and traffic of ``w`` under calibration ``cal``."""
+    tc = {**TIME_DEFAULTS, **cal["time"]}
+    mc = {**MEMORY_DEFAULTS, **cal["memory"]}
+    feats = time_features(w, cal["collectives"])
+    parts = {part: sum(tc[k] * feats[k] for k in keys) for part, keys in TIME_PARTS.items()}
+    flops = w.tokens_per_step * w.hw_flops_per_token / w.world_size
+    bubble = (w.pp - 1) / (w.virtual_stages * w.microbatches) if w.pp > 1 else 0.0
+    parts["bubble"] = parts["compute"] * bubble / (1 + bubble)
+    parts["compute"] -= parts["bubble"]
+    notes = []
+    factor = 1.0
+    if impl:
+        factor = (cal.get("impl_time") or {}).get(w.impl, 1.0)
+        if w.impl not in (cal.get("impl_time") or {}):
+            notes.append(f"no calibrated record of {w.impl}: implementation factor 1")
+    parts = {k: v * factor for k, v in parts.items()}
+    step = sum(parts.values())
+    tokens_per_gpu = w.tokens_per_step / step / w.world_size
+    peak_flops = cal.get("peak_flops")
+    mfu = w.tokens_per_step * w.flops_per_token / step / w.world_size / peak_flops if peak_flops else None
+    mem = None
+    mem_parts: dict = {}
+    if w.state_bytes is not None:
+        mf = memory_features(w)
+        stage = max(mf.values(), key=lambda f: _dot(mc, f))
+        extra_frac = (cal.get("impl_memory") or {}).get(w.impl, 0.0) if impl else 0.0
+        mem_parts = {
+            "model_states": w.state_bytes,
+            "activations": mc["act_master"] * stage["act_master"] + mc["act_amp"] * stage["act_amp"],
+            "logits": mc["logit_bytes_master"] * stage["logit_bytes_master"]
+            + mc["logit_bytes_amp"] * stage["logit_bytes_amp"],
+            "cast_copies": mc["cast"] * stage["cast"],
+            "working_set": w.working_set_bytes,
+            "fixed": mc["const_bytes"],
+            "implementation": extra_frac * memory_unit(w),
+        }
+        mem = sum(mem_parts.values())
+    else:
+        notes.append("no model-state expectation: no memory prediction")
+    bottleneck = max((k for k in parts), key=lambda k: parts[k])
+    del flops
+    return Prediction(step, parts, tokens_per_gpu, mfu, mem, mem_parts, dict(w.comm_bytes), bottleneck, notes)
+
+
+def with_options(w: Workload, **changes) -> Workload:
+    return replace(w, **changes)
+
+
+def is_finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)

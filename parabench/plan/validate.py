@@ -1,0 +1,208 @@
+"""Validation that cannot flatter itself.
+
+- Leave-one-configuration-out: every configuration (all its records) is predicted from a
+  calibration fitted without it, implementation factors included.
+- Out-of-scale: calibrate on the 1-GPU configurations only (collectives from the suite, which
+  is not a training record), predict every 2-GPU configuration. No 4-GPU GPU record is committed
+  yet, so 1 -> 2 GPUs is the largest extrapolation the data allows.
+
+Reported: median and 90th-percentile absolute % error of step time and peak memory; Spearman
+rank correlation of the configurations within each (model, GPU count, recipe, micro-batch) group of
+at least 3; the share of groups (of at least 2) whose fastest configuration is named correctly.
+
+    python -m parabench.plan.validate [results] [--out results/calibration/validation-h100.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from parabench.plan import calibrate as C
+from parabench.plan import model as M
+
+TARGETS = {"step_median_pct": 10.0, "peak_median_pct": 5.0, "spearman_min": 0.9, "fastest_share": 0.8}
+
+
+def _ranks(x) -> np.ndarray:
+    x = np.asarray(x, float)
+    order = x.argsort()
+    r = np.empty(len(x))
+    r[order] = np.arange(len(x))
+    for v in np.unique(x):  # ties share their mean rank
+        r[x == v] = r[x == v].mean()
+    return r
+
+
+def spearman(a, b) -> float | None:
+    ra, rb = _ranks(a), _ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return None
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def group_of(w: M.Workload) -> str:
+    return f"{w.model} w{w.world_size} {w.recipe} mb{w.micro_batch}"
+
+
+def _pct(pred, meas):
+    return abs(pred - meas) / meas * 100
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Error percentiles and within-group ranking of rows {key, group, step_s, pred_step_s, peak_bytes, pred_peak_bytes}."""
+    step_err = [_pct(r["pred_step_s"], r["step_s"]) for r in rows]
+    peak_err = [_pct(r["pred_peak_bytes"], r["peak_bytes"]) for r in rows if r["pred_peak_bytes"] and r["peak_bytes"]]
+    groups: dict[str, list] = {}
+    for r in rows:
+        groups.setdefault(r["group"], []).append(r)
+    rho, fastest, per_group = [], [], []
+    for g, rs in sorted(groups.items()):
+        if len(rs) < 2:
+            continue
+        meas = [r["step_s"] for r in rs]
+        pred = [r["pred_step_s"] for r in rs]
+        ok = int(np.argmin(meas)) == int(np.argmin(pred))
+        fastest.append(ok)
+        s = spearman(meas, pred) if len(rs) >= 3 else None
+        if s is not None:
+            rho.append(s)
+        per_group.append(
+            {
+                "group": g,
+                "configs": len(rs),
+                "spearman": s,
+                "fastest_named": ok,
+                "fastest_measured": rs[int(np.argmin(meas))]["label"],
+                "fastest_predicted": rs[int(np.argmin(pred))]["label"],
+            }
+        )
+    pc = lambda v, q: float(np.percentile(v, q)) if v else None  # noqa: E731
+    return {
+        "configurations": len(rows),
+        "step_median_pct": pc(step_err, 50),
+        "step_p90_pct": pc(step_err, 90),
+        "peak_configurations": len(peak_err),
+        "peak_median_pct": pc(peak_err, 50),
+        "peak_p90_pct": pc(peak_err, 90),
+        "spearman_groups": len(rho),
+        "spearman_median": pc(rho, 50),
+        "spearman_min": min(rho) if rho else None,
+        "spearman_share_ge_0.9": float(np.mean([r >= 0.9 for r in rho])) if rho else None,
+        "fastest_groups": len(fastest),
+        "fastest_share": float(np.mean(fastest)) if fastest else None,
+        "groups": per_group,
+    }
+
+
+def label(o: C.Observation) -> str:
+    w = o.workload
+    opts = json.loads(o.key)[-1]
+    extra = " ".join(f"{k}={v}" for k, v in opts.items())
+    return f"{w.strategy} {extra}".strip()
+
+
+def _row(o: C.Observation, p: M.Prediction) -> dict:
+    return {
+        "key": o.key,
+        "label": label(o),
+        "group": group_of(o.workload),
+        "step_s": o.step_s,
+        "pred_step_s": p.step_s,
+        "peak_bytes": o.peak_bytes,
+        "pred_peak_bytes": p.peak_bytes,
+        "runs": o.runs,
+    }
+
+
+def leave_one_out(obs: list[C.Observation], collectives: dict) -> list[dict]:
+    rows = []
+    for i, o in enumerate(obs):
+        cal = C.fit(obs[:i] + obs[i + 1 :], collectives)
+        rows.append(_row(o, M.predict(o.workload, cal)))
+    return rows
+
+
+def out_of_scale(obs: list[C.Observation], collectives: dict, train_ws=(1,), test_ws=(2,)) -> list[dict]:
+    train = [o for o in obs if o.workload.world_size in train_ws]
+    test = [o for o in obs if o.workload.world_size in test_ws]
+    if not train or not test:
+        return []
+    cal = C.fit(train, collectives)
+    return [_row(o, M.predict(o.workload, cal)) for o in test]
+
+
+def validate(results_dir="results", kind="h100") -> dict:
+    obs = C.observations(results_dir, kind)
+    coll = C.fit_collectives(results_dir, kind)
+    full = C.fit(obs, coll)
+    in_sample = [_row(o, M.predict(o.workload, full)) for o in obs]
+    loo = leave_one_out(obs, coll)
+    oos = out_of_scale(obs, coll)
+    return {
+        "schema_version": C.SCHEMA_VERSION,
+        "kind": "plan-validation",
+        "device_kind": kind,
+        "targets": TARGETS,
+        "in_sample": summarize(in_sample),
+        "leave_one_out": summarize(loo),
+        "out_of_scale": {"train": "1-GPU configurations", "test": "2-GPU configurations", **summarize(oos)},
+        "predictions": loo,
+        "out_of_scale_predictions": oos,
+        "runs": full["runs"],
+    }
+
+
+def _fmt(v, unit=""):
+    return "-" if v is None else (f"{v:.1f}{unit}" if unit == "%" else f"{v:.2f}")
+
+
+def table(report: dict) -> str:
+    lines = [
+        "| test | configs | step err median | step err p90 | peak err median | peak err p90 | Spearman median (groups) | fastest named |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name in ("in_sample", "leave_one_out", "out_of_scale"):
+        s = report[name]
+        fast = "-" if s["fastest_share"] is None else f"{s['fastest_share'] * 100:.0f}% of {s['fastest_groups']}"
+        lines.append(
+            f"| {name.replace('_', ' ')} | {s['configurations']} | {_fmt(s['step_median_pct'], '%')} | "
+            f"{_fmt(s['step_p90_pct'], '%')} | {_fmt(s['peak_median_pct'], '%')} | {_fmt(s['peak_p90_pct'], '%')} | "
+            f"{_fmt(s['spearman_median'])} ({s['spearman_groups']}) | {fast} |"
+        )
+    t = report["targets"]
+    lines.append(
+        f"| target | | <= {t['step_median_pct']:.0f}% | | <= {t['peak_median_pct']:.0f}% | | >= {t['spearman_min']} | >= {t['fastest_share'] * 100:.0f}% |"
+    )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m parabench.plan.validate", description=__doc__.split("\n")[0])
+    ap.add_argument("results", nargs="?", default="results")
+    ap.add_argument("--kind", default="h100", choices=sorted(C.DEVICE_KINDS))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--worst", type=int, default=0, help="also list the N worst leave-one-out step predictions")
+    a = ap.parse_args(argv)
+    rep = validate(a.results, a.kind)
+    out = Path(a.out or Path(a.results) / "calibration" / f"validation-{a.kind}.json")
+    C.save(rep, out)
+    print(table(rep))
+    if a.worst:
+        rows = sorted(rep["predictions"], key=lambda r: -abs(r["pred_step_s"] / r["step_s"] - 1))[: a.worst]
+        for r in rows:
+            pk = (
+                f"peak {r['peak_bytes'] / M.GIB:.1f} pred {r['pred_peak_bytes'] / M.GIB:.1f} GiB"
+                if r["pred_peak_bytes"] and r["peak_bytes"]
+                else ""
+            )
+            print(f"  {r['group']:28s} {r['label']:50s} {r['step_s']:.3f}s pred {r['pred_step_s']:.3f}s {pk}")
+    print(f"written {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,216 @@
+"""Workloads from a stored record (no torch: the report uses this) or from a configuration the
+planner has not run (the theory's expectation, computed now)."""
+
+from __future__ import annotations
+
+import json
+
+from parabench.plan.model import Workload, family_of
+from parabench.record import byte_high
+
+# Options that change what is recorded, not what is timed or held (meters, traces): configurations
+# that differ only in these are the same configuration.
+INSTRUMENT_OPTIONS = frozenset(
+    {
+        "step_breakdown",
+        "memory_breakdown",
+        "trace",
+        "memory_snapshot",
+        "roofline",
+        "telemetry",
+        "record_timeline",
+        "step_sync",
+    }
+)
+
+
+def config_options(options: dict | None) -> dict:
+    return {k: v for k, v in sorted((options or {}).items()) if k not in INSTRUMENT_OPTIONS}
+
+
+def _sum_bytes(d) -> float | None:
+    if not isinstance(d, dict):
+        return None
+    vals = [byte_high(v) for v in d.values()]
+    return None if any(v is None for v in vals) else float(sum(vals))
+
+
+def _state_total(theory: dict) -> tuple[float | None, str]:
+    state = theory.get("state_bytes")
+    if isinstance(state, list):
+        totals = [_sum_bytes(s) for s in state]
+        if totals and None not in totals:
+            return max(totals), "theory"
+    elif isinstance(state, dict):
+        total = _sum_bytes(state)
+        if total is not None:
+            return total, "theory"
+    paper = theory.get("paper_state_bytes")
+    if isinstance(paper, (int, float)):
+        return float(paper), "zero-paper"
+    return None, "none"
+
+
+def _cpu_state(theory: dict, strategy: str, params: int, world_size: int) -> float:
+    """Bytes of optimizer state on the host: the theory's figure, else the ZeRO-Offload layout
+    (fp32 master, gradients and two moments: 16 bytes per parameter, sharded over the ranks)."""
+    if "offload" not in strategy:
+        return 0.0
+    return _sum_bytes(theory.get("cpu_state_bytes")) or 16.0 * params / world_size
+
+
+def _degrees(strategy: str, world_size: int, options: dict, n_layers: int) -> dict:
+    tp = int(options.get("tp") or 1)
+    pp = int(options.get("pp") or 1)
+    if family_of(strategy) != "model_parallel":
+        tp = pp = 1
+    m = options.get("microbatches")
+    m = int(m) if m else 2 * pp
+    interleaved = "interleaved" in strategy
+    if strategy.endswith("gpipe"):
+        schedule = "gpipe"
+    elif pp > 1:
+        schedule = options.get("schedule") or "1f1b"
+    else:
+        schedule = None
+    return {
+        "tp": tp,
+        "pp": pp,
+        "dp": max(1, world_size // (tp * pp)),
+        "microbatches": m if pp > 1 else 1,
+        "virtual_stages": int(options.get("virtual_stages") or 2) if interleaved else 1,
+        "schedule": schedule,
+        "sp": bool(options.get("sp")) or strategy.endswith("_sp"),
+    }
+
+
+def build(
+    *,
+    model: str,
+    shape: dict,
+    params: int,
+    flops_per_token: float,
+    hw_flops_per_token: float,
+    strategy: str,
+    world_size: int,
+    precision: str,
+    recipe: str | None,
+    micro_batch: int,
+    grad_accum: int,
+    options: dict,
+    theory: dict | None,
+) -> Workload | None:
+    """A workload from plain values; None for a strategy family the planner does not model."""
+    family = family_of(strategy)
+    if family is None or shape.get("n_experts"):
+        return None
+    theory = theory or {}
+    state, source = _state_total(theory)
+    comm = {k: float(byte_high(v) or 0) for k, v in (theory.get("comm_payload_bytes") or {}).items()}
+    return Workload(
+        model=model,
+        n_layers=shape["n_layers"],
+        d_model=shape["d_model"],
+        n_heads=shape["n_heads"],
+        vocab_size=shape["vocab_size"],
+        seq_len=shape["seq_len"],
+        params=int(params),
+        flops_per_token=float(flops_per_token),
+        hw_flops_per_token=float(hw_flops_per_token),
+        strategy=strategy,
+        family=family,
+        world_size=world_size,
+        precision=precision,
+        recipe=recipe,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum or 1,
+        checkpointing=bool(options.get("activation_checkpointing")),
+        offload="offload" in strategy,
+        profile=options.get("profile"),
+        state_bytes=state,
+        state_source=source,
+        working_set_bytes=_sum_bytes(theory.get("working_set_bytes")) or 0.0,
+        cpu_state_bytes=_cpu_state(theory, strategy, params, world_size),
+        comm_bytes={k: v for k, v in comm.items() if v > 0},
+        **_degrees(strategy, world_size, options, shape["n_layers"]),
+    )
+
+
+def from_record(record: dict) -> Workload | None:
+    """The workload a stored record ran, with the record's own theory (no torch)."""
+    from parabench.recipes import recipe_of
+
+    case = record.get("case") or {}
+    model = record.get("model") or {}
+    metrics = record.get("metrics") or {}
+    shape = dict(model.get("config") or {})
+    if not shape or case.get("precision") == "fp32":
+        return None
+    if case.get("seq_len"):
+        shape["seq_len"] = case["seq_len"]
+    fpt = model.get("flops_per_token")
+    if not fpt or not (model.get("params") or {}).get("total"):
+        return None
+    return build(
+        model=case.get("model"),
+        shape=shape,
+        params=model["params"]["total"],
+        flops_per_token=fpt,
+        hw_flops_per_token=metrics.get("hardware_flops_per_token") or fpt,
+        strategy=case.get("strategy"),
+        world_size=case.get("world_size"),
+        precision=case.get("precision"),
+        recipe=recipe_of(case),
+        micro_batch=case.get("micro_batch"),
+        grad_accum=case.get("grad_accum") or 1,
+        options=config_options(case.get("options")),
+        theory=record.get("theory"),
+    )
+
+
+def for_config(
+    *,
+    model: str,
+    cfg,
+    strategy: str,
+    world_size: int,
+    precision: str = "bf16",
+    recipe: str | None = "master",
+    micro_batch: int = 1,
+    grad_accum: int = 1,
+    options: dict | None = None,
+) -> Workload | None:
+    """The workload of a configuration nobody ran: the theory's expectation computed now."""
+    from parabench import theory
+    from parabench.case import Case
+    from parabench.models import MODEL_LADDER, hardware_flops_per_token, model_flops_per_token, parameter_count
+
+    options = dict(options or {})
+    case = Case(
+        model=model if model in MODEL_LADDER else "gpt-125m",
+        strategy=strategy,
+        world_size=world_size,
+        precision=precision,
+        recipe=recipe,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        seq_len=cfg.seq_len,
+        options=options,
+    )
+    deg = _degrees(strategy, world_size, case.options, cfg.n_layers)
+    exp = theory.expected(case, cfg, deg["dp"])
+    return build(
+        model=model,
+        shape=cfg.to_dict(),
+        params=parameter_count(cfg)["total"],
+        flops_per_token=model_flops_per_token(cfg),
+        hw_flops_per_token=hardware_flops_per_token(cfg, bool(options.get("activation_checkpointing"))),
+        strategy=strategy,
+        world_size=world_size,
+        precision=precision,
+        recipe=case.recipe,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        options=config_options(case.options),
+        theory=json.loads(json.dumps(exp or {}, default=float)),
+    )
