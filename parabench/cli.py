@@ -401,7 +401,7 @@ def cmd_fidelity(args) -> int:
 
     run_dir = Path(args.run)
     try:
-        counts = run_fidelity(run_dir, filters=args.filter, redo=args.redo)
+        counts = run_fidelity(run_dir, filters=args.filter, redo=args.redo, launches=args.launches)
     except (OutputError, SchemaError, FileNotFoundError) as exc:
         print(f"parabench: error: {exc}", file=sys.stderr)
         return 2
@@ -545,6 +545,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="a run folder with finished peer cases")
     p.add_argument("--filter", action="append", help="only cases whose label contains this text (repeatable)")
     p.add_argument("--redo", action="store_true", help="run scripts again where a result exists")
+    p.add_argument(
+        "--launches",
+        type=_int_at_least(1),
+        default=1,
+        help="launches of each script (default 1); the report compares medians over launches, with an "
+        "interval for the ratio, against the adapter's `--repeats` launches",
+    )
     p.add_argument("--no-report", action="store_true")
     p.set_defaults(func=cmd_fidelity)
 

@@ -9,6 +9,8 @@
 # order within DEADLINE_S seconds in all, and after each one rewrites OUT_DIR/results.tgz
 # (records, manifests, reports; no logs) and OUT_DIR/logs.tgz, so a suite cut off by the
 # deadline still leaves everything finished before it. Console output goes to OUT_DIR/console.txt.
+# PARABENCH_ARGS pass to every `parabench run suite` (e.g. --repeats 3), PARABENCH_FIDELITY_ARGS to
+# the `parabench fidelity` that follows a peer-fidelity suite (e.g. --launches 3).
 #
 # One device call may run 10 minutes, so a suite may need several calls. The runs live in
 # DEVICE_WORK (default /tmp/parabench-device, outside the repository copy, which is re-synced at
@@ -49,7 +51,7 @@ for suite in "$@"; do
   pack
   if [[ $suite == peer-fidelity* ]]; then  # each peer case beside its library's minimal script (resumes too)
     left=$(( deadline - ($(date +%s) - start) ))
-    [ "$left" -ge 30 ] && timeout -s INT "$left" python3 -m parabench.cli fidelity "$work/res/$suite/$(cat "$work/run_id")" 2>&1 | tee -a "$out/console.txt"
+    [ "$left" -ge 30 ] && timeout -s INT "$left" python3 -m parabench.cli fidelity "$work/res/$suite/$(cat "$work/run_id")" ${PARABENCH_FIDELITY_ARGS:-} 2>&1 | tee -a "$out/console.txt"
     pack
   fi
 done

@@ -16,6 +16,7 @@ import torch
 from parabench.cli import main as cli_main
 from parabench.fidelity import PEER_SCRIPTS, SCRIPTS_DIR, plan
 from parabench.models import build_model, model_config, parameter_count
+from parabench.report.fidelity import ratios
 from parabench.report.html import render_report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,6 +174,32 @@ def test_fidelity_command_writes_results_and_the_report_table(tmp_path):
     assert result["losses"] == record["metrics"]["losses"][:n]
     html = render_report([run_dir], with_figures=False)
     assert 'id="tbl-peer-fidelity"' in html and record["label"] in html
-    # Kept on a second call; --redo runs it again.
+    # Kept on a second call; --launches 2 adds one launch beside the first, whose result stays.
     assert cli_main(["fidelity", str(run_dir), "--no-report"]) == 0
-    assert json.loads((run_dir / "fidelity" / record_path.name).read_text())["started_at"] == entry["started_at"]
+    assert json.loads((run_dir / "fidelity" / record_path.name).read_text()) == entry
+    assert cli_main(["fidelity", str(run_dir), "--no-report", "--launches", "2"]) == 0
+    two = json.loads((run_dir / "fidelity" / record_path.name).read_text())
+    assert [x["started_at"] for x in two["launches"]][0] == entry["launches"][0]["started_at"]
+    assert len(two["launches"]) == 2 and two["result"] == entry["result"]
+    assert two["launches"][1]["result"]["losses"] == result["losses"]  # CPU: the same numbers again
+    assert ratios(record, two)["launches"] == "1 / 2"
+
+
+def _launch(tps, mem=100):
+    return {"status": "ok", "result": {"tokens_per_s_per_device": tps, "peak_memory_bytes": mem}}
+
+
+def test_ratios_pool_launches_by_median_with_an_interval():
+    def rec(tps):
+        return {"case": {"options": {}}, "metrics": {"tokens_per_s_per_device": tps, "peak_alloc_bytes": 100}}
+
+    entry = {"status": "ok", "launches": [_launch(t) for t in (15_235, 16_469, 23_119, 17_059)]}
+    r = ratios([rec(t) for t in (20_112, 16_352, 18_103, 16_002)], entry)
+    # medians 17,227.5 / 16,764: one launch a side could have read 0.69x or 1.32x
+    assert r["tps_ratio"] == pytest.approx(17_227.5 / 16_764) and r["verdict"] == "pass"
+    assert r["launches"] == "4 / 4"
+    low, high = r["tps_interval"]["low"], r["tps_interval"]["high"]
+    assert low < 0.95 < 1.0 < high and 0 < r["tps_interval"]["coverage"] < 1
+    # A single launch a side: no interval; an entry from before launches existed still reads.
+    one = ratios(rec(15_000), {"status": "ok", "result": _launch(20_000)["result"]})
+    assert one["tps_interval"] is None and one["tps_ratio"] == 0.75 and one["verdict"] == "fail"

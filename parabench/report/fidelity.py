@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from parabench.stats import median, ratio_ci
+
 TPS_TARGET = 0.95  # adapter tokens/s over script tokens/s, at least
 MEM_TARGET = 1.05  # adapter peak memory over script peak memory, at most
 
@@ -22,6 +24,8 @@ COLUMNS = [
     ("adapter_tps", "adapter tok/s/device", "int"),
     ("script_tps", "script tok/s/device", "int"),
     ("tps_ratio", "tok/s adapter / script", "f3"),
+    ("tps_interval_text", "ratio interval (launches)", "str"),
+    ("launches", "launches adapter / script", "str"),
     ("tps_ok", "≥ 0.95", "str"),
     ("adapter_mem_MiB", "adapter peak MiB", "f1"),
     ("script_mem_MiB", "script peak MiB", "f1"),
@@ -39,24 +43,47 @@ NOTE = (
     "steps, seed, precision and recipe. Targets: the adapter at least 0.95x the script's tokens/s per "
     "device (median step, the slowest rank's) and at most 1.05x its peak memory (allocator peak on GPUs, "
     "resident set on CPUs, largest rank, timed steps). The script times each step between device "
-    "syncs, the adapter with device events; losses are at the last timed step. Cases of the 'matched' "
-    "profile are shown but not judged: they align with the references, not with the library's best."
+    "syncs, the adapter with device events; losses are at the last timed step. With several launches a "
+    "side (`--repeats` for the adapter, `parabench fidelity --launches N` for the script) each figure is "
+    "the median over launches, and the interval is the range the launch-to-launch spread allows for the "
+    "ratio (distribution-free, its coverage in brackets). Cases of the 'matched' profile are shown but "
+    "not judged: they align with the references, not with the library's best."
 )
 
 
-def ratios(record: dict, entry: dict) -> dict:
+def script_launches(entry: dict) -> list[dict]:
+    """The script's ok launches (their result dicts); an entry from before ``launches``: its one."""
+    launches = [x.get("result") or {} for x in entry.get("launches") or []]
+    return launches or ([entry["result"]] if entry.get("result") else [])
+
+
+def ratios(records: dict | list[dict], entry: dict) -> dict:
     """Adapter over script for tokens/s per device and peak memory, with the verdict against the
-    targets (None where a figure is missing; not judged for the ``matched`` profile)."""
-    m = record.get("metrics") or {}
-    s = entry.get("result") or {}
-    a_tps, s_tps = m.get("tokens_per_s_per_device"), s.get("tokens_per_s_per_device")
-    a_mem = m.get("peak_alloc_bytes") or m.get("peak_rss_bytes")
-    s_mem = s.get("peak_memory_bytes")
+    targets (None where a figure is missing; not judged for the ``matched`` profile).
+
+    ``records``: the case's record, or every launch of it (``--repeats``). With several launches a
+    side the figures are medians over launches, and the tokens/s ratio carries the distribution-free
+    interval of ``parabench.stats.ratio_ci`` (pairwise launch ratios): the verdict is still on the
+    median ratio, and the interval says how far launch-to-launch spread could move it."""
+    records = [records] if isinstance(records, dict) else list(records)
+    metrics = [r.get("metrics") or {} for r in records]
+    a_tps_all = [m["tokens_per_s_per_device"] for m in metrics if m.get("tokens_per_s_per_device")]
+    a_mem_all = [m.get("peak_alloc_bytes") or m.get("peak_rss_bytes") for m in metrics]
+    a_mem_all = [v for v in a_mem_all if v]
+    results = script_launches(entry)
+    s_tps_all = [s["tokens_per_s_per_device"] for s in results if s.get("tokens_per_s_per_device")]
+    s_mem_all = [s["peak_memory_bytes"] for s in results if s.get("peak_memory_bytes")]
+    a_tps, s_tps = (median(a_tps_all) if a_tps_all else None), (median(s_tps_all) if s_tps_all else None)
+    a_mem, s_mem = (median(a_mem_all) if a_mem_all else None), (median(s_mem_all) if s_mem_all else None)
     tps_ratio = a_tps / s_tps if a_tps and s_tps else None
     mem_ratio = a_mem / s_mem if a_mem and s_mem else None
+    interval = None
+    if len(a_tps_all) >= 2 and len(s_tps_all) >= 2:
+        _, low, high, coverage = ratio_ci(a_tps_all, s_tps_all)
+        interval = {"low": low, "high": high, "coverage": coverage}
     tps_ok = tps_ratio >= TPS_TARGET if tps_ratio is not None else None
     mem_ok = mem_ratio <= MEM_TARGET if mem_ratio is not None else None
-    if ((record.get("case") or {}).get("options") or {}).get("profile") == "matched":
+    if any(((r.get("case") or {}).get("options") or {}).get("profile") == "matched" for r in records):
         verdict = "not judged (matched profile)"
     elif tps_ok is None or mem_ok is None:
         verdict = None
@@ -66,6 +93,8 @@ def ratios(record: dict, entry: dict) -> dict:
         "adapter_tps": a_tps,
         "script_tps": s_tps,
         "tps_ratio": tps_ratio,
+        "tps_interval": interval,
+        "launches": f"{len(a_tps_all)} / {len(s_tps_all)}",
         "tps_ok": tps_ok,
         "adapter_mem": a_mem,
         "script_mem": s_mem,
@@ -73,6 +102,12 @@ def ratios(record: dict, entry: dict) -> dict:
         "mem_ok": mem_ok,
         "verdict": verdict,
     }
+
+
+def _interval_text(interval: dict | None) -> str:
+    if not interval:
+        return "–"
+    return f"{interval['low']:.3f}–{interval['high']:.3f} ({interval['coverage']:.0%})"
 
 
 def _adapter_loss_at_last_timed_step(record: dict):
@@ -92,7 +127,9 @@ def fidelity_rows(run_dirs: list[Path], runs) -> list[dict]:
         folder = Path(run_dir) / "fidelity"
         if not folder.is_dir():
             continue
-        by_hash = {r.get("case_hash"): r for r in records}
+        by_hash: dict[str, list[dict]] = {}
+        for r in records:
+            by_hash.setdefault(r.get("case_hash"), []).append(r)
         for path in sorted(folder.glob("*.json")):
             try:
                 entry = json.loads(path.read_text())
@@ -101,8 +138,9 @@ def fidelity_rows(run_dirs: list[Path], runs) -> list[dict]:
                 continue
             if not isinstance(entry, dict):
                 continue
-            record = by_hash.get(entry.get("case_hash"), {})
-            r = ratios(record, entry)
+            launches = by_hash.get(entry.get("case_hash")) or []
+            record = launches[0] if launches else {}
+            r = ratios(launches or record, entry)
             result = entry.get("result") or {}
             rows.append(
                 {
@@ -111,6 +149,7 @@ def fidelity_rows(run_dirs: list[Path], runs) -> list[dict]:
                     "recipe": entry.get("recipe") or "–",
                     "status": entry.get("status"),
                     **r,
+                    "tps_interval_text": _interval_text(r["tps_interval"]),
                     "adapter_mem_MiB": _mib(r["adapter_mem"]),
                     "script_mem_MiB": _mib(r["script_mem"]),
                     "adapter_loss": _adapter_loss_at_last_timed_step(record) if record else None,
