@@ -230,7 +230,9 @@ def fit_host(obs: list[Observation], device_s: list[float]) -> dict[str, float]:
     by_impl: dict[str, list] = {}
     for o, d in zip(obs, device_s):
         if M.is_host_bound(o.workload):
-            by_impl.setdefault(o.workload.impl, []).append((o.step_s, d, M.host_units(o.workload)))
+            # per library, and per library and recipe: autocast adds cast ops each hook/dispatch sees
+            for key in (o.workload.impl, M.host_key(o.workload)):
+                by_impl.setdefault(key, []).append((o.step_s, d, M.host_units(o.workload)))
     out = {}
     for impl, pts in by_impl.items():
         candidates = [y / u for y, _, u in pts]

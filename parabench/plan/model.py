@@ -146,6 +146,10 @@ def is_host_bound(w: "Workload") -> bool:
     return w.strategy.startswith(HOST_BOUND) and not w.offload
 
 
+def host_key(w: "Workload") -> str:
+    return f"{w.impl}|{w.recipe}"
+
+
 def host_units(w: "Workload") -> float:
     """Parameter tensors one rank's hooks visit per step: tensors of its stage x passes."""
     return (TENSORS_PER_LAYER * w.n_layers / w.pp + TENSORS_OUTSIDE) * w.passes
@@ -388,7 +392,8 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
     device = sum(parts.values())
     parts["host_wait"] = 0.0
     if is_host_bound(w):
-        per_tensor = (cal.get("host_tensor_s") or {}).get(w.impl)
+        host_cal = cal.get("host_tensor_s") or {}
+        per_tensor = host_cal.get(host_key(w), host_cal.get(w.impl))
         if per_tensor is None:
             notes.append(f"no calibrated host cost of {w.impl}: device time only")
         else:
