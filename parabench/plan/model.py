@@ -65,6 +65,8 @@ TIME_CONSTANTS = (
     "inv_rate",
     "inv_rate_x",
     "inv_mem_bw",
+    "inv_act_bw",
+    "logit_s",
     "host_s",
     "inv_host_bw",
     "exp_dp",
@@ -77,6 +79,9 @@ TIME_DOC = {
     "inv_rate": "s/FLOP at large GEMMs (1 / achieved matmul rate R)",
     "inv_rate_x": "x0/R: s/FLOP x GEMM size (M tokens x width / tp, in 1e6) of the small-GEMM penalty",
     "inv_mem_bw": "s/byte of optimizer-step and cast traffic (1 / achieved HBM bandwidth)",
+    "inv_act_bw": "s per activation byte per layer pass (elementwise kernels: norms, GELU, residual, dropout; "
+    "= accesses per element / HBM bandwidth)",
+    "logit_s": "s per logit element (b*s*V) per pass: softmax/cross-entropy, memory-bound",
     "host_s": "s of host/launch overhead per layer per micro-batch pass",
     "inv_host_bw": "s/byte of CPU-offloaded optimizer state (1 / host bandwidth)",
     "exp_dp": "exposed fraction of data-parallel gradient traffic (DDP family)",
@@ -97,6 +102,8 @@ TIME_DEFAULTS = {
     "inv_rate": 1 / 600e12,
     "inv_rate_x": 0.0,
     "inv_mem_bw": 1 / 2.0e12,
+    "inv_act_bw": 0.0,
+    "logit_s": 0.0,
     "host_s": 0.0,
     "inv_host_bw": 1 / 20e9,
     "exp_dp": 1.0,
@@ -115,6 +122,37 @@ MEMORY_DEFAULTS = {
 # Implementation factors are shrunk toward 1 (time) and 0 (memory) as if this many configurations
 # had shown no difference: one configuration of an implementation does not define it.
 SHRINK = 1.0
+
+
+# Libraries whose Python runs once per parameter tensor (or per op) on the critical path of every
+# pass: DeepSpeed ZeRO-3's fetch/release hooks, FSDP2's per-module hooks over DTensor parameters,
+# DTensor's dispatch in torch.tp. Their step is max(device time, host time), host time = a per-library
+# cost per parameter tensor x tensors x passes (docs/results.md: ZeRO-3 steps of ~450 ms at 2 GPUs for
+# gpt-350m and gpt-1.3b alike, at 46-68 % GPU utilisation).
+HOST_BOUND = ("deepspeed.zero3", "torch.fsdp2", "torch.tp")
+# Parameter tensors of the GPT blocks (q, k, v, proj, fc, fc2 weights and five biases, two LayerNorms)
+# and outside them (two embeddings, final LayerNorm weight and bias, head): parabench.models.
+TENSORS_PER_LAYER = 15
+TENSORS_OUTSIDE = 5
+# Autocast ("amp") bytes per parameter per pass: the fp32 weight read and its bf16 copy written in
+# forward (4 + 2), the bf16 weight gradient read and accumulated into the fp32 .grad (2 + 4).
+AMP_CAST_BYTES = 12
+# Bytes per activation element of the elementwise kernels: bf16, or fp32 under autocast (norms and
+# the residual stream stay fp32).
+ACT_BYTES = {"amp": 4, None: 2}
+
+
+def is_host_bound(w: "Workload") -> bool:
+    return w.strategy.startswith(HOST_BOUND) and not w.offload
+
+
+def host_key(w: "Workload") -> str:
+    return f"{w.impl}|{w.recipe}"
+
+
+def host_units(w: "Workload") -> float:
+    """Parameter tensors one rank's hooks visit per step: tensors of its stage x passes."""
+    return (TENSORS_PER_LAYER * w.n_layers / w.pp + TENSORS_OUTSIDE) * w.passes
 
 
 def family_of(strategy: str) -> str | None:
@@ -245,11 +283,16 @@ def time_features(w: Workload, collectives: dict) -> dict:
     flops = w.tokens_per_step * w.hw_flops_per_token / w.world_size
     bubble = (w.pp - 1) / (w.virtual_stages * w.microbatches) if w.pp > 1 else 0.0
     params_rank = w.params / (w.tp * w.pp)
-    mem_bytes = 2 * (w.state_bytes or 0) + (6 * params_rank * w.passes if w.recipe == "amp" else 0)
+    mem_bytes = 2 * (w.state_bytes or 0) + (AMP_CAST_BYTES * params_rank * w.passes if w.recipe == "amp" else 0)
+    sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
+    recompute = 4 / 3 if w.checkpointing else 1.0  # forward runs twice: (2 + 2) / (1 + 2)
+    act_elems = w.rows * w.seq_len * w.d_model / sp_div * w.n_layers / w.pp * w.passes * recompute
     f = dict.fromkeys(TIME_CONSTANTS, 0.0)
     f["inv_rate"] = flops * (1 + bubble)
     f["inv_rate_x"] = flops * (1 + bubble) / w.gemm_size
     f["inv_mem_bw"] = mem_bytes
+    f["inv_act_bw"] = act_elems * ACT_BYTES.get(w.recipe, 2)
+    f["logit_s"] = w.rows * w.seq_len * w.vocab_size / (w.tp if w.family == "model_parallel" else 1) * w.passes
     f["host_s"] = w.n_layers / w.pp * w.passes
     f["inv_host_bw"] = 2 * w.cpu_state_bytes if w.offload else 0.0
     for kind, nbytes in w.comm_bytes.items():
@@ -260,7 +303,7 @@ def time_features(w: Workload, collectives: dict) -> dict:
 
 TIME_PARTS = {
     "compute": ("inv_rate", "inv_rate_x"),
-    "memory": ("inv_mem_bw",),
+    "memory": ("inv_mem_bw", "inv_act_bw", "logit_s"),
     "host": ("host_s",),
     "offload": ("inv_host_bw",),
     "comm": ("exp_dp", "exp_shard", "exp_tp", "exp_p2p"),
@@ -343,9 +386,18 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
     factor = 1.0
     if impl:
         factor = (cal.get("impl_time") or {}).get(w.impl, 1.0)
-        if w.impl not in (cal.get("impl_time") or {}):
+        if w.impl not in (cal.get("impl_time") or {}) and not is_host_bound(w):
             notes.append(f"no calibrated record of {w.impl}: implementation factor 1")
     parts = {k: v * factor for k, v in parts.items()}
+    device = sum(parts.values())
+    parts["host_wait"] = 0.0
+    if is_host_bound(w):
+        host_cal = cal.get("host_tensor_s") or {}
+        per_tensor = host_cal.get(host_key(w), host_cal.get(w.impl))
+        if per_tensor is None:
+            notes.append(f"no calibrated host cost of {w.impl}: device time only")
+        else:
+            parts["host_wait"] = max(0.0, per_tensor * host_units(w) - device)
     step = sum(parts.values())
     tokens_per_gpu = w.tokens_per_step / step / w.world_size
     peak_flops = cal.get("peak_flops")
