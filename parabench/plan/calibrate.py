@@ -262,7 +262,10 @@ def fit_time(obs: list[Observation], collectives: dict, kind: str = "h100", roun
         for o, f in zip(device_obs, feats):
             pred = sum(consts[c] * f[c] for c in cols)
             ratios.setdefault(o.workload.impl, []).append(o.step_s / pred)
-        impl = _impl_factors(ratios, log=True)
+        lo, hi = M.IMPL_TIME_BOUNDS
+        impl = {k: min(max(v, lo), hi) for k, v in _impl_factors(ratios, log=True).items() if M.time_factor_cause(k)}
+        impl = {o.workload.impl: impl.get(o.workload.impl, 1.0) for o in device_obs}
+    impl = {k: v for k, v in impl.items() if M.time_factor_cause(k)}
     device_s = [sum(consts[c] * v for c, v in M.time_features(o.workload, collectives).items()) for o in obs]
     host = fit_host(obs, device_s)
     # A constant no observation exercises keeps its default and says so.
@@ -270,25 +273,26 @@ def fit_time(obs: list[Observation], collectives: dict, kind: str = "h100", roun
 
 
 def fit_memory(obs: list[Observation]) -> tuple[dict, dict]:
+    """Activation, logit, cast and fixed constants by NNLS on relative error, each configuration at
+    its peak phase (``model.memory_features``: states alive at the start of backward + activations,
+    or every state at the update); then per implementation the median of what the physics leaves,
+    as a fraction of its states, never below 0 (an implementation cannot hold less than the states
+    alive at its peak)."""
     obs = [o for o in obs if o.peak_bytes and o.workload.state_bytes is not None]
     cols = M.MEMORY_CONSTANTS
     consts = dict(M.MEMORY_DEFAULTS)
     impl: dict[str, float] = {}
     if not obs:
         return consts, {"_fitted": []}
-    mfs = [M.memory_features(o.workload) for o in obs]
     used: list[int] = []
-    for _ in range(3):
-        rows = [max(mf.values(), key=lambda f: M._dot(consts, f)) for mf in mfs]
-        x = np.array([[f[c] for c in cols] for f in rows])
+    for _ in range(4):
+        rows = [M.peak_phase(o.workload, consts) for o in obs]
+        x = np.array([[f[c] for c in cols] for _, f in rows])
         used = [j for j, c in enumerate(cols) if np.any(x[:, j])]
         y = np.array(
             [
-                o.peak_bytes
-                - o.workload.state_bytes
-                - o.workload.working_set_bytes
-                - impl.get(o.workload.impl, 0.0) * M.memory_unit(o.workload)
-                for o in obs
+                o.peak_bytes - fixed - impl.get(o.workload.impl, 0.0) * M.memory_unit(o.workload)
+                for o, (fixed, _) in zip(obs, rows)
             ]
         )
         peak = np.array([o.peak_bytes for o in obs])
@@ -296,10 +300,11 @@ def fit_memory(obs: list[Observation]) -> tuple[dict, dict]:
         for j, v in zip(used, sol):
             consts[cols[j]] = float(v)
         resid: dict[str, list] = {}
-        for o, f in zip(obs, rows):
-            pred = o.workload.state_bytes + o.workload.working_set_bytes + M._dot(consts, f)
+        for o in obs:
+            fixed, f = M.peak_phase(o.workload, consts)
+            pred = fixed + M._dot(consts, f)
             resid.setdefault(o.workload.impl, []).append((o.peak_bytes - pred) / M.memory_unit(o.workload))
-        impl = _impl_factors(resid, log=False)
+        impl = {k: min(max(0.0, v), M.IMPL_MEMORY_MAX) for k, v in _impl_factors(resid, log=False).items()}
     return consts, impl | {"_fitted": [cols[j] for j in used]}
 
 

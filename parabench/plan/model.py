@@ -20,8 +20,9 @@ Step time (per optimizer step, per rank), every term a rate times an amount:
 - comm         sum over collective kinds of exposure_class * (calls*alpha + bytes*bus/busbw),
                alpha-beta from the collectives suite, exposure (the part not hidden behind
                compute) fitted per strategy family
-- x impl       one factor per implementation (a peer's eager dispatch, a library's extra syncs),
-               fitted from the other configurations of the same implementation only
+- x impl       one factor per implementation with a named cause the terms miss (IMPL_TIME_CAUSES:
+               DeepSpeed's engine passes, CPU Adam), fitted from the other configurations of the
+               same implementation only, within IMPL_TIME_BOUNDS; 1 for every other one
 
 Peak memory per rank: model states (theory) + activations after Korthikanti et al. 2022
 ("Reducing Activation Recomputation in Large Transformer Models", Sec. 4, flash attention so no
@@ -119,6 +120,30 @@ MEMORY_DEFAULTS = {
     "cast": 1.0,
     "const_bytes": 0.5 * GIB,
 }
+# Implementations whose step time keeps a fitted factor, each for a cause the terms above do not
+# model; every other implementation runs at factor 1 (the physics alone). Factors are bounded to
+# IMPL_TIME_BOUNDS.
+IMPL_TIME_CAUSES = {
+    "deepspeed.zero0": "DeepSpeed engine's per-step passes over the gradients beyond the model's work (copies into "
+    "its contiguous reduce buckets; in the matched profile also the gradient-norm pass, the bf16 overflow check "
+    "and the throughput timer, each with a host sync: docs/results.md, the tuned profile turns them off)",
+    "deepspeed.zero1": "as deepspeed.zero0",
+    "deepspeed.zero2": "as deepspeed.zero0",
+    "deepspeed.zero2_offload": "CPU Adam is host compute, not the host bandwidth the offload term charges",
+    "deepspeed.zero3_offload": "as deepspeed.zero2_offload",
+    "ref.zero2_offload": "as deepspeed.zero2_offload",
+    "torch.fsdp2_offload": "as deepspeed.zero2_offload",
+}
+IMPL_TIME_BOUNDS = (0.67, 1.5)
+# An implementation's memory beyond the physics (a fraction of its model states), kept in [0, this]:
+# it cannot hold less than the states alive at its peak, and a larger remainder is a missing term.
+IMPL_MEMORY_MAX = 0.5
+
+
+def time_factor_cause(impl: str) -> str | None:
+    return IMPL_TIME_CAUSES.get(impl.split(":", 1)[0])
+
+
 # Implementation factors are shrunk toward 1 (time) and 0 (memory) as if this many configurations
 # had shown no difference: one configuration of an implementation does not define it.
 SHRINK = 1.0
@@ -197,7 +222,8 @@ class Workload:
     checkpointing: bool = False
     offload: bool = False
     profile: str | None = None
-    state_bytes: float | None = None  # model states of the heaviest rank
+    state_bytes: float | None = None  # model states of the heaviest rank (at the optimizer step)
+    state_parts: dict | None = None  # the same as {params, grads, optimizer}
     state_source: str = "theory"
     working_set_bytes: float = 0.0
     cpu_state_bytes: float = 0.0
@@ -237,6 +263,7 @@ class Prediction:
     comm_bytes: dict
     bottleneck: str
     notes: list = field(default_factory=list)
+    peak_phase: str | None = None  # "start of backward" or "optimizer step"
 
 
 # --- step time ---------------------------------------------------------------------------------
@@ -313,6 +340,60 @@ TIME_PARTS = {
 # --- memory --------------------------------------------------------------------------------------
 
 
+# Which model states coexist at the peak. The allocator peaks in one of two phases:
+# - backward: the start of backward (every forward activation and the logits alive, no gradient
+#   produced yet). The memory breakdown meter puts every committed peak there (op
+#   _log_softmax_backward; results/zero-memory-gpu/20261126-092640: ref.zero1/2 and deepspeed.zero1/2
+#   at gpt-350m/1.3b/2.7b, "gradients" 4 bytes at the peak, parameters + optimizer = the states).
+#   Only states that outlive a step are alive then: gradients are not, except in flat buffers kept
+#   for the whole run.
+# - step: the optimizer update, every state the theory counts (it is measured there), activations
+#   freed. With small activations this phase wins: ref.zero3 and torch.fsdp2 at gpt-6.7b mb1
+#   (same run) peak late in backward with 12.0 of 12.8 GiB of fp32 gradient shards alive.
+# Gradients ramp up as activations are freed during backward, so the larger of the two ends bounds
+# the interior.
+def persistent_grad_bytes(w: Workload) -> float:
+    """Gradient bytes alive at the start of backward (kept from step to step). Everything else the
+    theory counts as gradients is made during backward and released after the update: torch's
+    ``zero_grad(set_to_none=True)`` (single, torch.tp/pp, fsdp2, the model-parallel references),
+    the references' per-bucket buffers and fp32 main-gradient shards (reference_impls/zero.py:
+    "released until the next step's first reduce-scatter", fsdp.py), DeepSpeed's reduce buckets
+    (the meter: 4 bytes of gradients at the peak of deepspeed.zero1/2)."""
+    parts = w.state_parts or {}
+    grads, params = parts.get("grads", 0.0), parts.get("params", 0.0)
+    if w.strategy == "ref.ddp":  # flat_grad (the size of flat_param) kept; the fp32 main gradient made at the update
+        return min(grads, params)
+    if w.strategy == "ref.ps":  # the server's flat_grad and receive buffer kept; the fp32 sum made at the update
+        return min(grads, 2 * params)
+    if w.strategy == "torch.ddp":  # the reducer's buckets live as long as DDP (gradient_as_bucket_view)
+        return grads
+    return 0.0
+
+
+# Trainers whose "master" recipe runs reference_impls.mixed_precision.MasterWeightOptimizer, which
+# allocates an fp32 gradient copy of every parameter once (``_master_grads``) and keeps it: 4 bytes
+# per local parameter beyond the theory's states (which count the fp32 master and moments only).
+MASTER_GRAD_BUFFER = ("single", "torch.ddp", "torch.tp", "torch.pp", "ref.tp", "ref.pp")
+
+
+def master_grad_buffer_bytes(w: Workload) -> float:
+    if w.recipe != "master" or not w.strategy.startswith(MASTER_GRAD_BUFFER) or not w.state_parts:
+        return 0.0
+    return 2.0 * w.state_parts.get("params", 0.0)  # fp32 copy of the 16-bit parameters
+
+
+def states_at(w: Workload, phase: str) -> float:
+    """Model-state bytes alive in ``phase`` ("backward" or "step"), the persistent fp32 gradient
+    buffer of the master-weight optimizer included."""
+    parts = w.state_parts
+    if not parts:
+        return w.state_bytes or 0.0
+    buf = master_grad_buffer_bytes(w)
+    if phase == "step":
+        return sum(parts.values()) + buf
+    return parts.get("params", 0.0) + parts.get("optimizer", 0.0) + persistent_grad_bytes(w) + buf
+
+
 def activation_layer_bytes(w: Workload) -> float:
     """Korthikanti et al. Table 2 bytes per layer per micro-batch (16-bit, flash attention)."""
     sbh = w.seq_len * w.rows * w.d_model
@@ -329,10 +410,20 @@ def in_flight(w: Workload) -> int:
     return w.microbatches if w.schedule == "gpipe" else min(w.pp, w.microbatches)
 
 
+def last_in_flight(w: Workload) -> int:
+    """Micro-batches whose activations the last stage holds at its peak: GPipe runs every forward
+    before the first backward, 1F1B goes straight from one forward to its backward. The logits are
+    one micro-batch's either way (measured: ref.pp_gpipe's peak falls as m grows, 16.5 -> 14.2 GiB
+    for gpt-350m m = 2 -> 8, results/gpu-mp: only the b/m-row logits shrink)."""
+    return w.microbatches if (w.pp > 1 and w.schedule == "gpipe") else 1
+
+
 def memory_features(w: Workload) -> dict:
-    """Amounts per fitted memory constant for the heaviest pipeline stage (stage 0 holds the most
-    activations, the last the logits: both are computed, the larger wins at the fitted constants,
-    so this returns both as ``first`` and ``last``)."""
+    """Per peak phase, (bytes fixed by the physics, amounts per fitted memory constant). Phases:
+    ``first`` and ``last`` pipeline stage at the start of backward (stage 0 holds the most
+    activations, the last the logits; without a pipeline both are the one stage) with the states
+    alive then, and ``step``, the optimizer update with every state. The phase of the largest
+    total is the peak."""
     layers = w.n_layers / w.pp
     per_layer = activation_layer_bytes(w)
     if w.checkpointing:  # each block's input kept, one block's activations live during recompute
@@ -341,22 +432,29 @@ def memory_features(w: Workload) -> dict:
         act_last = act_first if w.pp == 1 else 2 * w.seq_len * w.rows * w.d_model / sp_div * layers + per_layer
     else:
         act_first = per_layer * layers * in_flight(w)
-        act_last = per_layer * layers
+        act_last = per_layer * layers * last_in_flight(w)
     vocab_div = w.tp if w.family == "model_parallel" else 1
     logits = w.rows * w.seq_len * w.vocab_size / vocab_div
     sharded_params = w.family == "sharded" and ("zero3" in w.strategy or "fsdp" in w.strategy or "hsdp" in w.strategy)
     cast = 2 * w.params / (w.tp * w.pp) if w.recipe == "amp" and not sharded_params else 0.0
     amp = w.recipe == "amp"
     base = dict.fromkeys(MEMORY_CONSTANTS, 0.0)
-    base["cast"] = cast
     base["const_bytes"] = 1.0
+    step = dict(base)
+    base["cast"] = cast
     first, last = dict(base), dict(base)
     first["act_amp" if amp else "act_master"] = act_first
     last["act_amp" if amp else "act_master"] = act_last
     last["logit_bytes_amp" if amp else "logit_bytes_master"] = logits
     if w.pp == 1:
         first["logit_bytes_amp" if amp else "logit_bytes_master"] = logits
-    return {"first": first, "last": last}
+    during = states_at(w, "backward") + w.working_set_bytes
+    return {"first": (during, first), "last": (during, last), "step": (states_at(w, "step"), step)}
+
+
+def peak_phase(w: Workload, consts: dict) -> tuple[float, dict]:
+    """(fixed bytes, features) of the phase with the largest predicted total."""
+    return max(memory_features(w).values(), key=lambda ff: ff[0] + _dot(consts, ff[1]))
 
 
 def memory_unit(w: Workload) -> float:
@@ -386,7 +484,7 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
     factor = 1.0
     if impl:
         factor = (cal.get("impl_time") or {}).get(w.impl, 1.0)
-        if w.impl not in (cal.get("impl_time") or {}) and not is_host_bound(w):
+        if w.impl not in (cal.get("impl_time") or {}) and time_factor_cause(w.impl) and not is_host_bound(w):
             notes.append(f"no calibrated record of {w.impl}: implementation factor 1")
     parts = {k: v * factor for k, v in parts.items()}
     device = sum(parts.values())
@@ -404,26 +502,33 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
     mfu = w.tokens_per_step * w.flops_per_token / step / w.world_size / peak_flops if peak_flops else None
     mem = None
     mem_parts: dict = {}
+    mem_phase = None
     if w.state_bytes is not None:
-        mf = memory_features(w)
-        stage = max(mf.values(), key=lambda f: _dot(mc, f))
+        phases = memory_features(w)
+        name = max(phases, key=lambda k: phases[k][0] + _dot(mc, phases[k][1]))
+        stage = phases[name][1]
         extra_frac = (cal.get("impl_memory") or {}).get(w.impl, 0.0) if impl else 0.0
+        extra_frac = min(max(0.0, extra_frac), IMPL_MEMORY_MAX)
         mem_parts = {
-            "model_states": w.state_bytes,
+            "model_states": states_at(w, "step" if name == "step" else "backward") - master_grad_buffer_bytes(w),
+            "master_grad_buffer": master_grad_buffer_bytes(w),
             "activations": mc["act_master"] * stage["act_master"] + mc["act_amp"] * stage["act_amp"],
             "logits": mc["logit_bytes_master"] * stage["logit_bytes_master"]
             + mc["logit_bytes_amp"] * stage["logit_bytes_amp"],
             "cast_copies": mc["cast"] * stage["cast"],
-            "working_set": w.working_set_bytes,
+            "working_set": w.working_set_bytes if name != "step" else 0.0,
             "fixed": mc["const_bytes"],
             "implementation": extra_frac * memory_unit(w),
         }
         mem = sum(mem_parts.values())
+        mem_phase = "optimizer step" if name == "step" else "start of backward"
     else:
         notes.append("no model-state expectation: no memory prediction")
     bottleneck = max((k for k in parts), key=lambda k: parts[k])
     del flops
-    return Prediction(step, parts, tokens_per_gpu, mfu, mem, mem_parts, dict(w.comm_bytes), bottleneck, notes)
+    return Prediction(
+        step, parts, tokens_per_gpu, mfu, mem, mem_parts, dict(w.comm_bytes), bottleneck, notes, mem_phase
+    )
 
 
 def with_options(w: Workload, **changes) -> Workload:

@@ -196,12 +196,34 @@ def evaluate(c: Candidate, model: str, cfg, cal: dict, capacity: float) -> Candi
     if p.peak_bytes is None:
         c.dropped = "no memory prediction (the theory has no state expectation)"
     elif p.peak_bytes > USABLE * capacity:
-        c.dropped = (
-            f"does not fit: predicted peak {p.peak_bytes / M.GIB:.1f} GiB > {USABLE * capacity / M.GIB:.1f} GiB "
-            f"usable (states {w.state_bytes / M.GIB:.1f}, activations "
-            f"{(p.memory_bytes['activations'] + p.memory_bytes['logits']) / M.GIB:.1f} GiB)"
-        )
+        c.dropped = f"does not fit: {peak_parts(p, w)} > {USABLE * capacity / M.GIB:.1f} GiB usable"
     return c
+
+
+def peak_split(p: M.Prediction) -> dict:
+    """The predicted peak in the parts ``plan`` prints; they sum to the peak exactly."""
+    m = p.memory_bytes
+    states = m["model_states"] + m["master_grad_buffer"]
+    acts = m["activations"] + m["logits"]
+    overhead = m["implementation"]
+    return {
+        "states at peak": states,
+        "activations": acts,
+        "other": p.peak_bytes - states - acts - overhead,  # casts, working set, fixed
+        "implementation overhead": overhead,
+    }
+
+
+def peak_parts(p: M.Prediction, w: M.Workload) -> str:
+    s = peak_split(p)
+    g = {k: v / M.GIB for k, v in s.items()}
+    buf = p.memory_bytes["master_grad_buffer"] / M.GIB
+    of = f"of {w.state_bytes / M.GIB:.1f} at the update" + (f", + {buf:.1f} fp32 gradient buffer" if buf else "")
+    return (
+        f"predicted peak {p.peak_bytes / M.GIB:.1f} GiB at the {p.peak_phase} = states at peak "
+        f"{g['states at peak']:.1f} ({of}) + activations {g['activations']:.1f} + "
+        f"casts/working set/fixed {g['other']:.1f} + implementation overhead {g['implementation overhead']:.1f} GiB"
+    )
 
 
 def plan(

@@ -35,20 +35,34 @@ def _sum_bytes(d) -> float | None:
     return None if any(v is None for v in vals) else float(sum(vals))
 
 
-def _state_total(theory: dict) -> tuple[float | None, str]:
+def _state_parts(theory: dict, strategy: str, params: int, world_size: int) -> tuple[dict | None, str]:
+    """{params, grads, optimizer} bytes of the heaviest rank: the theory's layout, else the ZeRO
+    paper's line split into its terms (mixed precision, Adam: 2Ψ parameters, 2Ψ gradients, 12Ψ
+    optimizer, each /N from the stage that shards it; ZeRO-Offload keeps the 2Ψ parameters only)."""
     state = theory.get("state_bytes")
+    if isinstance(state, dict):
+        state = [state]
     if isinstance(state, list):
-        totals = [_sum_bytes(s) for s in state]
-        if totals and None not in totals:
-            return max(totals), "theory"
-    elif isinstance(state, dict):
-        total = _sum_bytes(state)
-        if total is not None:
-            return total, "theory"
+        parts = [{k: byte_high(v) for k, v in s.items()} if isinstance(s, dict) else None for s in state]
+        if parts and all(p is not None and None not in p.values() for p in parts):
+            heaviest = max(parts, key=lambda p: sum(p.values()))
+            return {k: float(heaviest.get(k, 0)) for k in ("params", "grads", "optimizer")}, "theory"
     paper = theory.get("paper_state_bytes")
-    if isinstance(paper, (int, float)):
-        return float(paper), "zero-paper"
-    return None, "none"
+    if not isinstance(paper, (int, float)):
+        return None, "none"
+    stage = next((int(c) for c in strategy.split("zero", 1)[-1][:1] if c.isdigit()), 3 if ("sdp" in strategy or "zeropp" in strategy) else 0)
+    psi, n = float(params), max(1, world_size)
+    parts = {
+        "params": 2 * psi / (n if stage >= 3 else 1),
+        "grads": 2 * psi / (n if stage >= 2 else 1),
+        "optimizer": 12 * psi / (n if stage >= 1 else 1),
+    }
+    if "offload" in strategy or "nvme" in strategy:  # the figure is the 16-bit parameters left on the GPU
+        return {"params": float(paper), "grads": 0.0, "optimizer": 0.0}, "zero-paper"
+    total = sum(parts.values())
+    if total and abs(total - paper) > 1e-6 * paper:  # a shard group smaller than the world (HSDP)
+        parts = {k: v * paper / total for k, v in parts.items()}
+    return parts, "zero-paper"
 
 
 def _cpu_state(theory: dict, strategy: str, params: int, world_size: int) -> float:
@@ -105,7 +119,7 @@ def build(
     if family is None or shape.get("n_experts"):
         return None
     theory = theory or {}
-    state, source = _state_total(theory)
+    parts, source = _state_parts(theory, strategy, params, world_size)
     comm = {k: float(byte_high(v) or 0) for k, v in (theory.get("comm_payload_bytes") or {}).items()}
     return Workload(
         model=model,
@@ -127,7 +141,8 @@ def build(
         checkpointing=bool(options.get("activation_checkpointing")),
         offload="offload" in strategy,
         profile=options.get("profile"),
-        state_bytes=state,
+        state_bytes=sum(parts.values()) if parts else None,
+        state_parts=parts,
         state_source=source,
         working_set_bytes=_sum_bytes(theory.get("working_set_bytes")) or 0.0,
         cpu_state_bytes=_cpu_state(theory, strategy, params, world_size),
