@@ -324,6 +324,9 @@ def time_features(w: Workload, collectives: dict) -> dict:
     f["inv_host_bw"] = 2 * w.cpu_state_bytes if w.offload else 0.0
     for kind, nbytes in w.comm_bytes.items():
         n = group_size(w, kind)
+        if n <= 1:  # a collective of one rank is a device copy: every byte read and written once
+            f["inv_mem_bw"] += 2 * nbytes
+            continue
         f[exposure_class(w, kind)] += collective_s(collectives, kind, nbytes, n, comm_calls(w, kind, nbytes))
     return f
 
