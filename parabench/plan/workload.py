@@ -50,7 +50,10 @@ def _state_parts(theory: dict, strategy: str, params: int, world_size: int) -> t
     paper = theory.get("paper_state_bytes")
     if not isinstance(paper, (int, float)):
         return None, "none"
-    stage = next((int(c) for c in strategy.split("zero", 1)[-1][:1] if c.isdigit()), 3 if ("sdp" in strategy or "zeropp" in strategy) else 0)
+    stage = next(
+        (int(c) for c in strategy.split("zero", 1)[-1][:1] if c.isdigit()),
+        3 if ("sdp" in strategy or "zeropp" in strategy) else 0,
+    )
     psi, n = float(params), max(1, world_size)
     parts = {
         "params": 2 * psi / (n if stage >= 3 else 1),
