@@ -247,3 +247,17 @@ def test_run_case_rejects_an_unknown_option_with_the_valid_ones(capsys):
     )
     err = capsys.readouterr().err
     assert rc == 2 and "unknown option 'bucket'; valid options:" in err and "bucket_mb" in err, err
+
+
+def test_every_registered_builder_resolves():
+    """A strategy names its builder by import path; a lost function would show only when a case ran."""
+    import importlib
+
+    from parabench.strategies import STRATEGIES
+
+    missing = []
+    for name, spec in STRATEGIES.items():
+        module, function = spec.builder.split(":")
+        if not callable(getattr(importlib.import_module(module), function, None)):
+            missing.append(f"{name} -> {spec.builder}")
+    assert not missing, missing

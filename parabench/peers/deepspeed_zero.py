@@ -380,6 +380,7 @@ build_zero3 = _builder(3)
 # ZeRO-Offload: optimizer states, fp32 master and the update on the CPU. On a CPU-only machine the
 # "device" is the CPU already: the offload is a copy within the same memory (a no-op in effect).
 build_zero2_offload = _builder(2, offload=True)
+build_zero3_offload = _builder(3, offload=True)
 
 
 class DeepSpeedZeroPPTrainer(DeepSpeedTrainer):
