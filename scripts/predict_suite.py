@@ -1,0 +1,87 @@
+"""Predict every case of a suite with the calibrated planner (``parabench.plan``) and write the
+predictions as JSON, so a later run of the suite can be set against what was predicted before it ran.
+
+    python scripts/predict_suite.py suites/h100x8.toml --out results/predictions/h100x8.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from parabench.models import model_config
+from parabench.plan import model as M
+from parabench.plan import workload as W
+from parabench.plan.calibrate import calibration_path, load_kind
+from parabench.suite import load_suite
+
+
+def predict_suite(path: str, kind: str = "h100") -> dict:
+    cal = load_kind(kind)
+    if cal is None:
+        raise SystemExit(f"no calibration for {kind!r}: run python -m parabench.plan.calibrate results")
+    suite = load_suite(path)
+    rows = []
+    for case in suite.cases:
+        cfg = model_config(case.model, case.seq_len)
+        w = W.for_config(
+            model=case.model,
+            cfg=cfg,
+            strategy=case.strategy,
+            world_size=case.world_size,
+            precision=case.precision,
+            recipe=case.recipe,
+            micro_batch=case.micro_batch,
+            grad_accum=case.grad_accum,
+            options=case.options,
+        )
+        p = M.predict(w, cal) if w is not None else None
+        rows.append(
+            {
+                "case_hash": case.case_hash,
+                "label": case.label,
+                "tokens_per_s_per_device": p.tokens_per_s_per_gpu if p else None,
+                "mfu": p.mfu if p else None,
+                "peak_bytes": p.peak_bytes if p else None,
+                "step_time_s": p.step_s if p else None,
+                "bottleneck": p.bottleneck if p else None,
+                "time_s": p.time_s if p else None,
+                "notes": p.notes if p else ["no workload for this strategy"],
+            }
+        )
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {
+        "schema": 1,
+        "suite": suite.name,
+        "suite_file": path,
+        "calibration": str(calibration_path(kind)),
+        "calibration_schema": cal.get("schema"),
+        "calibration_configurations": len(cal.get("sources", {}).get("configurations", []) or []) or None,
+        "commit": commit,
+        "predictions": rows,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("suite")
+    ap.add_argument("--kind", default="h100")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    out = predict_suite(args.suite, args.kind)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    for r in out["predictions"]:
+        tps, peak = r["tokens_per_s_per_device"], r["peak_bytes"]
+        print(
+            f"{r['label'][:78]:78s} {tps or 0:9,.0f} tok/s/GPU  peak {(peak or 0) / 2**30:6.1f} GiB  {r['bottleneck']}",
+            file=sys.stdout,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
