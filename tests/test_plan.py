@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from parabench.plan.workload import for_config
 from parabench.suite import load_suite
 from parabench.theory import zero_paper_state_bytes
 
+ROOT = Path(__file__).resolve().parent.parent
 COLLECTIVES = {
     op: {"alpha_s": 2e-5, "busbw_Bps": 300e9, "group_size": 2} for op in ("all_reduce", "all_gather", "reduce_scatter")
 }
@@ -230,3 +232,21 @@ def test_superseded_and_perturbed_runs_are_excluded():
     assert C.excluded("results/gpu-mp/20261126-021202", "torch.pp_1f1b")
     assert C.excluded("results/gpu-mp/20261126-021202", "ref.pp_1f1b") is None
     assert C.excluded("results/h100x2/20261126-180901", "ref.ddp") is None
+
+
+def test_predict_suite_writes_one_prediction_per_case(tmp_path):
+    """scripts/predict_suite.py: the committed predictions are keyed by the suite's case hashes."""
+    import importlib.util
+
+    suite = tmp_path / "two.toml"
+    suite.write_text(
+        '[suite]\nname = "two"\ndevice = "cuda"\nprecision = "bf16"\nseq_len = 2048\n\n'
+        '[[matrix]]\nmodel = "gpt-1.3b"\nstrategy = ["ref.ddp", "torch.fsdp2"]\nworld_size = 2\nmicro_batch = 4\n'
+    )
+    spec = importlib.util.spec_from_file_location("predict_suite", ROOT / "scripts" / "predict_suite.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = module.predict_suite(str(suite))
+    hashes = [c.case_hash for c in load_suite(str(suite)).cases]
+    assert [p["case_hash"] for p in out["predictions"]] == hashes
+    assert all(p["tokens_per_s_per_device"] > 0 and p["peak_bytes"] > 0 for p in out["predictions"])
