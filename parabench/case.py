@@ -8,6 +8,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
 
+from parabench.models import LAYOUTS
 from parabench.recipes import RECIPES, recipe_name
 from parabench.strategies import STRATEGIES, get_strategy
 from parabench.topology import Topology
@@ -26,6 +27,9 @@ class Case:
     # bf16/fp16: "master", "amp" or (bf16) "fp8" (``strategies.RECIPES``); None picks the strategy's default and
     # is resolved here, so every low-precision case names the recipe it ran. fp32 has none.
     recipe: str | None = None
+    # The model's parameter layout (``parabench.models.LAYOUTS``): "separate" q, k, v linears, or one
+    # "fused" qkv linear (GPT-2 / nanoGPT / Megatron-LM). Only a non-default layout enters the hash.
+    layout: str = "separate"
     micro_batch: int = 2
     grad_accum: int = 1
     seq_len: int | None = None
@@ -61,6 +65,8 @@ class Case:
         if unknown:
             raise ValueError(f"unknown scaling mode {unknown[0]!r}; valid modes: {', '.join(SCALING_MODES)}")
         object.__setattr__(self, "scaling", tuple(sorted(set(modes))))
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown model layout {self.layout!r}; valid layouts: {', '.join(LAYOUTS)}")
         if self.precision == "fp32":  # nothing to choose (a suite's recipe axis collapses here)
             object.__setattr__(self, "recipe", None)
         elif self.recipe is None:
@@ -99,6 +105,8 @@ class Case:
         # to the strategy is part of the identity.
         if d["recipe"] is None or d["recipe"] == get_strategy(self.strategy).legacy_recipe:
             d.pop("recipe")
+        if d["layout"] == "separate":  # the model every case trained before layouts were an axis
+            d.pop("layout")
         d["strategy_version"] = get_strategy(self.strategy).version
         return d
 
@@ -116,11 +124,17 @@ class Case:
     def label(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
         return (
-            f"{self.strategy} {self.model} w{self.world_size} {self.precision_recipe} mb{self.micro_batch}"
+            f"{self.strategy} {self.model}{'' if self.layout == 'separate' else ' ' + self.layout} w{self.world_size} {self.precision_recipe} mb{self.micro_batch}"
             + (f" ga{self.grad_accum}" if self.grad_accum > 1 else "")
             + (f" [{opts}]" if opts else "")
             + (f" scaling={'+'.join(self.scaling)}" if self.scaling else "")
         )
+
+    def model_config(self):
+        """The GPT this case trains (``parabench.models.model_config`` with its seq_len and layout)."""
+        from parabench.models import model_config
+
+        return model_config(self.model, self.seq_len, layout=self.layout)
 
     @property
     def precision_recipe(self) -> str:
@@ -145,6 +159,8 @@ class Case:
         d = asdict(self)
         if not d["scaling"]:  # records of cases outside a series read as they always have
             del d["scaling"]
+        if d["layout"] == "separate":  # ... and so do records of the default model layout
+            del d["layout"]
         return d
 
     @classmethod

@@ -286,6 +286,7 @@ def cmd_run_case(args) -> int:
             "world_size",
             "precision",
             "recipe",
+            "layout",
             "micro_batch",
             "grad_accum",
             "seq_len",
@@ -457,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--world-size", type=_int_at_least(1), default=1)
             p.add_argument("--precision")
             p.add_argument("--recipe", help="bf16/fp16 precision recipe: master (default), amp or (bf16) fp8")
+            p.add_argument(
+                "--layout", choices=("separate", "fused"), help="model layout: separate q, k, v (default) or fused qkv"
+            )
             p.add_argument("--micro-batch", type=_int_at_least(1))
             p.add_argument("--grad-accum", type=_int_at_least(1))
             p.add_argument("--seq-len", type=_int_at_least(1))

@@ -1,7 +1,7 @@
 """Results as data: the case records of run folders as one tidy pandas DataFrame.
 
 ``parabench.load(run_dirs)`` gives one row per case launch record (``cases/<hash>[.r<k>].json``):
-the run, the case's identity (strategy, model, world size, precision, recipe, batch shape, options
+the run, the case's identity (strategy, model, model layout, world size, precision, recipe, batch shape, options
 as a JSON string), its status, every figure of ``record["metrics"]`` under its own name, the
 main check verdicts, and a few figures read from elsewhere in the record (rank 0's communication
 payload, the analytic state and communication bytes). ``per_rank=True`` gives one row per case
@@ -45,6 +45,7 @@ CASE_COLUMNS = (
     "kind",
     "family",
     "model",
+    "layout",
     "params",
     "world_size",
     "precision",
@@ -76,6 +77,7 @@ RANK_ID_COLUMNS = (
     "kind",
     "family",
     "model",
+    "layout",
     "world_size",
     "precision",
     "recipe",
@@ -143,6 +145,8 @@ def case_row(manifest: dict, record: dict, *, registry: bool = True) -> dict:
         "kind": kind,
         "family": family,
         "model": case.get("model"),
+        # the model's parameter layout; records of the default one carry no field
+        "layout": case.get("layout") or "separate",
         "params": _number(_dig(record, "model", "params", "total")),
         "world_size": case.get("world_size"),
         "precision": case.get("precision"),

@@ -26,7 +26,6 @@ from parabench.models import (
     HFU_CONVENTION,
     MOE_FLOPS_CONVENTION,
     hardware_flops_per_token,
-    model_config,
     model_flops_per_token,
     parameter_count,
 )
@@ -57,7 +56,7 @@ def losses_over_ranks(per_rank: list[dict]) -> list[float | None]:
 
 def summarize(case, raw: dict) -> dict:
     """The record's ``metrics`` section from the worker's gathered measurements."""
-    cfg = model_config(case.model, case.seq_len)
+    cfg = case.model_config()
     per_rank = raw["per_rank"]
     steps = step_times_over_ranks(per_rank)
     median = statistics.median(steps)
@@ -219,7 +218,7 @@ def loss_deviation(record: dict, reference: dict) -> dict | None:
 
 
 def model_section(case) -> dict:
-    cfg = model_config(case.model, case.seq_len)
+    cfg = case.model_config()
     return {
         "name": case.model,
         "config": cfg.to_dict(),

@@ -41,6 +41,14 @@ class GPTConfig:
     # Benchmark mode (see :func:`balanced_routing_bias`): every expert gets exactly s*k/E tokens of
     # each sequence, whatever the router has learnt.
     balanced_routing: bool = False
+    # The attention block's parameter layout (``LAYOUTS``): "separate" q, k, v linears (k without a
+    # bias), or one "fused" qkv linear as GPT-2, nanoGPT and Megatron-LM build it. Same math and
+    # FLOPs; different parameter-tensor and module counts, which per-tensor and per-module hooks pay.
+    layout: str = "separate"
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown model layout {self.layout!r}; valid layouts: {', '.join(LAYOUTS)}")
 
     @property
     def head_dim(self) -> int:
@@ -58,7 +66,17 @@ class GPTConfig:
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["layout"] == "separate":  # records of the default layout read as they did before the field
+            del d["layout"]
+        return d
+
+
+# "separate": q, k, v as three linears (biases on q and v only), so that a column split of each is a
+# split by heads (tensor and context parallelism rely on it). "fused": one qkv linear d -> 3d with a
+# bias, the layout of GPT-2's checkpoints (``c_attn``), nanoGPT (``bias=True``, its default) and
+# Megatron-LM (``linear_qkv``, ``add_bias_linear`` on by default).
+LAYOUTS = ("separate", "fused")
 
 
 # GPT-3 paper Table 2.1 with consistent shapes (see FACTS.md), plus CPU-sized models for tests.
@@ -100,7 +118,9 @@ MODEL_LADDER: dict[str, GPTConfig] = {
 }
 
 
-def model_config(name: str, seq_len: int | None = None, vocab_size: int | None = None) -> GPTConfig:
+def model_config(
+    name: str, seq_len: int | None = None, vocab_size: int | None = None, layout: str | None = None
+) -> GPTConfig:
     if name not in MODEL_LADDER:
         raise KeyError(f"unknown model {name!r}; valid models: {', '.join(MODEL_LADDER)}")
     cfg = MODEL_LADDER[name]
@@ -108,7 +128,38 @@ def model_config(name: str, seq_len: int | None = None, vocab_size: int | None =
         cfg = replace(cfg, seq_len=seq_len)
     if vocab_size is not None:
         cfg = replace(cfg, vocab_size=vocab_size)
+    if layout is not None:
+        cfg = replace(cfg, layout=layout)
     return cfg
+
+
+class FusedCausalSelfAttention(nn.Module):
+    """Causal self-attention with one ``qkv`` linear (d -> 3d, bias), GPT-2 / nanoGPT / Megatron-LM
+    style: the same computation as :class:`CausalSelfAttention` (its q, k, v weights are the row
+    blocks ``qkv.weight[:d]``, ``[d:2d]``, ``[2d:]``), in 2 linears and 4 parameter tensors instead of
+    4 linears and 7 tensors.
+
+    Biases everywhere (nanoGPT's default ``bias=True``), not none: every other tensor of the block
+    (LayerNorms, the output projection and MLP biases) stays as in the separate layout, so the only
+    difference between the layouts is the granularity of the attention's input projection, plus the
+    key bias a fused qkv bias carries (d parameters per block; softmax cancels it, so its true
+    gradient is zero, as in GPT-2). Dropping every bias (nanoGPT ``bias=False``) would change
+    the LayerNorms and the MLP too and measure two things at once.
+
+    A column split of ``qkv.weight`` is not a split by heads, so tensor and context parallelism
+    refuse this layout (``StrategySpec.layouts``)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
 class CausalSelfAttention(nn.Module):
@@ -271,7 +322,7 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int | None = None):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = FusedCausalSelfAttention(cfg) if cfg.layout == "fused" else CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         # ``layer`` (its index) matters only for MoE configs: dense models build the same MLP as before.
         self.mlp = MoE(cfg) if layer is not None and cfg.is_moe_layer(layer) else MLP(cfg)
@@ -353,7 +404,8 @@ def parameter_count(cfg: GPTConfig) -> dict[str, int]:
     (router + top_k expert MLPs per MoE layer), which is what FLOPs per token are made of.
     """
     d, L, V = cfg.d_model, cfg.n_layers, cfg.vocab_size
-    per_block = (3 * d * d + 2 * d) + (d * d + d) + 2 * (cfg.mlp_ratio * d * d) + cfg.mlp_ratio * d + d + 4 * d
+    qkv_biases = 3 * d if cfg.layout == "fused" else 2 * d  # the separate layout's k has none
+    per_block = (3 * d * d + qkv_biases) + (d * d + d) + 2 * (cfg.mlp_ratio * d * d) + cfg.mlp_ratio * d + d + 4 * d
     blocks = L * per_block
     embeddings = V * d + cfg.seq_len * d
     head = V * d

@@ -119,9 +119,8 @@ def theory_for(case: Case, per_rank: list[dict] | None = None) -> dict | None:
     the measured per-rank records, traffic that depends on a data-dependent decision (expert
     routing) is made exact per rank from what the ranks recorded of that decision."""
     from parabench import theory
-    from parabench.models import model_config
 
-    cfg = model_config(case.model, case.seq_len)
+    cfg = case.model_config()
     expect = theory.expected(case, cfg, case.dp)
     if expect is None:
         return None

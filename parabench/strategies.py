@@ -36,6 +36,10 @@ AMP_ONLY = dict(recipes=("amp",), legacy_recipe="amp")
 MASTER_ONLY = dict(recipes=("master",), legacy_recipe="master")
 
 
+# The layouts of every strategy that treats the model as a bag of tensors (StrategySpec keyword).
+ANY_LAYOUT = ("separate", "fused")
+
+
 def with_fp8(declared: dict) -> dict:
     """A row's recipe keywords plus ``fp8`` (bf16 only, ``parabench.fp8``): for the strategies
     whose builder converts the model's linears (``fp8.convert``)."""
@@ -278,6 +282,11 @@ class StrategySpec:
     fp16_recipes: tuple[str, ...] | None = None  # where fp16 has fewer (None: ``recipes``)
     # What its bf16/fp16 records meant before cases recorded a recipe (reading old runs).
     legacy_recipe: str = "master"
+    # The model layouts it trains (``parabench.models.LAYOUTS``). Data-parallel and sharded strategies
+    # treat the GPT as a bag of tensors and take both; tensor, context and pipeline parallelism
+    # split the separate q, k, v linears by heads, or name the separate layout's modules, and
+    # take "separate" only.
+    layouts: tuple[str, ...] = ("separate",)
     min_world_size: int = 1
     version: str = "1"  # bump when the implementation changes what it measures
     # False for strategies that leave state behind in the process (device memory, global hooks)

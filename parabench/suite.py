@@ -37,6 +37,11 @@ Scaling series (``scaling``, one mode per matrix, listing at least two world siz
 The mode is recorded in each case (``Case.scaling``) for the report's scaling section, outside
 the hash: a case in both a strong and a weak series runs once and belongs to both.
 
+``layout`` ("separate" or "fused", ``parabench.models.LAYOUTS``) picks the model's parameter layout:
+separate q, k, v linears (the default) or one fused qkv linear. As a list it is an axis that runs
+each strategy in the layouts it takes (``StrategySpec.layouts``: tensor, context, pipeline and
+expert parallelism take "separate" only); a single value a strategy lacks is an error.
+
 ``repeats = N`` (in ``[suite]`` or a matrix) runs each case in N separate torchrun launches,
 interleaved across the suite (every case's first launch, then every case's second...), so that
 drift over the run hits every case alike; the regression gate and the report's intervals need
@@ -55,7 +60,7 @@ from pathlib import Path
 import tomllib
 
 from parabench.case import SCALING_MODES, Case
-from parabench.models import MODEL_LADDER
+from parabench.models import LAYOUTS, MODEL_LADDER
 from parabench.recipes import RECIPES
 from parabench.results import UnsafeNameError, check_path_component
 from parabench.strategies import DP_PRECISIONS, STRATEGIES, get_strategy
@@ -91,6 +96,7 @@ _TYPES = {
     "strategy": str,
     "precision": str,
     "recipe": str,
+    "layout": str,
     "device": str,
     "options": dict,
 }
@@ -232,6 +238,7 @@ def load_suite(name_or_path: str) -> Suite:
         keys = list(matrix)
         axes = [v if isinstance(v, list) else [v] for v in matrix.values()]
         recipe_axis = isinstance(matrix.get("recipe"), list)
+        layout_axis = isinstance(matrix.get("layout"), list)
         for combo in itertools.product(*axes):
             spec = {**defaults, **dict(zip(keys, combo))}
             spec.pop("scaling", None)
@@ -248,6 +255,8 @@ def load_suite(name_or_path: str) -> Suite:
                 and spec.get("recipe") not in get_strategy(spec["strategy"]).recipes_for(spec.get("precision"))
             ):
                 continue  # a recipe axis runs each strategy in the recipes it has
+            if layout_axis and spec.get("layout", "separate") not in get_strategy(spec["strategy"]).layouts:
+                continue  # ... and a layout axis in the model layouts it takes
             try:
                 case = Case(**spec)
                 validate_case(case)
@@ -340,6 +349,8 @@ def _check_value(key: str, value, fail) -> None:
         fail(f"unknown scaling mode {value!r}; valid modes: {', '.join(SCALING_MODES)}")
     if key == "recipe" and value not in RECIPES:
         fail(f"unknown recipe {value!r}; valid recipes: {', '.join(RECIPES)}")
+    if key == "layout" and value not in LAYOUTS:
+        fail(f"unknown model layout {value!r}; valid layouts: {', '.join(LAYOUTS)}")
     if key == "device" and value not in ("auto", "cpu", "cuda"):
         fail(f"unknown device {value!r}; valid devices: auto, cpu, cuda")
     if (
@@ -371,6 +382,18 @@ def validate_case(case: Case) -> None:
             f"{case.strategy} does not train {case.precision} in the {case.recipe!r} recipe "
             f"(supported: {', '.join(info.recipes_for(case.precision))})"
         )
+    if case.layout not in info.layouts:
+        takers = sorted(name for name, spec in STRATEGIES.items() if case.layout in spec.layouts)
+        raise SuiteError(
+            f"{case.strategy} does not train the {case.layout!r} model layout (it takes {', '.join(info.layouts)}): "
+            + (
+                "a column split of a fused qkv weight is not a split by heads, and its parallelism splits or names "
+                "the separate q, k, v linears. "
+                if case.layout == "fused"
+                else ""
+            )
+            + f"Strategies that take {case.layout!r}: {', '.join(takers)}"
+        )
     if case.world_size < info.min_world_size:
         raise SuiteError(f"{case.strategy} needs world_size >= {info.min_world_size}")
     if case.seq_len is not None and case.seq_len > 1 << 20:
@@ -379,7 +402,7 @@ def validate_case(case: Case) -> None:
         opts = info.parse_options(case.options)
         Topology.check(case.world_size, getattr(opts, "pp", 1), getattr(opts, "tp", 1))
         if info.validate is not None:
-            info.validate(case, opts, MODEL_LADDER[case.model])
+            info.validate(case, opts, replace(MODEL_LADDER[case.model], layout=case.layout))
     except TopologyError:
         raise
     except ValueError as exc:

@@ -47,7 +47,7 @@ from parabench.hardware import device_name, measured_matmul_flops, peak_flops
 from parabench.meters import flight_recorder, memory, telemetry
 from parabench.meters.comm import CommMeter
 from parabench.meters.traces import TraceFiles
-from parabench.models import global_batch, model_config
+from parabench.models import global_batch
 from parabench.progress import PhaseReporter, status_path
 from parabench.results import write_json_atomic
 from parabench.strategies import OptimConfig, TrainSpec, get_strategy
@@ -214,7 +214,7 @@ def _topology(device: torch.device, pp: int, tp: int):
 
 def make_spec(case: Case, device: torch.device) -> TrainSpec:
     """The strategy's view of ``case`` on this rank (builds the rank grid: a collective)."""
-    cfg = model_config(case.model, case.seq_len)
+    cfg = case.model_config()
     topo = _topology(device, case.options.get("pp", 1), case.options.get("tp", 1))
     return TrainSpec(
         model=cfg,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from parabench.case import Case
 from parabench.distributed import run_on_gloo
 from parabench.meters.comm import CommMeter
-from parabench.models import global_batch, model_config
+from parabench.models import global_batch
 from parabench.strategies import OptimConfig, TrainSpec, get_strategy
 from parabench.topology import Topology
 from parabench.worker import local_batches, make_spec
@@ -132,6 +132,7 @@ def single_truth(case: Case, n_steps: int, options: dict | None = None) -> dict:
     recipe = case.recipe if case.recipe in get_strategy("single").recipes_for(case.precision) else None
     key = (
         case.model,
+        case.layout,
         case.seq_len,
         case.seed,
         case.lr,
@@ -144,7 +145,7 @@ def single_truth(case: Case, n_steps: int, options: dict | None = None) -> dict:
         n_steps,
     )
     if key not in _TRUTHS:
-        cfg = model_config(case.model, case.seq_len)
+        cfg = case.model_config()
         spec = TrainSpec(
             model=cfg,
             seed=case.seed,

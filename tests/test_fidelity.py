@@ -54,14 +54,15 @@ def test_scripts_import_only_torch_deepspeed_and_the_standard_library():
         assert "parabench" not in names and "reference_impls" not in names
 
 
-def test_script_gpt_is_parabench_gpt_name_for_name_and_weight_for_weight():
+@pytest.mark.parametrize("layout", ["separate", "fused"])
+def test_script_gpt_is_parabench_gpt_name_for_name_and_weight_for_weight(layout):
     sys.path.insert(0, str(SCRIPTS_DIR))
     try:
         import _gpt
     finally:
         sys.path.remove(str(SCRIPTS_DIR))
-    cfg = model_config("tiny")
-    args = _gpt.parser("t").parse_args(TINY + ["--seed=7"])
+    cfg = model_config("tiny", layout=layout)
+    args = _gpt.parser("t").parse_args(TINY + ["--seed=7", f"--layout={layout}"])
     mine = dict(_gpt.build_gpt(args, torch.device("cpu")).named_parameters())
     theirs = dict(build_model(cfg, 7).named_parameters())
     assert list(mine) == list(theirs)
@@ -150,6 +151,9 @@ def test_plan_names_why_a_case_has_no_script_run():
     assert "no recipe 'amp'" in plan(record(strategy="deepspeed.zero3", recipe="amp"))[1]
     assert "whole world" in plan(record(strategy="torch.tp", world_size=4, options={"tp": 2}))[1]
     assert "fp16" in plan(record(precision="fp16"))[1]
+    assert not any(a.startswith("--layout") for a in args)  # the default layout: the script's default
+    assert "--layout=fused" in plan(record(strategy="deepspeed.zero3", layout="fused"))[0]
+    assert "q, k, v" in plan(record(strategy="torch.tp", layout="fused", options={"tp": 2}))[1]
 
 
 def test_fidelity_command_writes_results_and_the_report_table(tmp_path):

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from parabench.models import build_model, lm_loss
 from parabench.strategies import (
+    ANY_LAYOUT,
     DP_PRECISIONS,
     TORCH_PEER_RECIPES,
     CommonOptions,
@@ -251,9 +252,15 @@ COMPILES = ("single", "torch.ddp", "ref.ddp", "ref.ps")
 TAKES_FP8 = ("single", "torch.ddp", "ref.ddp")
 
 
+# Layouts: these take the fused-qkv model too (StrategySpec.layouts; the rest train the separate one).
+ANY_LAYOUT_STRATEGIES = ("single", "torch.ddp", "ref.ddp")
+
+
 def _row(name, builder, kind, description, expect, options=DataParallelOptions, **kw):
     if name in COMPILES:
         kw.setdefault("compile_unsupported", None)
+    if name in ANY_LAYOUT_STRATEGIES:
+        kw.setdefault("layouts", ANY_LAYOUT)
     recipes = TORCH_PEER_RECIPES if kind == "peer" or name == "single" else {}
     recipes = with_fp8(recipes) if name in TAKES_FP8 else recipes
     return StrategySpec(

@@ -21,6 +21,7 @@ from parabench.families.data_parallel import (
 )
 from parabench.models import lm_loss, parameter_count
 from parabench.strategies import (
+    ANY_LAYOUT,
     DP_PRECISIONS,
     MASTER_ONLY,
     PeerProfile,
@@ -699,9 +700,26 @@ def validate_fp8_all_gather(case, o, cfg) -> None:
         raise ValueError("option fp8_all_gather needs strategy torch.fsdp2 and recipe fp8")
 
 
+# Layouts: these take the fused-qkv model too (StrategySpec.layouts; the rest train the separate one).
+ANY_LAYOUT_STRATEGIES = (
+    "torch.fsdp2",
+    "torch.hsdp",
+    "deepspeed.zero1",
+    "deepspeed.zero2",
+    "deepspeed.zero3",
+    "ref.zero1",
+    "ref.zero2",
+    "ref.zero3",
+    "ref.fsdp",
+    "ref.hsdp",
+)
+
+
 def _row(name, builder, kind, description, expect, **kw):
     if name in COMPILES:
         kw.setdefault("compile_unsupported", None)
+    if name in ANY_LAYOUT_STRATEGIES:
+        kw.setdefault("layouts", ANY_LAYOUT)
     elif name.startswith("deepspeed."):
         kw.setdefault("compile_unsupported", DEEPSPEED_NO_COMPILE)
     recipes = MASTER_ONLY if name.startswith("deepspeed.") else {}

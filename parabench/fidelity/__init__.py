@@ -93,7 +93,10 @@ def plan(record: dict) -> tuple[list[str] | None, str | None]:
     recipe = recipe_of(record)
     if recipe is not None and recipe not in peer.recipes:
         return None, f"{case['strategy']}'s script has no recipe {recipe!r} (it runs {', '.join(peer.recipes)})"
-    cfg = model_config(case["model"], case.get("seq_len"))
+    layout = case.get("layout") or "separate"  # records of the default layout carry no field
+    if layout != "separate" and case["strategy"] == "torch.tp":
+        return None, "the TP script shards the separate q, k, v linears by heads"
+    cfg = model_config(case["model"], case.get("seq_len"), layout=layout)
     if cfg.is_moe or cfg.mlp_ratio != 4:
         return None, "the scripts build the dense GPT with a 4x MLP"
     device = (record.get("device") or {}).get("type") or ("cpu" if case.get("device") == "cpu" else "cuda")
@@ -115,6 +118,8 @@ def plan(record: dict) -> tuple[list[str] | None, str | None]:
     ]
     if recipe is not None:
         args.append(f"--recipe={recipe}")
+    if layout != "separate":
+        args.append(f"--layout={layout}")
     return args, None
 
 

@@ -52,13 +52,16 @@ def records_of(runs, strategies):
 
 def variant(case: dict, usual_seed=None) -> str:
     """What tells cases of one model, device count, recipe and micro-batch apart: the strategy,
-    gradient accumulation, options (as the case label writes them) and a seed other than the
-    run's usual one (a suite repeats cases under other seeds)."""
+    a model layout other than the default (``fused``), gradient accumulation, options (as the case
+    label writes them) and a seed other than the run's usual one (a suite repeats cases under other
+    seeds)."""
     opts = ",".join(f"{k}={v}" for k, v in sorted((case.get("options") or {}).items()))
     ga = case.get("grad_accum")
     seed = case.get("seed")
+    layout = case.get("layout")
     return (
         str(case.get("strategy"))
+        + (f" {layout}" if layout and layout != "separate" else "")  # the model layout, as the label writes it
         + (f" ga{ga}" if isinstance(ga, int) and ga > 1 else "")
         + (f" [{opts}]" if opts else "")
         + (f" seed {seed}" if seed is not None and usual_seed is not None and seed != usual_seed else "")
@@ -112,6 +115,7 @@ def case_rows(runs) -> list[dict]:
                     "variant": variant(r.get("case") or {}, seed),
                     "seed": dig(r, "case", "seed"),
                     "model": str(d["model"]),
+                    "layout": d["layout"],
                     "params": d["params"],
                     "world_size": d["world_size"],
                     # the precision and its recipe ("bf16-master"): every grouping of the report

@@ -164,7 +164,8 @@ def ratio_rows(runs) -> list[dict]:
                     rows.append(
                         {
                             "run": run_name(manifest),
-                            "shape": f"{c.get('model')} w{c.get('world_size')} {c.get('precision')} "
+                            "shape": f"{c.get('model')}{' ' + c['layout'] if c.get('layout') else ''} "
+                            f"w{c.get('world_size')} {c.get('precision')} "
                             f"mb{c.get('micro_batch')}",
                             "reference": c["strategy"],
                             "peer": peer["case"]["strategy"],

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-# --- the model: a GPT-2/3 decoder, parabench's block layout --------------------------------------
+# --- the model: a GPT-2/3 decoder, parabench's block layouts --------------------------------------
 
 
 class Attention(nn.Module):
@@ -43,6 +43,23 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
+class FusedAttention(nn.Module):
+    """GPT-2 / nanoGPT / Megatron-LM's layout: one qkv linear (d -> 3d, with a bias) split into
+    q, k and v after the matmul (``--layout fused``)."""
+
+    def __init__(self, d: int, n_head: int):
+        super().__init__()
+        self.head_dim = d // n_head
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
 class MLP(nn.Module):
     def __init__(self, d: int):
         super().__init__()
@@ -54,10 +71,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, n_head: int):
+    def __init__(self, d: int, n_head: int, layout: str = "separate"):
         super().__init__()
         self.ln1 = nn.LayerNorm(d)
-        self.attn = Attention(d, n_head)
+        self.attn = FusedAttention(d, n_head) if layout == "fused" else Attention(d, n_head)
         self.ln2 = nn.LayerNorm(d)
         self.mlp = MLP(d)
 
@@ -67,11 +84,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, n_layer: int, n_head: int, d_model: int, vocab: int, seq_len: int):
+    def __init__(self, n_layer: int, n_head: int, d_model: int, vocab: int, seq_len: int, layout: str = "separate"):
         super().__init__()
         self.tok_emb = nn.Embedding(vocab, d_model)
         self.pos_emb = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d_model, n_head, layout) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
 
@@ -91,7 +108,7 @@ def build_gpt(args, device) -> GPT:
     """fp32 parameters on ``device``, GPT-2 initialisation (N(0, 0.02), residual projections
     scaled by 1/sqrt(2L)) drawn in parameter order from one seeded generator on the device."""
     with torch.device("meta"):
-        model = GPT(args.n_layer, args.n_head, args.d_model, args.vocab, args.seq_len)
+        model = GPT(args.n_layer, args.n_head, args.d_model, args.vocab, args.seq_len, args.layout)
     model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     resid_std = 0.02 / math.sqrt(2 * args.n_layer)
@@ -185,6 +202,12 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--d-model", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument(
+        "--layout",
+        choices=("separate", "fused"),
+        default="separate",
+        help="attention projections: separate q, k, v linears, or one fused qkv linear (GPT-2 / nanoGPT)",
+    )
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5, help="timed steps")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps before them")

@@ -63,6 +63,8 @@ def main():
     ap = _gpt.parser(__doc__.splitlines()[0])
     ap.add_argument("--recipe", choices=("amp", "master"), default="amp")
     args = ap.parse_args()
+    if args.layout != "separate":  # ColwiseParallel on a fused qkv would split q|k|v, not heads
+        ap.error("the TP plan shards the separate q, k, v linears by heads: --layout separate only")
     device = _gpt.init(args)
     bf16 = args.precision == "bf16"
     master = bf16 and args.recipe == "master"
