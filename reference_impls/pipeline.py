@@ -106,6 +106,57 @@ def stage_head_loss(model: nn.Module, x: torch.Tensor, targets: torch.Tensor) ->
 # --- the engine ------------------------------------------------------------------------------
 
 
+class StageClock:
+    """One step of a pipeline stage on the host clock: the intervals it computed and the ones it
+    waited for a neighbour (the measured bubble), relative to the step's start. With ``synchronize``
+    (option ``record_timeline``) every mark waits for the device, so on a GPU an interval is the
+    work's own rather than its launch's; without it the default path has no host syncs."""
+
+    def __init__(self, synchronize: bool):
+        self.synchronize = synchronize
+        self.wait_s = 0.0
+        self.events: list[tuple] = []
+        self.start = self.now()
+
+    def now(self) -> float:
+        if self.synchronize and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def recv(self, buf: torch.Tensor, src: int, group, tag: int, *detail) -> torch.Tensor:
+        """Blocking receive into ``buf``, its wait recorded (``detail``: extra fields of the event)."""
+        t0 = self.now()
+        dist.recv(buf, src=src, group=group, tag=tag)
+        t1 = self.now()
+        self.wait_s += t1 - t0
+        self.events.append(("wait", -1, t0 - self.start, t1 - self.start, *detail))
+        return buf
+
+    def computed(self, kind: str, micro: int, t0: float, t1: float, *detail) -> None:
+        self.events.append((kind, micro, t0 - self.start, t1 - self.start, *detail))
+
+    def drain(self, sends: list) -> float:
+        """Wait for the step's outstanding sends (idle time too); the step's length."""
+        t0 = self.now()
+        for work, _ in sends:
+            work.wait()
+        t1 = self.now()
+        self.wait_s += t1 - t0
+        return t1 - self.start
+
+    def bubble_stats(self, step_s: float, on_cuda: bool) -> dict:
+        """The idle share of this stage's step. On a GPU the host clock only sees kernel launches
+        unless the clock synchronises: then there is no measurement, never a misleading one."""
+        host = self.wait_s / step_s if step_s > 0 else None
+        return {
+            "wait_s": self.wait_s,
+            "bubble_fraction_measured": host if (self.synchronize or not on_cuda) else None,
+            "bubble_fraction_host_clock": host,
+            "timeline_synchronized": bool(self.synchronize),
+            "timeline": self.events,
+        }
+
+
 class PipelineEngine:
     """Runs one stage's part of a schedule for one batch; records order, timing and live activations.
 
@@ -132,12 +183,6 @@ class PipelineEngine:
         self.record_timeline = record_timeline
         self._stats: dict = {}
 
-    # host clock; on CUDA synchronise only when asked (the default path has no host syncs)
-    def _now(self) -> float:
-        if self.record_timeline and torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
     def run(
         self,
         inputs: torch.Tensor,
@@ -158,28 +203,20 @@ class PipelineEngine:
         sends: list = []
         total = torch.zeros((), device=device, dtype=torch.float32)
         live = peak_live = 0
-        compute_s = wait_s = 0.0
-        events = []
-        t_step = self._now()
+        compute_s = 0.0
+        clock = StageClock(self.record_timeline)
 
         def recv(shape, src, tag):
-            nonlocal wait_s
-            buf = torch.empty(shape, dtype=act_dtype, device=device)
-            t0 = self._now()
-            dist.recv(buf, src=src, group=self.group, tag=tag)
-            t1 = self._now()
-            wait_s += t1 - t0
-            events.append(("wait", -1, t0 - t_step, t1 - t_step))
-            return buf
+            return clock.recv(torch.empty(shape, dtype=act_dtype, device=device), src, self.group, tag)
 
         for kind, i in order:
             if kind == "F":
                 if self.first:
-                    t0 = self._now()
+                    t0 = clock.now()
                     x_in, x = None, self.module.embed(xs[i])
                 else:
                     x_in = recv(act_shape, self.prev, TAG_ACT).requires_grad_(True)
-                    t0 = self._now()
+                    t0 = clock.now()
                     x = x_in
                 for block in self.module.blocks.values():
                     x = block(x)
@@ -195,21 +232,16 @@ class PipelineEngine:
             else:
                 x_in, out = saved.pop(i)
                 grad = None if self.last else recv(out.shape, self.next, TAG_GRAD)
-                t0 = self._now()
+                t0 = clock.now()
                 torch.autograd.backward(out, grad)
                 if not self.first:
                     sends.append((dist.isend(x_in.grad, dst=self.prev, group=self.group, tag=TAG_GRAD), x_in.grad))
                 live -= 1
-            t1 = self._now()
+            t1 = clock.now()
             compute_s += t1 - t0
-            events.append((kind, i, t0 - t_step, t1 - t_step))
+            clock.computed(kind, i, t0, t1)
 
-        t0 = self._now()
-        for work, _ in sends:
-            work.wait()
-        t1 = self._now()
-        wait_s += t1 - t0
-        step_s = t1 - t_step
+        step_s = clock.drain(sends)
         m, p = n_micro, self.n_stages
         self._stats = {
             "schedule": self.schedule,
@@ -219,19 +251,11 @@ class PipelineEngine:
             "order": [f"{k}{i}" for k, i in order],
             "step_s": step_s,
             "compute_s": compute_s,
-            "wait_s": wait_s,
-            # idle share of this stage's step; the embedding's forward (first stage) counts as compute.
-            # On a GPU the host clock only sees kernel launches unless the timeline synchronises
-            # (record_timeline): then there is no measurement, never a misleading one.
-            "bubble_fraction_measured": (wait_s / step_s if step_s > 0 else None)
-            if (self.record_timeline or device.type != "cuda")
-            else None,
-            "bubble_fraction_host_clock": wait_s / step_s if step_s > 0 else None,
+            # the embedding's forward (first stage) counts as compute
+            **clock.bubble_stats(step_s, device.type == "cuda"),
             "bubble_fraction_theory": bubble_fraction_theory(p, m),
             "peak_live_microbatches": peak_live,
             "peak_live_microbatches_theory": m if self.schedule == "gpipe" else min(p - self.stage, m),
-            "timeline_synchronized": bool(self.record_timeline),
-            "timeline": events,
         }
         return total if self.last else None
 

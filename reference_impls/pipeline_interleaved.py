@@ -32,13 +32,11 @@ both sides (``tests/test_pp_interleaved.py`` checks it by simulation).
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from reference_impls.pipeline import partition_layers, stage_head_loss
+from reference_impls.pipeline import StageClock, partition_layers, stage_head_loss
 
 # --- schedule -------------------------------------------------------------------------------------
 
@@ -152,11 +150,6 @@ class InterleavedPipelineEngine:
         self.record_timeline = record_timeline
         self._stats: dict = {}
 
-    def _now(self) -> float:
-        if self.record_timeline and torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
     def _tag(self, kind: str, local_chunk: int) -> int:
         """The receiving side's (kind, local chunk): activations even tags, gradients odd."""
         return 2 * local_chunk + (0 if kind == "act" else 1)
@@ -181,19 +174,11 @@ class InterleavedPipelineEngine:
         sends: list = []
         total = torch.zeros((), device=device, dtype=torch.float32)
         live = peak_live = 0
-        compute_s = wait_s = 0.0
-        events = []
-        t_step = self._now()
+        compute_s = 0.0
+        clock = StageClock(self.record_timeline)
 
         def recv(src, tag):
-            nonlocal wait_s
-            buf = torch.empty(act_shape, dtype=act_dtype, device=device)
-            t0 = self._now()
-            dist.recv(buf, src=src, group=self.group, tag=tag)
-            t1 = self._now()
-            wait_s += t1 - t0
-            events.append(("wait", -1, t0 - t_step, t1 - t_step, -1))
-            return buf
+            return clock.recv(torch.empty(act_shape, dtype=act_dtype, device=device), src, self.group, tag, -1)
 
         for kind, k, i in order:
             c = self.global_chunks[k]
@@ -201,11 +186,11 @@ class InterleavedPipelineEngine:
             # wrap: rank p-1's chunk k feeds rank 0's chunk k+1.
             if kind == "F":
                 if c == 0:
-                    t0 = self._now()
+                    t0 = clock.now()
                     x_in, x = None, self.module.embed(xs[i])
                 else:
                     x_in = recv(self.prev, self._tag("act", k)).requires_grad_(True)
-                    t0 = self._now()
+                    t0 = clock.now()
                     x = x_in
                 for block in self.chunk_blocks[k]:
                     x = block(x)
@@ -223,23 +208,18 @@ class InterleavedPipelineEngine:
             else:
                 x_in, out = saved.pop((k, i))
                 grad = None if c == C - 1 else recv(self.next, self._tag("grad", k))
-                t0 = self._now()
+                t0 = clock.now()
                 torch.autograd.backward(out, grad)
                 if c > 0:
                     k_prev = k - 1 if self.stage == 0 else k
                     work = dist.isend(x_in.grad, dst=self.prev, group=self.group, tag=self._tag("grad", k_prev))
                     sends.append((work, x_in.grad))
                 live -= 1
-            t1 = self._now()
+            t1 = clock.now()
             compute_s += t1 - t0
-            events.append((kind, i, t0 - t_step, t1 - t_step, c))
+            clock.computed(kind, i, t0, t1, c)
 
-        t0 = self._now()
-        for work, _ in sends:
-            work.wait()
-        t1 = self._now()
-        wait_s += t1 - t0
-        step_s = t1 - t_step
+        step_s = clock.drain(sends)
         self._stats = {
             "schedule": self.schedule,
             "stage": self.stage,
@@ -250,17 +230,11 @@ class InterleavedPipelineEngine:
             "order": [f"{kind}{i}c{self.global_chunks[k]}" for kind, k, i in order],
             "step_s": step_s,
             "compute_s": compute_s,
-            "wait_s": wait_s,
-            "bubble_fraction_measured": (wait_s / step_s if step_s > 0 else None)
-            if (self.record_timeline or device.type != "cuda")
-            else None,
-            "bubble_fraction_host_clock": wait_s / step_s if step_s > 0 else None,
+            **clock.bubble_stats(step_s, device.type == "cuda"),
             "bubble_fraction_theory": bubble_fraction_theory(p, v, n_micro),
             # counted in (chunk, micro-batch) activations, each 1/v of a plain stage's
             "peak_live_microbatches": peak_live,
             "peak_live_microbatches_theory": peak_live_theory(self.stage, p, v, n_micro),
-            "timeline_synchronized": bool(self.record_timeline),
-            "timeline": events,
         }
         return total if self.stage == p - 1 else None
 

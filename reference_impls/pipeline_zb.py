@@ -38,13 +38,11 @@ waited at the end of the step); W sends nothing, so the point-to-point bytes are
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from reference_impls.pipeline import TAG_ACT, TAG_GRAD, stage_head_loss
+from reference_impls.pipeline import TAG_ACT, TAG_GRAD, StageClock, stage_head_loss
 
 # --- schedule and theory -------------------------------------------------------------------------
 
@@ -150,11 +148,6 @@ class ZeroBubblePipelineEngine:
         if self._outputs is not None and torch.is_grad_enabled():
             self._outputs.append((mod, output))
 
-    def _now(self) -> float:
-        if self.record_timeline and torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
     def run(
         self,
         inputs: torch.Tensor,
@@ -177,24 +170,15 @@ class ZeroBubblePipelineEngine:
         total = torch.zeros((), device=device, dtype=torch.float32)
         live = peak_live = 0
         compute = {"F": 0.0, "B": 0.0, "W": 0.0}
-        wait_s = 0.0
-        events = []
-        t_step = self._now()
+        clock = StageClock(self.record_timeline)
 
         def recv(shape, src, tag):
-            nonlocal wait_s
-            buf = torch.empty(shape, dtype=act_dtype, device=device)
-            t0 = self._now()
-            dist.recv(buf, src=src, group=self.group, tag=tag)
-            t1 = self._now()
-            wait_s += t1 - t0
-            events.append(("wait", -1, t0 - t_step, t1 - t_step))
-            return buf
+            return clock.recv(torch.empty(shape, dtype=act_dtype, device=device), src, self.group, tag)
 
         for kind, i in order:
             if kind == "F":
                 x_in = None if self.first else recv(act_shape, self.prev, TAG_ACT).requires_grad_(True)
-                t0 = self._now()
+                t0 = clock.now()
                 self._outputs = []
                 x = self.module.embed(xs[i]) if self.first else x_in
                 for block in self.module.blocks.values():
@@ -212,24 +196,19 @@ class ZeroBubblePipelineEngine:
             elif kind == "B":
                 x_in, out, outputs = saved.pop(i)
                 grad = None if self.last else recv(out.shape, self.next, TAG_GRAD)
-                t0 = self._now()
+                t0 = clock.now()
                 dx, deferred[i] = backward_input(out, grad, x_in, outputs)
                 if not self.first:
                     sends.append((dist.isend(dx, dst=self.prev, group=self.group, tag=TAG_GRAD), dx))
             else:
-                t0 = self._now()
+                t0 = clock.now()
                 backward_weight(deferred.pop(i))
                 live -= 1  # the last reference to this micro-batch's graph is gone
-            t1 = self._now()
+            t1 = clock.now()
             compute[kind] += t1 - t0
-            events.append((kind, i, t0 - t_step, t1 - t_step))
+            clock.computed(kind, i, t0, t1)
 
-        t0 = self._now()
-        for work, _ in sends:
-            work.wait()
-        t1 = self._now()
-        wait_s += t1 - t0
-        step_s = t1 - t_step
+        step_s = clock.drain(sends)
         compute_s = sum(compute.values())
         t_f, t_b, t_w = (compute[k] / m for k in "FBW")
         self._stats = {
@@ -241,11 +220,7 @@ class ZeroBubblePipelineEngine:
             "step_s": step_s,
             "compute_s": compute_s,
             "compute_s_by_kind": dict(compute),
-            "wait_s": wait_s,
-            "bubble_fraction_measured": (wait_s / step_s if step_s > 0 else None)
-            if (self.record_timeline or device.type != "cuda")
-            else None,
-            "bubble_fraction_host_clock": wait_s / step_s if step_s > 0 else None,
+            **clock.bubble_stats(step_s, device.type == "cuda"),
             # T_F = T_B = T_W (the paper's headline), and with this stage's own measured mean times
             "bubble_fraction_theory": bubble_fraction_theory(p, m),
             "bubble_fraction_theory_measured_times": bubble_fraction_theory(p, m, t_f, t_b, t_w)
@@ -254,8 +229,6 @@ class ZeroBubblePipelineEngine:
             "bubble_fraction_theory_1f1b": (p - 1) / (m + p - 1),
             "peak_live_microbatches": peak_live,
             "peak_live_microbatches_theory": peak_live_theory(p, m),
-            "timeline_synchronized": bool(self.record_timeline),
-            "timeline": events,
         }
         return total if self.last else None
 
