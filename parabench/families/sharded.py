@@ -718,10 +718,10 @@ ANY_LAYOUT_STRATEGIES = (
 def _row(name, builder, kind, description, expect, **kw):
     if name in COMPILES:
         kw.setdefault("compile_unsupported", None)
-    if name in ANY_LAYOUT_STRATEGIES:
-        kw.setdefault("layouts", ANY_LAYOUT)
     elif name.startswith("deepspeed."):
         kw.setdefault("compile_unsupported", DEEPSPEED_NO_COMPILE)
+    if name in ANY_LAYOUT_STRATEGIES:
+        kw.setdefault("layouts", ANY_LAYOUT)
     recipes = MASTER_ONLY if name.startswith("deepspeed.") else {}
     recipes = with_fp8(recipes) if name in TAKES_FP8 else recipes
     if kind == "peer":
