@@ -463,7 +463,7 @@ def model_parallel_expectation(sequence_parallel: bool | None, schedule: str | N
 #     output in forward and one all-gather of its gradient in backward (fp32, no batch dimension);
 #   * the replicated parameters applied to sequence shards (under SP the LayerNorms only: the
 #     row-parallel biases are added before the reduce-scatter) get Partial gradients, all-reduced
-#     once per step, one op per tensor (``_match_parameter_layouts``), where the reference
+#     once per step in one flat buffer (``_match_parameter_layouts``), as the reference
 #     all-reduces one flat buffer of LayerNorms, biases and positions;
 #   * data parallel all-reduces each local gradient separately.
 
@@ -494,7 +494,7 @@ def torch_tp_ops(cfg: GPTConfig, case, coords: tuple[int, int, int], sequence_pa
         ops += [("reduce_scatter", cfg.seq_len * cfg.d_model * e), ("all_gather", cfg.seq_len * cfg.d_model * e)] * (
             case.grad_accum
         )
-        ops += [("all_reduce", e * n) for n in partial]
+        ops += [("all_reduce", e * sum(partial))]  # one flat buffer (``_match_parameter_layouts``)
     if d > 1:
         ops += [("all_reduce", e * n) for n in numels]
     return ops
@@ -517,7 +517,7 @@ def torch_tp_expectation(sequence_parallel: bool):
             "moments of this rank's TP shard. Communication: Megatron's, as ref.tp"
             + (
                 "_sp, plus a reduce-scatter (forward) and all-gather (backward) of the position table's s·h output "
-                "per micro-batch (torch shards it by position) and one all-reduce per LayerNorm tensor per step"
+                "per micro-batch (torch shards it by position) and one all-reduce of the LayerNorm gradients per step"
                 if sequence_parallel
                 else ""
             )
@@ -813,7 +813,7 @@ ROWS = (
         "peer",
         "PyTorch DTensor parallelize_module, ColwiseParallel/RowwiseParallel over the tp mesh",
         torch_tp_expectation(False),
-        version="2",
+        version="3",  # 3: no DeviceMesh slicing per step
     ),
     _row(
         "torch.tp_sp",
@@ -821,7 +821,7 @@ ROWS = (
         "peer",
         "PyTorch DTensor tensor parallel + SequenceParallel LayerNorms",
         torch_tp_expectation(True),
-        version="2",
+        version="3",  # 3: LayerNorm gradients all-reduced in one flat buffer, no mesh slicing per step
     ),
     _row(
         "torch.pp_gpipe",

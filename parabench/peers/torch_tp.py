@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -92,6 +92,13 @@ def _plan(model, sequence_parallel: bool) -> dict:
 
 
 class TorchTPTrainer(TorchTrainer):
+    def __init__(self, spec: TrainSpec, module, optimizer):
+        super().__init__(spec, module, optimizer)
+        # Resolved once: each ``topology.dp_group`` slices the DeviceMesh anew (a sub-mesh built
+        # from mesh tensors, three ``nonzero`` calls), host time a step need not pay.
+        self.tp_group = spec.topology.tp_group
+        self.dp_group = spec.topology.dp_group
+
     def train_step(self, inputs, targets):
         accum = self.spec.grad_accum
         total = torch.zeros((), device=inputs.device)
@@ -100,8 +107,8 @@ class TorchTPTrainer(TorchTrainer):
                 loss = lm_loss(self.module(x), y) / accum
                 loss.backward()
             total += local_tensor(loss.detach()).reshape(())
-        _match_parameter_layouts(self.module)
-        dp = self.spec.topology.dp_group
+        _match_parameter_layouts(self.module, self.tp_group)
+        dp = self.dp_group
         if dist.get_world_size(dp) > 1:
             for p in self.module.parameters():
                 if p.grad is not None:
@@ -123,7 +130,7 @@ class TorchTPTrainer(TorchTrainer):
         return full if dist.get_rank() == 0 else None
 
 
-def _match_parameter_layouts(module: torch.nn.Module) -> None:
+def _match_parameter_layouts(module: torch.nn.Module, tp_group) -> None:
     """Give every DTensor gradient its parameter's placements, once per step, before the optimizer.
 
     DTensor leaves two kinds of gradient in another layout than their parameter: replicated
@@ -131,13 +138,32 @@ def _match_parameter_layouts(module: torch.nn.Module) -> None:
     vocab-sharded embeddings get full ``Replicate`` ones (``embedding_dense_backward`` runs
     replicated). Left as they are, every optimizer op that reads a ``Partial`` gradient all-reduces
     it again (three all-reduces per LayerNorm tensor per step with the for-loop AdamW), and a
-    fused or foreach kernel receives mismatched layouts. Redistributing here costs one all-reduce
-    per ``Partial`` gradient (Megatron's all-reduce of the sequence-parallel parameters' gradients)
-    and a local slice for the embeddings, which also frees the full embedding gradient."""
+    fused or foreach kernel receives mismatched layouts.
+
+    The ``Partial`` -> ``Replicate`` gradients are summed in one all-reduce of a flat buffer
+    (Megatron's all-reduce of the sequence-parallel parameters' gradients, and DDP's bucketing):
+    ``redistribute`` per tensor would issue one collective and one DTensor dispatch per LayerNorm
+    tensor (4L + 2 of them). The others (the embeddings' local slice) are redistributed."""
+    partial: list[torch.nn.Parameter] = []
     for p in module.parameters():
         g = p.grad
-        if g is not None and hasattr(p, "placements") and tuple(g.placements) != tuple(p.placements):
+        if g is None or not hasattr(p, "placements") or tuple(g.placements) == tuple(p.placements):
+            continue
+        if all(_summed(gp) and pp.is_replicate() for gp, pp in zip(g.placements, p.placements)):
+            partial.append(p)
+        else:
             p.grad = g.redistribute(p.device_mesh, p.placements)
+    if not partial:
+        return
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for p in partial:
+        by_dtype.setdefault(p.grad.dtype, []).append(p)
+    for ps in by_dtype.values():
+        locals_ = [p.grad.to_local() for p in ps]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        dist.all_reduce(flat, group=tp_group)
+        for p, local, summed in zip(ps, locals_, flat.split([t.numel() for t in locals_])):
+            p.grad = DTensor.from_local(summed.view_as(local), p.device_mesh, p.placements, run_check=False)
 
 
 def tp_adamw(params, spec: TrainSpec) -> torch.optim.Optimizer:
@@ -168,3 +194,7 @@ def build_tp(spec: TrainSpec) -> TorchTPTrainer:
 
 def build_tp_sp(spec: TrainSpec) -> TorchTPTrainer:
     return _build(spec, True)
+
+
+def _summed(placement) -> bool:
+    return placement.is_partial() and getattr(placement, "reduce_op", None) == "sum"
