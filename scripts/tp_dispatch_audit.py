@@ -8,8 +8,9 @@ redistribution checks, wrapping). This script counts, for one training step of e
 * aten ops dispatched: ``dtensor_ops`` = ops called with a DTensor argument (each one a pass through
   DTensor's dispatcher), ``plain_ops`` = ops on plain tensors (including those DTensor issues on its
   local shards);
-* host wall time per step (min and median of ``--steps``), with the model made narrow so that compute
-  is small beside dispatch.
+* host time per step (min and median of ``--steps``): wall time, and the CPU time of the main thread
+  (``time.thread_time``: no waiting for the other rank or for a shared machine's other processes),
+  with the model made narrow so that compute is small beside dispatch.
 
 It also runs the step of the peer-fidelity script ``parabench/fidelity/scripts/torch_tp.py`` (its plan,
 model and optimizer, imported from the script's own module).
@@ -150,12 +151,13 @@ def _rank(opts: dict) -> dict:
         with OpCounter() as ops:
             step(*batches[2])
         gc_log = _GcLog()
-        times = []
+        times, cpu = [], []
         with gc_log:
             for x, y in batches[3:]:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 step(x, y)
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.thread_time() - c0)
         gc.disable()
         try:
             times_nogc = []
@@ -174,6 +176,8 @@ def _rank(opts: dict) -> dict:
             "plain_ops": sum(ops.plain.values()),
             "top_dtensor_ops": ops.dtensor.most_common(opts["top"]),
             "plain_op_counts": dict(ops.plain),
+            "host_cpu_ms_min": 1e3 * min(cpu),
+            "host_cpu_ms_median": 1e3 * statistics.median(cpu),
             "host_ms_min": 1e3 * min(times),
             "host_ms_median": 1e3 * statistics.median(times),
             "host_ms_min_gc_off": 1e3 * min(times_nogc),
@@ -217,7 +221,7 @@ def main():
         coll = " ".join(f"{k}:{v}" for k, v in r["collectives"].items())
         print(
             f"{name:20} {coll:34} {r['comm_payload_bytes'] / 2**20:8.2f} {r['dtensor_ops']:11d} {r['plain_ops']:9d} "
-            f"{r['host_ms_min']:7.1f} {r['host_ms_median']:7.1f}"
+            f"{r['host_ms_min']:7.1f} {r['host_ms_median']:7.1f} {r['host_cpu_ms_min']:7.1f} {r['host_cpu_ms_median']:7.1f}"
         )
         print(
             f"    gc on/off: min {r['host_ms_min']:.1f}/{r['host_ms_min_gc_off']:.1f} ms, median "

@@ -328,3 +328,13 @@ def test_record_timeline_synchronises_the_instrumented_step_only():
     )
     for seen in run_on_gloo(_timeline_steps, 2, case.to_dict()):
         assert seen == [(False, False), (True, True)]
+
+
+def test_torch_tp_sp_all_reduces_as_often_as_reference(group2):
+    """torch.tp_sp sums its LayerNorms' Partial gradients in one all-reduce per step, as ref.tp_sp
+    does with its flat buffer, not one collective (and DTensor redistribute) per tensor."""
+    for rank in range(2):
+        calls = [
+            group2[n]["per_rank"][rank]["comm"]["by_kind"]["all_reduce"]["calls"] for n in ("tp_sp2", "torch.tp_sp2")
+        ]
+        assert calls[1] == calls[0], (rank, calls)
