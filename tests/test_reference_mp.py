@@ -85,6 +85,8 @@ CASES_4 = dict(
         mk("tp2xdp2", "ref.tp", 4, micro_batch=2, tp=2),
         mk("pp2xdp2", "ref.pp_1f1b", 4, pp=2),
         mk("sp2xpp2", "ref.pp_1f1b", 4, pp=2, tp=2, sp=True),
+        mk("torch.tp2xdp2", "torch.tp", 4, micro_batch=2, tp=2),
+        mk("torch.tp_sp2xdp2", "torch.tp_sp", 4, micro_batch=2, tp=2),
     ]
 )
 CASES_8 = dict(
@@ -110,6 +112,8 @@ METERED = {
     "torch.tp2",
     "torch.tp_sp2",
     "torch.tp_sp2_ga2",
+    "torch.tp2xdp2",
+    "torch.tp_sp2xdp2",
     "torch.gpipe2",
     "torch.1f1b2",
 }
@@ -130,6 +134,7 @@ def _broken_f():
 
 def _stats(trainer, case, record):
     record["stats"] = trainer.pipeline_stats() if hasattr(trainer, "pipeline_stats") else None
+    record["strategy_stats"] = trainer.strategy_stats() if hasattr(trainer, "strategy_stats") else None
 
 
 def _plan(name: str, case: Case) -> dict:
@@ -338,3 +343,14 @@ def test_torch_tp_sp_all_reduces_as_often_as_reference(group2):
             group2[n]["per_rank"][rank]["comm"]["by_kind"]["all_reduce"]["calls"] for n in ("tp_sp2", "torch.tp_sp2")
         ]
         assert calls[1] == calls[0], (rank, calls)
+
+
+def test_torch_tp_averages_over_dp_in_buckets(group4):
+    """tp 2 x dp 2: torch.tp averages its gradients over dp in DDP-style buckets (the tiny model's
+    fit in one), so it all-reduces as often as ref.tp, whose dp average is one flat buffer; one
+    all-reduce per parameter would add dozens."""
+    for rank in range(4):
+        ref, peer = (group4[n]["per_rank"][rank] for n in ("tp2xdp2", "torch.tp2xdp2"))
+        calls = [r["comm"]["by_kind"]["all_reduce"]["calls"] for r in (ref, peer)]
+        assert calls[1] == calls[0], (rank, calls)
+        assert peer["strategy_stats"]["dp_buckets"] == 1, peer["strategy_stats"]

@@ -465,7 +465,21 @@ def model_parallel_expectation(sequence_parallel: bool | None, schedule: str | N
 #     row-parallel biases are added before the reduce-scatter) get Partial gradients, all-reduced
 #     once per step in one flat buffer (``_match_parameter_layouts``), as the reference
 #     all-reduces one flat buffer of LayerNorms, biases and positions;
-#   * data parallel all-reduces each local gradient separately.
+#   * data parallel all-reduces the local gradients in DDP's buckets (parameter order, a bucket
+#     closed once it holds 25 MiB or more: ``torch_tp.average_over_dp``), where the reference
+#     all-reduces one flat buffer of them all.
+TORCH_TP_DP_BUCKET_BYTES = 25 * 2**20
+
+
+def dp_bucket_payloads(numels: list[int], element_size: int, cap: int = TORCH_TP_DP_BUCKET_BYTES) -> list[int]:
+    """Bytes of each bucket DDP's rule makes of these tensors: fill in order, close at >= cap."""
+    out, size = [], 0
+    for n in numels:
+        size += n * element_size
+        if size >= cap:
+            out.append(size)
+            size = 0
+    return out + [size] if size else out
 
 
 def _torch_tp_numels(cfg: GPTConfig, t: int, sequence_parallel: bool) -> tuple[list[int], list[int]]:
@@ -496,7 +510,7 @@ def torch_tp_ops(cfg: GPTConfig, case, coords: tuple[int, int, int], sequence_pa
         )
         ops += [("all_reduce", e * sum(partial))]  # one flat buffer (``_match_parameter_layouts``)
     if d > 1:
-        ops += [("all_reduce", e * n) for n in numels]
+        ops += [("all_reduce", b) for b in dp_bucket_payloads(numels, e)]
     return ops
 
 
@@ -813,7 +827,7 @@ ROWS = (
         "peer",
         "PyTorch DTensor parallelize_module, ColwiseParallel/RowwiseParallel over the tp mesh",
         torch_tp_expectation(False),
-        version="3",  # 3: no DeviceMesh slicing per step
+        version="4",  # 4: dp gradients in 25 MiB buckets (3: no DeviceMesh slicing per step)
     ),
     _row(
         "torch.tp_sp",
@@ -821,7 +835,7 @@ ROWS = (
         "peer",
         "PyTorch DTensor tensor parallel + SequenceParallel LayerNorms",
         torch_tp_expectation(True),
-        version="3",  # 3: LayerNorm gradients all-reduced in one flat buffer, no mesh slicing per step
+        version="4",  # 4: dp gradients in 25 MiB buckets (3: LayerNorm gradients in one flat buffer)
     ),
     _row(
         "torch.pp_gpipe",
