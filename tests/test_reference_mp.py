@@ -347,10 +347,32 @@ def test_torch_tp_sp_all_reduces_as_often_as_reference(group2):
 
 def test_torch_tp_averages_over_dp_in_buckets(group4):
     """tp 2 x dp 2: torch.tp averages its gradients over dp in DDP-style buckets (the tiny model's
-    fit in one), so it all-reduces as often as ref.tp, whose dp average is one flat buffer; one
-    all-reduce per parameter would add dozens."""
-    for rank in range(4):
-        ref, peer = (group4[n]["per_rank"][rank] for n in ("tp2xdp2", "torch.tp2xdp2"))
-        calls = [r["comm"]["by_kind"]["all_reduce"]["calls"] for r in (ref, peer)]
-        assert calls[1] == calls[0], (rank, calls)
-        assert peer["strategy_stats"]["dp_buckets"] == 1, peer["strategy_stats"]
+    fit in one), so it all-reduces as often as ref.tp, whose dp average is one flat buffer, and as
+    often as ``torch_tp_ops`` lists (the byte check above cannot tell one bucket from one
+    all-reduce per parameter, which would add dozens)."""
+    from parabench.families.model_parallel import torch_tp_ops
+    from parabench.meters.comm import SCALAR_BYTES
+
+    for name, ref_name, sp in (("torch.tp2xdp2", "tp2xdp2", False), ("torch.tp_sp2xdp2", None, True)):
+        case = CASES_4[name]
+        cfg = model_config(case.model, case.seq_len)
+        for rank in range(4):
+            peer = group4[name]["per_rank"][rank]
+            ops = torch_tp_ops(cfg, case, (rank // 2, 0, rank % 2), sp)
+            want = sum(1 for kind, n in ops if kind == "all_reduce" and n > SCALAR_BYTES)
+            got = peer["comm"]["by_kind"]["all_reduce"]["calls"]
+            assert got == want, (name, rank, got, want)
+            assert peer["strategy_stats"]["dp_buckets"] == 1, peer["strategy_stats"]
+            if ref_name:
+                ref = group4[ref_name]["per_rank"][rank]["comm"]["by_kind"]["all_reduce"]["calls"]
+                assert got == ref, (name, rank, got, ref)
+
+
+def test_dp_buckets_close_at_the_cap():
+    """DDP's rule: a bucket closes once it holds at least the cap, so a tensor larger than the cap
+    is a bucket of its own and the rest stays in order."""
+    from parabench.families.model_parallel import dp_bucket_payloads
+
+    assert dp_bucket_payloads([3, 3, 10, 1], 1, cap=5) == [6, 10, 1]
+    assert dp_bucket_payloads([5, 5], 1, cap=5) == [5, 5]
+    assert dp_bucket_payloads([], 4) == []
