@@ -85,6 +85,8 @@ CASES_4 = dict(
         mk("tp2xdp2", "ref.tp", 4, micro_batch=2, tp=2),
         mk("pp2xdp2", "ref.pp_1f1b", 4, pp=2),
         mk("sp2xpp2", "ref.pp_1f1b", 4, pp=2, tp=2, sp=True),
+        mk("torch.tp2xdp2", "torch.tp", 4, micro_batch=2, tp=2),
+        mk("torch.tp_sp2xdp2", "torch.tp_sp", 4, micro_batch=2, tp=2),
     ]
 )
 CASES_8 = dict(
@@ -110,6 +112,8 @@ METERED = {
     "torch.tp2",
     "torch.tp_sp2",
     "torch.tp_sp2_ga2",
+    "torch.tp2xdp2",
+    "torch.tp_sp2xdp2",
     "torch.gpipe2",
     "torch.1f1b2",
 }
@@ -130,6 +134,7 @@ def _broken_f():
 
 def _stats(trainer, case, record):
     record["stats"] = trainer.pipeline_stats() if hasattr(trainer, "pipeline_stats") else None
+    record["strategy_stats"] = trainer.strategy_stats() if hasattr(trainer, "strategy_stats") else None
 
 
 def _plan(name: str, case: Case) -> dict:
@@ -328,3 +333,46 @@ def test_record_timeline_synchronises_the_instrumented_step_only():
     )
     for seen in run_on_gloo(_timeline_steps, 2, case.to_dict()):
         assert seen == [(False, False), (True, True)]
+
+
+def test_torch_tp_sp_all_reduces_as_often_as_reference(group2):
+    """torch.tp_sp sums its LayerNorms' Partial gradients in one all-reduce per step, as ref.tp_sp
+    does with its flat buffer, not one collective (and DTensor redistribute) per tensor."""
+    for rank in range(2):
+        calls = [
+            group2[n]["per_rank"][rank]["comm"]["by_kind"]["all_reduce"]["calls"] for n in ("tp_sp2", "torch.tp_sp2")
+        ]
+        assert calls[1] == calls[0], (rank, calls)
+
+
+def test_torch_tp_averages_over_dp_in_buckets(group4):
+    """tp 2 x dp 2: torch.tp averages its gradients over dp in DDP-style buckets (the tiny model's
+    fit in one), so it all-reduces as often as ref.tp, whose dp average is one flat buffer, and as
+    often as ``torch_tp_ops`` lists (the byte check above cannot tell one bucket from one
+    all-reduce per parameter, which would add dozens)."""
+    from parabench.families.model_parallel import torch_tp_ops
+    from parabench.meters.comm import SCALAR_BYTES
+
+    for name, ref_name, sp in (("torch.tp2xdp2", "tp2xdp2", False), ("torch.tp_sp2xdp2", None, True)):
+        case = CASES_4[name]
+        cfg = model_config(case.model, case.seq_len)
+        for rank in range(4):
+            peer = group4[name]["per_rank"][rank]
+            ops = torch_tp_ops(cfg, case, (rank // 2, 0, rank % 2), sp)
+            want = sum(1 for kind, n in ops if kind == "all_reduce" and n > SCALAR_BYTES)
+            got = peer["comm"]["by_kind"]["all_reduce"]["calls"]
+            assert got == want, (name, rank, got, want)
+            assert peer["strategy_stats"]["dp_buckets"] == 1, peer["strategy_stats"]
+            if ref_name:
+                ref = group4[ref_name]["per_rank"][rank]["comm"]["by_kind"]["all_reduce"]["calls"]
+                assert got == ref, (name, rank, got, ref)
+
+
+def test_dp_buckets_close_at_the_cap():
+    """DDP's rule: a bucket closes once it holds at least the cap, so a tensor larger than the cap
+    is a bucket of its own and the rest stays in order."""
+    from parabench.families.model_parallel import dp_bucket_payloads
+
+    assert dp_bucket_payloads([3, 3, 10, 1], 1, cap=5) == [6, 10, 1]
+    assert dp_bucket_payloads([5, 5], 1, cap=5) == [5, 5]
+    assert dp_bucket_payloads([], 4) == []

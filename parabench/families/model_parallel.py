@@ -463,9 +463,23 @@ def model_parallel_expectation(sequence_parallel: bool | None, schedule: str | N
 #     output in forward and one all-gather of its gradient in backward (fp32, no batch dimension);
 #   * the replicated parameters applied to sequence shards (under SP the LayerNorms only: the
 #     row-parallel biases are added before the reduce-scatter) get Partial gradients, all-reduced
-#     once per step, one op per tensor (``_match_parameter_layouts``), where the reference
+#     once per step in one flat buffer (``_match_parameter_layouts``), as the reference
 #     all-reduces one flat buffer of LayerNorms, biases and positions;
-#   * data parallel all-reduces each local gradient separately.
+#   * data parallel all-reduces the local gradients in DDP's buckets (parameter order, a bucket
+#     closed once it holds 25 MiB or more: ``torch_tp.average_over_dp``), where the reference
+#     all-reduces one flat buffer of them all.
+TORCH_TP_DP_BUCKET_BYTES = 25 * 2**20
+
+
+def dp_bucket_payloads(numels: list[int], element_size: int, cap: int = TORCH_TP_DP_BUCKET_BYTES) -> list[int]:
+    """Bytes of each bucket DDP's rule makes of these tensors: fill in order, close at >= cap."""
+    out, size = [], 0
+    for n in numels:
+        size += n * element_size
+        if size >= cap:
+            out.append(size)
+            size = 0
+    return out + [size] if size else out
 
 
 def _torch_tp_numels(cfg: GPTConfig, t: int, sequence_parallel: bool) -> tuple[list[int], list[int]]:
@@ -494,9 +508,9 @@ def torch_tp_ops(cfg: GPTConfig, case, coords: tuple[int, int, int], sequence_pa
         ops += [("reduce_scatter", cfg.seq_len * cfg.d_model * e), ("all_gather", cfg.seq_len * cfg.d_model * e)] * (
             case.grad_accum
         )
-        ops += [("all_reduce", e * n) for n in partial]
+        ops += [("all_reduce", e * sum(partial))]  # one flat buffer (``_match_parameter_layouts``)
     if d > 1:
-        ops += [("all_reduce", e * n) for n in numels]
+        ops += [("all_reduce", b) for b in dp_bucket_payloads(numels, e)]
     return ops
 
 
@@ -517,7 +531,7 @@ def torch_tp_expectation(sequence_parallel: bool):
             "moments of this rank's TP shard. Communication: Megatron's, as ref.tp"
             + (
                 "_sp, plus a reduce-scatter (forward) and all-gather (backward) of the position table's s·h output "
-                "per micro-batch (torch shards it by position) and one all-reduce per LayerNorm tensor per step"
+                "per micro-batch (torch shards it by position) and one all-reduce of the LayerNorm gradients per step"
                 if sequence_parallel
                 else ""
             )
@@ -813,7 +827,7 @@ ROWS = (
         "peer",
         "PyTorch DTensor parallelize_module, ColwiseParallel/RowwiseParallel over the tp mesh",
         torch_tp_expectation(False),
-        version="2",
+        version="4",  # 4: dp gradients in 25 MiB buckets (3: no DeviceMesh slicing per step)
     ),
     _row(
         "torch.tp_sp",
@@ -821,7 +835,7 @@ ROWS = (
         "peer",
         "PyTorch DTensor tensor parallel + SequenceParallel LayerNorms",
         torch_tp_expectation(True),
-        version="2",
+        version="4",  # 4: dp gradients in 25 MiB buckets (3: LayerNorm gradients in one flat buffer)
     ),
     _row(
         "torch.pp_gpipe",

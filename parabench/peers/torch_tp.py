@@ -13,14 +13,22 @@ so it is added to the embedding's sequence shard.
 
 After backward every DTensor gradient is given its parameter's placements
 (``_match_parameter_layouts``). With ``dp > 1`` the gradients of the local shards are then averaged
-over ``topology.dp_group`` (one all-reduce per parameter; DDP does not accept DTensor parameters).
+over ``topology.dp_group`` in flat buckets of ``DP_BUCKET_BYTES`` (``average_over_dp``): DDP's
+bucketed all-reduce, replicated data parallelism with ref.tp's memory and traffic. PyTorch's own
+ways to compose TP with replication do not fit: ``DistributedDataParallel`` refuses DTensor
+parameters; ``torch.distributed._composable.replicate`` (private, DDP-based) swaps every DTensor
+parameter for a plain local tensor outside forward (``tensor.parallel.ddp._localize_dtensor``), so
+the optimizer, ``full_parameters`` and the Partial-gradient sum above would see plain tensors; and
+the FSDP-based ``replicate_with_fsdp.replicate`` takes a 1-D mesh, a TP'd 2-D mesh only through
+``dp_mesh_dims`` (newer than torch 2.11). torchtitan's TP x DP is FSDP2 (sharding), a different
+memory and traffic from ref.tp's.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -41,6 +49,9 @@ from parabench.peers.common import (
     tensor_bytes,
 )
 from parabench.strategies import TrainSpec
+
+# DDP's default ``bucket_cap_mb``: a bucket is all-reduced once it holds at least this many bytes.
+DP_BUCKET_BYTES = 25 * 2**20
 
 
 def _plan(model, sequence_parallel: bool) -> dict:
@@ -92,6 +103,21 @@ def _plan(model, sequence_parallel: bool) -> dict:
 
 
 class TorchTPTrainer(TorchTrainer):
+    def __init__(self, spec: TrainSpec, module, optimizer):
+        super().__init__(spec, module, optimizer)
+        # Resolved once: each ``topology.dp_group`` slices the DeviceMesh anew (a sub-mesh built
+        # from mesh tensors, three ``nonzero`` calls), host time a step need not pay.
+        self.tp_group = spec.topology.tp_group
+        self.dp_group = spec.topology.dp_group
+        self._dp_buckets = 0
+
+    def strategy_stats(self) -> dict:
+        return {
+            "dp_grad_sync": "bucketed_all_reduce_after_backward",
+            "dp_bucket_bytes": DP_BUCKET_BYTES,
+            "dp_buckets": self._dp_buckets,
+        }
+
     def train_step(self, inputs, targets):
         accum = self.spec.grad_accum
         total = torch.zeros((), device=inputs.device)
@@ -100,14 +126,9 @@ class TorchTPTrainer(TorchTrainer):
                 loss = lm_loss(self.module(x), y) / accum
                 loss.backward()
             total += local_tensor(loss.detach()).reshape(())
-        _match_parameter_layouts(self.module)
-        dp = self.spec.topology.dp_group
-        if dist.get_world_size(dp) > 1:
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    g = local_tensor(p.grad)
-                    dist.all_reduce(g, group=dp)
-                    g.div_(dist.get_world_size(dp))
+        _match_parameter_layouts(self.module, self.tp_group)
+        if dist.get_world_size(self.dp_group) > 1:
+            self._dp_buckets = average_over_dp(self.module.parameters(), self.dp_group)
         if self.measure_state:
             self._grad_bytes = tensor_bytes(p.grad for p in self.module.parameters())
         self.optimizer.step()
@@ -123,7 +144,7 @@ class TorchTPTrainer(TorchTrainer):
         return full if dist.get_rank() == 0 else None
 
 
-def _match_parameter_layouts(module: torch.nn.Module) -> None:
+def _match_parameter_layouts(module: torch.nn.Module, tp_group) -> None:
     """Give every DTensor gradient its parameter's placements, once per step, before the optimizer.
 
     DTensor leaves two kinds of gradient in another layout than their parameter: replicated
@@ -131,13 +152,69 @@ def _match_parameter_layouts(module: torch.nn.Module) -> None:
     vocab-sharded embeddings get full ``Replicate`` ones (``embedding_dense_backward`` runs
     replicated). Left as they are, every optimizer op that reads a ``Partial`` gradient all-reduces
     it again (three all-reduces per LayerNorm tensor per step with the for-loop AdamW), and a
-    fused or foreach kernel receives mismatched layouts. Redistributing here costs one all-reduce
-    per ``Partial`` gradient (Megatron's all-reduce of the sequence-parallel parameters' gradients)
-    and a local slice for the embeddings, which also frees the full embedding gradient."""
+    fused or foreach kernel receives mismatched layouts.
+
+    The ``Partial`` -> ``Replicate`` gradients are summed in one all-reduce of a flat buffer
+    (Megatron's all-reduce of the sequence-parallel parameters' gradients, and DDP's bucketing):
+    ``redistribute`` per tensor would issue one collective and one DTensor dispatch per LayerNorm
+    tensor (4L + 2 of them). The others (the embeddings' local slice) are redistributed."""
+    partial: list[torch.nn.Parameter] = []
     for p in module.parameters():
         g = p.grad
-        if g is not None and hasattr(p, "placements") and tuple(g.placements) != tuple(p.placements):
+        if g is None or not hasattr(p, "placements") or tuple(g.placements) == tuple(p.placements):
+            continue
+        if all(_summed(gp) and pp.is_replicate() for gp, pp in zip(g.placements, p.placements)):
+            partial.append(p)
+        else:
             p.grad = g.redistribute(p.device_mesh, p.placements)
+    if not partial:
+        return
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for p in partial:
+        by_dtype.setdefault(p.grad.dtype, []).append(p)
+    for ps in by_dtype.values():
+        locals_ = [p.grad.to_local() for p in ps]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        dist.all_reduce(flat, group=tp_group)
+        for p, local, summed in zip(ps, locals_, flat.split([t.numel() for t in locals_])):
+            p.grad = DTensor.from_local(summed.view_as(local), p.device_mesh, p.placements, run_check=False)
+
+
+def average_over_dp(params, dp_group, bucket_bytes: int = DP_BUCKET_BYTES) -> int:
+    """Average the local gradient shards over ``dp_group`` as DDP does: in parameter order, each
+    dtype's gradients fill flat buckets, a bucket closing once it holds ``bucket_bytes`` or more;
+    one all-reduce per bucket. Every bucket's collective is started before the first is waited on,
+    so copying one bucket in overlaps the previous one's all-reduce (at most one flat copy of the
+    gradients alive, as ref.tp's single flat buffer). Runs after backward, on gradients already in
+    their parameter's layout: during backward the embeddings' gradients are still full
+    ``Replicate`` tensors, t times their shard. Returns the number of buckets."""
+    world = dist.get_world_size(dp_group)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            g = local_tensor(p.grad)
+            by_dtype.setdefault(g.dtype, []).append(g)
+    buckets: list[list[torch.Tensor]] = []
+    for grads in by_dtype.values():
+        bucket, size = [], 0
+        for g in grads:
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+            if size >= bucket_bytes:
+                buckets.append(bucket)
+                bucket, size = [], 0
+        if bucket:
+            buckets.append(bucket)
+    pending = []
+    for bucket in buckets:
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        pending.append((bucket, flat, dist.all_reduce(flat, group=dp_group, async_op=True)))
+    for bucket, flat, work in pending:
+        work.wait()
+        flat.div_(world)
+        for g, mean in zip(bucket, flat.split([g.numel() for g in bucket])):
+            g.copy_(mean.view_as(g))
+    return len(buckets)
 
 
 def tp_adamw(params, spec: TrainSpec) -> torch.optim.Optimizer:
@@ -168,3 +245,7 @@ def build_tp(spec: TrainSpec) -> TorchTPTrainer:
 
 def build_tp_sp(spec: TrainSpec) -> TorchTPTrainer:
     return _build(spec, True)
+
+
+def _summed(placement) -> bool:
+    return placement.is_partial() and getattr(placement, "reduce_op", None) == "sum"
