@@ -646,7 +646,8 @@ def expect_deepspeed_zero3_nvme(cfg, case, o, dp):
         "max_in_cpu / buffer_count swap buffers sit in pinned CPU memory); per rank on NVMe bΨ/N "
         "parameters + 4Ψ/N fp32 gradients + 12Ψ/N fp32 master and Adam moments. I/O per step as in "
         "expect_deepspeed_zero3_nvme's docstring (DeepSpeed source, unverified on GPU). Client torch "
-        "AdamW on the CPU, as deepspeed.zero3_offload.",
+        "AdamW on the CPU, as deepspeed.zero3_offload. Refused where DeepSpeed 0.19.8 would read swapped "
+        "gradients to misaligned offsets (peers.deepspeed_nvme.misaligned_gradient_swaps).",
     )
 
 

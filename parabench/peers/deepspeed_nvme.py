@@ -26,12 +26,33 @@ What the case measures beside the usual step record (``strategy_stats``, per ran
 ``.scratch``), or a temporary folder outside the runner; a given ``nvme_path`` gets a per-case
 subfolder. Either is deleted when the case closes.
 
-Open (CPU, 2026-11-26): with the tiny model nothing reaches the disk (every tensor is under
-DeepSpeed's 1 MiB swap minimum) and the losses equal deepspeed.zero3's exactly. With that minimum
-lowered to 4 KiB (a test-only patch of swap_tensor's MIN_AIO_BYTES, aio block_size 4096) the
-tensors do go through the op (2.7 MB of swap files) and the losses part from zero3's after the
-first update (5.5499 vs 5.5346 at step 2): either DeepSpeed's NVMe path with a client torch AdamW
-or the patch's alignment. Not settled; check the GPU records' losses against deepspeed.zero3.
+DeepSpeed 0.19.8 defects found on CPU (libaio, gloo, world 1, fp32; 1-layer GPT, seq 16, vocab 512):
+
+* Misaligned gradient reads (silent; the adapter refuses them). With ``offload_optimizer`` on NVMe
+  the fp32 gradient of each parameter is written to its own swap file and read back before the
+  update into the sub-group's flat gradient buffer at the parameter's offset in the flat partition
+  (partitioned_optimizer_swapper._swap_in_pinned_gradients). The op reads with O_DIRECT, which
+  needs an aligned destination; DeepSpeed aligns lengths (``_adjust_for_misaligned_lengths``) but
+  not offsets. A piece that starts off DeepSpeed's own alignment (AIO_ALIGNED_BYTES x
+  intra_op_parallelism: 256 fp32 elements) is not read: the buffer keeps stale values and the
+  optimizer steps on them. d_model 520 (the 520-element biases shift every later weight): 7 of the
+  8 swapped pieces came back unequal to their files (the one at offset 0 equal), and the losses left
+  deepspeed.zero3's at the first update (6.3293 vs 6.3475 at step 2, 6.2513 vs 5.9404 at step 3).
+  d_model 512 (every offset a multiple of 256): losses and final parameters equal deepspeed.zero3's
+  and deepspeed.zero3_offload's exactly, with the parameters (15 MB) and the optimizer state
+  (59 MB) on disk. The optimizer is not involved (the gradient is wrong before it runs): the client
+  torch AdamW matches bit for bit where the offsets are aligned. Ranks > 1 shift the offsets too
+  (a partition is ceil(numel / world) elements). :func:`misaligned_gradient_swaps` finds the
+  pieces from the built engine and the trainer raises before the first step.
+  The earlier "lowered MIN_AIO_BYTES" divergence was this defect: the tiny model's 64-element
+  biases misalign every later weight once such small tensors are swapped.
+* NVMe parameter prefetch of a duplicate (loud): partitioned_param_coordinator's
+  ``__prefetch_nvme_param_partitions`` does not drop a parameter listed twice in its window (the
+  ordinary prefetch does), so when a window spans the forward's last module and the backward's
+  first, the same partition is swapped in twice: ``AssertionError: param N already assigned swap
+  buffer id M`` at the second step (seen with 1-3 layers at d_model 512). Models whose output head
+  alone exceeds the window (the GPT ladder's 50304-token head) should not reach it; setting
+  ``zero.stage3_prefetch_bucket_size`` to 0 turns all stage-3 prefetch (this one included) off.
 
 If the async I/O op cannot be built on the machine (no libaio headers or library), the runner
 skips the case with the builder's own verdict (``aio_unavailable``); scripts/libaio_bundle.sh
@@ -247,6 +268,53 @@ def _rank_files_bytes(root: str, rank: int) -> int:
     return total
 
 
+def misaligned_gradient_swaps(engine) -> list[tuple[str, int, int]]:
+    """The gradient pieces DeepSpeed would swap and read back to a misaligned address (see the
+    module docstring): (parameter name, offset in its sub-group's flat partition, swapped elements)
+    for every parameter of an NVMe-swapped optimizer sub-group whose swapped piece (its length
+    rounded down to the alignment, if that is at least the swap minimum) starts off DeepSpeed's
+    ``numel_alignment``. Empty without optimizer swapping."""
+    opt = engine.optimizer
+    swapper = getattr(opt, "optimizer_swapper", None)
+    if swapper is None:
+        return []
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    align = swapper.numel_alignment
+    out = []
+    for i, group in enumerate(opt.fp16_groups):
+        if not opt._swappable_optimizer_subgroup(i):
+            continue
+        for param in group:
+            _, offset, numel = opt.grad_position[opt.get_param_id(param)]
+            swapped = numel // align * align
+            if swapper.is_swappable_tensor(numel=swapped) and offset % align:
+                out.append((names.get(id(param), f"ds_id {param.ds_id}"), offset, swapped))
+    return out
+
+
+class MisalignedGradientSwap(RuntimeError):
+    """DeepSpeed would read swapped gradients to misaligned addresses (silently wrong updates)."""
+
+
+def refuse_misaligned(engine) -> None:
+    import deepspeed
+
+    bad = misaligned_gradient_swaps(engine)
+    if not bad:
+        return
+    name, offset, swapped = bad[0]
+    align = engine.optimizer.optimizer_swapper.numel_alignment
+    raise MisalignedGradientSwap(
+        f"DeepSpeed {deepspeed.__version__} ZeRO-Infinity would train on wrong gradients: with "
+        f"offload_optimizer on NVMe, {len(bad)} swapped gradient piece(s) start at flat-partition offsets "
+        f"that are not multiples of its {align}-element aio alignment (first: {name} at offset {offset}, "
+        f"{swapped} elements), and its O_DIRECT reads into them do not land (measured on CPU: 7 of 8 "
+        "pieces unequal to their swap files; losses 6.2513 vs deepspeed.zero3's 5.9404 at step 3, "
+        "d_model 520). Use offload_optimizer device cpu (deepspeed.zero3_offload) or a model and world "
+        "size whose per-rank partitions keep the offsets aligned."
+    )
+
+
 class DeepSpeedNVMeTrainer(DeepSpeedTrainer):
     def __init__(self, spec: TrainSpec):
         from parabench.models import build_model
@@ -268,6 +336,11 @@ class DeepSpeedNVMeTrainer(DeepSpeedTrainer):
             self.nvme_sections = cfg
             self._marks: list[tuple[float, dict]] = []  # (time, io counters) at the start of every step
             super().__init__(spec, 3, offload=True, model=_with_checkpointing(model, spec), profile=o.profile, nvme=cfg)
+            try:
+                refuse_misaligned(self.engine)
+            except MisalignedGradientSwap:
+                super().close()
+                raise
         except BaseException:
             shutil.rmtree(self.nvme_root, ignore_errors=True)
             raise
