@@ -114,6 +114,14 @@ def test_recipes_are_ranked_apart():
     ]
 
 
+def test_layouts_are_ranked_apart_and_references_meet_their_own_layout():
+    fused = {**case("deepspeed.zero3", 30.0), "layout": "fused"}
+    rows = [case("torch.fsdp2", 20.0), fused, case("ref.zero3", 25.0)]
+    assert [(r.get("layout"), r["rank_text"]) for r in overview.peer_rows(rows)] == [(None, "1"), ("fused", "1")]
+    (ref,) = overview.reference_rows(rows)
+    assert ref["best_peer"] == "torch.fsdp2"  # not the faster peer on the fused model
+
+
 def test_committed_repeats_rank_by_their_launch_intervals():
     manifest, records = load_run(REPEATED)
     rows = frames.case_rows([(manifest, combine_launches(records))])

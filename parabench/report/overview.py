@@ -26,8 +26,11 @@ TIE_PCT = 3.0
 
 
 def group_key(r: dict) -> tuple:
-    """What a ranking holds fixed: run, model, device count, precision recipe, micro-batch."""
-    return (r["run_idx"], r["model"], r["world_size"], r["precision"], r["micro_batch"])
+    """What a ranking holds fixed: run, model and its layout, device count, precision recipe,
+    micro-batch. A fused-qkv model is a different model: a reference on the separate layout is never
+    set against a peer on the fused one."""
+    layout = r.get("layout") or "separate"
+    return (r["run_idx"], r["model"], layout, r["world_size"], r["precision"], r["micro_batch"])
 
 
 def _tps(r: dict) -> float:
@@ -98,6 +101,8 @@ def _order(rows: list[dict]) -> tuple:
         rows[0]["world_size"] or 0,
         rows[0]["precision"],
         rows[0]["micro_batch"] or 0,
+        (rows[0].get("layout") or "separate") != "separate",  # the default layout first
+        rows[0].get("layout") or "",
     )
 
 
@@ -168,7 +173,7 @@ REFERENCE_COLUMNS = [
 ]
 PEER_NOTE = (
     "Production libraries (torch.*, deepspeed.*) only, ranked by median tokens/s per device within the "
-    "same model, device count, precision recipe and micro-batch (a thick line starts each group; "
+    "same model and layout, device count, precision recipe and micro-batch (a thick line starts each group; "
     "different micro-batches are never ranked against each other). A tie: with ≥3 launches on both "
     "sides, the intervals of the medians over launches overlap; with fewer launches, the two differ by "
     "less than 3 %, because one launch cannot tell a smaller difference from launch-to-launch noise. "
