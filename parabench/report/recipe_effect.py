@@ -72,14 +72,23 @@ def tail_loss(r: dict, n: int = LOSS_TAIL) -> float | None:
 def _key(r: dict):
     c = r.get("case") or {}
     opts = json.dumps(c.get("options") or {}, sort_keys=True)
-    return (c.get("strategy"), c.get("model"), c.get("world_size"), c.get("micro_batch"), c.get("grad_accum"), opts)
+    layout = c.get("layout") or "separate"  # a fused-qkv model is a different model
+    return (
+        c.get("strategy"),
+        c.get("model"),
+        c.get("world_size"),
+        c.get("micro_batch"),
+        c.get("grad_accum"),
+        opts,
+        layout,
+    )
 
 
 def effect_rows(runs) -> list[dict]:
     rows = []
     for manifest, records in runs:
         pairs = _pairs(manifest, records)
-        for (strategy, model, world, mb, _, _), by in sorted(pairs.items(), key=lambda kv: str(kv[0])):
+        for (strategy, model, world, mb, _, _, _), by in sorted(pairs.items(), key=lambda kv: str(kv[0])):
             if "master" not in by or "amp" not in by:
                 continue
             m, a = by["master"], by["amp"]
@@ -117,7 +126,7 @@ def _pairs(manifest, records) -> dict:
 def fp8_rows(runs) -> list[dict]:
     rows = []
     for manifest, records in runs:
-        for (strategy, model, world, mb, _, _), by in sorted(
+        for (strategy, model, world, mb, _, _, _), by in sorted(
             _pairs(manifest, records).items(), key=lambda kv: str(kv[0])
         ):
             f = by.get("fp8")
