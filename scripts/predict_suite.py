@@ -26,7 +26,7 @@ def predict_suite(path: str, kind: str = "h100") -> dict:
     suite = load_suite(path)
     rows = []
     for case in suite.cases:
-        cfg = model_config(case.model, case.seq_len)
+        cfg = model_config(case.model, case.seq_len, layout=case.layout)
         w = W.for_config(
             model=case.model,
             cfg=cfg,

@@ -161,7 +161,7 @@ def test_host_bound_step_is_the_larger_of_device_and_hook_time():
     """A hook-driven library waits for its Python: step = max(device, per-tensor cost x tensors x passes)."""
     w = for_config(model="tiny", cfg=model_config("tiny"), strategy="deepspeed.zero3", world_size=2, micro_batch=1)
     assert M.is_host_bound(w)
-    assert M.host_units(w) == (M.TENSORS_PER_LAYER * w.n_layers + M.TENSORS_OUTSIDE) * w.passes
+    assert M.host_units(w) == (M.TENSORS_PER_LAYER["separate"] * w.n_layers + M.TENSORS_OUTSIDE) * w.passes
     cal = _cal(inv_rate=1e-15)
     device = _device_s(w, cal)
     slow = {**cal, "host_tensor_s": {w.impl: 10 * device / M.host_units(w)}}
@@ -201,6 +201,66 @@ def test_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1():
     p = M.predict(w, _cal(inv_rate=1e-15))
     bubble = p.time_s["bubble"] / (p.time_s["bubble"] + p.time_s["compute"])
     assert bubble == pytest.approx((2 - 1) / (4 + 2 - 1))
+
+
+def _bubble_share(w) -> float:
+    p = M.predict(w, _cal(inv_rate=1e-15))
+    return p.time_s["bubble"] / (p.time_s["bubble"] + p.time_s["compute"])
+
+
+def test_zero_bubble_and_interleaved_bubbles_follow_their_papers():
+    """ZB-H1: (p-1) max(T_F, T_B, T_F+T_B-T_W) of idle against m (T_F+T_B+T_W) of compute, (p-1)/(3m+p-1)
+    of the step at equal times; interleaved 1F1B divides 1F1B's (p-1)/m by the v chunks per rank."""
+    cfg = model_config("tiny")
+    opts = {"pp": 2, "microbatches": 4}
+    zb = for_config(model="tiny", cfg=cfg, strategy="ref.pp_zb", world_size=2, micro_batch=4, options=opts)
+    assert zb.schedule == "zb_h1"
+    assert _bubble_share(zb) == pytest.approx(1 / (3 * 4 + 1))
+    slow_w = dataclasses.replace(zb, zb_times=(1.0, 1.0, 3.0))  # a slow W cannot hide the last stage's wait for F
+    assert M.bubble_ratio(slow_w) == pytest.approx(1 * 1.0 / (4 * 5.0))
+    assert M.bubble_ratio(dataclasses.replace(zb, zb_times=(1.0, 2.0, 0.5))) == pytest.approx(2.5 / (4 * 3.5))
+    # every stage holds min(p, m) micro-batches from F to W, the last stage too (1F1B's last: one)
+    assert M.last_in_flight(zb) == M.in_flight(zb) == 2
+    one_f_one_b = for_config(model="tiny", cfg=cfg, strategy="ref.pp_1f1b", world_size=2, micro_batch=4, options=opts)
+    assert M.last_in_flight(one_f_one_b) == 1
+    assert M.predict(zb, _cal()).peak_bytes > M.predict(one_f_one_b, _cal()).peak_bytes
+    four_layers = dataclasses.replace(cfg, n_layers=4)  # 2 stages x 2 chunks
+    inter = for_config(
+        model="tiny", cfg=four_layers, strategy="ref.pp_interleaved", world_size=2, micro_batch=4, options=opts
+    )
+    assert inter.virtual_stages == 2 and M.bubble_ratio(inter) == pytest.approx(1 / (2 * 4))
+
+
+def test_zero_bubble_record_carries_its_measured_times():
+    from parabench.plan.workload import measured_zb_times
+
+    stages = [{"pipeline": {"compute_s_by_kind": {"F": 1.0, "B": 1.0, "W": 3.0}}}, {"pipeline": None}]
+    assert measured_zb_times({"per_rank": stages}) == (1.0, 1.0, 3.0)
+    assert measured_zb_times({"per_rank": [{"pipeline": {"schedule": "1f1b"}}]}) is None
+
+
+def test_fused_layout_has_twelve_tensors_per_block_and_is_its_own_configuration():
+    """One qkv linear: 12 parameter tensors per block, not 15, for the host-bound term; the workload
+    carries the layout and a fused configuration never shares an observation with a separate one."""
+    from parabench.plan.workload import from_record
+
+    fused_cfg = model_config("tiny", layout="fused")
+    fused = for_config(model="tiny", cfg=fused_cfg, strategy="deepspeed.zero3", world_size=2, micro_batch=1)
+    sep = for_config(model="tiny", cfg=model_config("tiny"), strategy="deepspeed.zero3", world_size=2, micro_batch=1)
+    assert (fused.layout, sep.layout) == ("fused", "separate")
+    assert M.host_units(fused) == (12 * fused.n_layers + 5) * fused.passes
+    assert M.host_units(sep) - M.host_units(fused) == 3 * sep.n_layers * sep.passes
+    case = {"model": "tiny", "strategy": "ref.ddp", "world_size": 2, "precision": "bf16", "micro_batch": 1}
+    record = {
+        "case": {**case, "layout": "fused"},
+        "model": {"config": fused_cfg.to_dict(), "params": {"total": fused.params}, "flops_per_token": 1e6},
+    }
+    assert from_record(record).layout == "fused"
+    plain = {"case": case, "model": {**record["model"], "config": model_config("tiny").to_dict()}}
+    assert from_record(plain).layout == "separate"
+    assert C.config_key(record) != C.config_key(plain)
+    assert json.loads(C.config_key(record))[-1] == json.loads(C.config_key(plain))[-1] == {}
+    assert "fused" in V.group_of(from_record(record)) and "fused" not in V.group_of(from_record(plain))
 
 
 def test_ranking_metrics_respect_the_noise_band():

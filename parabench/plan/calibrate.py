@@ -88,8 +88,11 @@ class Observation:
 
 def config_key(record: dict) -> str:
     c = record["case"]
+    layout = c.get("layout") or ((record.get("model") or {}).get("config") or {}).get("layout") or "separate"
+    # the default layout adds nothing, so keys of the records before layouts existed stay as they were
     return json.dumps(
-        [
+        ([] if layout == "separate" else [layout])
+        + [
             c.get("model"),
             c.get("seq_len") or (record.get("model") or {}).get("config", {}).get("seq_len"),
             c.get("world_size"),

@@ -12,7 +12,8 @@ Step time (per optimizer step, per rank), every term a rate times an amount:
 - compute      FLOPs of the rank (model FLOPs + recomputation) / achieved matmul rate, where the
                rate saturates with the GEMM size x = tokens per micro-batch x width / tp:
                t = F * (1/R + (x0/R) / x)  (a roofline with a half-saturation size x0)
-- bubble       pipeline: compute * (p-1) / (v*m)  (GPipe/1F1B bubble (p-1)/(m+p-1) of the step)
+- bubble       pipeline: compute * (p-1) / (v*m)  (GPipe/1F1B bubble (p-1)/(m+p-1) of the step, v
+               interleaved chunks); ZB-H1 compute * (p-1) max(T_F, T_B, T_F+T_B-T_W) / (m (T_F+T_B+T_W))
 - memory       bytes the optimizer step and the casts move / memory bandwidth: optimizer
                reads and writes every state byte; autocast ("amp") casts fp32 weights per pass
 - host         launch overhead per layer and micro-batch pass
@@ -155,9 +156,11 @@ SHRINK = 1.0
 # cost per parameter tensor x tensors x passes (docs/results.md: ZeRO-3 steps of ~450 ms at 2 GPUs for
 # gpt-350m and gpt-1.3b alike, at 46-68 % GPU utilisation).
 HOST_BOUND = ("deepspeed.zero3", "torch.fsdp2", "torch.tp")
-# Parameter tensors of the GPT blocks (q, k, v, proj, fc, fc2 weights and five biases, two LayerNorms)
-# and outside them (two embeddings, final LayerNorm weight and bias, head): parabench.models.
-TENSORS_PER_LAYER = 15
+# Parameter tensors of a GPT block per model layout (parabench.models): "separate" q, k, v, proj, fc,
+# fc2 weights, five biases (k has none) and two LayerNorms' weight and bias; "fused" one qkv weight and
+# bias instead of q, k, v's five tensors. Outside the blocks: two embeddings, final LayerNorm weight and
+# bias, head.
+TENSORS_PER_LAYER = {"separate": 15, "fused": 12}
 TENSORS_OUTSIDE = 5
 # Autocast ("amp") bytes per parameter per pass: the fp32 weight read and its bf16 copy written in
 # forward (4 + 2), the bf16 weight gradient read and accumulated into the fp32 .grad (2 + 4).
@@ -177,7 +180,7 @@ def host_key(w: "Workload") -> str:
 
 def host_units(w: "Workload") -> float:
     """Parameter tensors one rank's hooks visit per step: tensors of its stage x passes."""
-    return (TENSORS_PER_LAYER * w.n_layers / w.pp + TENSORS_OUTSIDE) * w.passes
+    return (TENSORS_PER_LAYER[w.layout] * w.n_layers / w.pp + TENSORS_OUTSIDE) * w.passes
 
 
 def family_of(strategy: str) -> str | None:
@@ -217,7 +220,11 @@ class Workload:
     pp: int = 1
     microbatches: int = 1  # pipeline micro-batches per micro_batch
     virtual_stages: int = 1
-    schedule: str | None = None  # "1f1b" | "gpipe"
+    schedule: str | None = None  # "1f1b" | "gpipe" | "zb_h1"
+    # ZB-H1's mean forward, input-gradient and weight-gradient times (a record's measured ones; the
+    # ratio is what matters): None for the paper's headline T_F = T_B = T_W
+    zb_times: tuple | None = None
+    layout: str = "separate"  # parabench.models.LAYOUTS
     sp: bool = False
     checkpointing: bool = False
     offload: bool = False
@@ -305,10 +312,26 @@ def comm_calls(w: Workload, kind: str, nbytes: float) -> float:
     return max(1.0, nbytes / (25 << 20))
 
 
+def bubble_ratio(w: Workload) -> float:
+    """Pipeline idle time over the rank's compute time. GPipe and 1F1B: (p-1)/m, i.e. a bubble
+    (p-1)/(m+p-1) of the step; interleaved 1F1B divides it by the v chunks per rank (Narayanan et
+    al. 2021, Sec. 2.2). ZB-H1 (Qi et al. 2024): (p-1) max(T_F, T_B, T_F+T_B-T_W) against
+    m (T_F+T_B+T_W) of compute, from reference_impls.pipeline_zb's own formula; (p-1)/(3m) at the
+    paper's equal times."""
+    if w.pp <= 1:
+        return 0.0
+    if w.schedule == "zb_h1":
+        from reference_impls.pipeline_zb import bubble_fraction_theory
+
+        frac = bubble_fraction_theory(w.pp, w.microbatches, *(w.zb_times or (1.0, 1.0, 1.0)))
+        return frac / (1 - frac)
+    return (w.pp - 1) / (w.virtual_stages * w.microbatches)
+
+
 def time_features(w: Workload, collectives: dict) -> dict:
     """The amounts each fitted constant multiplies: step_s = sum(constant * feature)."""
     flops = w.tokens_per_step * w.hw_flops_per_token / w.world_size
-    bubble = (w.pp - 1) / (w.virtual_stages * w.microbatches) if w.pp > 1 else 0.0
+    bubble = bubble_ratio(w)
     params_rank = w.params / (w.tp * w.pp)
     mem_bytes = 2 * (w.state_bytes or 0) + (AMP_CAST_BYTES * params_rank * w.passes if w.recipe == "amp" else 0)
     sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
@@ -417,7 +440,13 @@ def last_in_flight(w: Workload) -> int:
     """Micro-batches whose activations the last stage holds at its peak: GPipe runs every forward
     before the first backward, 1F1B goes straight from one forward to its backward. The logits are
     one micro-batch's either way (measured: ref.pp_gpipe's peak falls as m grows, 16.5 -> 14.2 GiB
-    for gpt-350m m = 2 -> 8, results/gpu-mp: only the b/m-row logits shrink)."""
+    for gpt-350m m = 2 -> 8, results/gpu-mp: only the b/m-row logits shrink). ZB-H1's last stage
+    defers the W of its first p-1 backwards, and a micro-batch's activations live from its F until
+    its W (reference_impls/pipeline_zb.py, ``peak_live_theory``): min(p, m), as 1F1B's first stage.
+    Not counted: the output gradients dy each deferred W keeps (one per parameter-owning module's
+    output, about 11 sbh elements per layer), for no zero-bubble record is calibrated yet."""
+    if w.pp > 1 and w.schedule == "zb_h1":
+        return min(w.pp, w.microbatches)
     return w.microbatches if (w.pp > 1 and w.schedule == "gpipe") else 1
 
 
@@ -432,7 +461,11 @@ def memory_features(w: Workload) -> dict:
     if w.checkpointing:  # each block's input kept, one block's activations live during recompute
         sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
         act_first = 2 * w.seq_len * w.rows * w.d_model / sp_div * layers * in_flight(w) + per_layer
-        act_last = act_first if w.pp == 1 else 2 * w.seq_len * w.rows * w.d_model / sp_div * layers + per_layer
+        act_last = (
+            act_first
+            if w.pp == 1
+            else 2 * w.seq_len * w.rows * w.d_model / sp_div * layers * last_in_flight(w) + per_layer
+        )
     else:
         act_first = per_layer * layers * in_flight(w)
         act_last = per_layer * layers * last_in_flight(w)
@@ -480,7 +513,7 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
     feats = time_features(w, cal["collectives"])
     parts = {part: sum(tc[k] * feats[k] for k in keys) for part, keys in TIME_PARTS.items()}
     flops = w.tokens_per_step * w.hw_flops_per_token / w.world_size
-    bubble = (w.pp - 1) / (w.virtual_stages * w.microbatches) if w.pp > 1 else 0.0
+    bubble = bubble_ratio(w)
     parts["bubble"] = parts["compute"] * bubble / (1 + bubble)
     parts["compute"] -= parts["bubble"]
     notes = []

@@ -90,7 +90,9 @@ def spearman(a, b) -> float | None:
 
 
 def group_of(w: M.Workload) -> str:
-    return f"{w.model} w{w.world_size} {w.recipe} mb{w.micro_batch}"
+    """Configurations ranked against each other: one model (and layout), GPU count, recipe, micro-batch."""
+    layout = "" if w.layout == "separate" else f" {w.layout}"
+    return f"{w.model}{layout} w{w.world_size} {w.recipe} mb{w.micro_batch}"
 
 
 def _pct(pred, meas):
@@ -165,7 +167,8 @@ def label(o: C.Observation) -> str:
     w = o.workload
     opts = json.loads(o.key)[-1]
     extra = " ".join(f"{k}={v}" for k, v in opts.items())
-    return f"{w.strategy} {extra}".strip()
+    layout = "" if w.layout == "separate" else f"layout={w.layout}"
+    return " ".join(x for x in (w.strategy, extra, layout) if x)
 
 
 def _row(o: C.Observation, p: M.Prediction) -> dict:

@@ -86,6 +86,8 @@ def _degrees(strategy: str, world_size: int, options: dict, n_layers: int) -> di
     interleaved = "interleaved" in strategy
     if strategy.endswith("gpipe"):
         schedule = "gpipe"
+    elif strategy.endswith("_zb") and pp > 1:
+        schedule = "zb_h1"
     elif pp > 1:
         schedule = options.get("schedule") or "1f1b"
     else:
@@ -116,6 +118,8 @@ def build(
     grad_accum: int,
     options: dict,
     theory: dict | None,
+    layout: str = "separate",
+    zb_times: tuple | None = None,
 ) -> Workload | None:
     """A workload from plain values; None for a strategy family the planner does not model."""
     family = family_of(strategy)
@@ -150,8 +154,21 @@ def build(
         working_set_bytes=_sum_bytes(theory.get("working_set_bytes")) or 0.0,
         cpu_state_bytes=_cpu_state(theory, strategy, params, world_size),
         comm_bytes={k: v for k, v in comm.items() if v > 0},
+        layout=layout or "separate",
+        zb_times=zb_times,
         **_degrees(strategy, world_size, options, shape["n_layers"]),
     )
+
+
+def measured_zb_times(record: dict) -> tuple | None:
+    """ZB-H1's (T_F, T_B, T_W) from the record's pipeline stages: each kind's compute summed over
+    the stages (only the ratio enters the bubble), or None where no stage timed them."""
+    sums = {"F": 0.0, "B": 0.0, "W": 0.0}
+    for pr in record.get("per_rank") or []:
+        by_kind = (pr.get("pipeline") or {}).get("compute_s_by_kind") or {}
+        for k in sums:
+            sums[k] += float(by_kind.get(k) or 0.0)
+    return (sums["F"], sums["B"], sums["W"]) if all(v > 0 for v in sums.values()) else None
 
 
 def from_record(record: dict) -> Workload | None:
@@ -183,6 +200,8 @@ def from_record(record: dict) -> Workload | None:
         grad_accum=case.get("grad_accum") or 1,
         options=config_options(case.get("options")),
         theory=record.get("theory"),
+        layout=case.get("layout") or shape.get("layout") or "separate",
+        zb_times=measured_zb_times(record),
     )
 
 
@@ -214,6 +233,7 @@ def for_config(
         grad_accum=grad_accum,
         seq_len=cfg.seq_len,
         options=options,
+        layout=cfg.layout,
     )
     deg = _degrees(strategy, world_size, case.options, cfg.n_layers)
     exp = theory.expected(case, cfg, deg["dp"])
@@ -231,4 +251,5 @@ def for_config(
         grad_accum=grad_accum,
         options=config_options(case.options),
         theory=json.loads(json.dumps(exp or {}, default=float)),
+        layout=cfg.layout,
     )
