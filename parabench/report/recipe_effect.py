@@ -84,73 +84,71 @@ def _key(r: dict):
     )
 
 
-def effect_rows(runs) -> list[dict]:
-    rows = []
-    for manifest, records in runs:
-        pairs = _pairs(manifest, records)
-        for (strategy, model, world, mb, _, _, _), by in sorted(pairs.items(), key=lambda kv: str(kv[0])):
-            if "master" not in by or "amp" not in by:
-                continue
-            m, a = by["master"], by["amp"]
-            mt, at = (as_number(dig(x, "metrics", "tokens_per_s_per_device")) for x in (m, a))
-            mm, am = (as_number(dig(x, "metrics", "peak_alloc_bytes")) for x in (m, a))
-            rows.append(
-                {
-                    "run": run_name(manifest),
-                    "strategy": strategy,
-                    "model": model,
-                    "world_size": world,
-                    "micro_batch": mb,
-                    "precision": dig(m, "case", "precision"),
-                    "master_tps": mt,
-                    "amp_tps": at,
-                    "tps_ratio": mt / at if mt and at else None,
-                    "master_gib": mm / 2**30 if mm else None,
-                    "amp_gib": am / 2**30 if am else None,
-                    "mem_ratio": mm / am if mm and am else None,
-                }
-            )
-    return rows
+def _shape(r: dict) -> dict:
+    """The case columns both tables show."""
+    c = r.get("case") or {}
+    return {k: c.get(k) for k in ("strategy", "model", "world_size", "micro_batch")}
 
 
-def _pairs(manifest, records) -> dict:
+def _side_by_side(x: dict, y: dict, x_name: str, y_name: str) -> dict:
+    """Tokens/s per device and peak memory of records ``x`` and ``y``, and x over y."""
+    xt, yt = (as_number(dig(r, "metrics", "tokens_per_s_per_device")) for r in (x, y))
+    xm, ym = (as_number(dig(r, "metrics", "peak_alloc_bytes")) for r in (x, y))
+    return {
+        f"{x_name}_tps": xt,
+        f"{y_name}_tps": yt,
+        "tps_ratio": xt / yt if xt and yt else None,
+        f"{x_name}_gib": xm / 2**30 if xm else None,
+        f"{y_name}_gib": ym / 2**30 if ym else None,
+        "mem_ratio": xm / ym if xm and ym else None,
+    }
+
+
+def _pairs(records) -> list[dict]:
+    """The run's ok bf16/fp16 first launches grouped by case (``_key``): recipe -> record, in key order."""
     pairs: dict = {}
     for r in records:
         c = r.get("case") or {}
         if r.get("status") != "ok" or c.get("precision") == "fp32" or int(c.get("repeat") or 0):
             continue
         pairs.setdefault(_key(r), {})[recipe_of(c)] = r
-    return pairs
+    return [by for _, by in sorted(pairs.items(), key=lambda kv: str(kv[0]))]
+
+
+def effect_rows(runs) -> list[dict]:
+    rows = []
+    for manifest, records in runs:
+        for by in _pairs(records):
+            if "master" not in by or "amp" not in by:
+                continue
+            m, a = by["master"], by["amp"]
+            rows.append(
+                {
+                    "run": run_name(manifest),
+                    **_shape(m),
+                    "precision": dig(m, "case", "precision"),
+                    **_side_by_side(m, a, "master", "amp"),
+                }
+            )
+    return rows
 
 
 def fp8_rows(runs) -> list[dict]:
     rows = []
     for manifest, records in runs:
-        for (strategy, model, world, mb, _, _, _), by in sorted(
-            _pairs(manifest, records).items(), key=lambda kv: str(kv[0])
-        ):
+        for by in _pairs(records):
             f = by.get("fp8")
             for base in ("amp", "master"):
                 if f is None or base not in by:
                     continue
                 b = by[base]
-                bt, ft = (as_number(dig(x, "metrics", "tokens_per_s_per_device")) for x in (b, f))
-                bm, fm = (as_number(dig(x, "metrics", "peak_alloc_bytes")) for x in (b, f))
                 bl, fl = tail_loss(b), tail_loss(f)
                 rows.append(
                     {
                         "run": run_name(manifest),
-                        "strategy": strategy,
-                        "model": model,
-                        "world_size": world,
-                        "micro_batch": mb,
+                        **_shape(f),
                         "base": f"bf16-{base}",
-                        "base_tps": bt,
-                        "fp8_tps": ft,
-                        "tps_ratio": ft / bt if ft and bt else None,
-                        "base_gib": bm / 2**30 if bm else None,
-                        "fp8_gib": fm / 2**30 if fm else None,
-                        "mem_ratio": fm / bm if fm and bm else None,
+                        **_side_by_side(f, b, "fp8", "base"),
                         "base_loss": bl,
                         "fp8_loss": fl,
                         "loss_diff": fl - bl if fl is not None and bl is not None else None,
