@@ -203,6 +203,17 @@ class RingStats:
         self.clock = "host"
         return time.perf_counter()
 
+    def add_call(self, q_shape, chunk: int, n_pairs: int, diagonal: bool) -> None:
+        """One kernel call over ``n_pairs`` (query chunk, key chunk) pairs of ``chunk`` positions
+        each: 4·b·a·c²·d forward FLOPs per pair (QKᵀ and PV), a diagonal pair counted whole."""
+        b, a, _, d = q_shape
+        self.flops += 4 * b * a * chunk * chunk * d * n_pairs
+        self.calls += 1
+        if diagonal:
+            self.pairs_diagonal += n_pairs
+        else:
+            self.pairs_full += n_pairs
+
     def compute_ended(self, start) -> None:
         if self.clock == "cuda_event":
             end = torch.cuda.Event(enable_timing=True)
@@ -389,13 +400,7 @@ class _RingAttention(torch.autograd.Function):
                         correct=lse_correction,
                     )
                 if stats is not None:
-                    b, a, _, d = q.shape
-                    stats.flops += 4 * b * a * c * c * d * n_pairs
-                    stats.calls += 1
-                    if diagonal:
-                        stats.pairs_diagonal += n_pairs
-                    else:
-                        stats.pairs_full += n_pairs
+                    stats.add_call(q.shape, c, n_pairs, diagonal)
             if stats is not None:
                 stats.compute_ended(started)
             if hop is not None:

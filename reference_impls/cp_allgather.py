@@ -126,13 +126,7 @@ class _LocalCausalAttention(torch.autograd.Function):
             out_i, lse_i = block_forward(qs[j], *_keys(kv_full, end, diagonal, c), diagonal, scale)
             partial[j] = merge_partials(*partial[j], out_i.float(), lse_i)
             if stats is not None:
-                b, a, _, d = q.shape
-                stats.flops += 4 * b * a * c * c * d * n_pairs
-                stats.calls += 1
-                if diagonal:
-                    stats.pairs_diagonal += n_pairs
-                else:
-                    stats.pairs_full += n_pairs
+                stats.add_call(q.shape, c, n_pairs, diagonal)
         if stats is not None:
             stats.compute_ended(started)
         out = torch.cat([o for o, _ in partial], dim=-2).to(q.dtype)
