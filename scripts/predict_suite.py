@@ -58,8 +58,9 @@ def predict_suite(path: str, kind: str = "h100") -> dict:
         "suite": suite.name,
         "suite_file": path,
         "calibration": str(calibration_path(kind)),
-        "calibration_schema": cal.get("schema"),
-        "calibration_configurations": len(cal.get("sources", {}).get("configurations", []) or []) or None,
+        "calibration_schema": cal["schema_version"],
+        "calibration_configurations": cal["configurations"],
+        "calibration_runs": cal["runs"],
         "commit": commit,
         "predictions": rows,
     }

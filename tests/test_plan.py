@@ -310,3 +310,6 @@ def test_predict_suite_writes_one_prediction_per_case(tmp_path):
     hashes = [c.case_hash for c in load_suite(str(suite)).cases]
     assert [p["case_hash"] for p in out["predictions"]] == hashes
     assert all(p["tokens_per_s_per_device"] > 0 and p["peak_bytes"] > 0 for p in out["predictions"])
+    calibration = C.load_kind("h100")
+    assert out["calibration_configurations"] == calibration["configurations"] > 0
+    assert out["calibration_runs"] == calibration["runs"]
