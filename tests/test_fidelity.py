@@ -18,6 +18,7 @@ from parabench.fidelity import PEER_SCRIPTS, SCRIPTS_DIR, plan
 from parabench.models import build_model, model_config, parameter_count
 from parabench.report.fidelity import ratios
 from parabench.report.html import render_report
+from parabench.stats import combine_launches
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(p for p in SCRIPTS_DIR.glob("*.py") if p.name != "__init__.py")
@@ -194,11 +195,14 @@ def _launch(tps, mem=100):
 
 
 def test_ratios_pool_launches_by_median_with_an_interval():
-    def rec(tps):
-        return {"case": {"options": {}}, "metrics": {"tokens_per_s_per_device": tps, "peak_alloc_bytes": 100}}
+    def rec(tps, repeat=0):
+        metrics = {"tokens_per_s_per_device": tps, "step_time_s_median": 1e5 / tps, "peak_alloc_bytes": 100}
+        return {"case_hash": "h", "status": "ok", "case": {"options": {}, "repeat": repeat}, "metrics": metrics}
 
     entry = {"status": "ok", "launches": [_launch(t) for t in (15_235, 16_469, 23_119, 17_059)]}
-    r = ratios([rec(t) for t in (20_112, 16_352, 18_103, 16_002)], entry)
+    adapter = [rec(t, i) for i, t in enumerate((20_112, 16_352, 18_103, 16_002))]
+    (combined,) = combine_launches(adapter)  # as the report reads a run with --repeats
+    r = ratios(combined, entry)
     # medians 17,227.5 / 16,764: one launch a side could have read 0.69x or 1.32x
     assert r["tps_ratio"] == pytest.approx(17_227.5 / 16_764) and r["verdict"] == "pass"
     assert r["launches"] == "4 / 4"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from parabench.stats import median, ratio_ci
+from parabench.stats import combine_launches, launch_samples, median, ratio_ci
 
 TPS_TARGET = 0.95  # adapter tokens/s over script tokens/s, at least
 MEM_TARGET = 1.05  # adapter peak memory over script peak memory, at most
@@ -57,24 +57,25 @@ def script_launches(entry: dict) -> list[dict]:
     return launches or ([entry["result"]] if entry.get("result") else [])
 
 
-def ratios(records: dict | list[dict], entry: dict) -> dict:
+def ratios(record: dict, entry: dict) -> dict:
     """Adapter over script for tokens/s per device and peak memory, with the verdict against the
     targets (None where a figure is missing; not judged for the ``matched`` profile).
 
-    ``records``: the case's record, or every launch of it (``--repeats``). With several launches a
-    side the figures are medians over launches, and the tokens/s ratio carries the distribution-free
-    interval of ``parabench.stats.ratio_ci`` (pairwise launch ratios): the verdict is still on the
-    median ratio, and the interval says how far launch-to-launch spread could move it."""
-    records = [records] if isinstance(records, dict) else list(records)
-    metrics = [r.get("metrics") or {} for r in records]
-    a_tps_all = [m["tokens_per_s_per_device"] for m in metrics if m.get("tokens_per_s_per_device")]
-    a_mem_all = [m.get("peak_alloc_bytes") or m.get("peak_rss_bytes") for m in metrics]
-    a_mem_all = [v for v in a_mem_all if v]
+    ``record``: the case's record, or its launches combined (``parabench.stats.combine_launches``,
+    as the report reads a run). With several launches a side the figures are medians over launches,
+    and the tokens/s ratio carries the distribution-free interval of ``parabench.stats.ratio_ci``
+    (pairwise launch ratios): the verdict is still on the median ratio, and the interval says how
+    far launch-to-launch spread could move it."""
+    m = record.get("metrics") or {}
+    a_tps_all = launch_samples(record, "tokens_per_s_per_device") or (
+        [m["tokens_per_s_per_device"]] if m.get("tokens_per_s_per_device") else []
+    )
     results = script_launches(entry)
     s_tps_all = [s["tokens_per_s_per_device"] for s in results if s.get("tokens_per_s_per_device")]
     s_mem_all = [s["peak_memory_bytes"] for s in results if s.get("peak_memory_bytes")]
     a_tps, s_tps = (median(a_tps_all) if a_tps_all else None), (median(s_tps_all) if s_tps_all else None)
-    a_mem, s_mem = (median(a_mem_all) if a_mem_all else None), (median(s_mem_all) if s_mem_all else None)
+    a_mem = m.get("peak_alloc_bytes") or m.get("peak_rss_bytes")  # combined: the median where it moves
+    s_mem = median(s_mem_all) if s_mem_all else None
     tps_ratio = a_tps / s_tps if a_tps and s_tps else None
     mem_ratio = a_mem / s_mem if a_mem and s_mem else None
     interval = None
@@ -83,7 +84,7 @@ def ratios(records: dict | list[dict], entry: dict) -> dict:
         interval = {"low": low, "high": high, "coverage": coverage}
     tps_ok = tps_ratio >= TPS_TARGET if tps_ratio is not None else None
     mem_ok = mem_ratio <= MEM_TARGET if mem_ratio is not None else None
-    if any(((r.get("case") or {}).get("options") or {}).get("profile") == "matched" for r in records):
+    if ((record.get("case") or {}).get("options") or {}).get("profile") == "matched":
         verdict = "not judged (matched profile)"
     elif tps_ok is None or mem_ok is None:
         verdict = None
@@ -127,9 +128,7 @@ def fidelity_rows(run_dirs: list[Path], runs) -> list[dict]:
         folder = Path(run_dir) / "fidelity"
         if not folder.is_dir():
             continue
-        by_hash: dict[str, list[dict]] = {}
-        for r in records:
-            by_hash.setdefault(r.get("case_hash"), []).append(r)
+        by_hash = {r.get("case_hash"): r for r in combine_launches(records)}
         for path in sorted(folder.glob("*.json")):
             try:
                 entry = json.loads(path.read_text())
@@ -138,9 +137,8 @@ def fidelity_rows(run_dirs: list[Path], runs) -> list[dict]:
                 continue
             if not isinstance(entry, dict):
                 continue
-            launches = by_hash.get(entry.get("case_hash")) or []
-            record = launches[0] if launches else {}
-            r = ratios(launches or record, entry)
+            record = by_hash.get(entry.get("case_hash"), {})
+            r = ratios(record, entry)
             result = entry.get("result") or {}
             rows.append(
                 {
