@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from parabench import pipeline_sim
 from parabench.data import case_row
 from parabench.recipes import recipe_name, recipe_of
 from parabench.record import byte_high, pipeline_stages, rank0_comm
@@ -452,12 +453,57 @@ def scaling_rows(runs) -> list[dict]:
     return rows
 
 
+def _bubble_replay(r: dict, stages: list[dict]) -> dict | None:
+    """The case's schedule replayed with its own measured op times and free messages
+    (``parabench.pipeline_sim``), one replay per pipeline replica (ranks that differ only in their
+    pipeline coordinate): the mean over all stages of the simulated bubble, with measured and with
+    equal (per-kind mean) op times. None where any stage lacks a measured, timed schedule."""
+    if not stages or any(s["measured"] is None for s in stages):
+        return None
+    coords_of = {pr.get("rank"): pr.get("coords") or {} for pr in r.get("per_rank") or []}
+    replicas: dict[tuple, list[dict]] = {}
+    for rank, p in pipeline_stages(r):
+        coords = coords_of.get(rank, {})
+        replicas.setdefault(tuple(sorted((k, v) for k, v in coords.items() if k != "pp")), []).append(p)
+    try:
+        replays = [pipeline_sim.replay(members) for members in replicas.values()]
+    except (ValueError, TypeError, IndexError):  # a timeline that does not cover its order
+        return None
+    if not replays or None in replays:
+        return None
+
+    def mean_of(key):
+        values = [b for rep in replays for b in rep[key]["bubble"]]
+        return sum(values) / len(values)
+
+    return {"simulated": mean_of("simulated"), "equal": mean_of("equal")}
+
+
+def _timeline_step_ratio(r: dict, stages: list[dict]) -> float | None:
+    """The timeline step's length (longest stage) over the median timed step of rank 0: how far
+    the instrumented step, on which the bubble is measured, ran slower than the timed ones."""
+    lengths = [as_number(p.get("step_s")) for _, p in pipeline_stages(r)]
+    timed = [t for t in dig(r, "per_rank", 0, "step_times_s", default=[]) if as_number(t)]
+    if not stages or not timed or None in lengths:
+        return None
+    timed = sorted(timed)
+    median = (timed[(len(timed) - 1) // 2] + timed[len(timed) // 2]) / 2
+    return max(lengths) / median if median > 0 else None
+
+
 def bubble_rows(runs) -> list[dict]:
     """One row per pipeline case: the measured bubble (idle share of each stage's step, mean and
     range over stages) against its schedule's theory as the stage recorded it ((p−1)/(m+p−1) for
     GPipe and 1F1B with p stages and m micro-batches); ``agrees`` is
     False where the mean differs by more than ``BUBBLE_TOLERANCE`` and None without a measurement
-    (a peer's schedule, or a GPU timeline that did not synchronise)."""
+    (a peer's schedule, or a GPU timeline that did not synchronise).
+
+    Beside it, the decomposition ``measured = theory + op ratio + imbalance + residual`` from
+    replaying the case's own schedule (``_bubble_replay``): op ratio = equal-stage simulation −
+    theory (non-zero where the theory assumes T_F = T_B = T_W, as ZB-H1's default); imbalance =
+    simulation with the measured op times − equal-stage simulation; residual = measured −
+    simulated, what free messages miss (transfers, launches, host gaps between ops).
+    ``agrees_simulated`` holds the same tolerance against the simulation."""
     out = []
     for idx, (manifest, records) in enumerate(runs):
         for r in records:
@@ -483,6 +529,10 @@ def bubble_rows(runs) -> list[dict]:
                 if measured and theory is not None
                 else None
             )
+            replay = _bubble_replay(r, stages)
+            simulated = replay["simulated"] if replay else None
+            equal = replay["equal"] if replay else None
+            residual = mean - simulated if mean is not None and simulated is not None else None
             out.append(
                 {
                     "run": run_name(manifest),
@@ -503,6 +553,13 @@ def bubble_rows(runs) -> list[dict]:
                     "worst_stage": worst["stage"] if worst else None,
                     "worst_difference_pct": _pct(worst["measured"] - theory) if worst else None,
                     "agrees": None if diff is None else abs(diff) <= BUBBLE_TOLERANCE,
+                    "equal_stages_pct": _pct(equal),
+                    "simulated_pct": _pct(simulated),
+                    "op_ratio_pct": _pct(equal - theory) if equal is not None and theory is not None else None,
+                    "imbalance_pct": _pct(simulated - equal) if replay else None,
+                    "residual_pct": _pct(residual),
+                    "agrees_simulated": None if residual is None else abs(residual) <= BUBBLE_TOLERANCE,
+                    "timeline_step_ratio": _timeline_step_ratio(r, stages),
                 }
             )
     out.sort(key=lambda b: (b["run_idx"], str(b["model"]), b["stages"] or 0, b["microbatches"] or 0, b["label"]))

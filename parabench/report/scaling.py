@@ -10,7 +10,8 @@ N0 is the series' smallest world size (1 where it ran). Beside throughput and ef
 communication share of the step measured by the step breakdown (cases with ``step_breakdown``),
 the analytic communication bytes per step (no bus bandwidth is assumed, so bytes, not seconds),
 and the model-state bytes per rank against the ZeRO paper's lines. The pipeline table sets the
-measured bubble of each pipeline case beside (p−1)/(m+p−1) (``frames.bubble_rows``).
+measured bubble of each pipeline case beside (p−1)/(m+p−1) and beside its own schedule replayed
+with the measured op times (``frames.bubble_rows``, ``parabench.pipeline_sim``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,13 @@ BUBBLE_COLUMNS = [
     ("worst_stage", "furthest stage", "int"),
     ("worst_difference_pct", "its difference, points", "f2"),
     ("agrees", f"within {frames.BUBBLE_TOLERANCE:g}", "str"),
+    ("equal_stages_pct", "simulated %, equal stages", "f2"),
+    ("simulated_pct", "simulated %, measured op times", "f2"),
+    ("op_ratio_pct", "op-time ratio, points", "f2"),
+    ("imbalance_pct", "stage imbalance, points", "f2"),
+    ("residual_pct", "residual (p2p, launches), points", "f2"),
+    ("agrees_simulated", f"within {frames.BUBBLE_TOLERANCE:g} of simulated", "str"),
+    ("timeline_step_ratio", "timeline step ÷ timed step", "f2"),
 ]
 
 BUBBLE_NOTE = (
@@ -72,7 +80,14 @@ BUBBLE_NOTE = (
     "1F1B. A mean more than "
     f"{frames.BUBBLE_TOLERANCE:g} ({frames.BUBBLE_TOLERANCE * 100:g} points) from theory is flagged; "
     "the furthest stage shows how evenly the idle time is spread. A dash: the strategy records no "
-    "measured bubble (a library's schedule)."
+    "measured bubble (a library's schedule). Simulated: the case's own schedule replayed with free "
+    "messages (parabench.pipeline_sim), each op lasting what it measured on the timeline, or, for equal "
+    "stages, its kind's mean over all stages. measured = theory + op-time ratio (equal stages − theory; "
+    "non-zero where the theory assumes T_F = T_B = T_W) + stage imbalance (measured op times − equal "
+    "stages: the embedding on the first stage, head and loss on the last, slow ops) + residual (measured − "
+    "simulated: transfers, launches and host gaps between ops). Timeline step ÷ timed step: the bubble is "
+    "measured on the instrumented step (communication meter on, a device sync around every op); well above "
+    "1 its op times, and so its bubble, do not describe the timed steps."
 )
 
 
