@@ -275,8 +275,7 @@ def preregistered(predictions_path, run_dir, worst: int = 8) -> dict:
     def worst_of(field: str) -> list:
         have = [r for r in rows if r[field] is not None]
         return [
-            {"label": r["label"], field: round(r[field], 1)}
-            for r in sorted(have, key=lambda r: -abs(r[field]))[:worst]
+            {"label": r["label"], field: round(r[field], 1)} for r in sorted(have, key=lambda r: -abs(r[field]))[:worst]
         ]
 
     return {
@@ -306,8 +305,10 @@ def preregistered_table(rep: dict) -> str:
     ]
     ws = rep["largest_world_size"]
     for name, s in ((f"{ws} GPUs", rep[f"world_size_{ws}"]), ("all of the run", rep["all_cases"])):
-        pairs = "-" if s["resolved_pairs_ordered_share"] is None else (
-            f"{s['resolved_pairs_ordered_share'] * 100:.0f}% of {s['resolved_pairs']}"
+        pairs = (
+            "-"
+            if s["resolved_pairs_ordered_share"] is None
+            else (f"{s['resolved_pairs_ordered_share'] * 100:.0f}% of {s['resolved_pairs']}")
         )
         fast = "-" if s["fastest_share"] is None else f"{s['fastest_share'] * 100:.0f}% of {s['fastest_groups']}"
         strict = "-" if s["fastest_strict_share"] is None else f"{s['fastest_strict_share'] * 100:.0f}%"
@@ -371,8 +372,10 @@ def main(argv=None) -> int:
             for r in rep[field]:
                 print(f"  {field}: {r['label'][:90]:90s} {list(r.values())[-1]:+.1f}%")
         for g in rep[f"world_size_{rep['largest_world_size']}"]["groups"]:
-            print(f"  {g['group']}: {g['configs']} configs, Spearman {g['spearman']}, fastest named {g['fastest_named']}"
-                  f" ({g['fastest_measured']} measured, {g['fastest_predicted']} predicted)")
+            print(
+                f"  {g['group']}: {g['configs']} configs, Spearman {g['spearman']}, fastest named {g['fastest_named']}"
+                f" ({g['fastest_measured']} measured, {g['fastest_predicted']} predicted)"
+            )
         print(f"written {a.out}")
         return 0
     rep = validate(a.results, a.kind)
