@@ -219,10 +219,19 @@ def test_zero_bubble_and_interleaved_bubbles_follow_their_papers():
     slow_w = dataclasses.replace(zb, zb_times=(1.0, 1.0, 3.0))  # a slow W cannot hide the last stage's wait for F
     assert M.bubble_ratio(slow_w) == pytest.approx(1 * 1.0 / (4 * 5.0))
     assert M.bubble_ratio(dataclasses.replace(zb, zb_times=(1.0, 2.0, 0.5))) == pytest.approx(2.5 / (4 * 3.5))
-    # every stage holds min(p, m) micro-batches from F to W, the last stage too (1F1B's last: one)
-    assert M.last_in_flight(zb) == M.in_flight(zb) == 2
     one_f_one_b = for_config(model="tiny", cfg=cfg, strategy="ref.pp_1f1b", world_size=2, micro_batch=4, options=opts)
-    assert M.last_in_flight(one_f_one_b) == 1
+
+    def units(w, stage):  # micro-batches' worth of a stage's activations at its peak
+        return M.pipeline_stage_peaks(w)[stage][0] / (M.activation_layer_bytes(w) * w.n_layers / w.pp)
+
+    # 1F1B: stage i holds p - i micro-batches; ZB-H1 holds min(p, m) from F to W on every stage, the
+    # last also their output gradients (dy of 11 sbh elements per layer) and recorded projection outputs
+    assert (units(one_f_one_b, 0), units(one_f_one_b, 1)) == (2, 1)
+    assert units(zb, 1) == pytest.approx(2 * (1 + 4 / 34) + 2 * 22 / 34)
+    # GPipe's last stage: m micro-batches and m - 1 retained loss graphs of 4 B per logit element
+    gpipe = for_config(model="tiny", cfg=cfg, strategy="ref.pp_gpipe", world_size=2, micro_batch=4, options=opts)
+    act, logit, fixed = M.pipeline_stage_peaks(gpipe)[1]
+    assert units(gpipe, 1) == 4 and fixed == pytest.approx(3 * 4 * logit)
     assert M.predict(zb, _cal()).peak_bytes > M.predict(one_f_one_b, _cal()).peak_bytes
     four_layers = dataclasses.replace(cfg, n_layers=4)  # 2 stages x 2 chunks
     inter = for_config(
@@ -313,3 +322,13 @@ def test_predict_suite_writes_one_prediction_per_case(tmp_path):
     calibration = C.load_kind("h100")
     assert out["calibration_configurations"] == calibration["configurations"] > 0
     assert out["calibration_runs"] == calibration["runs"]
+
+
+def test_preregistered_comparison_matches_every_case_of_the_run_by_hash():
+    from parabench.plan.validate import preregistered
+
+    rep = preregistered("results/predictions/h100x4.json", "results/h100x4/20261126-203946")
+    assert rep["unmatched"] == [] and rep["all_cases"]["configurations"] == 72
+    assert rep["largest_world_size"] == 4 and rep["world_size_4"]["configurations"] == 42
+    zb = next(r for r in rep["cases"] if r["label"].startswith("ref.pp_zb") and "microbatches=4," in r["label"])
+    assert zb["peak_err_pct"] == pytest.approx((zb["pred_peak_bytes"] / zb["peak_bytes"] - 1) * 100)

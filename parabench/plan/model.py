@@ -155,7 +155,10 @@ SHRINK = 1.0
 # DTensor's dispatch in torch.tp. Their step is max(device time, host time), host time = a per-library
 # cost per parameter tensor x tensors x passes (docs/results.md: ZeRO-3 steps of ~450 ms at 2 GPUs for
 # gpt-350m and gpt-1.3b alike, at 46-68 % GPU utilisation).
-HOST_BOUND = ("deepspeed.zero3", "torch.fsdp2", "torch.tp")
+# The zero-bubble engines join them: their W runs one autograd call per parameter-owning module and
+# micro-batch (reference_impls/pipeline_zb.backward_weight; torch's stage_backward_weight per
+# parameter group), each a host round trip that a one-row micro-batch cannot hide.
+HOST_BOUND = ("deepspeed.zero3", "torch.fsdp2", "torch.tp", "ref.pp_zb", "torch.pp_zb")
 # Parameter tensors of a GPT block per model layout (parabench.models): "separate" q, k, v, proj, fc,
 # fc2 weights, five biases (k has none) and two LayerNorms' weight and bias; "fused" one qkv weight and
 # bias instead of q, k, v's five tensors. Outside the blocks: two embeddings, final LayerNorm weight and
@@ -429,63 +432,137 @@ def activation_layer_bytes(w: Workload) -> float:
     return 34 * sbh / t if w.sp or w.strategy.endswith("_sp") else sbh * (10 + 24 / t)
 
 
-def in_flight(w: Workload) -> int:
-    """Micro-batches whose activations stage 0 holds at its peak."""
-    if w.pp <= 1:
-        return 1
-    return w.microbatches if w.schedule == "gpipe" else min(w.pp, w.microbatches)
+# What a pipeline stage holds beyond Korthikanti's per-layer activations, read off the engines'
+# code (reference_impls/pipeline*.py, parabench/peers/torch_pipeline.py) and the GPT block
+# (parabench/models.py), in units of one layer's 34 sbh activation bytes or per logit element:
+# - Each loss graph alive besides the one whose backward starts keeps cross-entropy's saved fp32
+#   log-softmax output (4 B per logit element): GPipe's last stage holds m of them, interleaved's
+#   with m == p too (every forward first). ZB-H1's head keeps its output and output gradient
+#   (bf16 + bf16) from B until the deferred W: 4 B as well.
+RETAINED_LOGIT_BYTES = 4.0
+# - torch.distributed.pipelining's last stage keeps every micro-batch's output (the bf16 logits)
+#   until step() merges them.
+TORCH_PP_OUTPUT_BYTES = 2.0
+# - ZB-H1 (reference_impls.pipeline_zb), per layer of a micro-batch: from B until its W the output
+#   gradient dy of each parameter-owning module (ln1, q, k, v, attn proj, ln2, fc, mlp proj: 11 sbh
+#   elements of 2 B = 22 sbh B); from F until W the recorded outputs nothing else saves (the two
+#   projections' outputs, 4 sbh B).
+ZB_DY = 22 / 34
+ZB_OUTPUTS = 4 / 34
+# - ref.pp_zb on every stage but the last keeps ``out`` (with its graph) in ``sends`` until the step
+#   ends, and B ran with retain_graph: W frees only the linear nodes' saved inputs (ln1 and ln2
+#   outputs, the attention projection's input copy, GELU's output: 14 sbh B), so 20 of 34 sbh B per
+#   layer (ln1 and ln2 inputs, q, k, v, the attention output, GELU's input) stay until the step
+#   ends, for every micro-batch done.
+ZB_RETAINED = 20 / 34
 
 
-def last_in_flight(w: Workload) -> int:
-    """Micro-batches whose activations the last stage holds at its peak: GPipe runs every forward
-    before the first backward, 1F1B goes straight from one forward to its backward. The logits are
-    one micro-batch's either way (measured: ref.pp_gpipe's peak falls as m grows, 16.5 -> 14.2 GiB
-    for gpt-350m m = 2 -> 8, results/gpu-mp: only the b/m-row logits shrink). ZB-H1's last stage
-    defers the W of its first p-1 backwards, and a micro-batch's activations live from its F until
-    its W (reference_impls/pipeline_zb.py, ``peak_live_theory``): min(p, m), as 1F1B's first stage.
-    Not counted: the output gradients dy each deferred W keeps (one per parameter-owning module's
-    output, about 11 sbh elements per layer), for no zero-bubble record is calibrated yet."""
-    if w.pp > 1 and w.schedule == "zb_h1":
-        return min(w.pp, w.microbatches)
-    return w.microbatches if (w.pp > 1 and w.schedule == "gpipe") else 1
+def pipeline_order(w: Workload, stage: int) -> list[tuple[str, int, int]]:
+    """``(kind, local chunk, micro-batch)`` in the order the engine runs them on ``stage``: the
+    reference engines' own schedule functions (torch.pipelining runs the same orders)."""
+    from reference_impls import pipeline as P
+
+    p, m, v = w.pp, w.microbatches, w.virtual_stages
+    if w.schedule == "zb_h1" and m >= p:
+        from reference_impls.pipeline_zb import zb_h1_order
+
+        return [(k, 0, i) for k, i in zb_h1_order(stage, p, m)]
+    if v > 1:
+        from reference_impls.pipeline_interleaved import interleaved_order
+
+        try:
+            return list(interleaved_order(stage, p, v, m))
+        except ValueError:  # m not a multiple of p: the engine refuses it; count as 1F1B
+            pass
+    order = P.gpipe_order(stage, p, m) if w.schedule == "gpipe" else P.one_f_one_b_order(stage, p, m)
+    return [(k, 0, i) for k, i in order]
+
+
+def pipeline_stage_peaks(w: Workload) -> list[tuple[float, float, float]]:
+    """Per pipeline stage, at its peak: (activation bytes before the fitted multiplier, logit
+    elements of the backward that starts (x the fitted bytes per element), fixed bytes of the
+    other retained logits). The peak is the largest total after a forward (backward is about to
+    start) or, for ZB-H1, after a B (its output gradients made), walking the engine's order."""
+    p, v = w.pp, w.virtual_stages
+    sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
+    if w.checkpointing:  # each block's input kept; one block's activations live during recompute
+        layer_bytes, transient = 2 * w.seq_len * w.rows * w.d_model / sp_div, activation_layer_bytes(w)
+    else:
+        layer_bytes, transient = activation_layer_bytes(w), 0.0
+    unit_bytes = layer_bytes * w.n_layers / (p * v)
+    logit_elems = w.rows * w.seq_len * w.vocab_size / (w.tp if w.family == "model_parallel" else 1)
+    zb = w.schedule == "zb_h1" and w.microbatches >= p
+    ref_zb = zb and w.strategy.startswith("ref.")
+    torch_outputs = w.strategy.startswith("torch.pp")
+    out = []
+    for stage in range(p):
+        last = stage == p - 1
+        full: set = set()
+        with_dy: set = set()
+        done = outputs = 0
+        best = (0.0, 0.0, 0.0)
+        for kind, chunk, mb in pipeline_order(w, stage):
+            u = (chunk, mb)
+            if kind == "F":
+                full.add(u)
+                outputs += last and chunk == v - 1
+            elif kind == "B":
+                if zb:
+                    with_dy.add(u)
+                else:
+                    full.discard(u)
+            else:  # W
+                full.discard(u)
+                with_dy.discard(u)
+                done += 1
+            if kind == "W":
+                continue
+            act = unit_bytes * (len(full) * (1 + (ZB_OUTPUTS if ref_zb else 0.0)) + len(with_dy) * ZB_DY)
+            if ref_zb and not last:
+                act += unit_bytes * ZB_RETAINED * done
+            act += transient
+            heads = sum(1 for c, _ in full if c == v - 1) if last else 0
+            logit = logit_elems if heads else 0.0
+            fixed = max(0, heads - 1) * RETAINED_LOGIT_BYTES * logit_elems
+            if torch_outputs and last:
+                fixed += outputs * TORCH_PP_OUTPUT_BYTES * logit_elems
+            cand = (act, logit, fixed)
+            if act + 12 * logit + fixed > best[0] + 12 * best[1] + best[2]:
+                best = cand
+        out.append(best)
+    return out
 
 
 def memory_features(w: Workload) -> dict:
     """Per peak phase, (bytes fixed by the physics, amounts per fitted memory constant). Phases:
-    ``first`` and ``last`` pipeline stage at the start of backward (stage 0 holds the most
-    activations, the last the logits; without a pipeline both are the one stage) with the states
-    alive then, and ``step``, the optimizer update with every state. The phase of the largest
-    total is the peak."""
-    layers = w.n_layers / w.pp
-    per_layer = activation_layer_bytes(w)
-    if w.checkpointing:  # each block's input kept, one block's activations live during recompute
-        sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
-        act_first = 2 * w.seq_len * w.rows * w.d_model / sp_div * layers * in_flight(w) + per_layer
-        act_last = (
-            act_first
-            if w.pp == 1
-            else 2 * w.seq_len * w.rows * w.d_model / sp_div * layers * last_in_flight(w) + per_layer
-        )
-    else:
-        act_first = per_layer * layers * in_flight(w)
-        act_last = per_layer * layers * last_in_flight(w)
+    the start of backward with the states alive then (one per pipeline stage, each at its own
+    peak: ``pipeline_stage_peaks``), and ``step``, the optimizer update with every state. The
+    phase of the largest total is the peak."""
     vocab_div = w.tp if w.family == "model_parallel" else 1
-    logits = w.rows * w.seq_len * w.vocab_size / vocab_div
     sharded_params = w.family == "sharded" and ("zero3" in w.strategy or "fsdp" in w.strategy or "hsdp" in w.strategy)
     cast = 2 * w.params / (w.tp * w.pp) if w.recipe == "amp" and not sharded_params else 0.0
     amp = w.recipe == "amp"
+    act_key = "act_amp" if amp else "act_master"
+    logit_key = "logit_bytes_amp" if amp else "logit_bytes_master"
     base = dict.fromkeys(MEMORY_CONSTANTS, 0.0)
     base["const_bytes"] = 1.0
     step = dict(base)
     base["cast"] = cast
-    first, last = dict(base), dict(base)
-    first["act_amp" if amp else "act_master"] = act_first
-    last["act_amp" if amp else "act_master"] = act_last
-    last["logit_bytes_amp" if amp else "logit_bytes_master"] = logits
-    if w.pp == 1:
-        first["logit_bytes_amp" if amp else "logit_bytes_master"] = logits
     during = states_at(w, "backward") + w.working_set_bytes
-    return {"first": (during, first), "last": (during, last), "step": (states_at(w, "step"), step)}
+    if w.pp <= 1:
+        per_layer = activation_layer_bytes(w)
+        if w.checkpointing:  # each block's input kept, one block's activations live during recompute
+            sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
+            act = 2 * w.seq_len * w.rows * w.d_model / sp_div * w.n_layers + per_layer
+        else:
+            act = per_layer * w.n_layers
+        first = {**base, act_key: act, logit_key: w.rows * w.seq_len * w.vocab_size / vocab_div}
+        return {"first": (during, first), "step": (states_at(w, "step"), step)}
+    phases = {}
+    for i, (act, logit, fixed) in enumerate(pipeline_stage_peaks(w)):
+        phases[f"stage{i}"] = (during + fixed, {**base, act_key: act, logit_key: logit})
+    phases["step"] = (states_at(w, "step"), step)
+    return phases
 
 
 def peak_phase(w: Workload, consts: dict) -> tuple[float, dict]:
@@ -553,11 +630,15 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
             + mc["logit_bytes_amp"] * stage["logit_bytes_amp"],
             "cast_copies": mc["cast"] * stage["cast"],
             "working_set": w.working_set_bytes if name != "step" else 0.0,
+            # other micro-batches' loss graphs and outputs a pipeline stage still holds
+            "retained_logits": 0.0
+            if name == "step"
+            else phases[name][0] - states_at(w, "backward") - w.working_set_bytes,
             "fixed": mc["const_bytes"],
             "implementation": extra_frac * memory_unit(w),
         }
         mem = sum(mem_parts.values())
-        mem_phase = "optimizer step" if name == "step" else "start of backward"
+        mem_phase = "optimizer step" if name == "step" else ("start of backward" + (f", {name}" if w.pp > 1 else ""))
     else:
         notes.append("no model-state expectation: no memory prediction")
     bottleneck = max((k for k in parts), key=lambda k: parts[k])

@@ -3,14 +3,21 @@
 - Leave-one-configuration-out: every configuration (all its records) is predicted from a
   calibration fitted without it, implementation factors included.
 - Out-of-scale: calibrate on the 1-GPU configurations only (collectives from the suite, which
-  is not a training record), predict every 2-GPU configuration. No 4-GPU GPU record is committed
-  yet, so 1 -> 2 GPUs is the largest extrapolation the data allows.
+  is not a training record), predict every 2-GPU configuration; and calibrate on 1- and 2-GPU
+  configurations, predict the 4-GPU ones (after the fact: the pre-registered version of that
+  test is ``--predictions`` below).
 
 Reported: median and 90th-percentile absolute % error of step time and peak memory; Spearman
 rank correlation of the configurations within each (model, GPU count, recipe, micro-batch) group of
 at least 3; the share of groups (of at least 2) whose fastest configuration is named correctly.
 
     python -m parabench.plan.validate [results] [--out results/calibration/validation-h100.json]
+
+- Pre-registered: set a predictions file written before a run (``scripts/predict_suite.py``) against
+  that run's records, matched by case hash; the predictions are read, never refitted:
+
+    python -m parabench.plan.validate --predictions results/predictions/h100x4.json \
+        --run results/h100x4/20261126-203946 --out results/calibration/out-of-scale-h100x4.json
 """
 
 from __future__ import annotations
@@ -208,6 +215,9 @@ def validate(results_dir="results", kind="h100") -> dict:
     in_sample = [_row(o, M.predict(o.workload, full)) for o in obs]
     loo = leave_one_out(obs, coll)
     oos = out_of_scale(obs, coll)
+    # after the fact (the pre-registered test is out-of-scale-h100x4.json): this model fitted on
+    # the 1- and 2-GPU configurations, predicting the 4-GPU ones
+    oos4 = out_of_scale(obs, coll, train_ws=(1, 2), test_ws=(4,))
     return {
         "schema_version": C.SCHEMA_VERSION,
         "kind": "plan-validation",
@@ -216,10 +226,104 @@ def validate(results_dir="results", kind="h100") -> dict:
         "in_sample": summarize(in_sample),
         "leave_one_out": summarize(loo),
         "out_of_scale": {"train": "1-GPU configurations", "test": "2-GPU configurations", **summarize(oos)},
+        "out_of_scale_4": {"train": "1- and 2-GPU configurations", "test": "4-GPU configurations", **summarize(oos4)},
         "predictions": loo,
         "out_of_scale_predictions": oos,
+        "out_of_scale_4_predictions": oos4,
         "runs": full["runs"],
     }
+
+
+def _signed_pct(pred, meas):
+    return None if not pred or not meas else (pred / meas - 1) * 100
+
+
+def preregistered(predictions_path, run_dir, worst: int = 8) -> dict:
+    """Predictions written before ``run_dir`` ran, against its records (matched by case hash).
+
+    Summaries over every predicted case of the run and over its cases of the largest GPU count
+    (the out-of-scale part when the calibration had none), with the worst misses (signed %,
+    prediction over measurement) of step time and peak memory."""
+    from parabench.plan.workload import from_record
+    from parabench.results import load_run
+
+    doc = json.loads(Path(predictions_path).read_text())
+    by_hash = {p["case_hash"]: p for p in doc["predictions"]}
+    _, records = load_run(Path(run_dir))
+    rows, unmatched = [], []
+    for r in records:
+        p = by_hash.get(r.get("case_hash"))
+        m = r.get("metrics") or {}
+        w = from_record(r)
+        if r.get("status") != "ok" or not m.get("step_time_s_median"):
+            continue
+        if p is None or p.get("step_time_s") is None or w is None:
+            unmatched.append(r.get("label"))
+            continue
+        rows.append(
+            {
+                "key": r["case_hash"],
+                "label": r.get("label"),
+                "group": group_of(w),
+                "world_size": w.world_size,
+                "step_s": m["step_time_s_median"],
+                "pred_step_s": p["step_time_s"],
+                "step_err_pct": _signed_pct(p["step_time_s"], m["step_time_s_median"]),
+                "peak_bytes": m.get("peak_alloc_bytes"),
+                "pred_peak_bytes": p.get("peak_bytes"),
+                "peak_err_pct": _signed_pct(p.get("peak_bytes"), m.get("peak_alloc_bytes")),
+            }
+        )
+    rows.sort(key=lambda r: (r["group"], r["label"]))
+    top_ws = max((r["world_size"] for r in rows), default=None)
+    largest = [r for r in rows if r["world_size"] == top_ws]
+
+    def worst_of(field: str) -> list:
+        have = [r for r in rows if r[field] is not None]
+        return [
+            {"label": r["label"], field: round(r[field], 1)} for r in sorted(have, key=lambda r: -abs(r[field]))[:worst]
+        ]
+
+    return {
+        "schema_version": C.SCHEMA_VERSION,
+        "kind": "plan-preregistered",
+        "predictions": str(predictions_path),
+        "predictions_commit": doc.get("commit"),
+        "calibration_runs": doc.get("calibration_runs"),
+        "calibration_configurations": doc.get("calibration_configurations"),
+        "run": str(run_dir),
+        "targets": TARGETS,
+        "largest_world_size": top_ws,
+        f"world_size_{top_ws}": summarize(largest),
+        "all_cases": summarize(rows),
+        "worst_step": worst_of("step_err_pct"),
+        "worst_peak": worst_of("peak_err_pct"),
+        "unmatched": unmatched,
+        "cases": rows,
+    }
+
+
+def preregistered_table(rep: dict) -> str:
+    lines = [
+        "| cases | n | step err median | step err p90 | peak err median | peak err p90 "
+        "| Spearman median, all (groups) | pairs > 5 % ordered | fastest named (3 % band) | strict |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    ws = rep["largest_world_size"]
+    for name, s in ((f"{ws} GPUs", rep[f"world_size_{ws}"]), ("all of the run", rep["all_cases"])):
+        pairs = (
+            "-"
+            if s["resolved_pairs_ordered_share"] is None
+            else (f"{s['resolved_pairs_ordered_share'] * 100:.0f}% of {s['resolved_pairs']}")
+        )
+        fast = "-" if s["fastest_share"] is None else f"{s['fastest_share'] * 100:.0f}% of {s['fastest_groups']}"
+        strict = "-" if s["fastest_strict_share"] is None else f"{s['fastest_strict_share'] * 100:.0f}%"
+        lines.append(
+            f"| {name} | {s['configurations']} | {_fmt(s['step_median_pct'], '%')} | {_fmt(s['step_p90_pct'], '%')} | "
+            f"{_fmt(s['peak_median_pct'], '%')} | {_fmt(s['peak_p90_pct'], '%')} | "
+            f"{_fmt(s['spearman_median'])} ({s['spearman_groups']}) | {pairs} | {fast} | {strict} |"
+        )
+    return "\n".join(lines)
 
 
 def _fmt(v, unit=""):
@@ -232,8 +336,10 @@ def table(report: dict) -> str:
         "| Spearman median, 5 % ties | pairs > 5 % ordered | fastest named (3 % band) | fastest named, strict |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name in ("in_sample", "leave_one_out", "out_of_scale"):
-        s = report[name]
+    for name in ("in_sample", "leave_one_out", "out_of_scale", "out_of_scale_4"):
+        s = report.get(name)
+        if not s or not s["configurations"]:
+            continue
         fast = "-" if s["fastest_share"] is None else f"{s['fastest_share'] * 100:.0f}% of {s['fastest_groups']}"
         strict = "-" if s["fastest_strict_share"] is None else f"{s['fastest_strict_share'] * 100:.0f}%"
         pairs = (
@@ -261,7 +367,25 @@ def main(argv=None) -> int:
     ap.add_argument("--kind", default="h100", choices=sorted(C.DEVICE_KINDS))
     ap.add_argument("--out", default=None)
     ap.add_argument("--worst", type=int, default=0, help="also list the N worst leave-one-out step predictions")
+    ap.add_argument("--predictions", help="a predictions file written before --run ran (pre-registered test)")
+    ap.add_argument("--run", help="the run directory the predictions were written for")
     a = ap.parse_args(argv)
+    if a.predictions or a.run:
+        if not (a.predictions and a.run and a.out):
+            ap.error("--predictions, --run and --out go together")
+        rep = preregistered(a.predictions, a.run)
+        C.save(rep, a.out)
+        print(preregistered_table(rep))
+        for field in ("worst_step", "worst_peak"):
+            for r in rep[field]:
+                print(f"  {field}: {r['label'][:90]:90s} {list(r.values())[-1]:+.1f}%")
+        for g in rep[f"world_size_{rep['largest_world_size']}"]["groups"]:
+            print(
+                f"  {g['group']}: {g['configs']} configs, Spearman {g['spearman']}, fastest named {g['fastest_named']}"
+                f" ({g['fastest_measured']} measured, {g['fastest_predicted']} predicted)"
+            )
+        print(f"written {a.out}")
+        return 0
     rep = validate(a.results, a.kind)
     out = Path(a.out or Path(a.results) / "calibration" / f"validation-{a.kind}.json")
     C.save(rep, out)
