@@ -252,14 +252,12 @@ def test_b_and_w_split_one_backward_without_doing_any_of_it_twice():
 
     from parabench.models import build_model
     from reference_impls.pipeline import stage_head_loss
-    from reference_impls.pipeline_zb import backward_input, backward_weight
+    from reference_impls.pipeline_zb import backward_input, backward_weight, record_split_backward
 
     cfg = model_config("tiny")
     model = build_model(cfg, 0)
     outputs: list = []
-    for mod in model.modules():
-        if any(True for _ in mod.parameters(recurse=False)):
-            mod.register_forward_hook(lambda mod, args, y: outputs.append((mod, y)))
+    record_split_backward(model, lambda mod, y, x: outputs.append((mod, y, x)))
     tokens, targets = (
         torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(s)) for s in (1, 2)
     )
