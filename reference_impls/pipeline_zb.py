@@ -39,16 +39,15 @@ one call over several outputs would count those paths twice. Each parameter affe
 output only through its module's ``y``, so these per-module weight gradients sum to exactly what
 one full backward accumulates.
 
-The explicit matmul computes what autograd's linear backward computes (``mm(dy^T, x)`` in the
-compute dtype, the bias sum in the compute dtype, then cast to the parameter's dtype): under
-autocast ("amp": fp32 parameters, bf16 matmuls) the Linear's input is cast in a forward
-pre-hook exactly as autocast would cast it inside ``F.linear``, so the recorded ``x`` is the
-very tensor autograd saves for its own backward and nothing extra stays alive; W adds the bf16
-product to the fp32 gradient as autograd's cast would. Where gradient and compute dtype agree
-(fp32, or the "master" recipe's bf16 parameters) a later micro-batch accumulates with
-``addmm(grad, dy^T, x, out=grad)``: one kernel that rounds the sum once, where autograd's
-``grad += mm(...)`` rounds the product and then the sum (the first micro-batch's gradient is
-autograd's bit for bit).
+The explicit arithmetic is autograd's own linear backward, so the gradients are autograd's bit
+for bit in every recipe: ``mm(dy^T, x)`` and the bias sum in the compute dtype, cast to the
+parameter's dtype, added in place to ``.grad`` from the second micro-batch on. Under autocast
+("amp": fp32 parameters, bf16 matmuls) the Linear's input is cast in a forward pre-hook exactly
+as autocast would cast it inside ``F.linear``, so the recorded ``x`` is the very tensor autograd
+saves for the Linear's backward, which lives until W in any case: nothing extra stays alive,
+and dropping the micro-batch's W list frees the graph. (``grad.addmm_(dy^T, x)`` would save a
+kernel and a weight-sized temporary but round the bf16 sum once instead of twice: different
+bits from autograd under the "master" recipe, so it is not used.)
 
 Transport as :mod:`reference_impls.pipeline` (non-blocking sends, blocking receives, handles
 waited at the end of the step); W sends nothing, so the point-to-point bytes are 1F1B's.
@@ -163,13 +162,11 @@ def linear_weight_grad(mod: nn.Linear, x: torch.Tensor, dy: torch.Tensor) -> Non
     x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
     if mod.weight.requires_grad:
         dy_t = dy2.t()
-        g = mod.weight.grad
-        if g is None:
-            mod.weight.grad = torch.mm(dy_t, x2).to(mod.weight.dtype)
-        elif g.dtype == x2.dtype:
-            torch.addmm(g, dy_t, x2, out=g)
-        else:  # fp32 gradient of a bf16 matmul: the product rounded to bf16, then added, as autograd
-            g.add_(torch.mm(dy_t, x2))
+        dw = torch.mm(dy_t, x2)
+        if mod.weight.grad is None:
+            mod.weight.grad = dw.to(mod.weight.dtype)
+        else:  # in place; a bf16 product into an fp32 gradient is widened exactly, as autograd's cast
+            mod.weight.grad.add_(dw)
     if mod.bias is not None and mod.bias.requires_grad:
         db = dy2.sum(0)
         if mod.bias.grad is None:
@@ -185,8 +182,9 @@ def backward_weight(deferred: list) -> None:
     accumulated into ``.grad``. The caller drops ``deferred`` afterwards, which frees the graph."""
     for mod, y, x, dy in deferred:
         if x is not None:
-            # the dtypes are already the matmul's; autocast must not recast them
-            with torch.autocast(x.device.type, enabled=False):
+            # x is an activation that requires grad: no graph for this arithmetic; and the
+            # dtypes are already the matmul's, autocast must not recast them
+            with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
                 linear_weight_grad(mod, x, dy)
             continue
         params = [q for q in mod.parameters(recurse=False) if q.requires_grad]
