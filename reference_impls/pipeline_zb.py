@@ -98,7 +98,7 @@ def bubble_fraction_theory(n_stages: int, m: int, t_f: float = 1.0, t_b: float =
     shrink the bubble below the last stage's wait for its first forward, ``(p-1) T_F``, nor below
     the first stage's wait for the last backward, ``(p-1) T_B``, so in general (checked by the
     zero-latency simulation in ``tests/test_pp_zb.py``) the bubble is
-    ``(p-1) max(T_F, T_B, T_F + T_B - T_W)``. On a CPU, W's many small autograd calls can make
+    ``(p-1) max(T_F, T_B, T_F + T_B - T_W)``. On a CPU, W's host overhead (per-module calls) can make
     ``T_W`` the longest, which is when the general form matters."""
     bubble = (n_stages - 1) * max(t_f, t_b, t_f + t_b - t_w)
     return bubble / (m * (t_f + t_b + t_w) + bubble)
@@ -180,12 +180,15 @@ def backward_weight(deferred: list) -> None:
     (:func:`linear_weight_grad`), and for every other module the gradient of its own parameters
     from its output's gradient (``torch.autograd.grad``, only its weights asked for),
     accumulated into ``.grad``. The caller drops ``deferred`` afterwards, which frees the graph."""
+    linears = [(mod, x, dy) for mod, _, x, dy in deferred if x is not None]
+    if linears:
+        # x is an activation that requires grad: no graph for this arithmetic; and the dtypes
+        # are already the matmul's, autocast must not recast them
+        with torch.no_grad(), torch.autocast(linears[0][1].device.type, enabled=False):
+            for mod, x, dy in linears:
+                linear_weight_grad(mod, x, dy)
     for mod, y, x, dy in deferred:
         if x is not None:
-            # x is an activation that requires grad: no graph for this arithmetic; and the
-            # dtypes are already the matmul's, autocast must not recast them
-            with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-                linear_weight_grad(mod, x, dy)
             continue
         params = [q for q in mod.parameters(recurse=False) if q.requires_grad]
         for q, g in zip(params, torch.autograd.grad(y, params, dy)):

@@ -313,7 +313,10 @@ def test_w_of_linears_is_explicit_and_equals_autograds_bit_for_bit(recipe):
     cast = torch.autocast("cpu", dtype=torch.bfloat16) if recipe == "amp" else contextlib.nullcontext()
     m = 3
     batches = [
-        [torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(10 * i + k)) for k in (1, 2)]
+        [
+            torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(10 * i + k))
+            for k in (1, 2)
+        ]
         for i in range(m)
     ]
 
@@ -340,8 +343,12 @@ def test_w_of_linears_is_explicit_and_equals_autograds_bit_for_bit(recipe):
         recorded = [weakref.ref(x) for x in inputs]
         del inputs
         ran: list = []  # the recorded outputs whose backward node autograd runs during W
+
+        def note(kind):
+            return lambda grads: ran.append(kind)
+
         for entry in deferred:
-            entry[1].grad_fn.register_prehook(lambda grads, kind=type(entry[0]): ran.append(kind))
+            entry[1].grad_fn.register_prehook(note(type(entry[0])))
         backward_weight(deferred)
         assert len(ran) == n_other and torch.nn.Linear not in ran
         del loss, deferred, entry
