@@ -22,15 +22,32 @@ about a third of 1F1B's (while T_W is no longer than T_F and T_B; see :func:`bub
 alive (a micro-batch's activations live from its F until its W), 1F1B's first-stage peak.
 Torch's ``ScheduleInterleavedZeroBubble`` with one stage per rank runs the same order (its ZB1P).
 
-How the split is done with autograd, layer by layer (Sec. 2: "B and W for each layer"):
-during F every module that owns parameters records its output ``y``. B is one
-``torch.autograd.grad(out, [stage input, every y], retain_graph=True)``: autograd computes only
-what leads to the requested tensors, so it runs the input-gradient chain and skips every
-``dW`` (no parameter is asked for), and it returns ``dy`` for each recorded output on the way.
-W is, per recorded module, ``torch.autograd.grad(y, module's own parameters, dy)``: it starts at
-that module's output and asks for its weights only, so it runs just the ``x^T dy`` half of that
-module's backward. Each parameter affects the stage's output only through its module's ``y``,
-so these per-module weight gradients sum to exactly what one full backward accumulates.
+How the split is done, layer by layer (Sec. 2: "B and W for each layer"): during F every
+module that owns parameters records its output ``y``, and every ``nn.Linear`` also its input
+``x`` (:func:`record_split_backward`). B is one ``torch.autograd.grad(out, [stage input, every
+y], retain_graph=True)``: autograd computes only what leads to the requested tensors, so it runs
+the input-gradient chain and skips every weight gradient (no parameter is asked for), and it
+returns ``dy`` for each recorded output on the way. W is then Sec. 2's definition written out
+for the linear layers, which hold almost all the weights: with ``x`` and ``dy`` flattened over
+batch and sequence, ``dW = dy^T x`` (``x^T dy`` for the paper's ``y = x W``; nn.Linear stores
+``W^T``) and ``db = sum of dy`` over the same rows, one matmul accumulated in place into
+``.grad`` (:func:`linear_weight_grad`), no autograd call and no graph walk. The other modules
+(LayerNorm, Embedding, anything else) keep ``torch.autograd.grad(y, module's own parameters,
+dy)``, which runs just the parameter half of that module's backward. They cannot share one call:
+a LayerNorm's output depends on earlier LayerNorms' parameters through the residual stream, so
+one call over several outputs would count those paths twice. Each parameter affects the stage's
+output only through its module's ``y``, so these per-module weight gradients sum to exactly what
+one full backward accumulates.
+
+The explicit arithmetic is autograd's own linear backward, so the gradients are autograd's bit
+for bit in every recipe: ``mm(dy^T, x)`` and the bias sum in the compute dtype, cast to the
+parameter's dtype, added in place to ``.grad`` from the second micro-batch on. Under autocast
+("amp": fp32 parameters, bf16 matmuls) the Linear's input is cast in a forward pre-hook exactly
+as autocast would cast it inside ``F.linear``, so the recorded ``x`` is the very tensor autograd
+saves for the Linear's backward, which lives until W in any case: nothing extra stays alive,
+and dropping the micro-batch's W list frees the graph. (``grad.addmm_(dy^T, x)`` would save a
+kernel and a weight-sized temporary but round the bf16 sum once instead of twice: different
+bits from autograd under the "master" recipe, so it is not used.)
 
 Transport as :mod:`reference_impls.pipeline` (non-blocking sends, blocking receives, handles
 waited at the end of the step); W sends nothing, so the point-to-point bytes are 1F1B's.
@@ -81,7 +98,7 @@ def bubble_fraction_theory(n_stages: int, m: int, t_f: float = 1.0, t_b: float =
     shrink the bubble below the last stage's wait for its first forward, ``(p-1) T_F``, nor below
     the first stage's wait for the last backward, ``(p-1) T_B``, so in general (checked by the
     zero-latency simulation in ``tests/test_pp_zb.py``) the bubble is
-    ``(p-1) max(T_F, T_B, T_F + T_B - T_W)``. On a CPU, W's many small autograd calls can make
+    ``(p-1) max(T_F, T_B, T_F + T_B - T_W)``. On a CPU, W's host overhead (per-module calls) can make
     ``T_W`` the longest, which is when the general form matters."""
     bubble = (n_stages - 1) * max(t_f, t_b, t_f + t_b - t_w)
     return bubble / (m * (t_f + t_b + t_w) + bubble)
@@ -95,23 +112,84 @@ def peak_live_theory(n_stages: int, m: int) -> int:
 # --- B and W --------------------------------------------------------------------------------------
 
 
+def record_split_backward(module: nn.Module, record) -> list:
+    """Hooks on every submodule of ``module`` that owns trainable parameters: after its forward,
+    ``record(mod, y, x)`` with its output ``y`` and, for a plain ``nn.Linear`` (not a subclass,
+    whose forward may differ), its input ``x`` (None otherwise). Under autocast a Linear's floating
+    input is first cast to the autocast dtype, as ``F.linear`` would (doubles excepted), so ``x``
+    is the tensor autograd saves. Returns the hook handles."""
+    handles = []
+    for mod in module.modules():
+        if not any(p.requires_grad for p in mod.parameters(recurse=False)):
+            continue
+        if type(mod) is nn.Linear:
+            handles.append(mod.register_forward_pre_hook(_cast_like_autocast))
+            handles.append(mod.register_forward_hook(lambda mod, args, y: record(mod, y, args[0] if args else None)))
+        else:
+            handles.append(mod.register_forward_hook(lambda mod, args, y: record(mod, y, None)))
+    return handles
+
+
+def _cast_like_autocast(mod, args):
+    if not args:
+        return None
+    x = args[0]
+    device = x.device.type
+    if not (torch.is_autocast_enabled(device) and x.is_floating_point() and x.dtype != torch.float64):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    return None if x.dtype == dtype else (x.to(dtype), *args[1:])
+
+
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, stage_input: torch.Tensor | None, outputs: list):
     """B: the gradient of the stage input (None on the first stage) and of every recorded module
-    output ``(module, y)``, in one pass that computes no weight gradient (no parameter is asked
-    for). Returns ``(d stage input, [(module, y, dy)])``, the list being what W needs; the graph is
-    kept for it (``retain_graph``)."""
-    wrt = ([] if stage_input is None else [stage_input]) + [y for _, y in outputs]
+    output, ``outputs`` being ``(module, y, x)`` as :func:`record_split_backward` gives them, in
+    one pass that computes no weight gradient (no parameter is asked for). Returns ``(d stage
+    input, [(module, y, x, dy)])``, the list being what W needs; the graph is kept for it
+    (``retain_graph``)."""
+    wrt = ([] if stage_input is None else [stage_input]) + [y for _, y, _ in outputs]
     grads = torch.autograd.grad(out, wrt, grad, retain_graph=True, allow_unused=True)
     dx = None
     if stage_input is not None:
         dx, grads = grads[0], grads[1:]
-    return dx, [(mod, y, dy) for (mod, y), dy in zip(outputs, grads) if dy is not None]
+    return dx, [(mod, y, x, dy) for (mod, y, x), dy in zip(outputs, grads) if dy is not None]
+
+
+def linear_weight_grad(mod: nn.Linear, x: torch.Tensor, dy: torch.Tensor) -> None:
+    """W of one ``y = x W^T + b`` call: ``dW = dy^T x`` and ``db = sum_rows dy`` over the batch
+    and sequence rows, in the compute dtype of ``x`` and ``dy``, accumulated into ``.grad`` in
+    the parameter's dtype."""
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    if mod.weight.requires_grad:
+        dy_t = dy2.t()
+        dw = torch.mm(dy_t, x2)
+        if mod.weight.grad is None:
+            mod.weight.grad = dw.to(mod.weight.dtype)
+        else:  # in place; a bf16 product into an fp32 gradient is widened exactly, as autograd's cast
+            mod.weight.grad.add_(dw)
+    if mod.bias is not None and mod.bias.requires_grad:
+        db = dy2.sum(0)
+        if mod.bias.grad is None:
+            mod.bias.grad = db.to(mod.bias.dtype)
+        else:
+            mod.bias.grad.add_(db)
 
 
 def backward_weight(deferred: list) -> None:
-    """W: per module, the gradient of its own parameters from its output's gradient (only its
-    weights are asked for: the ``x^T dy`` half of its backward), accumulated into ``.grad``."""
-    for mod, y, dy in deferred:
+    """W for one micro-batch's ``(module, y, x, dy)``: explicit ``dy^T x`` for the linear layers
+    (:func:`linear_weight_grad`), and for every other module the gradient of its own parameters
+    from its output's gradient (``torch.autograd.grad``, only its weights asked for),
+    accumulated into ``.grad``. The caller drops ``deferred`` afterwards, which frees the graph."""
+    linears = [(mod, x, dy) for mod, _, x, dy in deferred if x is not None]
+    if linears:
+        # x is an activation that requires grad: no graph for this arithmetic; and the dtypes
+        # are already the matmul's, autocast must not recast them
+        with torch.no_grad(), torch.autocast(linears[0][1].device.type, enabled=False):
+            for mod, x, dy in linears:
+                linear_weight_grad(mod, x, dy)
+    for mod, y, x, dy in deferred:
+        if x is not None:
+            continue
         params = [q for q in mod.parameters(recurse=False) if q.requires_grad]
         for q, g in zip(params, torch.autograd.grad(y, params, dy)):
             if q.grad is None:
@@ -138,15 +216,14 @@ class ZeroBubblePipelineEngine:
         self.next = ranks[stage + 1] if not self.last else None
         self.record_timeline = record_timeline
         self._stats: dict = {}
-        # Every module that owns parameters hands its output to the running forward's list.
+        # Every module that owns parameters hands its output (and a Linear its input) to the
+        # running forward's list.
         self._outputs: list | None = None
-        for mod in module.modules():
-            if any(p.requires_grad for p in mod.parameters(recurse=False)):
-                mod.register_forward_hook(self._record_output)
+        record_split_backward(module, self._record)
 
-    def _record_output(self, mod, args, output):
+    def _record(self, mod, y, x):
         if self._outputs is not None and torch.is_grad_enabled():
-            self._outputs.append((mod, output))
+            self._outputs.append((mod, y, x))
 
     def run(
         self,
@@ -165,7 +242,7 @@ class ZeroBubblePipelineEngine:
         xs, ys = inputs.chunk(m), targets.chunk(m)
         device = inputs.device
         saved: dict[int, tuple] = {}  # micro-batch -> (stage input, output or loss, module outputs)
-        deferred: dict[int, list] = {}  # micro-batch -> [(module, its output, the output's gradient)]
+        deferred: dict[int, list] = {}  # micro-batch -> [(module, output, Linear input or None, output's gradient)]
         sends: list = []
         total = torch.zeros((), device=device, dtype=torch.float32)
         live = peak_live = 0

@@ -252,14 +252,12 @@ def test_b_and_w_split_one_backward_without_doing_any_of_it_twice():
 
     from parabench.models import build_model
     from reference_impls.pipeline import stage_head_loss
-    from reference_impls.pipeline_zb import backward_input, backward_weight
+    from reference_impls.pipeline_zb import backward_input, backward_weight, record_split_backward
 
     cfg = model_config("tiny")
     model = build_model(cfg, 0)
     outputs: list = []
-    for mod in model.modules():
-        if any(True for _ in mod.parameters(recurse=False)):
-            mod.register_forward_hook(lambda mod, args, y: outputs.append((mod, y)))
+    record_split_backward(model, lambda mod, y, x: outputs.append((mod, y, x)))
     tokens, targets = (
         torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(s)) for s in (1, 2)
     )
@@ -284,4 +282,78 @@ def test_b_and_w_split_one_backward_without_doing_any_of_it_twice():
         backward_weight(deferred)
     assert b.get_total_flops() == w.get_total_flops() == full.get_total_flops() // 2 > 0
     for n, p in model.named_parameters():
+        assert torch.equal(p.grad, truth[n]), n
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "amp", "master"])
+def test_w_of_linears_is_explicit_and_equals_autograds_bit_for_bit(recipe):
+    """W over 3 micro-batches gives every parameter the gradient plain ``loss.backward()`` per
+    micro-batch accumulates, bit for bit, in fp32, under autocast (fp32 parameters, bf16
+    matmuls: the recorded input is autocast's bf16 cast) and with bf16 parameters ("master");
+    autograd runs the backward of no nn.Linear in W, W builds no graph, and the
+    recorded inputs die with the micro-batch's W list (no reference cycle keeps them)."""
+    import contextlib
+    import weakref
+
+    import torch
+
+    from parabench.models import build_model
+    from reference_impls.pipeline import stage_head_loss
+    from reference_impls.pipeline_zb import backward_input, backward_weight, record_split_backward
+
+    cfg = model_config("tiny")
+    model = build_model(cfg, 0)
+    if recipe == "master":
+        model = model.to(torch.bfloat16)
+    outputs: list = []
+    record_split_backward(model, lambda mod, y, x: outputs.append((mod, y, x)))
+    n_linear = sum(type(mod) is torch.nn.Linear for mod in model.modules())
+    n_other = sum(1 for mod in model.modules() if any(True for _ in mod.parameters(recurse=False))) - n_linear
+    assert n_linear > n_other > 0
+    cast = torch.autocast("cpu", dtype=torch.bfloat16) if recipe == "amp" else contextlib.nullcontext()
+    m = 3
+    batches = [
+        [
+            torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(10 * i + k))
+            for k in (1, 2)
+        ]
+        for i in range(m)
+    ]
+
+    def loss_of(tokens, targets):
+        outputs.clear()
+        with cast:
+            x = model.embed(tokens)
+            for block in model.blocks:
+                x = block(x)
+            return stage_head_loss(model, x, targets) / m
+
+    for tokens, targets in batches:
+        loss_of(tokens, targets).backward()
+    truth = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    for tokens, targets in batches:
+        loss = loss_of(tokens, targets)
+        _, deferred = backward_input(loss, None, None, list(outputs))
+        inputs = [x for _, _, x, _ in deferred if x is not None]
+        assert len(inputs) == n_linear
+        compute_dtype = torch.float32 if recipe == "fp32" else torch.bfloat16
+        assert {x.dtype for x in inputs} == {compute_dtype}
+        recorded = [weakref.ref(x) for x in inputs]
+        del inputs
+        ran: list = []  # the recorded outputs whose backward node autograd runs during W
+
+        def note(kind):
+            return lambda grads: ran.append(kind)
+
+        for entry in deferred:
+            entry[1].grad_fn.register_prehook(note(type(entry[0])))
+        backward_weight(deferred)
+        assert len(ran) == n_other and torch.nn.Linear not in ran
+        del loss, deferred, entry
+        outputs.clear()
+        assert [r() for r in recorded] == [None] * n_linear
+    for n, p in model.named_parameters():
+        assert p.grad.grad_fn is None and p.grad.dtype == p.dtype, n
         assert torch.equal(p.grad, truth[n]), n
