@@ -311,18 +311,20 @@ def _timeline_steps(case_dict):
     case = Case.from_dict(case_dict)
     spec = make_spec(case, torch.device("cpu"))
     trainer = get_strategy(case.strategy).build(spec)
-    batches = local_batches(case, spec, 2)
+    batches = local_batches(case, spec, 3)
     seen = []
-    for measure in (False, True):  # a timed step, then the instrumented one
-        trainer.measure_state = measure
-        trainer.train_step(*batches[int(measure)])
-        seen.append((trainer.par.engine.record_timeline, trainer.pipeline_stats()["timeline_synchronized"]))
+    # a timed step, the instrumented one, the worker's timeline step
+    for step, (measure, timeline) in enumerate(((False, False), (True, False), (False, True))):
+        trainer.measure_state, trainer.record_timeline = measure, timeline
+        trainer.train_step(*batches[step])
+        seen.append(trainer.par.engine.record_timeline)
     return seen
 
 
-def test_record_timeline_synchronises_the_instrumented_step_only():
-    """record_timeline puts a device synchronisation around every pipeline event: on the
-    instrumented step only, so the timed steps of such a case run at full speed."""
+def test_record_timeline_times_the_timeline_step_only():
+    """The engine's timeline (CUDA events around every op on a GPU) is on for the step the worker
+    marks with ``trainer.record_timeline`` only: neither the timed steps nor the instrumented one
+    (communication meter on, state sampled) carry it."""
     case = Case(
         model="tiny",
         strategy="ref.pp_1f1b",
@@ -332,7 +334,7 @@ def test_record_timeline_synchronises_the_instrumented_step_only():
         options={"pp": 2, "microbatches": 4, "record_timeline": True},
     )
     for seen in run_on_gloo(_timeline_steps, 2, case.to_dict()):
-        assert seen == [(False, False), (True, True)]
+        assert seen == [False, False, True]
 
 
 def test_torch_tp_sp_all_reduces_as_often_as_reference(group2):
