@@ -16,9 +16,11 @@ import torch
 
 from parabench.case import Case
 from parabench.distributed import run_on_gloo
+from parabench.models import model_config
 from parabench.record import build_record
 from parabench.report import frames
-from parabench.worker import run_case
+from parabench.strategies import get_strategy
+from parabench.worker import local_batches, make_spec, run_case
 from reference_impls.pipeline import StageClock
 
 CPU = torch.device("cpu")
@@ -72,42 +74,57 @@ def test_timeline_step_ratio_reads_the_timeline_steps_own_length():
     assert frames._timeline_step_ratio(record({"step_s": 0.3}), stages) == pytest.approx(1.5)
 
 
-def _run_cases(cases: list[dict]) -> list[dict | None]:
-    return [run_case(Case.from_dict(d), CPU) for d in cases]
+def _engine_timeline_flags(case: Case) -> list[bool]:
+    """The engine's record_timeline over a timed step, the instrumented one and the timeline step."""
+    spec = make_spec(case, CPU)
+    trainer = get_strategy(case.strategy).build(spec)
+    batches = local_batches(case, spec, 3)
+    seen = []
+    for step, (measure, timeline) in enumerate(((False, False), (True, False), (False, True))):
+        trainer.measure_state, trainer.record_timeline = measure, timeline
+        trainer.train_step(*batches[step])
+        seen.append(trainer.par.engine.record_timeline)
+    trainer.close()
+    return seen
+
+
+def _run_case(case_dict: dict) -> tuple[list[bool], dict | None]:
+    case = Case.from_dict(case_dict)
+    return _engine_timeline_flags(case), run_case(case, CPU)
 
 
 def test_the_timeline_comes_from_its_own_untimed_step():
     """With record_timeline the worker runs one more step after the instrumented one: its loss is
     not recorded, its stats (with the step's length) replace the instrumented step's, and the
-    instrumented step's communication meter counts the same bytes as without the option."""
-    cases = [
-        Case(
-            model="tiny",
-            strategy="ref.pp_1f1b",
-            world_size=2,
-            micro_batch=4,
-            steps=2,
-            warmup=1,
-            lr=1e-3,
-            device="cpu",
-            options={"pp": 2, "microbatches": 4, "roofline": False, "telemetry": False, "record_timeline": timeline},
-        )
-        for timeline in (False, True)
-    ]
-    raws = run_on_gloo(_run_cases, 2, [c.to_dict() for c in cases])[0]
-    plain, timed = (build_record(c, "ok", raw) for c, raw in zip(cases, raws))
-    for rec in (plain, timed):
-        assert len(rec["per_rank"][0]["losses"]) == 1 + 2 + 1  # warm-up, timed, instrumented
-    for before, after in zip(plain["per_rank"], timed["per_rank"]):
-        assert after["comm"]["by_kind"] == before["comm"]["by_kind"]
-        assert "send" in after["comm"]["by_kind"] or "recv" in after["comm"]["by_kind"]
-        assert "timeline_step_s" not in before["pipeline"]
-        p = after["pipeline"]
-        assert p["timeline_clock"] == "host" and p["timeline"]
-        assert p["step_s"] <= p["timeline_step_s"]  # the pipeline is part of the whole step
+    instrumented step's communication meter still counts every activation and gradient sent.
+    The engine's timeline is on for the step the worker marks (``trainer.record_timeline``) only:
+    neither the timed steps nor the instrumented one carry it."""
+    m = 4
+    case = Case(
+        model="tiny",
+        strategy="ref.pp_1f1b",
+        world_size=2,
+        micro_batch=m,
+        steps=2,
+        warmup=1,
+        lr=1e-3,
+        device="cpu",
+        options={"pp": 2, "microbatches": m, "roofline": False, "telemetry": False, "record_timeline": True},
+    )
+    results = run_on_gloo(_run_case, 2, case.to_dict())
+    assert [flags for flags, _ in results] == [[False, False, True]] * 2
+    rec = build_record(case, "ok", results[0][1])
+    cfg = model_config("tiny")
+    boundary_bytes = (m // m) * cfg.seq_len * cfg.d_model * 4  # one micro-batch's fp32 activation
+    for pr in rec["per_rank"]:
+        assert len(pr["losses"]) == 1 + 2 + 1  # warm-up, timed, instrumented: not the timeline step's
+        sent = pr["comm"]["by_kind"]["send"]  # rank 0 activations, rank 1 gradients
+        assert (sent["calls"], sent["payload_bytes"]) == (m, m * boundary_bytes)
+        p = pr["pipeline"]
+        assert p["timeline_clock"] == "host" and len(p["timeline"]) >= 2 * m
+        assert 0 < p["step_s"] <= p["timeline_step_s"]  # the pipeline is part of the whole step
         assert p["bubble_fraction_measured"] == pytest.approx(p["wait_s"] / p["step_s"])
-    stages = frames.pipeline_rows(timed)
-    ratio = frames._timeline_step_ratio(timed, stages)
-    median = sorted(timed["per_rank"][0]["step_times_s"])
-    median = (median[0] + median[-1]) / 2
-    assert ratio == pytest.approx(max(pr["pipeline"]["timeline_step_s"] for pr in timed["per_rank"]) / median)
+    timed = sorted(rec["per_rank"][0]["step_times_s"])
+    median = (timed[0] + timed[-1]) / 2
+    longest = max(pr["pipeline"]["timeline_step_s"] for pr in rec["per_rank"])
+    assert frames._timeline_step_ratio(rec, frames.pipeline_rows(rec)) == pytest.approx(longest / median)
