@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from parabench.case import Case
 from parabench.distributed import run_on_gloo
@@ -61,6 +62,65 @@ def test_clock_resolves_tokens_into_the_step_record():
     assert rec["host_gap_s"] >= 0.005
     assert rec["compute_s"] + rec["wait_s"] + rec["host_gap_s"] == pytest.approx(rec["step_s"])
     assert rec["bubble_fraction_measured"] == pytest.approx(rec["wait_s"] / rec["step_s"])
+
+
+class _DeviceEvent:
+    """Stands in for torch.cuda.Event where no GPU runs the test: each record lands on the device
+    timeline that ``device_ms`` sets, and reading a time before any synchronisation fails."""
+
+    device_ms = 0.0
+    synchronized = False
+
+    def __init__(self, enable_timing: bool = False):
+        assert enable_timing
+        self.stream = self.at = None
+
+    def record(self, stream=None):
+        self.stream, self.at = stream, _DeviceEvent.device_ms
+
+    def synchronize(self):
+        _DeviceEvent.synchronized = True
+
+    def elapsed_time(self, end) -> float:
+        assert _DeviceEvent.synchronized, "read before the events completed"
+        return end.at - self.at
+
+
+def test_cuda_clock_records_events_on_the_stream_and_reads_them_once(monkeypatch):
+    """The device-timed path (no GPU here): one event per mark on the current stream, nothing
+    read before finish, every mark in seconds from the start event; the idle time between an
+    op's end and the next mark (the device waiting for the host) is host_gap_s."""
+    monkeypatch.setattr(torch.cuda, "Event", _DeviceEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: pytest.fail("a host sync per mark"))
+    at = {"F0": 1.0, "F1": 4.0, "recv": 5.0, "B0": 7.0, "B1": 10.0}
+
+    def mark(name: str) -> int:
+        _DeviceEvent.device_ms = at[name]
+        return clock.mark()
+
+    class _Arrival:  # the stream's wait for a transfer: the device clock moves on meanwhile
+        def __init__(self, until_ms: float):
+            self.until_ms = until_ms
+
+        def wait(self, *args, **kwargs):
+            _DeviceEvent.device_ms = self.until_ms
+
+    monkeypatch.setattr(dist, "recv", lambda *args, **kwargs: _Arrival(7.0).wait())
+    _DeviceEvent.device_ms = 0.0
+    clock = StageClock(torch.device("cuda", 0), device_timed=True)
+    clock.computed("F", 0, mark("F0"), mark("F1"))
+    _DeviceEvent.device_ms = at["recv"]
+    clock.recv(torch.empty(1), 1, None, 0)
+    clock.computed("B", 0, mark("B0"), mark("B1"))
+    clock.drain([(_Arrival(11.0), None)])
+    assert all(e.stream == "stream" for e in clock._marks) and not _DeviceEvent.synchronized
+    rec = clock.finish()
+    assert rec["timeline_clock"] == "cuda_events"
+    assert rec["timeline"] == [("F", 0, 1e-3, 4e-3), ("wait", -1, 5e-3, 7e-3), ("B", 0, 7e-3, 10e-3)]
+    assert rec["step_s"] == pytest.approx(11e-3) and rec["wait_s"] == pytest.approx(3e-3)
+    assert rec["compute_s"] == pytest.approx(6e-3) and rec["host_gap_s"] == pytest.approx(2e-3)
+    assert rec["bubble_fraction_measured"] == pytest.approx(3 / 11) and rec["bubble_fraction_host_clock"] is None
 
 
 def test_timeline_step_ratio_reads_the_timeline_steps_own_length():
