@@ -69,7 +69,7 @@ PER_RANK_KEYS: dict[str, str] = {
     "rank": "global rank",
     "comm": "{payload_bytes, by_kind{kind: {calls, payload_bytes, wire_bytes, dtypes}}} of the instrumented step",
     "pipeline": "pipeline ranks: reference_impls.pipeline stats (bubble_fraction_measured, "
-    "bubble_fraction_theory, timeline_synchronized, ...); absent or None elsewhere",
+    "bubble_fraction_theory, timeline_clock, timeline_step_s, ...); absent or None elsewhere",
     "step_breakdown": "profiler time per category, when the case asked for it",
     "trace": "option trace: {path (relative to the run folder), bytes} of the profiled step's gzipped Chrome trace",
     "memory_snapshot": "option memory_snapshot: {path, bytes} of the CUDA memory snapshot, or {path: None, reason}",

@@ -99,6 +99,8 @@ class Trainer(ABC):
 
     # Set by the worker for the instrumented (untimed) step: sample the state bytes then.
     measure_state: bool = False
+    # Set by the worker for the timeline step (option record_timeline): pipelines time every op then.
+    record_timeline: bool = False
 
     @abstractmethod
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:

@@ -8,7 +8,8 @@ start-up of torch, NCCL and the rendezvous for each. Per case, every rank:
    and other first-call costs, ``first_step_s``), then ``steps`` timed steps with nothing else on them
    (device events on GPU, the host clock on CPU; peak memory reset just before);
 3. runs one more, instrumented step: communication meter on, model-state bytes sampled; then,
-   when the case asks, one more step under the memory-breakdown meter (``memory_breakdown``), one
+   when the case asks, one more step that records the pipeline timeline (``record_timeline``,
+   ``timeline_step``), one under the memory-breakdown meter (``memory_breakdown``), one
    under ``torch.profiler`` (``step_breakdown``: compute, communication, exposed communication;
    ``trace``: the same step exported as a Chrome trace) and one with the CUDA allocator's history
    on (``memory_snapshot``), see ``parabench.meters.traces``;
@@ -203,6 +204,30 @@ def loss_scale_steps(per_rank: list[dict]) -> list[dict] | None:
 _TOPOLOGIES: dict = {}
 
 
+def timeline_step(trainer, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> dict | None:
+    """One more untimed step with the pipeline timeline on (option ``record_timeline``), its loss
+    not recorded; the trainer's pipeline stats of that step, or None without a pipeline.
+
+    Its own step, not the instrumented one: the communication meter's dispatch overhead and the
+    state sampling would stretch the ops whose times the timeline records. The stats gain
+    ``timeline_step_s``, the whole step on the timed steps' clock, so a report can tell how far
+    the timeline step ran from the timed ones."""
+    synchronize(device)
+    dist.barrier()  # every stage starts together, as in the timed loop
+    measure_state = trainer.measure_state
+    trainer.measure_state, trainer.record_timeline = False, True
+    clock = StepClock(device)
+    try:
+        clock.mark()
+        trainer.train_step(*batch)
+        clock.mark()
+    finally:
+        trainer.measure_state, trainer.record_timeline = measure_state, False
+    (step_s,) = clock.durations_s()
+    stats = trainer.pipeline_stats()
+    return None if stats is None else {**stats, "timeline_step_s": step_s}
+
+
 def _topology(device: torch.device, pp: int, tp: int):
     """The rank grid for (pp, tp), built once per launch: cases that share a launch reuse its
     process groups instead of creating new communicators (seconds each on NCCL)."""
@@ -271,8 +296,11 @@ def run_case(
     step_breakdown_on = bool(case.options.get("step_breakdown"))
     profiled_on = step_breakdown_on or trace_on  # one profiled step serves both
     snapshot_step_on = snapshot_on and device.type == "cuda"
-    # + the memory-breakdown step, the profiled step and the memory-snapshot step, each when asked for
-    batches = local_batches(case, spec, n_steps + breakdown_on + profiled_on + snapshot_step_on)
+    timeline_on = bool(case.options.get("record_timeline"))
+    # + the timeline step, the memory-breakdown step, the profiled step and the memory-snapshot
+    # step, each when asked for
+    extra_steps = timeline_on + breakdown_on + profiled_on + snapshot_step_on
+    batches = local_batches(case, spec, n_steps + extra_steps)
 
     losses: list = []
     # fp16 only: the loss scaler's outcome after every step (warm-up, timed, instrumented). Reading
@@ -340,16 +368,20 @@ def run_case(
     synchronize(device)
     fr = flight_recorder.summary_since(fr_start) if fr_start is not None else None
     state = trainer.state_bytes()
-    # Per-step statistics describe the last step run: read them before any extra meter step.
+    # Per-step statistics describe the last step run: read them before any extra meter step
+    # (a pipeline's timeline, when asked for, comes from its own step instead).
     pipeline = trainer.pipeline_stats()
     strategy_stats = trainer.strategy_stats()  # attention work, routing
+    if timeline_on:
+        progress.phase("meters", detail="pipeline timeline")
+        pipeline = timeline_step(trainer, batches[n_steps], device)
     breakdown = None
     if breakdown_on:  # one more untimed step under the memory-breakdown meter (its loss is not recorded)
         from parabench.meters.memory_breakdown import measure_step
 
         progress.phase("meters", detail="memory breakdown")
         with eager_under_meter(case):
-            _, breakdown = measure_step(trainer, *batches[n_steps])
+            _, breakdown = measure_step(trainer, *batches[n_steps + timeline_on])
     step_breakdown = trace = snapshot = None
     if profiled_on:  # one more untimed step under torch.profiler (its loss is not recorded)
         from parabench.meters import step_breakdown as step_meter
@@ -358,7 +390,8 @@ def run_case(
         progress.phase("meters", detail="profiler")
         trainer.measure_state = False  # state bytes are read: profile a step like the timed ones
         export = (lambda prof: traces.export_trace(prof, trace_files, rank)) if trace_on else None
-        _, step_breakdown = step_meter.measure_step(trainer, *batches[n_steps + breakdown_on], on_profile=export)
+        batch = batches[n_steps + timeline_on + breakdown_on]
+        _, step_breakdown = step_meter.measure_step(trainer, *batch, on_profile=export)
         trace = step_breakdown.pop("trace", None)
         step_breakdown = step_breakdown if step_breakdown_on else None
     if snapshot_on:  # one more untimed step with the allocator's history on (its loss is not recorded)
@@ -368,7 +401,7 @@ def run_case(
         if snapshot_step_on:
             progress.phase("meters", detail="memory snapshot")
             trainer.measure_state = False
-            batch = batches[n_steps + breakdown_on + profiled_on]
+            batch = batches[n_steps + timeline_on + breakdown_on + profiled_on]
             _, snapshot = traces.memory_snapshot_step(trainer, *batch, trace_files, rank)
     loss_values = [None if l is None else float(l) for l in losses]
 

@@ -16,9 +16,10 @@ synchronous SGD step as on one device.
 
 Both have the same bubble (idle) fraction, ``(p - 1) / (m + p - 1)`` (Narayanan 2021, eq. 1,
 written there as bubble time / ideal time = (p - 1) / m), with equal per-stage forward and
-backward times. This file measures it: every stage records, on the host clock, when it computes
-and when it waits (in ``recv``, and for outstanding ``isend``s at the end of the step), and the
-bubble fraction of a stage is ``wait / (wait + compute)`` over the step.
+backward times. This file measures it: every stage records when it computes and when it waits
+(in ``recv``, and for outstanding ``isend``s at the end of the step), on the host clock, or with
+CUDA events on a GPU when option ``record_timeline`` asks (``StageClock``), and the bubble
+fraction of a stage is its waiting time over its step.
 
 Sends are non-blocking (``isend``; handles waited at the end of the step) and receives blocking,
 so any schedule whose dependencies are acyclic cannot deadlock, whatever the transport does
@@ -107,53 +108,91 @@ def stage_head_loss(model: nn.Module, x: torch.Tensor, targets: torch.Tensor) ->
 
 
 class StageClock:
-    """One step of a pipeline stage on the host clock: the intervals it computed and the ones it
-    waited for a neighbour (the measured bubble), relative to the step's start. With ``synchronize``
-    (option ``record_timeline``) every mark waits for the device, so on a GPU an interval is the
-    work's own rather than its launch's; without it the default path has no host syncs."""
+    """One step of a pipeline stage: the intervals it computed and the ones it waited for a
+    neighbour (the measured bubble), relative to the step's start.
 
-    def __init__(self, synchronize: bool):
-        self.synchronize = synchronize
-        self.wait_s = 0.0
-        self.events: list[tuple] = []
-        self.start = self.now()
+    Marks are tokens, resolved to seconds by :meth:`finish`. On the host clock (a CPU, or a GPU
+    without ``device_timed``) a mark is ``time.perf_counter()``: exact on a CPU, where the host
+    runs the work; on a GPU it sees kernel launches only, so no bubble is given there. With
+    ``device_timed`` (option ``record_timeline`` on a GPU) a mark is a CUDA event recorded on the
+    current stream, without a host sync: it completes when the device reaches it, so an interval
+    is the device's own. A blocking NCCL ``recv`` and ``work.wait()`` make the current stream
+    wait for the transfer, so the interval around them is the device waiting for a neighbour.
+    One synchronisation at :meth:`finish` reads every event."""
 
-    def now(self) -> float:
-        if self.synchronize and torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        return time.perf_counter()
+    def __init__(self, device: torch.device, device_timed: bool = False):
+        self.on_cuda = device.type == "cuda"
+        self.device_timed = device_timed and self.on_cuda
+        self._stream = torch.cuda.current_stream(device) if self.device_timed else None
+        self._marks: list = []  # perf_counter seconds, or CUDA events
+        self._entries: list[tuple] = []  # (kind, micro, t0 token, t1 token, *detail); kind "wait" for waits
+        self._drain: tuple[int, int] | None = None
+        self.start = self.mark()
+
+    def mark(self) -> int:
+        """A point in the step; its time is read by :meth:`finish`."""
+        if self.device_timed:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(self._stream)
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+        return len(self._marks) - 1
 
     def recv(self, buf: torch.Tensor, src: int, group, tag: int, *detail) -> torch.Tensor:
         """Blocking receive into ``buf``, its wait recorded (``detail``: extra fields of the event)."""
-        t0 = self.now()
+        t0 = self.mark()
         dist.recv(buf, src=src, group=group, tag=tag)
-        t1 = self.now()
-        self.wait_s += t1 - t0
-        self.events.append(("wait", -1, t0 - self.start, t1 - self.start, *detail))
+        self._entries.append(("wait", -1, t0, self.mark(), *detail))
         return buf
 
-    def computed(self, kind: str, micro: int, t0: float, t1: float, *detail) -> None:
-        self.events.append((kind, micro, t0 - self.start, t1 - self.start, *detail))
+    def computed(self, kind: str, micro: int, t0: int, t1: int, *detail) -> None:
+        """Micro-batch ``micro``'s op ``kind`` ran from mark ``t0`` to mark ``t1``."""
+        self._entries.append((kind, micro, t0, t1, *detail))
 
-    def drain(self, sends: list) -> float:
-        """Wait for the step's outstanding sends (idle time too); the step's length."""
-        t0 = self.now()
+    def drain(self, sends: list) -> None:
+        """Wait for the step's outstanding sends (idle time too); the step ends after them."""
+        t0 = self.mark()
         for work, _ in sends:
             work.wait()
-        t1 = self.now()
-        self.wait_s += t1 - t0
-        return t1 - self.start
+        self._drain = (t0, self.mark())
 
-    def bubble_stats(self, step_s: float, on_cuda: bool) -> dict:
-        """The idle share of this stage's step. On a GPU the host clock only sees kernel launches
-        unless the clock synchronises: then there is no measurement, never a misleading one."""
-        host = self.wait_s / step_s if step_s > 0 else None
+    def finish(self) -> dict:
+        """The step's record, every mark in seconds from the step's start: ``timeline`` (one
+        ``(kind, micro, t0, t1, *detail)`` per op and per wait), ``step_s``, ``compute_s`` and
+        ``compute_s_by_kind``, ``wait_s`` (receives and the final drain of sends), ``host_gap_s``
+        (the rest of the step, between marks: on the device, idle waiting for the host to launch),
+        the idle share ``bubble_fraction_measured`` (None where the clock saw launches only) and
+        ``timeline_clock``."""
+        if self._drain is None:
+            raise RuntimeError("StageClock.finish before drain: the step has no end")
+        if self.device_timed:
+            self._marks[-1].synchronize()  # the last event recorded: every earlier one is done
+            first = self._marks[self.start]
+            seconds = [first.elapsed_time(event) / 1000 for event in self._marks]
+        else:
+            seconds = [t - self._marks[self.start] for t in self._marks]
+        timeline = [(kind, micro, seconds[t0], seconds[t1], *detail) for kind, micro, t0, t1, *detail in self._entries]
+        by_kind: dict[str, float] = {}
+        wait_s = seconds[self._drain[1]] - seconds[self._drain[0]]
+        for kind, _, t0, t1, *_ in timeline:
+            if kind == "wait":
+                wait_s += t1 - t0
+            else:
+                by_kind[kind] = by_kind.get(kind, 0.0) + t1 - t0
+        step_s = seconds[self._drain[1]]
+        compute_s = sum(by_kind.values())
+        bubble = wait_s / step_s if step_s > 0 else None
         return {
-            "wait_s": self.wait_s,
-            "bubble_fraction_measured": host if (self.synchronize or not on_cuda) else None,
-            "bubble_fraction_host_clock": host,
-            "timeline_synchronized": bool(self.synchronize),
-            "timeline": self.events,
+            "step_s": step_s,
+            "compute_s": compute_s,
+            "compute_s_by_kind": by_kind,
+            "wait_s": wait_s,
+            "host_gap_s": max(step_s - compute_s - wait_s, 0.0),
+            "bubble_fraction_measured": bubble if (self.device_timed or not self.on_cuda) else None,
+            "bubble_fraction_host_clock": None if self.device_timed else bubble,
+            "timeline_clock": "cuda_events" if self.device_timed else "host",
+            "timeline": timeline,
         }
 
 
@@ -203,8 +242,7 @@ class PipelineEngine:
         sends: list = []
         total = torch.zeros((), device=device, dtype=torch.float32)
         live = peak_live = 0
-        compute_s = 0.0
-        clock = StageClock(self.record_timeline)
+        clock = StageClock(device, self.record_timeline)
 
         def recv(shape, src, tag):
             return clock.recv(torch.empty(shape, dtype=act_dtype, device=device), src, self.group, tag)
@@ -212,11 +250,11 @@ class PipelineEngine:
         for kind, i in order:
             if kind == "F":
                 if self.first:
-                    t0 = clock.now()
+                    t0 = clock.mark()
                     x_in, x = None, self.module.embed(xs[i])
                 else:
                     x_in = recv(act_shape, self.prev, TAG_ACT).requires_grad_(True)
-                    t0 = clock.now()
+                    t0 = clock.mark()
                     x = x_in
                 for block in self.module.blocks.values():
                     x = block(x)
@@ -232,16 +270,14 @@ class PipelineEngine:
             else:
                 x_in, out = saved.pop(i)
                 grad = None if self.last else recv(out.shape, self.next, TAG_GRAD)
-                t0 = clock.now()
+                t0 = clock.mark()
                 torch.autograd.backward(out, grad)
                 if not self.first:
                     sends.append((dist.isend(x_in.grad, dst=self.prev, group=self.group, tag=TAG_GRAD), x_in.grad))
                 live -= 1
-            t1 = clock.now()
-            compute_s += t1 - t0
-            clock.computed(kind, i, t0, t1)
+            clock.computed(kind, i, t0, clock.mark())
 
-        step_s = clock.drain(sends)
+        clock.drain(sends)
         m, p = n_micro, self.n_stages
         self._stats = {
             "schedule": self.schedule,
@@ -249,10 +285,8 @@ class PipelineEngine:
             "stages": p,
             "microbatches": m,
             "order": [f"{k}{i}" for k, i in order],
-            "step_s": step_s,
-            "compute_s": compute_s,
-            # the embedding's forward (first stage) counts as compute
-            **clock.bubble_stats(step_s, device.type == "cuda"),
+            # step_s, compute_s, wait_s, the timeline; the embedding's forward (first stage) counts as compute
+            **clock.finish(),
             "bubble_fraction_theory": bubble_fraction_theory(p, m),
             "peak_live_microbatches": peak_live,
             "peak_live_microbatches_theory": m if self.schedule == "gpipe" else min(p - self.stage, m),

@@ -174,8 +174,7 @@ class InterleavedPipelineEngine:
         sends: list = []
         total = torch.zeros((), device=device, dtype=torch.float32)
         live = peak_live = 0
-        compute_s = 0.0
-        clock = StageClock(self.record_timeline)
+        clock = StageClock(device, self.record_timeline)
 
         def recv(src, tag):
             return clock.recv(torch.empty(act_shape, dtype=act_dtype, device=device), src, self.group, tag, -1)
@@ -186,11 +185,11 @@ class InterleavedPipelineEngine:
             # wrap: rank p-1's chunk k feeds rank 0's chunk k+1.
             if kind == "F":
                 if c == 0:
-                    t0 = clock.now()
+                    t0 = clock.mark()
                     x_in, x = None, self.module.embed(xs[i])
                 else:
                     x_in = recv(self.prev, self._tag("act", k)).requires_grad_(True)
-                    t0 = clock.now()
+                    t0 = clock.mark()
                     x = x_in
                 for block in self.chunk_blocks[k]:
                     x = block(x)
@@ -208,18 +207,16 @@ class InterleavedPipelineEngine:
             else:
                 x_in, out = saved.pop((k, i))
                 grad = None if c == C - 1 else recv(self.next, self._tag("grad", k))
-                t0 = clock.now()
+                t0 = clock.mark()
                 torch.autograd.backward(out, grad)
                 if c > 0:
                     k_prev = k - 1 if self.stage == 0 else k
                     work = dist.isend(x_in.grad, dst=self.prev, group=self.group, tag=self._tag("grad", k_prev))
                     sends.append((work, x_in.grad))
                 live -= 1
-            t1 = clock.now()
-            compute_s += t1 - t0
-            clock.computed(kind, i, t0, t1, c)
+            clock.computed(kind, i, t0, clock.mark(), c)
 
-        step_s = clock.drain(sends)
+        clock.drain(sends)
         self._stats = {
             "schedule": self.schedule,
             "stage": self.stage,
@@ -228,9 +225,7 @@ class InterleavedPipelineEngine:
             "chunks": self.global_chunks,
             "microbatches": n_micro,
             "order": [f"{kind}{i}c{self.global_chunks[k]}" for kind, k, i in order],
-            "step_s": step_s,
-            "compute_s": compute_s,
-            **clock.bubble_stats(step_s, device.type == "cuda"),
+            **clock.finish(),  # step_s, compute_s, wait_s, the timeline
             "bubble_fraction_theory": bubble_fraction_theory(p, v, n_micro),
             # counted in (chunk, micro-batch) activations, each 1/v of a plain stage's
             "peak_live_microbatches": peak_live,

@@ -246,8 +246,7 @@ class ZeroBubblePipelineEngine:
         sends: list = []
         total = torch.zeros((), device=device, dtype=torch.float32)
         live = peak_live = 0
-        compute = {"F": 0.0, "B": 0.0, "W": 0.0}
-        clock = StageClock(self.record_timeline)
+        clock = StageClock(device, self.record_timeline)
 
         def recv(shape, src, tag):
             return clock.recv(torch.empty(shape, dtype=act_dtype, device=device), src, self.group, tag)
@@ -255,7 +254,7 @@ class ZeroBubblePipelineEngine:
         for kind, i in order:
             if kind == "F":
                 x_in = None if self.first else recv(act_shape, self.prev, TAG_ACT).requires_grad_(True)
-                t0 = clock.now()
+                t0 = clock.mark()
                 self._outputs = []
                 x = self.module.embed(xs[i]) if self.first else x_in
                 for block in self.module.blocks.values():
@@ -273,20 +272,20 @@ class ZeroBubblePipelineEngine:
             elif kind == "B":
                 x_in, out, outputs = saved.pop(i)
                 grad = None if self.last else recv(out.shape, self.next, TAG_GRAD)
-                t0 = clock.now()
+                t0 = clock.mark()
                 dx, deferred[i] = backward_input(out, grad, x_in, outputs)
                 if not self.first:
                     sends.append((dist.isend(dx, dst=self.prev, group=self.group, tag=TAG_GRAD), dx))
             else:
-                t0 = clock.now()
+                t0 = clock.mark()
                 backward_weight(deferred.pop(i))
                 live -= 1  # the last reference to this micro-batch's graph is gone
-            t1 = clock.now()
-            compute[kind] += t1 - t0
-            clock.computed(kind, i, t0, t1)
+            clock.computed(kind, i, t0, clock.mark())
 
-        step_s = clock.drain(sends)
-        compute_s = sum(compute.values())
+        clock.drain(sends)
+        timing = clock.finish()  # step_s, compute_s, wait_s, the timeline
+        compute = {k: timing["compute_s_by_kind"].get(k, 0.0) for k in "FBW"}
+        compute_s = timing["compute_s"]
         t_f, t_b, t_w = (compute[k] / m for k in "FBW")
         self._stats = {
             "schedule": self.schedule,
@@ -294,10 +293,8 @@ class ZeroBubblePipelineEngine:
             "stages": p,
             "microbatches": m,
             "order": [f"{k}{i}" for k, i in order],
-            "step_s": step_s,
-            "compute_s": compute_s,
-            "compute_s_by_kind": dict(compute),
-            **clock.bubble_stats(step_s, device.type == "cuda"),
+            **timing,
+            "compute_s_by_kind": compute,
             # T_F = T_B = T_W (the paper's headline), and with this stage's own measured mean times
             "bubble_fraction_theory": bubble_fraction_theory(p, m),
             "bubble_fraction_theory_measured_times": bubble_fraction_theory(p, m, t_f, t_b, t_w)

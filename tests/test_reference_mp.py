@@ -22,17 +22,13 @@ import contextlib
 import dataclasses
 
 import pytest
-import torch
 from harness import assert_matches_single, max_rel_diff, params_close, payload_by_kind, replica_mean_losses, run_cases
 from helpers import single_reference
 
 from parabench.case import Case
-from parabench.distributed import run_on_gloo
 from parabench.models import model_config
-from parabench.strategies import get_strategy
 from parabench.suite import SuiteError, validate_case
 from parabench.theory import expected
-from parabench.worker import local_batches, make_spec
 
 N_STEPS = 5
 OPTIM = {"eps": 1e-6}
@@ -305,34 +301,6 @@ def test_validate_rejects_microbatches_not_dividing_micro_batch():
     )
     with pytest.raises(SuiteError, match="sequence parallel"):
         validate_case(Case(model="tiny", strategy="ref.tp_sp", world_size=4, seq_len=30, options={"tp": 4}))
-
-
-def _timeline_steps(case_dict):
-    case = Case.from_dict(case_dict)
-    spec = make_spec(case, torch.device("cpu"))
-    trainer = get_strategy(case.strategy).build(spec)
-    batches = local_batches(case, spec, 2)
-    seen = []
-    for measure in (False, True):  # a timed step, then the instrumented one
-        trainer.measure_state = measure
-        trainer.train_step(*batches[int(measure)])
-        seen.append((trainer.par.engine.record_timeline, trainer.pipeline_stats()["timeline_synchronized"]))
-    return seen
-
-
-def test_record_timeline_synchronises_the_instrumented_step_only():
-    """record_timeline puts a device synchronisation around every pipeline event: on the
-    instrumented step only, so the timed steps of such a case run at full speed."""
-    case = Case(
-        model="tiny",
-        strategy="ref.pp_1f1b",
-        world_size=2,
-        micro_batch=4,
-        lr=1e-3,
-        options={"pp": 2, "microbatches": 4, "record_timeline": True},
-    )
-    for seen in run_on_gloo(_timeline_steps, 2, case.to_dict()):
-        assert seen == [(False, False), (True, True)]
 
 
 def test_torch_tp_sp_all_reduces_as_often_as_reference(group2):

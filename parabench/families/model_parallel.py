@@ -59,7 +59,7 @@ class ModelParallelOptions(CommonOptions):
     microbatches: int | None = None  # pipeline micro-batches per micro_batch; None: 2 * pp
     schedule: Literal["1f1b", "gpipe"] = "1f1b"  # ref.tp / ref.tp_sp with pp > 1: the pipeline schedule
     sp: bool = False  # sequence parallel under a pipeline strategy (ref.pp_*)
-    record_timeline: bool = False  # sync the device around every pipeline event of the instrumented step
+    record_timeline: bool = False  # one more untimed step records the pipeline timeline (CUDA events on a GPU)
     virtual_stages: int = 2  # ref.pp_interleaved / torch.pp_interleaved: model chunks per rank
 
     @property
@@ -180,9 +180,6 @@ class ModelParallelTrainer(Trainer):
             microbatches=o.microbatches,
             virtual_stages=virtual_stages,
         )
-        # The synchronised timeline runs on the instrumented step only (measure_state is set for
-        # it), so the timed steps of a record_timeline case keep their speed.
-        self._timeline_wanted = o.record_timeline
         del model
         blocks = self.par.module.blocks  # a ModuleDict keyed by global index on a pipeline stage
         compile_blocks(blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks, spec)
@@ -192,7 +189,7 @@ class ModelParallelTrainer(Trainer):
 
     def train_step(self, inputs, targets):
         if self.par.engine is not None:
-            self.par.engine.record_timeline = self._timeline_wanted and self.measure_state
+            self.par.engine.record_timeline = self.record_timeline
         with autocast(self.spec):
             loss = self.par.forward_backward(inputs, targets, self.spec.grad_accum)
         if self.measure_state:

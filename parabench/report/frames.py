@@ -480,9 +480,12 @@ def _bubble_replay(r: dict, stages: list[dict]) -> dict | None:
 
 
 def _timeline_step_ratio(r: dict, stages: list[dict]) -> float | None:
-    """The timeline step's length (longest stage) over the median timed step of rank 0: how far
-    the instrumented step, on which the bubble is measured, ran slower than the timed ones."""
-    lengths = [as_number(p.get("step_s")) for _, p in pipeline_stages(r)]
+    """The step that recorded the timeline over the median timed step of rank 0: how far the ops
+    whose times make the measured bubble ran slower than the timed ones. Its length is the whole
+    step (``timeline_step_s``, longest rank) where the timeline had its own step (option
+    ``record_timeline``), else the pipeline part of the instrumented step (longest stage's ``step_s``)."""
+    own = [as_number(p.get("timeline_step_s")) for _, p in pipeline_stages(r)]
+    lengths = own if any(t is not None for t in own) else [as_number(p.get("step_s")) for _, p in pipeline_stages(r)]
     timed = [t for t in dig(r, "per_rank", 0, "step_times_s", default=[]) if as_number(t)]
     if not stages or not timed or None in lengths:
         return None
@@ -496,7 +499,7 @@ def bubble_rows(runs) -> list[dict]:
     range over stages) against its schedule's theory as the stage recorded it ((p−1)/(m+p−1) for
     GPipe and 1F1B with p stages and m micro-batches); ``agrees`` is
     False where the mean differs by more than ``BUBBLE_TOLERANCE`` and None without a measurement
-    (a peer's schedule, or a GPU timeline that did not synchronise).
+    (a peer's schedule, or a GPU case without record_timeline, whose host clock saw launches only).
 
     Beside it, the decomposition ``measured = theory + op ratio + imbalance + residual`` from
     replaying the case's own schedule (``_bubble_replay``): op ratio = equal-stage simulation −

@@ -75,7 +75,7 @@ BUBBLE_COLUMNS = [
 
 BUBBLE_NOTE = (
     "Measured: each stage's idle share of its step (waiting on receives and on the sends it issued) "
-    "on the instrumented step; on GPUs only where the timeline synchronised (record_timeline), otherwise "
+    "on the timeline step; on GPUs only with record_timeline (CUDA events around every op), otherwise "
     "the host clock sees kernel launches and no figure is given. Theory: (p−1)/(m+p−1) for GPipe and "
     "1F1B. A mean more than "
     f"{frames.BUBBLE_TOLERANCE:g} ({frames.BUBBLE_TOLERANCE * 100:g} points) from theory is flagged; "
@@ -85,9 +85,10 @@ BUBBLE_NOTE = (
     "stages, its kind's mean over all stages. measured = theory + op-time ratio (equal stages − theory; "
     "non-zero where the theory assumes T_F = T_B = T_W) + stage imbalance (measured op times − equal "
     "stages: the embedding on the first stage, head and loss on the last, slow ops) + residual (measured − "
-    "simulated: transfers, launches and host gaps between ops). Timeline step ÷ timed step: the bubble is "
-    "measured on the instrumented step (communication meter on, a device sync around every op); well above "
-    "1 its op times, and so its bubble, do not describe the timed steps."
+    "simulated: transfers, launches and host gaps between ops). Timeline step ÷ timed step: the step the "
+    "bubble is measured on (its own untimed step with record_timeline; older runs: the instrumented step, "
+    "communication meter on, a device sync around every op); well above 1 its op times, and so its bubble, "
+    "do not describe the timed steps."
 )
 
 
