@@ -31,6 +31,7 @@ RECORD_KEYS: dict[str, str] = {
     "case": "Case.to_dict(): the case spec as run",
     "case_hash": "Case.case_hash: hash of the spec and the strategy's version (compare matches on it)",
     "label": "Case.label: the human-readable name",
+    "strategy_version": "the strategy's version when it ran (part of case_hash); absent in records made before it was written",
     "status": "one of runner.STATUSES: ok, oom, crashed, timeout, skipped, error",
     "error": "None when ok; else {message, type, first_failing_rank, traceback_tail, log_tail, diagnosis, ...}",
     "started_at": "epoch seconds rank 0 started the case, or None",
@@ -85,6 +86,7 @@ class CaseRecord(TypedDict, total=False):
     case: dict[str, Any]
     case_hash: str
     label: str
+    strategy_version: str
     status: str
     error: dict[str, Any] | None
     started_at: float | None
@@ -105,12 +107,15 @@ class CaseRecord(TypedDict, total=False):
 
 
 def _base_record(case: Case) -> CaseRecord:
+    from parabench.strategies import STRATEGIES
+
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": "case",
         "case": case.to_dict(),
         "case_hash": case.case_hash,
         "label": case.label,
+        "strategy_version": getattr(STRATEGIES.get(case.strategy), "version", None),
     }
 
 

@@ -264,7 +264,10 @@ class ZeroBubblePipelineEngine:
                     total += out.detach()
                 else:
                     out = x
-                    sends.append((dist.isend(out.detach(), dst=self.next, group=self.group, tag=TAG_ACT), out))
+                    # hold the sent buffer, not ``out``: with B's retain_graph, a reference to
+                    # ``out`` would keep this micro-batch's whole graph alive past its W
+                    buf = out.detach()
+                    sends.append((dist.isend(buf, dst=self.next, group=self.group, tag=TAG_ACT), buf))
                 saved[i] = (x_in, out, self._outputs)
                 self._outputs = None
                 live += 1

@@ -817,7 +817,7 @@ ROWS = (
         "Zero-bubble ZB-H1 pipeline over send/recv (Qi et al. 2024): backward split into input (B) and "
         "weight (W) gradients, W's deferred into the bubble; micro-batches >= pp (options pp, microbatches; x dp)",
         model_parallel_expectation(None, "zb_h1"),
-        version="2",  # 2: W of nn.Linear as explicit dy^T x (1: one autograd.grad per module)
+        version="2",  # 2: W of nn.Linear as explicit dy^T x, a micro-batch's graph freed at its W (1: one autograd.grad per module, graphs kept to the step's end)
     ),
     _row(
         "torch.tp",

@@ -227,6 +227,8 @@ class Workload:
     # ZB-H1's mean forward, input-gradient and weight-gradient times (a record's measured ones; the
     # ratio is what matters): None for the paper's headline T_F = T_B = T_W
     zb_times: tuple | None = None
+    # ref.pp_zb version 1 only (its records): finished micro-batches' graphs kept to the step's end
+    zb_keeps_done_graphs: bool = False
     layout: str = "separate"  # parabench.models.LAYOUTS
     sp: bool = False
     checkpointing: bool = False
@@ -449,8 +451,9 @@ TORCH_PP_OUTPUT_BYTES = 2.0
 #   projections' outputs, 4 sbh B).
 ZB_DY = 22 / 34
 ZB_OUTPUTS = 4 / 34
-# - ref.pp_zb on every stage but the last keeps ``out`` (with its graph) in ``sends`` until the step
-#   ends, and B ran with retain_graph: W frees only the linear nodes' saved inputs (ln1 and ln2
+# - ref.pp_zb version 1 (its committed records; ``Workload.zb_keeps_done_graphs``) on every stage
+#   but the last kept ``out`` (with its graph) in ``sends`` until the step ended, and B ran with
+#   retain_graph: W frees only the linear nodes' saved inputs (ln1 and ln2
 #   outputs, the attention projection's input copy, GELU's output: 14 sbh B), so 20 of 34 sbh B per
 #   layer (ln1 and ln2 inputs, q, k, v, the attention output, GELU's input) stay until the step
 #   ends, for every micro-batch done.
@@ -518,7 +521,7 @@ def pipeline_stage_peaks(w: Workload) -> list[tuple[float, float, float]]:
             if kind == "W":
                 continue
             act = unit_bytes * (len(full) * (1 + (ZB_OUTPUTS if ref_zb else 0.0)) + len(with_dy) * ZB_DY)
-            if ref_zb and not last:
+            if ref_zb and not last and w.zb_keeps_done_graphs:
                 act += unit_bytes * ZB_RETAINED * done
             act += transient
             heads = sum(1 for c, _ in full if c == v - 1) if last else 0

@@ -120,6 +120,7 @@ def build(
     theory: dict | None,
     layout: str = "separate",
     zb_times: tuple | None = None,
+    zb_keeps_done_graphs: bool = False,
 ) -> Workload | None:
     """A workload from plain values; None for a strategy family the planner does not model."""
     family = family_of(strategy)
@@ -156,6 +157,7 @@ def build(
         comm_bytes={k: v for k, v in comm.items() if v > 0},
         layout=layout or "separate",
         zb_times=zb_times,
+        zb_keeps_done_graphs=zb_keeps_done_graphs,
         **_degrees(strategy, world_size, options, shape["n_layers"]),
     )
 
@@ -202,6 +204,8 @@ def from_record(record: dict) -> Workload | None:
         theory=record.get("theory"),
         layout=case.get("layout") or shape.get("layout") or "separate",
         zb_times=measured_zb_times(record),
+        # ref.pp_zb version 1 kept every finished micro-batch's graph to the step's end
+        zb_keeps_done_graphs=case.get("strategy") == "ref.pp_zb" and record.get("strategy_version") in (None, "1"),
     )
 
 
