@@ -54,7 +54,7 @@ model = "tiny"
 strategy = "torch.ddp"
 world_size = 2
 micro_batch = 2
-timeout_s = 25
+timeout_s = 15
 options = {inject_fault = {kind = "hang", rank = 1, step = 1}}
 
 [[exclude]]
@@ -87,8 +87,9 @@ def test_faults_are_recorded_and_the_suite_goes_on(tmp_path):
 
     hang = by_fault['"hang"']
     assert hang["status"] == "timeout" and "hang" in hang["error"]["message"]
-    # the 25 s timeout counts from the launch; the recorded duration from the case's own start
-    assert 15 <= hang["duration_s"] < 60
+    # the 15 s timeout counts from the launch (torchrun's start-up included, a few seconds); the
+    # recorded duration from the case's own start
+    assert 5 <= hang["duration_s"] < 50
 
 
 def test_resume_skips_recorded_cases(tmp_path):
