@@ -2,23 +2,14 @@
 rest of the suite completes, --resume skips finished cases, bad input fails before launching."""
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import parabench
 
 from parabench.case import Case
 from parabench.results import load_run
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def parabench(*args, cwd=None, timeout=600):
-    return subprocess.run(
-        [sys.executable, "-m", "parabench.cli", *args], cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout
-    )
 
 
 def write_suite(tmp_path: Path, body: str, name="t") -> Path:
