@@ -21,7 +21,6 @@ from parabench.report.fidelity import ratios
 from parabench.report.html import render_report
 from parabench.stats import combine_launches
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(p for p in SCRIPTS_DIR.glob("*.py") if p.name != "__init__.py")
 TINY = ["--n-layer=2", "--n-head=4", "--d-model=64", "--vocab=256", "--seq-len=64", "--micro-batch=2"]
 RESULT_KEYS = {
