@@ -3,9 +3,12 @@ through the real CLI. The shared training loop itself is ``harness.py``."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch.distributed as dist
 from harness import max_rel_diff, params_close, train_rank  # noqa: F401  (re-exported for the tests)
@@ -52,19 +55,31 @@ def single_reference(case: Case, n_steps: int = 5) -> dict:
     return train(ref, n_steps)
 
 
-ROOT = Path(__file__).resolve().parent.parent
+def parabench(*args) -> subprocess.CompletedProcess:
+    """``parabench ARGS`` in this process: its exit status, stdout and stderr (argparse's own errors
+    exit by SystemExit). The runner's torchrun launches are real processes all the same; in-process,
+    each call saves the ~3 s a fresh interpreter spends importing torch and DeepSpeed. (conftest's
+    smoke run and tests/test_faults_runner.py run the CLI as a process of its own.)"""
+    from parabench.cli import main
+
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    with (
+        mock.patch.object(sys, "argv", ["parabench", *argv]),  # the manifest records the command line
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+    ):
+        try:
+            rc = main(argv)
+        except SystemExit as exc:
+            rc = exc.code
+    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
 
 
-def run_suite_cli(suite: str, out: Path, *args: str, run_id: str = "t", timeout: int = 600) -> Path:
-    """``parabench run suite SUITE`` (a name or a file) through the real CLI and torchrun; the
-    run folder it wrote under ``out``."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "parabench.cli", "run", "suite", suite, "--out", str(out), "--run-id", run_id, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def run_suite_cli(suite: str, out: Path, *args: str, run_id: str = "t") -> Path:
+    """``parabench run suite SUITE`` (a name or a file) through the CLI (in this process, see
+    :func:`parabench`) and torchrun; the run folder it wrote under ``out``."""
+    proc = parabench("run", "suite", suite, "--out", str(out), "--run-id", run_id, *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = Path(out).glob(f"*/{run_id}")
     return run_dir

@@ -51,8 +51,8 @@ def _round_trip(counts):
 
 
 @pytest.mark.parametrize("name", sorted(ROUND_TRIP_COUNTS))
-def test_dispatch_combine_round_trip_is_bitwise(name):
-    for rank, res in enumerate(run_on_gloo(_round_trip, 2, ROUND_TRIP_COUNTS[name])):
+def test_dispatch_combine_round_trip_is_bitwise(group, name):
+    for rank, res in enumerate(r["round_trip"][name] for r in group):
         assert res["bitwise"], f"rank {rank}: combine(dispatch(rows)) != rows"
         assert res["recv_counts"] and res["recv_rows"] == res["expected_rows"], (rank, res)
 
@@ -114,16 +114,31 @@ def _ep_grads_vs_one_process(banned):
     return out
 
 
-@pytest.mark.parametrize(
-    "banned",
-    [
-        pytest.param({1: [1]}, id="one-expert-starved"),
-        pytest.param({1: [0, 1]}, id="rank0-experts-all-starved-in-a-layer"),
-        pytest.param({1: [0, 1], 3: [2, 3]}, id="each-rank-starved-in-one-layer"),
-    ],
-)
-def test_starved_experts_match_one_process(banned):
-    res = run_on_gloo(_ep_grads_vs_one_process, 2, banned)[0]
+BANNED = {
+    "one-expert-starved": {1: [1]},
+    "rank0-experts-all-starved-in-a-layer": {1: [0, 1]},
+    "each-rank-starved-in-one-layer": {1: [0, 1], 3: [2, 3]},
+}
+
+
+def _every_case():
+    """Every round trip and every starved routing, one after another on this rank."""
+    return {
+        "round_trip": {name: _round_trip(counts) for name, counts in ROUND_TRIP_COUNTS.items()},
+        "starved": {name: _ep_grads_vs_one_process(banned) for name, banned in BANNED.items()},
+    }
+
+
+@pytest.fixture(scope="module")
+def group():
+    """Each rank's results: one spawned 2-rank group serves every test of the module."""
+    return run_on_gloo(_every_case, 2)
+
+
+@pytest.mark.parametrize("name", list(BANNED))
+def test_starved_experts_match_one_process(group, name):
+    banned = BANNED[name]
+    res = group[0]["starved"][name]
     assert abs(res["loss"] - res["ref_loss"]) <= 1e-5 * abs(res["ref_loss"])
     assert not res["mismatch"], res["mismatch"]
     starved = {f"blocks.{i}.mlp.experts.{e}." for i, es in banned.items() for e in es}

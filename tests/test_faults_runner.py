@@ -10,8 +10,10 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
+from helpers import parabench
 
 from parabench.case import Case
 from parabench.runner import (
@@ -64,16 +66,11 @@ def write_suite(tmp_path: Path, name: str, long_steps: int = 500, extra: str = "
     return path
 
 
-def cli(*args: str, env=None, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "parabench.cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-    )
+def cli(*args: str, env=None) -> subprocess.CompletedProcess:
+    """A runner that is neither killed nor signalled: in this process (helpers.parabench), with
+    ``env`` as its environment while it runs."""
+    with mock.patch.dict(os.environ, env or {}):
+        return parabench(*args)
 
 
 def start_cli(log: Path, *args: str, env=None) -> subprocess.Popen:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import parabench
 
 from parabench.cli import main as cli_main
 from parabench.fidelity import PEER_SCRIPTS, SCRIPTS_DIR, plan
@@ -20,7 +21,6 @@ from parabench.report.fidelity import ratios
 from parabench.report.html import render_report
 from parabench.stats import combine_launches
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(p for p in SCRIPTS_DIR.glob("*.py") if p.name != "__init__.py")
 TINY = ["--n-layer=2", "--n-head=4", "--d-model=64", "--vocab=256", "--seq-len=64", "--micro-batch=2"]
 RESULT_KEYS = {
@@ -159,11 +159,9 @@ def test_plan_names_why_a_case_has_no_script_run():
 
 def test_fidelity_command_writes_results_and_the_report_table(tmp_path):
     out = tmp_path / "res"
-    proc = subprocess.run(
-        [sys.executable, "-m", "parabench.cli", "run", "suite", "peer-fidelity", "--filter", "torch.ddp",
-         "--out", str(out), "--run-id", "t", "--no-report"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    proc = parabench(
+        "run", "suite", "peer-fidelity", "--filter", "torch.ddp", "--out", out, "--run-id", "t", "--no-report"
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     run_dir = out / "peer-fidelity" / "t"
     assert cli_main(["fidelity", str(run_dir), "--no-report"]) == 0

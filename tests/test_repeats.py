@@ -7,12 +7,10 @@ from __future__ import annotations
 import json
 import math
 import random
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
+from helpers import parabench
 
 from parabench.case import Case, launch_key
 from parabench.cli import main as cli_main
@@ -25,7 +23,6 @@ from parabench.stats import combine_launches, mann_whitney_greater, median_ci, r
 from parabench.suite import SuiteError, load_suite
 from parabench.worker import debug_slowdown
 
-ROOT = Path(__file__).resolve().parent.parent
 TRIALS = 2000
 
 
@@ -260,25 +257,7 @@ def test_a_suite_with_repeats_runs_interleaved_launches_and_passes_against_itsel
     suite = tmp_path / "repeated.toml"
     suite.write_text(textwrap.dedent(REPEATED))
 
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "parabench.cli",
-            "run",
-            "suite",
-            str(suite),
-            "--out",
-            str(tmp_path),
-            "--run-id",
-            "a",
-            "--no-report",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = parabench("run", "suite", suite, "--out", tmp_path, "--run-id", "a", "--no-report")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     run = tmp_path / "repeated" / "a"
     _, records = load_run(run)

@@ -251,17 +251,13 @@ def test_profiled_gpu_cases_get_a_launch_of_their_own():
 # --- through the CLI, into the record and the report ------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def smoke_breakdown_run(tmp_path_factory):
-    """The smoke suite's step-breakdown cases (ref.ddp, torch.ddp, torch.fsdp2; tiny, fp32, 2 ranks)."""
-    from helpers import run_suite_cli
-
-    return run_suite_cli(
-        "smoke", tmp_path_factory.mktemp("step-breakdown"), "--filter", "step_breakdown", "--no-report"
-    )
+def _has_breakdown(record: dict) -> bool:
+    return bool(record["case"]["options"].get("step_breakdown"))
 
 
-def test_records_and_report_section(smoke_breakdown_run, tmp_path):
+def test_records_and_report_section(smoke_run, tmp_path):
+    """The smoke suite's step-breakdown cases (ref.ddp, torch.ddp, torch.fsdp2; tiny, fp32, 2 ranks),
+    read from the session's one smoke run (conftest.py) rather than a launch of their own."""
     import json
     import shutil
 
@@ -269,19 +265,27 @@ def test_records_and_report_section(smoke_breakdown_run, tmp_path):
     from parabench.report.step_breakdown import breakdown_rows
     from parabench.results import load_run
 
-    manifest, records = load_run(smoke_breakdown_run)
+    manifest, everything = load_run(smoke_run)
+    records = [r for r in everything if _has_breakdown(r)]
+    assert all("step_breakdown" not in pr for r in everything if not _has_breakdown(r) for pr in r["per_rank"])
     assert sorted(r["case"]["strategy"] for r in records) == ["ref.ddp", "torch.ddp", "torch.fsdp2"]
     for r in records:
         assert r["status"] == "ok" and len(r["metrics"]["step_times_s"]) == r["case"]["steps"]
         for pr in r["per_rank"]:
             _check_rank(pr["step_breakdown"], communicates=True)
-    rows = breakdown_rows([(manifest, records)])
+    rows = breakdown_rows([(manifest, everything)])  # only the profiled cases make rows
     assert len(rows) == 3 and all(r["source"] == "CPU operator events (threads)" and r["ranks"] == 2 for r in rows)
     assert all(0 < r["compute_pct"] <= 100 and 0 <= r["exposed_pct"] <= 100 for r in rows)
-    # A crafted kernel name is shown as text.
+    # A crafted kernel name is shown as text (in a copy holding the profiled cases alone).
     crafted = tmp_path / "run"
-    shutil.copytree(smoke_breakdown_run, crafted)
-    path = sorted((crafted / "cases").glob("*.json"))[0]
+    shutil.copytree(smoke_run, crafted)
+    profiled = []
+    for p in sorted((crafted / "cases").glob("*.json")):
+        if _has_breakdown(json.loads(p.read_text())):
+            profiled.append(p)
+        else:
+            p.unlink()
+    path = profiled[0]
     rec = json.loads(path.read_text())
     rec["per_rank"][0]["step_breakdown"]["top_comm"][0]["name"] = "<script>document.body.dataset.pwned=1</script>"
     path.write_text(json.dumps(rec))
