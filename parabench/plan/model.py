@@ -418,6 +418,13 @@ def device_copy_bytes(w: Workload) -> float:
         reduce_in = (b + r) * w.params * reduces + ((r + 4) * w.params / n if r < 4 else 0.0) - master_cast
         one_rank = 2 * r * w.params * reduces if n == 1 else 0.0
         return max(0.0, copy_in) + copy_out + max(0.0, reduce_in) + one_rank
+    if w.strategy.startswith("torch.pp") and w.pp > 1:
+        # torch.distributed.pipelining, after the schedule: scale_grads divides every gradient of the
+        # stage by the micro-batch count (``p.grad.div_``; the references divide the loss instead),
+        # and step() on the last stage merges every micro-batch's output (torch.cat of the 16-bit
+        # logits, read and written)
+        logits = w.micro_batch * w.grad_accum * w.seq_len * w.vocab_size / (w.tp if w.family == "model_parallel" else 1)
+        return 2 * parts.get("grads", 0.0) + 2 * TORCH_PP_OUTPUT_BYTES * logits
     return 0.0
 
 
