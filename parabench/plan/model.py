@@ -341,7 +341,11 @@ def time_features(w: Workload, collectives: dict) -> dict:
     mem_bytes = 2 * (w.state_bytes or 0) + (AMP_CAST_BYTES * params_rank * w.passes if w.recipe == "amp" else 0)
     sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
     recompute = 4 / 3 if w.checkpointing else 1.0  # forward runs twice: (2 + 2) / (1 + 2)
-    act_elems = w.rows * w.seq_len * w.d_model / sp_div * w.n_layers / w.pp * w.passes * recompute
+    # Tensor parallelism splits the elementwise work inside its regions (attention, GELU) over the t
+    # ranks and replicates the rest (LayerNorms, dropouts, residuals); sequence parallelism splits that
+    # too: per layer the share of Korthikanti's activations, (10 + 24/t)/34 or 1/t
+    tp_share = 1 / sp_div if sp_div > 1 else activation_layer_bytes(w) / (34 * w.seq_len * w.rows * w.d_model)
+    act_elems = w.rows * w.seq_len * w.d_model * tp_share * w.n_layers / w.pp * w.passes * recompute
     f = dict.fromkeys(TIME_CONSTANTS, 0.0)
     f["inv_rate"] = flops * (1 + bubble)
     f["inv_rate_x"] = flops * (1 + bubble) / w.gemm_size
