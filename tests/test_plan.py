@@ -332,3 +332,26 @@ def test_preregistered_comparison_matches_every_case_of_the_run_by_hash():
     assert rep["largest_world_size"] == 4 and rep["world_size_4"]["configurations"] == 42
     zb = next(r for r in rep["cases"] if r["label"].startswith("ref.pp_zb") and "microbatches=4," in r["label"])
     assert zb["peak_err_pct"] == pytest.approx((zb["pred_peak_bytes"] / zb["peak_bytes"] - 1) * 100)
+
+
+def test_one_gpu_sharding_and_ddp_copy_bytes_beyond_single():
+    """At one GPU FSDP2 does single's work plus its copies (copy-in, copy-out, the one-rank
+    reduce-scatter), the references their per-gather cast and out-of-place reduce-scatter, and an
+    in-place all-reduce moves nothing but DDP's bucket division."""
+    cfg = model_config("gpt-1.3b")
+    w = {
+        s: for_config(model="gpt-1.3b", cfg=cfg, strategy=s, world_size=1, micro_batch=8)
+        for s in ("single", "torch.ddp", "ref.ddp", "ref.zero3", "torch.fsdp2")
+    }
+    psi = float(w["single"].params)
+    copies = {s: M.device_copy_bytes(x) for s, x in w.items()}
+    assert copies["single"] == 0
+    assert copies["torch.ddp"] == pytest.approx(4 * psi, rel=0.01)  # bf16 gradients read and written
+    assert copies["ref.ddp"] == pytest.approx(2 * psi, rel=0.01)  # flat_grad zeroed
+    assert copies["ref.zero3"] == pytest.approx(6 * psi, rel=0.02)  # 2 gathers x 6 B less the master cast
+    assert copies["torch.fsdp2"] > 20 * psi  # copy-out 4 B x ~2 gathers, fp32 reduce-scatter copy 8 B, copy-in
+    rs_copy = M.time_features(w["ref.zero3"], {})["inv_mem_bw"] - 2 * w["ref.zero3"].state_bytes - copies["ref.zero3"]
+    assert rs_copy == pytest.approx(4 * psi, rel=0.02)  # the reduce-scatter's copy; the all-gather is in place
+    cal = C.load_kind("h100")
+    step = {s: M.predict(w[s], cal).step_s for s in ("single", "torch.fsdp2")}
+    assert step["torch.fsdp2"] > step["single"]

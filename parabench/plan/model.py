@@ -341,7 +341,11 @@ def time_features(w: Workload, collectives: dict) -> dict:
     mem_bytes = 2 * (w.state_bytes or 0) + (AMP_CAST_BYTES * params_rank * w.passes if w.recipe == "amp" else 0)
     sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
     recompute = 4 / 3 if w.checkpointing else 1.0  # forward runs twice: (2 + 2) / (1 + 2)
-    act_elems = w.rows * w.seq_len * w.d_model / sp_div * w.n_layers / w.pp * w.passes * recompute
+    # Tensor parallelism splits the elementwise work inside its regions (attention, GELU) over the t
+    # ranks and replicates the rest (LayerNorms, dropouts, residuals); sequence parallelism splits that
+    # too: per layer the share of Korthikanti's activations, (10 + 24/t)/34 or 1/t
+    tp_share = 1 / sp_div if sp_div > 1 else activation_layer_bytes(w) / (34 * w.seq_len * w.rows * w.d_model)
+    act_elems = w.rows * w.seq_len * w.d_model * tp_share * w.n_layers / w.pp * w.passes * recompute
     f = dict.fromkeys(TIME_CONSTANTS, 0.0)
     f["inv_rate"] = flops * (1 + bubble)
     f["inv_rate_x"] = flops * (1 + bubble) / w.gemm_size
@@ -350,13 +354,82 @@ def time_features(w: Workload, collectives: dict) -> dict:
     f["logit_s"] = w.rows * w.seq_len * w.vocab_size / (w.tp if w.family == "model_parallel" else 1) * w.passes
     f["host_s"] = w.n_layers / w.pp * w.passes
     f["inv_host_bw"] = 2 * w.cpu_state_bytes if w.offload else 0.0
+    f["inv_mem_bw"] += device_copy_bytes(w)
     for kind, nbytes in w.comm_bytes.items():
         n = group_size(w, kind)
-        if n <= 1:  # a collective of one rank is a device copy: every byte read and written once
-            f["inv_mem_bw"] += 2 * nbytes
+        if n <= 1:  # an out-of-place collective of one rank is a device copy (read and write every byte)
+            f["inv_mem_bw"] += 2 * nbytes if kind in OUT_OF_PLACE else 0.0
             continue
         f[exposure_class(w, kind)] += collective_s(collectives, kind, nbytes, n, comm_calls(w, kind, nbytes))
     return f
+
+
+# Collectives whose output is not their input: at one rank NCCL copies the input to the output
+# (step_breakdown memcpy at 1 GPU, results/h100x4/20261126-203946, gpt-1.3b mb4: 2.9 ms for ref.zero1/2/3,
+# one 2 B x params reduce-scatter; 0.5 ms for ref.ddp and torch.ddp, whose all-reduce is in place). The
+# references' and FSDP2's all-gathers are in place (the local shard is a slot of the output).
+OUT_OF_PLACE = ("reduce_scatter",)
+
+
+def block_params(w: Workload) -> float:
+    """Parameters of one GPT block (parabench.models): q, k, v, proj, fc (4d), fc2 (4d) weights and
+    biases, two LayerNorms: 12 d^2 + 13 d."""
+    return 12 * w.d_model**2 + 13 * w.d_model
+
+
+def device_copy_bytes(w: Workload) -> float:
+    """HBM bytes an implementation moves per step beyond single-process training, read off its code
+    (every master-recipe trainer casts its fp32 master into the 16-bit parameters and its 16-bit
+    gradients into fp32 once per step, 6 B per parameter of its shard each: not counted here).
+
+    - torch.ddp: the reducer divides every gradient bucket by the world size (``bucket_view.div_``,
+      also at one rank): read and write every gradient byte.
+    - ref.ddp: ``flat_grad.zero_()`` after every update: write every gradient byte.
+    - ref.zero3 / ref.fsdp: before each all-gather the fp32 shard is cast into the gathered buffer's
+      slot (``u.slot.copy_(u.master)``): 4 + b bytes per gathered shard element; the first gather's
+      cast is the master cast above.
+    - torch.fsdp2 (FSDP2's ``foreach_all_gather`` / ``foreach_all_gather_copy_out`` /
+      ``foreach_reduce``): per all-gather the shard copied (cast) into the gather buffer (4 + b per
+      shard element), the gathered buffer split into the unsharded parameters (2b per element);
+      per reduce the gradients concatenated into the reduce-scatter input in the reduce dtype
+      (b + r per parameter; with a 16-bit reduce the fp32 shard gradient cast after it); at one rank
+      the reduce-scatter's copy (2r per parameter, the theory counts no traffic there).
+    b: bytes of a gathered (compute) parameter, r: of a reduced gradient."""
+    parts = w.state_parts or {}
+    n = max(1, w.dp)
+    psi = w.params / (w.tp * w.pp)
+    master = w.recipe == "master"
+    if w.strategy == "torch.ddp":
+        return 2 * parts.get("grads", 0.0)  # once per step: no_sync during accumulation
+    if w.strategy == "ref.ddp":
+        return min(parts.get("grads", 0.0), parts.get("params", 0.0))
+    b = 2 if master else 4
+    master_cast = 6 * psi / n if master else 0.0
+    if w.strategy in ("ref.zero3", "ref.fsdp"):
+        gathered = w.comm_bytes.get("all_gather", 0.0) / 2  # gathered in the compute dtype (bf16)
+        b = 2
+        return max(0.0, (4 + b) * gathered / n - master_cast)
+    if w.strategy == "torch.fsdp2":
+        ag, rs = w.comm_bytes.get("all_gather"), w.comm_bytes.get("reduce_scatter")
+        # without traffic in the theory (one rank): every block gathered for forward and again for
+        # backward, but in ``tuned`` the last (torchtitan's policy); fp32 reduction unless ``matched``
+        per_pass = 2 * w.params - (block_params(w) if w.profile == "tuned" else 0.0)
+        gathered = ag / b if ag else per_pass * w.passes
+        reduces = w.passes
+        r = rs / (w.params * reduces) if rs else (2 if master and w.profile == "matched" else 4)
+        copy_in = (4 + b) * gathered / n - master_cast
+        copy_out = 2 * b * gathered
+        reduce_in = (b + r) * w.params * reduces + ((r + 4) * w.params / n if r < 4 else 0.0) - master_cast
+        one_rank = 2 * r * w.params * reduces if n == 1 else 0.0
+        return max(0.0, copy_in) + copy_out + max(0.0, reduce_in) + one_rank
+    if w.strategy.startswith("torch.pp") and w.pp > 1:
+        # torch.distributed.pipelining, after the schedule: scale_grads divides every gradient of the
+        # stage by the micro-batch count (``p.grad.div_``; the references divide the loss instead),
+        # and step() on the last stage merges every micro-batch's output (torch.cat of the 16-bit
+        # logits, read and written)
+        logits = w.micro_batch * w.grad_accum * w.seq_len * w.vocab_size / (w.tp if w.family == "model_parallel" else 1)
+        return 2 * parts.get("grads", 0.0) + 2 * TORCH_PP_OUTPUT_BYTES * logits
+    return 0.0
 
 
 TIME_PARTS = {
