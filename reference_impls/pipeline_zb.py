@@ -55,6 +55,8 @@ waited at the end of the step); W sends nothing, so the point-to-point bytes are
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -198,6 +200,21 @@ def backward_weight(deferred: list) -> None:
                 q.grad += g
 
 
+class _GraphMarker:
+    """Rides on a micro-batch's first autograd node: it lives exactly as long as that graph."""
+
+
+def _watch_graph(outputs: list):
+    """A weak reference that dies with the graph of the first recorded module output (the
+    earliest node of the stage's graph: every later node keeps it alive), or None without one."""
+    node = outputs[0][1].grad_fn if outputs else None
+    if node is None:
+        return None
+    marker = _GraphMarker()
+    node.metadata["parabench_graph"] = marker
+    return weakref.ref(marker)
+
+
 # --- the engine ----------------------------------------------------------------------------------
 
 
@@ -246,6 +263,7 @@ class ZeroBubblePipelineEngine:
         sends: list = []
         total = torch.zeros((), device=device, dtype=torch.float32)
         live = peak_live = 0
+        graphs: dict[int, weakref.ref] = {}  # micro-batch -> its graph's first node, while alive
         clock = StageClock(device, self.record_timeline)
 
         def recv(shape, src, tag):
@@ -269,7 +287,9 @@ class ZeroBubblePipelineEngine:
                     buf = out.detach()
                     sends.append((dist.isend(buf, dst=self.next, group=self.group, tag=TAG_ACT), buf))
                 saved[i] = (x_in, out, self._outputs)
+                graphs[i] = _watch_graph(self._outputs)
                 self._outputs = None
+                del x, out  # ``saved`` holds the graph now, and drops it at B
                 live += 1
                 peak_live = max(peak_live, live)
             elif kind == "B":
@@ -279,12 +299,15 @@ class ZeroBubblePipelineEngine:
                 dx, deferred[i] = backward_input(out, grad, x_in, outputs)
                 if not self.first:
                     sends.append((dist.isend(dx, dst=self.prev, group=self.group, tag=TAG_GRAD), dx))
+                del out, outputs  # ``deferred`` holds what W needs
             else:
                 t0 = clock.mark()
                 backward_weight(deferred.pop(i))
                 live -= 1  # the last reference to this micro-batch's graph is gone
             clock.computed(kind, i, t0, clock.mark())
 
+        # every W has run: a graph still alive here is held by something the schedule no longer needs
+        graphs_alive = sum(1 for ref in graphs.values() if ref is not None and ref() is not None)
         clock.drain(sends)
         timing = clock.finish()  # step_s, compute_s, wait_s, the timeline
         compute = {k: timing["compute_s_by_kind"].get(k, 0.0) for k in "FBW"}
@@ -306,6 +329,7 @@ class ZeroBubblePipelineEngine:
             "bubble_fraction_theory_1f1b": (p - 1) / (m + p - 1),
             "peak_live_microbatches": peak_live,
             "peak_live_microbatches_theory": peak_live_theory(p, m),
+            "graphs_alive_after_last_w": graphs_alive,
         }
         return total if self.last else None
 

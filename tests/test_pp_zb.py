@@ -189,6 +189,7 @@ def test_runs_zb_h1_and_records_the_bubble(group2, name):
         assert (st["schedule"], st["stages"], st["microbatches"]) == ("zb_h1", p, m)
         assert st["order"] == [f"{k}{i}" for k, i in zb_h1_order(stage, p, m)]
         assert st["peak_live_microbatches"] == st["peak_live_microbatches_theory"] == p
+        assert st["graphs_alive_after_last_w"] == 0  # each micro-batch's graph is freed at its W
         assert st["bubble_fraction_theory"] == pytest.approx((p - 1) / (3 * m + p - 1))
         assert st["bubble_fraction_theory_1f1b"] == pytest.approx((p - 1) / (m + p - 1))
         assert all(st["compute_s_by_kind"][k] > 0 for k in "FBW")
