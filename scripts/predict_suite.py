@@ -19,6 +19,13 @@ from parabench.plan.calibrate import calibration_path, load_kind
 from parabench.suite import load_suite
 
 
+def _relative(path) -> str:
+    """The calibration's path from the repository root where it lies inside it (the file is committed)."""
+    root = Path(__file__).resolve().parent.parent
+    path = Path(path).resolve()
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+
+
 def predict_suite(path: str, kind: str = "h100") -> dict:
     cal = load_kind(kind)
     if cal is None:
@@ -57,7 +64,7 @@ def predict_suite(path: str, kind: str = "h100") -> dict:
         "schema": 1,
         "suite": suite.name,
         "suite_file": path,
-        "calibration": str(calibration_path(kind)),
+        "calibration": _relative(calibration_path(kind)),
         "calibration_schema": cal["schema_version"],
         "calibration_configurations": cal["configurations"],
         "calibration_runs": cal["runs"],
