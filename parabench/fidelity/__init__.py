@@ -4,6 +4,8 @@
 (``PEER_SCRIPTS``), launches the script with torchrun on the same shape, micro-batch, steps,
 warm-up, seed, learning rate, precision and recipe, and writes ``RUN_DIR/fidelity/<case_hash>.json``
 (the script's own JSON under ``result``; ``status`` ok / failed / timeout / skipped, with the reason).
+The pipeline peers (``torch.pp_*``) pass their schedule, micro-batches per step and stages per rank
+as the adapter reads them from the case; their script runs one pipeline over the whole world.
 The report (``parabench.report.fidelity``) then sets adapter beside script: tokens/s per device
 (target: adapter >= 0.95x the script) and peak memory (target: adapter <= 1.05x).
 
