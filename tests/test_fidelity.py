@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -209,3 +210,128 @@ def test_ratios_pool_launches_by_median_with_an_interval():
     # A single launch a side: no interval; an entry from before launches existed still reads.
     one = ratios(rec(15_000), {"status": "ok", "result": _launch(20_000)["result"]})
     assert one["tps_interval"] is None and one["tps_ratio"] == 0.75 and one["verdict"] == "fail"
+
+
+PP_SUITE = """
+[suite]
+name = "pp-fidelity-test"
+description = "torch.pp_1f1b and torch.pp_interleaved, tiny-deep, pp 2 on gloo"
+device = "cpu"
+precision = "bf16"
+recipe = "master"
+steps = 2
+warmup = 1
+lr = 1e-3
+timeout_s = 180
+
+[[matrix]]
+model = "tiny-deep"
+strategy = ["torch.pp_1f1b", "torch.pp_interleaved"]
+world_size = 2
+micro_batch = 4
+options = {pp = 2, microbatches = 4}
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_pipeline_script_retraces_the_adapter_for_1f1b_and_interleaved(tmp_path):
+    """The scripts run (argv from ``plan``, as ``parabench fidelity`` launches them) while the
+    suite runs the adapters: the CPU spends these launches importing torch, not training. Each
+    script's two ranks are started with torchrun's environment (RANK, WORLD_SIZE, MASTER_*), not
+    under torchrun itself, which would import torch once more per launch."""
+    from parabench.suite import load_suite
+
+    suite = tmp_path / "pp-fidelity-test.toml"
+    suite.write_text(PP_SUITE)
+    cases = load_suite(str(suite)).cases
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    scripts = {}
+    for case in cases:
+        args, why = plan({"case": case.to_dict(), "device": {"type": "cpu"}})
+        assert why is None, why
+        out = tmp_path / f"{case.strategy}.json"
+        log = open(tmp_path / f"{case.strategy}.log", "w")
+        rendezvous = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, *args, f"--out={out}"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**env, **rendezvous, "RANK": str(r), "LOCAL_RANK": str(r)},
+            )
+            for r in range(2)
+        ]
+        scripts[case.strategy] = (ranks, log, out)
+    try:
+        proc = parabench("run", "suite", suite, "--out", tmp_path / "res", "--run-id", "t", "--no-report")
+    finally:
+        for ranks, log, _ in scripts.values():
+            for p in ranks:
+                try:
+                    p.wait(timeout=180)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            log.close()
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run_dir = tmp_path / "res" / "pp-fidelity-test" / "t"
+    for case in cases:
+        ranks, _, out = scripts[case.strategy]
+        rcs = [p.returncode for p in ranks]
+        assert rcs == [0, 0] and out.exists(), (tmp_path / f"{case.strategy}.log").read_text()[-3000:]
+        result = json.loads(out.read_text())
+        record = json.loads((run_dir / "cases" / f"{case.case_hash}.json").read_text())
+        config = result["config"]
+        # The adapter's split: 8 blocks over 2 (1F1B) or 2 x 2 (interleaved) stages.
+        assert config["pp"] == 2 and config["microbatches"] == 4 and config["recipe"] == "master"
+        assert config["virtual_stages"] == (2 if case.strategy == "torch.pp_interleaved" else 1)
+        n = case.warmup + case.steps
+        # Same stages, schedule, weights and data: on CPU the script retraces the adapter exactly.
+        assert result["losses"] == record["metrics"]["losses"][:n], case.strategy
+    configs = {c.strategy: json.loads((tmp_path / f"{c.strategy}.json").read_text())["config"] for c in cases}
+    assert configs["torch.pp_1f1b"]["schedule"] == "Schedule1F1B"
+    assert configs["torch.pp_interleaved"]["schedule"] == "ScheduleInterleaved1F1B"
+    assert configs["torch.pp_interleaved"]["stage_layers"] == {"0": [0, 2], "1": [2, 4], "2": [4, 6], "3": [6, 8]}
+
+
+def test_pipeline_script_splits_the_layers_as_the_adapter():
+    from reference_impls.pipeline import partition_layers
+
+    sys.path.insert(0, str(SCRIPTS_DIR))
+    try:
+        import torch_pipeline
+    finally:
+        sys.path.remove(str(SCRIPTS_DIR))
+    for n_layer in (2, 7, 8, 24, 30):
+        for n_stages in range(1, min(n_layer, 8) + 1):
+            assert torch_pipeline.split_layers(n_layer, n_stages) == partition_layers(n_layer, n_stages)
+
+
+def test_plan_passes_the_pipeline_options_and_refuses_what_the_script_cannot_run():
+    def record(strategy="torch.pp_1f1b", world_size=2, **options):
+        case = dict(strategy=strategy, model="tiny-deep", world_size=world_size, precision="bf16",
+                    recipe="bf16-master", micro_batch=8, grad_accum=1, steps=2, warmup=1, seed=1, lr=1e-3,
+                    options={"pp": 2, **options})  # fmt: skip
+        return {"case": case, "device": {"type": "cpu"}}
+
+    args, why = plan(record())
+    assert why is None and args[1:3] == ["--schedule", "1f1b"]
+    assert {"--microbatches=4", "--virtual-stages=1", "--recipe=master"} <= set(args)  # 2 * pp by default
+    args = plan(record("torch.pp_interleaved", microbatches=8))[0]
+    assert {"--schedule", "interleaved", "--microbatches=8", "--virtual-stages=2"} <= set(args)
+    assert "--virtual-stages=3" in plan(record("torch.pp_interleaved", microbatches=8, virtual_stages=3))[0]
+    # ZB-H1, GPipe: one stage per rank whatever virtual_stages says (the adapter ignores it there).
+    assert "--virtual-stages=1" in plan(record("torch.pp_zb", virtual_stages=2))[0]
+    assert "--schedule" in plan(record("torch.pp_gpipe"))[0]
+    assert "whole world" in plan(record(world_size=4))[1]  # pp 2 x dp 2
+    assert "does not take: sp" in plan(record(sp=True))[1]
+    assert "does not take: schedule" in plan(record(schedule="gpipe"))[1]  # ref.tp's option
+    assert "tensor parallelism" in plan(record(tp=2))[1]
+    assert "gradient accumulation" in plan({**record(), "case": {**record()["case"], "grad_accum": 2}})[1]
+    # The pipeline options belong to the pipeline script only.
+    assert "does not take: microbatches, pp" in plan(record("torch.ddp", microbatches=4))[1]

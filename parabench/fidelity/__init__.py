@@ -4,6 +4,8 @@
 (``PEER_SCRIPTS``), launches the script with torchrun on the same shape, micro-batch, steps,
 warm-up, seed, learning rate, precision and recipe, and writes ``RUN_DIR/fidelity/<case_hash>.json``
 (the script's own JSON under ``result``; ``status`` ok / failed / timeout / skipped, with the reason).
+The pipeline peers (``torch.pp_*``) pass their schedule, micro-batches per step and stages per rank
+as the adapter reads them from the case; their script runs one pipeline over the whole world.
 The report (``parabench.report.fidelity``) then sets adapter beside script: tokens/s per device
 (target: adapter >= 0.95x the script) and peak memory (target: adapter <= 1.05x).
 
@@ -27,11 +29,17 @@ from parabench.report.fidelity import ratios
 SCRIPTS_DIR = Path(__file__).resolve().parent / "scripts"
 
 
+# What the pipeline script takes: the degree (which must be the world size), the micro-batches per
+# step and the stages per rank (ModelParallelOptions).
+PIPELINE_OPTIONS = ("pp", "microbatches", "virtual_stages")
+
+
 @dataclass(frozen=True)
 class PeerScript:
     script: str
     recipes: tuple[str, ...]  # the bf16 recipes the script runs
     extra_args: tuple[str, ...] = ()
+    options: tuple[str, ...] = ()  # case options the script takes (beyond NEUTRAL_OPTIONS)
 
 
 PEER_SCRIPTS: dict[str, PeerScript] = {
@@ -41,6 +49,12 @@ PEER_SCRIPTS: dict[str, PeerScript] = {
     "deepspeed.zero1": PeerScript("deepspeed_zero.py", ("master",), ("--stage", "1")),
     "deepspeed.zero2": PeerScript("deepspeed_zero.py", ("master",), ("--stage", "2")),
     "deepspeed.zero3": PeerScript("deepspeed_zero.py", ("master",), ("--stage", "3")),
+    **{
+        f"torch.pp_{schedule}": PeerScript(
+            "torch_pipeline.py", ("amp", "master"), ("--schedule", schedule), PIPELINE_OPTIONS
+        )
+        for schedule in ("gpipe", "1f1b", "interleaved", "zb")
+    },
 }
 # The issue's names and the short ones the scripts take.
 RECIPE_NAMES = {"amp": "amp", "master": "master", "bf16-master": "master", "fp16-master": None, "fp16-amp": None}
@@ -82,14 +96,17 @@ def plan(record: dict) -> tuple[list[str] | None, str | None]:
     if case.get("grad_accum", 1) != 1:
         return None, "gradient accumulation: the scripts take one micro-batch per step"
     options = case.get("options") or {}
-    other = sorted(set(options) - NEUTRAL_OPTIONS)
+    other = sorted(set(options) - NEUTRAL_OPTIONS - set(peer.options))
     if other:
         return None, f"options the script does not take: {', '.join(other)}"
     tp = int(options.get("tp", 1))
     if case["strategy"] == "torch.tp" and tp != case["world_size"]:
         return None, f"the TP script uses the whole world as its TP group (tp={tp}, world {case['world_size']})"
     if case["strategy"] != "torch.tp" and tp != 1:
-        return None, f"tp={tp}: the data-parallel scripts take no tensor parallelism"
+        return None, f"tp={tp}: {case['strategy']}'s script takes no tensor parallelism"
+    pipeline_args, why = _pipeline_args(case, peer)
+    if why is not None:
+        return None, why
     recipe = recipe_of(record)
     if recipe is not None and recipe not in peer.recipes:
         return None, f"{case['strategy']}'s script has no recipe {recipe!r} (it runs {', '.join(peer.recipes)})"
@@ -118,9 +135,27 @@ def plan(record: dict) -> tuple[list[str] | None, str | None]:
     ]
     if recipe is not None:
         args.append(f"--recipe={recipe}")
+    args += pipeline_args
     if layout != "separate":
         args.append(f"--layout={layout}")
     return args, None
+
+
+def _pipeline_args(case: dict, peer: PeerScript) -> tuple[list[str], str | None]:
+    """The pipeline script's degree, micro-batches and stages per rank as the adapter
+    (parabench/peers/torch_pipeline.py) reads them from the case; ([], None) for other scripts."""
+    if "pp" not in peer.options:
+        return [], None
+    from parabench.families.model_parallel import INTERLEAVED_STRATEGIES, ModelParallelOptions
+
+    o = ModelParallelOptions.read(case.get("options") or {})
+    if o.pp != case["world_size"]:
+        return [], (
+            f"the pipeline script runs one pipeline over the whole world (pp={o.pp}, world "
+            f"{case['world_size']}): no data parallelism beside it"
+        )
+    v = o.virtual_stages if case["strategy"] in INTERLEAVED_STRATEGIES else 1  # the adapter's
+    return [f"--microbatches={o.n_microbatches}", f"--virtual-stages={v}"], None
 
 
 def peer_records(run_dir: Path) -> list[dict]:

@@ -266,7 +266,8 @@ def measure(args, device, step, batches, tokens_per_step: int, library: dict) ->
     """Run ``warmup`` untimed and ``steps`` timed calls of ``step(x, y) -> loss``, each timed with
     a device sync on either side; return (rank 0) the result, else None. A step's time is the
     slowest rank's; tokens/s per device uses the median step. Peak memory is the largest rank's
-    over the timed steps."""
+    over the timed steps. A step's loss is the mean over the ranks that return one (``step`` may
+    return None: a pipeline's ranks without its last stage)."""
     losses = []
     for x, y in batches[: args.warmup]:
         losses.append(step(x, y))
@@ -280,7 +281,7 @@ def measure(args, device, step, batches, tokens_per_step: int, library: dict) ->
         _sync(device)
         times.append(time.perf_counter() - t0)
     peak = _peak(device)
-    mine = {"times": times, "peak": peak, "losses": [float(_local(l)) for l in losses]}
+    mine = {"times": times, "peak": peak, "losses": [None if l is None else float(_local(l)) for l in losses]}
     world = dist.get_world_size()
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
@@ -288,7 +289,7 @@ def measure(args, device, step, batches, tokens_per_step: int, library: dict) ->
         return None
     steps = [max(ts) for ts in zip(*(r["times"] for r in everyone))]
     median = statistics.median(steps)
-    losses = [statistics.fmean(vals) for vals in zip(*(r["losses"] for r in everyone))]
+    losses = [statistics.fmean(v for v in vals if v is not None) for vals in zip(*(r["losses"] for r in everyone))]
     versions = {"torch": torch.__version__, "cuda": torch.version.cuda}
     return {
         "tokens_per_s_per_device": tokens_per_step / median / world,
