@@ -106,16 +106,14 @@ class CaseRecord(TypedDict, total=False):
     leftover_after_case: dict[str, Any]
 
 
-def _base_record(case: Case) -> CaseRecord:
-    from parabench.strategies import STRATEGIES
-
+def _base_record(case: Case, strategy_version: str) -> CaseRecord:
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": "case",
         "case": case.to_dict(),
         "case_hash": case.case_hash,
         "label": case.label,
-        "strategy_version": getattr(STRATEGIES.get(case.strategy), "version", None),
+        "strategy_version": strategy_version,
     }
 
 
@@ -169,10 +167,11 @@ def build_record(
     from parabench.metrics import model_section, summarize
     from parabench.strategies import get_strategy
 
-    rec = _base_record(case)
+    strategy = get_strategy(case.strategy)
+    rec = _base_record(case, strategy.version)
     rec.update(status=status, error=error, started_at=started_at, duration_s=duration_s, launch=launch or {})
     rec["model"] = model_section(case)
-    rec["caveats"] = get_strategy(case.strategy).caveats_for(case.precision)
+    rec["caveats"] = strategy.caveats_for(case.precision)
     if raw is not None and raw.get("debug_slowdown"):  # PARABENCH_DEBUG_SLOWDOWN (worker.py): not the code's speed
         rec["debug_slowdown"] = raw["debug_slowdown"]
         rec["caveats"] = [
