@@ -48,6 +48,7 @@ ENV_NAMES = frozenset(
         "SLURM_JOB_NODELIST",
         "SLURM_JOB_PARTITION",
         "PARABENCH_GIT_COMMIT",
+        "PARABENCH_HOST_SHARED",  # what else ran on the host's other GPUs meanwhile (device_run.sh)
     }
 )
 ENV_PREFIXES = (

@@ -16,13 +16,18 @@
 # DEVICE_WORK (default /tmp/parabench-device, outside the repository copy, which is re-synced at
 # every call) under one run id per machine, and every call resumes them: the next call on the
 # same warm machine runs only the cases not yet recorded, and packs everything recorded so far.
+# Suites on disjoint GPU sets may run at once (each with CUDA_VISIBLE_DEVICES and DEVICE_WORK of
+# its own); the records then share the host, which the results document says where it applies.
 set -uo pipefail
 out=$1; shift
 start=$(date +%s)
 deadline=${DEADLINE_S:-560}
 cd "$(dirname "$0")/.."
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  # once per machine, and under a lock: two streams on disjoint GPUs (CUDA_VISIBLE_DEVICES, their
+  # own DEVICE_WORK) may start together
+  (flock 9 && { [ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.installed; }; }) 9>/tmp/site.lock || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 fi
 # libaio for DeepSpeed's async I/O op (ZeRO-Infinity), packed by scripts/libaio_bundle.sh
