@@ -14,8 +14,11 @@ Profiles (option ``profile``, recorded in every case and in ``strategy_stats``):
   ``contiguous_gradients`` on (stages 1-3); ``compute_grad_norm`` off at stages 1-2 without
   offload or fp16; ``bf16.check_grad_overflow`` off; bucket sizes and stage-3 prefetch /
   persistence / reuse at DeepSpeed's defaults (not written); DeepSpeed's FusedAdam on GPUs,
-  torch's fused AdamW where its op does not build (the reason recorded), torch's AdamW on CPUs
-  and with offload (the CPU Adam op is JIT-built).
+  torch's fused AdamW where its op does not build (the reason recorded); with optimizer offload
+  (CPU or NVMe) on a GPU machine DeepSpeedCPUAdam, the optimizer the ZeRO-Offload tutorial
+  (https://www.deepspeed.ai/tutorials/zero-offload/) and ``zero_force_ds_cpu_optimizer`` (on by
+  default) ask for, torch's AdamW where its op does not build (the reason recorded); torch's
+  AdamW on CPUs.
 * ``matched``: the configuration parabench used before profiles, aligned with the references'
   memory and traffic: DeepSpeed's engine defaults, stage 3 resharding every parameter after use
   (persistence threshold and reuse distance 0), the client torch AdamW below.
@@ -110,9 +113,9 @@ def ds_config(
     if profile == "tuned":
         _tune(cfg, spec, stage, offload)
     if offload:
-        # ZeRO-Offload (Ren et al. 2021): fp32 master, Adam moments and the update on the CPU. The
-        # client torch AdamW runs there (DeepSpeedCPUAdam would need a JIT-built op); DeepSpeed
-        # refuses a client optimizer with offload unless told not to force its own.
+        # ZeRO-Offload (Ren et al. 2021): fp32 master, Adam moments and the update on the CPU, by
+        # DeepSpeedCPUAdam (tuned, on a GPU machine) or a client torch AdamW, which DeepSpeed
+        # refuses with offload unless told not to force its own.
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": spec.device.type == "cuda"}
         cfg["zero_force_ds_cpu_optimizer"] = False
     if nvme:
@@ -149,14 +152,29 @@ def _tune(cfg: dict, spec: TrainSpec, stage: int, offload: bool) -> None:
         cfg["bf16"]["check_grad_overflow"] = False  # bf16 does not overflow where fp32 would not; no scaler
 
 
-def deepspeed_adamw(params, spec: TrainSpec, profile: str, offload: bool) -> tuple[torch.optim.Optimizer, str]:
+def deepspeed_adamw(
+    params, spec: TrainSpec, profile: str, offload: bool, on_gpu_machine: bool = False
+) -> tuple[torch.optim.Optimizer, str]:
     """The optimizer and how it is named in the record. ``tuned`` on a GPU: DeepSpeed's FusedAdam
     (AdamW mode) when its op builds, which also puts stage 0's 16-bit training on DeepSpeed's flat
     FP16_Optimizer instead of the per-tensor FP16_UnfusedOptimizer a client optimizer gets; if the
-    op does not build, torch's fused AdamW, the reason recorded. Otherwise (``matched``, CPU,
-    offload) the client torch AdamW of ``common.adamw``."""
+    op does not build, torch's fused AdamW, the reason recorded. ``tuned`` with ``offload`` on a GPU
+    machine (``spec.device`` is then the CPU the update runs on, ``on_gpu_machine`` says where the
+    model is): DeepSpeedCPUAdam (AdamW mode, its JIT-built SIMD op), or torch's AdamW with the
+    reason. Otherwise (``matched``, CPU) the client torch AdamW of ``common.adamw``."""
     params = list(params)
     fallback = ""
+    if profile == "tuned" and offload and on_gpu_machine:
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            o = spec.optim
+            opt = DeepSpeedCPUAdam(
+                params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, adamw_mode=True
+            )
+            return opt, "deepspeed.ops.adam.DeepSpeedCPUAdam (adamw_mode)"
+        except Exception as exc:  # the JIT build of the CPU op
+            fallback = f" (DeepSpeedCPUAdam did not build: {type(exc).__name__}: {str(exc)[:200]})"
     if profile == "tuned" and spec.device.type == "cuda" and not offload:
         try:
             from deepspeed.ops.adam import FusedAdam
@@ -228,7 +246,9 @@ class DeepSpeedTrainer(Trainer):
             optimizer = None
         else:
             opt_spec = replace(spec, device=torch.device("cpu")) if offload else spec  # AdamW runs on the CPU
-            optimizer, self.optimizer_name = deepspeed_adamw(params, opt_spec, profile, offload)
+            optimizer, self.optimizer_name = deepspeed_adamw(
+                params, opt_spec, profile, offload, on_gpu_machine=spec.device.type == "cuda"
+            )
         self.engine, *_ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
