@@ -199,7 +199,12 @@ def _train_world1(runs: dict, steps: int) -> dict:
         except MisalignedGradientSwap as exc:
             out[key] = {"refused": str(exc)}
             continue
-        losses = [float(trainer.train_step(*global_batch(s, 2, cfg, 0))) for s in range(steps)]
+        try:
+            losses = [float(trainer.train_step(*global_batch(s, 2, cfg, 0))) for s in range(steps)]
+        except AssertionError as exc:  # DeepSpeed's own checks (swap buffers): reported per run
+            trainer.close()
+            out[key] = {"failed": f"AssertionError: {exc}"}
+            continue
         rec = {"losses": losses, "params": trainer.full_parameters(), "swap_bytes": {}, "param_files": 0}
         for folder, _, files in os.walk(getattr(trainer, "nvme_root", None) or os.devnull):
             for f in files:
@@ -236,7 +241,7 @@ def test_deep_model_trains_with_more_swapped_parameters_than_swap_buffers(traine
     import torch
 
     plain, nvme = trained["deep_zero3"], trained["deep_nvme"]
-    assert "refused" not in nvme
+    assert "failed" not in nvme, nvme["failed"]  # was: AssertionError: Not enough buffers 0 for swapping 1
     assert nvme["reuse_distance"] == 0  # what the engine runs with, from nvme_config's zero keys
     # 6 blocks x 6 weights of 1 MiB and more on disk, each needing a buffer when used: far more than the pool.
     assert nvme["param_files"] == 36 and nvme["buffer_count"] == 17
