@@ -54,6 +54,36 @@ DeepSpeed 0.19.8 defects found on CPU (libaio, gloo, world 1, fp32; 1-layer GPT,
   alone exceeds the window (the GPT ladder's 50304-token head) should not reach it; setting
   ``zero.stage3_prefetch_bucket_size`` to 0 turns all stage-3 prefetch (this one included) off.
 
+Parameter swap buffers (``offload_param.buffer_count`` x ``buffer_size``, pinned CPU memory): every
+swappable parameter partition lives on NVMe (``max_in_cpu`` 0), and a partition read back holds one
+buffer from the pool (partitioned_param_swapper.py:108 the pool, :190 taken at swap-in, :246 returned
+only in ``remove_partition_and_release_buffers``) until stage 3 releases the gathered parameter
+(partitioned_param_coordinator.py:629 -> partition_parameters.py:1809). Swap-in with no free buffer
+is the assertion "Not enough buffers 0 for swapping 1" (partitioned_param_swapper.py:310). What
+stage 3 keeps gathered, once the first step has recorded the trace: a module's parameters, plus any
+whose next use lies within ``stage3_max_reuse_distance`` elements of the trace
+(partitioned_param_coordinator.py:656-662; default 1e9), plus those whose later use the prefetcher
+already passed (:650). ``stage3_max_live_parameters`` only caps how much the ordinary prefetch
+gathers (:453), never what is kept. The NVMe read-ahead (``__prefetch_nvme_param_partitions``,
+:667-690) takes free buffers only (:683), so it cannot exhaust the pool itself. With the reuse
+distance at its default, the kept set grows with how many parameters fit in 1e9 elements between a
+module's forward and its backward: at gpt-1.3b (50 M elements a block, 103 M the head) the last 8
+blocks' 48 swapped weights and the head, past the earlier 35 buffers (2 x 15 parameters + 5): the
+crash on 4x H200 at world 1 and 2. On CPU (fp32, d_model 512, 8 blocks, 48 swapped weights, prefetch
+off) every swapped weight stayed held from the second step (the first traced one) and 35 buffers
+failed the same way; with reuse distance 0 one was held at a time. Counted the same way, gpt-2.7b
+keeps about 5 blocks and gpt-6.7b/13b 1-2 (their blocks are larger than the window's share).
+The adapter therefore sets ``stage3_max_reuse_distance`` to 0 (``nvme_config``'s ``zero`` keys,
+which ``options.zero`` overrides) rather than sizing the pool for the kept set: DeepSpeed documents
+the reuse distance as trading memory for traffic ("Smaller values use less memory, but perform
+more communication", runtime/zero/config.py:251), here the memory is the pinned pool; buffers
+are uniform at the largest partition, so a pool for the kept set would pin about 10 GB per rank at
+gpt-1.3b (some 50 buffers of the 103 M-element embedding, bf16), and its size cannot be known
+without replaying DeepSpeed's trace. The cost: parameter partitions are read from NVMe in backward
+as well as in forward (the upper end of the theory's read range). The pool (``swap_buffer_count``) then
+holds two blocks' swappable weights, one computing while the next is read ahead, plus five. The
+``matched`` profile already sets the reuse distance to 0 (peers.deepspeed_zero).
+
 If the async I/O op cannot be built on the machine (no libaio headers or library), the runner
 skips the case with the builder's own verdict (``aio_unavailable``); scripts/libaio_bundle.sh
 carries libaio to a machine without it.
@@ -97,10 +127,13 @@ def nvme_config(
     aio: dict | None = None,
 ) -> dict:
     """The three ZeRO-Infinity sections: ``offload_param`` and ``offload_optimizer`` to
-    ``device: nvme`` at ``nvme_path``, and ``aio``. ``buffer_size`` (elements) must hold the largest
-    parameter partition (partitioned_param_swapper asserts it). ``max_in_cpu`` 0: every parameter
-    partition DeepSpeed deems swappable (at least max(1 MiB, block_size) bytes) lives on NVMe. The
-    dicts given win key by key."""
+    ``device: nvme`` at ``nvme_path``, and ``aio``; and ``zero``, stage-3 keys that
+    peers.deepspeed_zero.ds_config sets unless ``options.zero`` gives them. ``buffer_size``
+    (elements) must hold the largest parameter partition (partitioned_param_swapper asserts it).
+    ``max_in_cpu`` 0: every parameter partition DeepSpeed deems swappable (at least max(1 MiB,
+    block_size) bytes) lives on NVMe. With parameters on NVMe, ``stage3_max_reuse_distance`` 0: a
+    parameter's swap buffer returns to the pool after each use (the module docstring). The dicts
+    given win key by key."""
     param = {
         "device": "nvme",
         "nvme_path": nvme_path,
@@ -110,10 +143,12 @@ def nvme_config(
         "max_in_cpu": 0,  # documented default 1e9 would keep up to 1e9 elements in CPU memory, not on disk
     }
     optimizer = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": pin_memory, "buffer_count": 4}
+    param = {**param, **(offload_param or {})}
     return {
-        "offload_param": {**param, **(offload_param or {})},
+        "offload_param": param,
         "offload_optimizer": {**optimizer, **(offload_optimizer or {})},
         "aio": {**AIO_DEFAULTS, **(aio or {})},
+        "zero": {"stage3_max_reuse_distance": 0} if param["device"] == "nvme" else {},
     }
 
 
@@ -126,13 +161,30 @@ def swap_buffer_elements(model: torch.nn.Module, world: int) -> int:
     return -(-largest // 2**20) * 2**20
 
 
-def swap_buffer_count(model: torch.nn.Module) -> int:
-    """Parameter swap buffers: DeepSpeed swaps a transformer block's parameters in together (15 for
-    parabench's GPT block) and prefetches the next block meanwhile, so two blocks' worth plus the
-    embeddings, final norm and head. DeepSpeed's default of 5 fails its assertion ("Not enough
-    buffers 5 for swapping 15") once every parameter lives on NVMe."""
-    per_block = max((len(list(b.parameters())) for b in getattr(model, "blocks", [])), default=0)
-    return max(5, 2 * per_block + 5)
+def swappable(numel: int, world: int, itemsize: int, block_size: int = AIO_DEFAULTS["block_size"]) -> bool:
+    """Whether DeepSpeed puts a parameter's partition on NVMe: at least max(1 MiB, aio block_size)
+    bytes (partitioned_param_swapper.py:100 and :141; partition_parameters.py:1820-1821), smaller
+    ones stay in CPU memory and take no swap buffer."""
+    return math.ceil(numel / world) * itemsize >= max(2**20, block_size)
+
+
+def swap_buffer_count(
+    model: torch.nn.Module, world: int, itemsize: int, block_size: int = AIO_DEFAULTS["block_size"]
+) -> int:
+    """Parameter swap buffers: two blocks' swappable weights (a block's modules in flight while the
+    NVMe read-ahead fills the rest) plus five (DeepSpeed's default) for the embeddings and head and
+    for parameters kept until a use the prefetcher passed. Enough only with
+    ``stage3_max_reuse_distance`` 0 (``nvme_config``), which returns each buffer after its
+    parameter's use; the reuse distance's default keeps far more swapped in (the module
+    docstring). Biases and norms fall under DeepSpeed's swap minimum and are not counted."""
+    per_block = max(
+        (
+            sum(swappable(p.numel(), world, itemsize, block_size) for p in b.parameters())
+            for b in getattr(model, "blocks", [])
+        ),
+        default=0,
+    )
+    return 2 * per_block + 5
 
 
 def disk_probe(folder: str, nbytes: int, chunk: int = 8 << 20) -> dict:
@@ -328,7 +380,12 @@ class DeepSpeedNVMeTrainer(DeepSpeedTrainer):
                 self.nvme_root,
                 pin_memory=spec.device.type == "cuda",
                 buffer_size=swap_buffer_elements(model, spec.topology.dp),
-                buffer_count=swap_buffer_count(model),
+                buffer_count=swap_buffer_count(
+                    model,
+                    spec.topology.dp,
+                    spec.param_dtype.itemsize,
+                    {**AIO_DEFAULTS, **o.aio}["block_size"],
+                ),
                 offload_param=o.offload_param,
                 offload_optimizer=o.offload_optimizer,
                 aio=o.aio,
@@ -378,6 +435,17 @@ class DeepSpeedNVMeTrainer(DeepSpeedTrainer):
                     stats["nvme_write_bytes_per_s"] / self.disk["disk_write_bytes_per_s"]
                 )
         return stats
+
+    def full_parameters(self):
+        """One parameter gathered at a time: all of them at once would need a swap buffer each
+        (partition_parameters.py:1718 swaps the whole list in together), more than the pool."""
+        import deepspeed
+
+        out = {}
+        for name, p in self.engine.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                out[name] = p.detach().float().cpu().clone()
+        return out
 
     def close(self):
         try:

@@ -123,6 +123,8 @@ def ds_config(
         cfg["zero_optimization"].update(
             offload_param=nvme["offload_param"], offload_optimizer=nvme["offload_optimizer"]
         )
+        for key, value in nvme.get("zero", {}).items():  # e.g. the reuse distance NVMe swapping needs
+            cfg["zero_optimization"].setdefault(key, value)
     if "bucket_mb" in spec.options:  # unset: DeepSpeed's own bucket sizes, not ShardedOptions' default
         # DeepSpeed counts both bucket sizes in elements; gradients and parameters travel in the
         # parameter dtype (fp32, or bf16/fp16 under its mixed precision).
