@@ -105,9 +105,19 @@ def compile_blocks(blocks, spec: TrainSpec) -> None:
     which the references' flat buffers and the equivalence tests key on. ``fullgraph`` as
     torchtitan: dense blocks in one graph (a graph break is an error, not a silent eager region),
     mixture-of-experts blocks allowed to break. Compilation itself happens at the first call, in
-    the first warm-up step, which the worker times apart (``first_step_s``, metric ``compile_s``)."""
+    the first warm-up step, which the worker times apart (``first_step_s``, metric ``compile_s``).
+
+    Dynamo's caches are reset first, so the case traces its own graphs. A batched launch runs
+    several cases in one process, and every block of every case shares one code object
+    (``Block.forward``): without the reset a case reuses any earlier case's graph whose guards pass,
+    and guards see neither the wrapper nor its compile-time choices (a torch.ddp case after ref.ddp
+    ran ref.ddp's graph, never split at DDP's buckets by Dynamo's DDPOptimizer), while the entries
+    pile up towards ``torch._dynamo.config.recompile_limit`` (8 per code object), past which Dynamo
+    runs the block eagerly with only a warning. Inductor's on-disk FX graph cache survives the reset,
+    so a rerun of the same graph still compiles in seconds."""
     if not spec.options.get("compile", False):
         return
+    torch._dynamo.reset()
     for block in blocks:
         block.forward = torch.compile(block.forward, fullgraph=not spec.model.is_moe)
 

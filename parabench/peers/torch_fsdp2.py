@@ -7,7 +7,12 @@ fp32 gradient reduction (torchtitan's default; ``matched`` reduces in the comput
 references do), so the sharded fp32 parameters are the master weights. Recipe "amp": fp32 shards,
 fp32 traffic, autocast forward. Recipe "fp8" (``parabench.fp8``): "amp" with the blocks' linears
 in torchao's Float8Linear; option ``fp8_all_gather`` gathers their weights in float8 (torchao's
-``enable_fsdp_float8_all_gather``, cast from the fp32 shard before the gather). fp16 adds
+``enable_fsdp_float8_all_gather``, cast from the fp32 shard before the gather) and, as torchtitan's
+tensorwise setup pairs it (``--float8.enable_fsdp_float8_all_gather
+--float8.precompute_float8_dynamic_scale_for_fsdp``, torchao benchmarks/float8/training/llama3.sh),
+computes every float8 weight's scale after the optimizer step in one all-reduce
+(``precompute_float8_dynamic_scale_for_fsdp``); without it each weight's pre-all-gather hook
+all-reduces its own amax, eagerly, in forward and again in backward. fp16 adds
 the plain ``torch.amp.GradScaler`` (see ``common.TorchTrainer``): its unscale of DTensor gradient
 shards all-reduces the found-inf flag over the mesh, so every rank skips alike (FACTS).
 
@@ -40,6 +45,20 @@ from parabench.strategies import TrainSpec
 
 
 class FSDP2Trainer(TorchTrainer):
+    # Option fp8_all_gather: refresh the float8 weights' scales after each optimizer step.
+    precompute_float8_scales = False
+
+    def train_step(self, inputs, targets):
+        loss = super().train_step(inputs, targets)
+        if self.precompute_float8_scales:
+            # torchao: "run after the optimizer step. It performs a single all-reduce to compute the
+            # scales for all float8 weights" (torchao/float8/fsdp_utils.py); torchtitan calls it from
+            # its post-optimizer hook (components/quantization/float8.py, ``post_optimizer_hook``).
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(self.module)
+        return loss
+
     def full_parameters(self):
         return {n: p.full_tensor().detach().float().cpu() for n, p in self.module.named_parameters()}
 
@@ -70,7 +89,9 @@ def build(spec: TrainSpec, offload: bool = False, mesh=None) -> FSDP2Trainer:
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=o.reshard_after_forward, **extra)
     # With offload the parameters (and the AdamW step) are on the CPU: no fused CUDA kernel there.
     opt_spec = replace(spec, device=torch.device("cpu")) if offload else spec
-    return FSDP2Trainer(spec, model, adamw(model.parameters(), opt_spec), autocast_enabled=spec.autocast_on)
+    trainer = FSDP2Trainer(spec, model, adamw(model.parameters(), opt_spec), autocast_enabled=spec.autocast_on)
+    trainer.precompute_float8_scales = spec.recipe == "fp8" and o.fp8_all_gather
+    return trainer
 
 
 def mixed_precision_policy(spec: TrainSpec, o: ShardedPeerOptions) -> MixedPrecisionPolicy:
