@@ -97,6 +97,14 @@ def block_float8_numel(cfg) -> int:
         return float8_numel(Block(cfg, 0))
 
 
+def block_float8_linears(cfg) -> int:
+    """Linears of one transformer block of ``cfg`` the conversion casts to float8."""
+    from parabench.models import Block
+
+    with torch.device("meta"):
+        return sum(1 for n, m in Block(cfg, 0).named_modules() if converts(m, n))
+
+
 def convert(model: torch.nn.Module, fsdp_float8_all_gather: bool = False) -> torch.nn.Module:
     """Swap the chosen linears for torchao ``Float8Linear`` in place (before DDP, FSDP2, a reference's
     flat buffers, activation checkpointing and compile: torchtitan converts the model first)."""

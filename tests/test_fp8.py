@@ -98,6 +98,21 @@ def test_block_float8_numel_counts_the_block_linears():
     assert fp8.block_float8_numel(MODEL_LADDER["gpt-1.3b"]) == 12 * d * d  # q, k, v, proj: d²; fc, proj: 4d²
 
 
+def test_fp8_all_gather_expects_one_all_reduce_of_the_float8_scales():
+    """torchao's precompute_float8_dynamic_scale_for_fsdp: one fp32 amax per float8 weight, one
+    all-reduce a step (not per micro-batch), beside the float8 gathers."""
+    cfg = MODEL_LADDER["tiny"]
+    plain = expected(mk("torch.fsdp2", "fp8"), cfg, 2)["comm_payload_bytes"]
+    gathered = expected(mk("torch.fsdp2", "fp8", options={"fp8_all_gather": True}), cfg, 2)["comm_payload_bytes"]
+    accumulated = expected(mk("torch.fsdp2", "fp8", grad_accum=2, options={"fp8_all_gather": True}), cfg, 2)[
+        "comm_payload_bytes"
+    ]
+    assert "all_reduce" not in plain
+    assert fp8.block_float8_linears(cfg) == len(BLOCK_LINEARS)
+    assert gathered["all_reduce"] == accumulated["all_reduce"] == 4 * cfg.n_layers * len(BLOCK_LINEARS)
+    assert gathered["all_gather"] < plain["all_gather"]
+
+
 def _float8_names(model) -> set[str]:
     from torchao.float8.float8_linear import Float8Linear
 

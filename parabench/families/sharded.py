@@ -276,6 +276,17 @@ def fsdp2_float8_gather_saving(cfg, case, o, pbytes: int) -> int:
     return gathers * block_float8_numel(cfg) * (pbytes - 1)
 
 
+def fsdp2_float8_scale_bytes(cfg, o) -> int:
+    """Option ``fp8_all_gather``: after each optimizer step torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp`` all-reduces (max) one fp32 amax per float8 weight,
+    stacked into one tensor: a single all-reduce of 4 bytes per float8 linear."""
+    if not getattr(o, "fp8_all_gather", False):
+        return 0
+    from parabench.fp8 import block_float8_linears
+
+    return 4 * cfg.n_layers * block_float8_linears(cfg)
+
+
 def expect_torch_fsdp2(cfg, case, o, dp):
     p = psi(cfg)
     pbytes = BYTES[case.param_precision]
@@ -293,6 +304,8 @@ def expect_torch_fsdp2(cfg, case, o, dp):
         if dp > 1
         else {}
     )
+    if dp > 1 and fsdp2_float8_scale_bytes(cfg, o):
+        comm["all_reduce"] = fsdp2_float8_scale_bytes(cfg, o)
     return Expectation(
         state_bytes=None,  # per-parameter dim-0 sharding: shard sizes vary by rank, see the measurement
         comm_payload_bytes=comm,
