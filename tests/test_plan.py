@@ -193,19 +193,43 @@ def test_amp_costs_cast_and_fp32_activation_traffic():
     assert fa["inv_act_bw"] == pytest.approx(2 * fm["inv_act_bw"])
 
 
-def test_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1():
+def _equal_costs(w) -> list:
+    """Every virtual stage's F, B (and W) equal: B = 2F; ZB-H1 T_F = T_B = T_W."""
+    chunks = w.pp * (w.virtual_stages if any(c for _, c, _ in M._stage_orders(w)[0]) else 1)
+    return [(1.0, 1.0, 1.0) if w.schedule == "zb_h1" else (1.0, 2.0, 0.0)] * chunks
+
+
+def test_pipeline_factor_is_the_equal_stage_bubble_and_grows_with_a_heavy_last_stage():
+    """Equal stages replay to 1 + (p-1)/m (1F1B, GPipe), 1 + (p-1)/(vm) (interleaved) and ZB-H1's
+    (p-1)/(3m) at equal F, B, W; a last stage heavier than the others stretches the step beyond it."""
+    cfg = dataclasses.replace(model_config("tiny"), n_layers=8)
+    for strategy in ("ref.pp_1f1b", "ref.pp_gpipe", "ref.pp_interleaved", "ref.pp_zb"):
+        for pp, m in ((2, 4), (4, 8)):
+            opts = {"pp": pp, "microbatches": m}
+            w = for_config(model="tiny", cfg=cfg, strategy=strategy, world_size=pp, micro_batch=m, options=opts)
+            costs = _equal_costs(w)
+            equal = M.schedule_factor(M._stage_orders(w), costs)
+            assert equal == pytest.approx(1 + M.bubble_ratio(w)), (strategy, pp, m)
+            heavy = costs[:-1] + [tuple(1.5 * x for x in costs[-1])]
+            assert M.schedule_factor(M._stage_orders(w), heavy) > equal + 0.05, (strategy, pp, m)
+            # the model's own costs: the last stage carries the head and the loss
+            assert M.pipeline_factor(w, {"logit_s": 1e-11}) > equal
+    one = for_config(model="tiny", cfg=cfg, strategy="single", world_size=1, micro_batch=4)
+    assert M.pipeline_factor(one, {}) == 1.0
+
+
+def test_predicted_bubble_is_the_stretch_of_the_per_micro_batch_work():
     cfg = model_config("tiny")
     w = for_config(
         model="tiny", cfg=cfg, strategy="ref.pp_1f1b", world_size=2, micro_batch=4, options={"pp": 2, "microbatches": 4}
     )
-    p = M.predict(w, _cal(inv_rate=1e-15))
-    bubble = p.time_s["bubble"] / (p.time_s["bubble"] + p.time_s["compute"])
-    assert bubble == pytest.approx((2 - 1) / (4 + 2 - 1))
-
-
-def _bubble_share(w) -> float:
-    p = M.predict(w, _cal(inv_rate=1e-15))
-    return p.time_s["bubble"] / (p.time_s["bubble"] + p.time_s["compute"])
+    consts = {**M.TIME_DEFAULTS, "inv_rate": 1e-15, "logit_s": 1e-11}
+    p = M.predict(w, _cal(**consts))
+    feats = M.time_features(w, COLLECTIVES, consts)
+    per_mb = sum(consts[k] * feats[k] for k in M.PER_MICROBATCH)  # stretched: the stages' timeline
+    stretch = M.pipeline_factor(w, consts)
+    assert stretch > 1 + M.bubble_ratio(w)  # the tiny model's head and loss outweigh a stage's blocks
+    assert p.time_s["bubble"] == pytest.approx(per_mb * (1 - 1 / stretch))
 
 
 def test_zero_bubble_and_interleaved_bubbles_follow_their_papers():
@@ -215,7 +239,7 @@ def test_zero_bubble_and_interleaved_bubbles_follow_their_papers():
     opts = {"pp": 2, "microbatches": 4}
     zb = for_config(model="tiny", cfg=cfg, strategy="ref.pp_zb", world_size=2, micro_batch=4, options=opts)
     assert zb.schedule == "zb_h1"
-    assert _bubble_share(zb) == pytest.approx(1 / (3 * 4 + 1))
+    assert M.bubble_ratio(zb) == pytest.approx(1 / (3 * 4))
     slow_w = dataclasses.replace(zb, zb_times=(1.0, 1.0, 3.0))  # a slow W cannot hide the last stage's wait for F
     assert M.bubble_ratio(slow_w) == pytest.approx(1 * 1.0 / (4 * 5.0))
     assert M.bubble_ratio(dataclasses.replace(zb, zb_times=(1.0, 2.0, 0.5))) == pytest.approx(2.5 / (4 * 3.5))

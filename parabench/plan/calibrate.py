@@ -248,14 +248,17 @@ def fit_time(obs: list[Observation], collectives: dict, kind: str = "h100", roun
     implementation factors from their residuals, then the host cost of each hook-driven library."""
     cols = M.TIME_CONSTANTS
     device_obs = [o for o in obs if not M.is_host_bound(o.workload)]
-    feats = [M.time_features(o.workload, collectives) for o in device_obs]
-    x = np.array([[f[c] for c in cols] for f in feats]).reshape(len(device_obs), len(cols))
     consts = dict(M.TIME_DEFAULTS)
     if kind in MATMUL_CEILING:
         consts["inv_rate"] = 1 / MATMUL_CEILING[kind]
-    used = [j for j, c in enumerate(cols) if np.any(x[:, j]) and not (c == "inv_rate" and kind in MATMUL_CEILING)]
     impl = {o.workload.impl: 1.0 for o in device_obs}
+    used: list[int] = []
     for _ in range(rounds if device_obs else 0):
+        # a pipeline's stretch depends on its stages' costs, i.e. on the constants: refit on the
+        # features the previous round's constants give (the first round: matmul FLOPs only)
+        feats = [M.time_features(o.workload, collectives, consts) for o in device_obs]
+        x = np.array([[f[c] for c in cols] for f in feats]).reshape(len(device_obs), len(cols))
+        used = [j for j, c in enumerate(cols) if np.any(x[:, j]) and not (c == "inv_rate" and kind in MATMUL_CEILING)]
         y = np.array([o.step_s / impl[o.workload.impl] for o in device_obs])
         fixed = np.array([sum(consts[c] * f[c] for j, c in enumerate(cols) if j not in used) for f in feats])
         sol = nnls(x[:, used] / y[:, None], (y - fixed) / y)
@@ -269,7 +272,7 @@ def fit_time(obs: list[Observation], collectives: dict, kind: str = "h100", roun
         impl = {k: min(max(v, lo), hi) for k, v in _impl_factors(ratios, log=True).items() if M.time_factor_cause(k)}
         impl = {o.workload.impl: impl.get(o.workload.impl, 1.0) for o in device_obs}
     impl = {k: v for k, v in impl.items() if M.time_factor_cause(k)}
-    device_s = [sum(consts[c] * v for c, v in M.time_features(o.workload, collectives).items()) for o in obs]
+    device_s = [sum(consts[c] * v for c, v in M.time_features(o.workload, collectives, consts).items()) for o in obs]
     host = fit_host(obs, device_s)
     # A constant no observation exercises keeps its default and says so.
     return consts, impl | {"_fitted": [cols[j] for j in used]}, host

@@ -12,8 +12,10 @@ Step time (per optimizer step, per rank), every term a rate times an amount:
 - compute      FLOPs of the rank (model FLOPs + recomputation) / achieved matmul rate, where the
                rate saturates with the GEMM size x = tokens per micro-batch x width / tp:
                t = F * (1/R + (x0/R) / x)  (a roofline with a half-saturation size x0)
-- bubble       pipeline: compute * (p-1) / (v*m)  (GPipe/1F1B bubble (p-1)/(m+p-1) of the step, v
-               interleaved chunks); ZB-H1 compute * (p-1) max(T_F, T_B, T_F+T_B-T_W) / (m (T_F+T_B+T_W))
+- bubble       pipeline: the per-micro-batch terms (compute, elementwise, logits, launches) of the
+               average stage x pipeline_factor - 1: the schedule replayed (parabench.pipeline_sim)
+               on unequal stages (blocks by partition_layers, embedding on the first, head and
+               loss on the last); equal stages give (p-1)/(v*m), ZB-H1's (p-1)/(3m)
 - memory       bytes the optimizer step and the casts move / memory bandwidth: optimizer
                reads and writes every state byte; autocast ("amp") casts fp32 weights per pass
 - host         launch overhead per layer and micro-batch pass
@@ -318,7 +320,8 @@ def comm_calls(w: Workload, kind: str, nbytes: float) -> float:
 
 
 def bubble_ratio(w: Workload) -> float:
-    """Pipeline idle time over the rank's compute time. GPipe and 1F1B: (p-1)/m, i.e. a bubble
+    """Pipeline idle time over the rank's compute time with equal stages (the papers' theory; the
+    model stretches by ``pipeline_factor``, which equals 1 + this for equal stage costs). GPipe and 1F1B: (p-1)/m, i.e. a bubble
     (p-1)/(m+p-1) of the step; interleaved 1F1B divides it by the v chunks per rank (Narayanan et
     al. 2021, Sec. 2.2). ZB-H1 (Qi et al. 2024): (p-1) max(T_F, T_B, T_F+T_B-T_W) against
     m (T_F+T_B+T_W) of compute, from reference_impls.pipeline_zb's own formula; (p-1)/(3m) at the
@@ -333,10 +336,121 @@ def bubble_ratio(w: Workload) -> float:
     return (w.pp - 1) / (w.virtual_stages * w.microbatches)
 
 
-def time_features(w: Workload, collectives: dict) -> dict:
-    """The amounts each fitted constant multiplies: step_s = sum(constant * feature)."""
+# The loss's memory-bound work (fp32 cast, log-softmax, NLL and their gradients) splits about evenly
+# between forward and backward: gpt-1.3b pp 4 on CUDA events (results/pp-timeline-gpu/20261126-231828,
+# ref.pp_1f1b m 8) spent 1.65 ms (forward) and 1.8 ms (backward) per micro-batch on the last stage
+# beyond the others, less the head matmul's 2dV and 4dV FLOPs per token.
+LOGIT_FORWARD_SHARE = 0.5
+
+
+def _chunk_layers(w: Workload, interleaved: bool) -> list[int]:
+    """Blocks per virtual stage (global chunk order): parabench's split (reference_impls.pipeline
+    partition_layers over p stages, or over p*v chunks for interleaved 1F1B, chunk c on rank c mod p)."""
+    from reference_impls.pipeline import partition_layers
+
+    n = w.pp * (w.virtual_stages if interleaved else 1)
+    return [hi - lo for lo, hi in partition_layers(w.n_layers, n)]
+
+
+def pipeline_op_costs(w: Workload, consts: dict) -> list[tuple[float, float, float]]:
+    """Seconds of one micro-batch's F, B and W on each virtual stage (global chunk order), from the
+    same amounts and constants as the step's terms: per block its matmul FLOPs (with recomputation),
+    elementwise traffic and host launches; the first chunk also the embedding's dense V x d gradient
+    (written, then added into .grad: 4 accesses); the last the head matmul (6dV FLOPs per token) and
+    the loss's logit work (``logit_s`` per logit element). Backward is the rest of each part (about
+    twice the forward for matmuls); ZB-H1 splits it into B and W by the measured (or the paper's
+    equal) T_B : T_W. W is 0 for the other schedules."""
+    c = {**TIME_DEFAULTS, **(consts or {})}
+    order0 = _stage_orders(w)[0]
+    interleaved = any(chunk > 0 for _, chunk, _ in order0)
+    has_w = any(kind == "W" for kind, _, _ in order0)
+    layers = _chunk_layers(w, interleaved)
+    tokens = w.rows * w.seq_len
+    tdiv = w.tp if w.family == "model_parallel" else 1
+    head_flops = 6 * w.d_model * w.vocab_size
+    block_flops = (w.hw_flops_per_token - head_flops) / w.n_layers * tokens / w.tp
+    recompute = 4 / 3 if w.checkpointing else 1.0
+    sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
+    tp_share = 1 / sp_div if sp_div > 1 else activation_layer_bytes(w) / (34 * w.seq_len * w.rows * w.d_model)
+    per_block = (
+        c["inv_rate"] * block_flops
+        + c["inv_rate_x"] * block_flops / w.gemm_size
+        + c["inv_act_bw"] * tokens * w.d_model * tp_share * recompute * ACT_BYTES.get(w.recipe, 2)
+        + c["host_s"]
+    )
+    fwd_share = 1 / (3 + (1 if w.checkpointing else 0))  # recomputation runs in backward
+    head = (c["inv_rate"] + c["inv_rate_x"] / w.gemm_size) * head_flops * tokens / tdiv
+    logits = c["logit_s"] * tokens * w.vocab_size / tdiv
+    embed_grad = c["inv_mem_bw"] * 4 * (4 if w.recipe == "amp" else 2) * w.vocab_size * w.d_model / tdiv
+    if has_w:
+        t_f, t_b, t_w = w.zb_times or (1.0, 1.0, 1.0)
+        b_share = t_b / (t_b + t_w)
+    else:
+        b_share = 1.0
+    out = []
+    for chunk, n in enumerate(layers):
+        fwd = n * per_block * fwd_share
+        bwd = n * per_block * (1 - fwd_share)
+        if chunk == 0:
+            bwd += embed_grad
+        if chunk == len(layers) - 1:
+            fwd += head / 3 + logits * LOGIT_FORWARD_SHARE
+            bwd += 2 * head / 3 + logits * (1 - LOGIT_FORWARD_SHARE)
+        out.append((fwd, bwd * b_share, bwd * (1 - b_share)))
+    return out
+
+
+_ORDER_CACHE: dict = {}
+_FACTOR_CACHE: dict = {}
+
+
+def _stage_orders(w: Workload) -> tuple:
+    """Each stage's ``(kind, global chunk, micro-batch)`` order (pipeline_order, chunk made global)."""
+    key = (w.schedule, w.pp, w.microbatches, w.virtual_stages)
+    if key not in _ORDER_CACHE:
+        _ORDER_CACHE[key] = tuple(
+            tuple((kind, s + chunk * w.pp, mb) for kind, chunk, mb in pipeline_order(w, s)) for s in range(w.pp)
+        )
+    return _ORDER_CACHE[key]
+
+
+def schedule_factor(orders, costs) -> float:
+    """Makespan of ``orders`` (each stage's (kind, global chunk, micro-batch) ops) with each op
+    lasting ``costs[chunk][F/B/W]`` and free messages (parabench.pipeline_sim), over the mean
+    stage's busy time: the step's stretch over the average rank's work. Equal stages give
+    1 + (p-1)/m (GPipe, 1F1B), 1 + (p-1)/(vm) (interleaved), ZB-H1's theory."""
+    from parabench.pipeline_sim import Op, simulate
+
+    index = {"F": 0, "B": 1, "W": 2}
+    ops = [[Op(kind, mb, chunk, costs[chunk][index[kind]]) for kind, chunk, mb in order] for order in orders]
+    res = simulate(ops)
+    mean_busy = sum(res["busy_s"]) / len(res["busy_s"])
+    return res["step_s"] / mean_busy if mean_busy > 0 else 1.0
+
+
+def pipeline_factor(w: Workload, consts: dict | None = None) -> float:
+    """Step over the average stage's busy time for ``w``'s schedule on its unequal stages
+    (``pipeline_op_costs`` under ``consts``; the defaults without: matmul FLOPs and the head only).
+    1 without a pipeline. Cached on the schedule and the cost ratios (3 significant digits)."""
+    if w.pp <= 1:
+        return 1.0
+    costs = pipeline_op_costs(w, consts or {})
+    top = max(max(c) for c in costs) or 1.0
+    rounded = tuple(tuple(float(f"{x / top:.3g}") for x in c) for c in costs)
+    key = (w.schedule, w.pp, w.microbatches, w.virtual_stages, rounded)
+    if key not in _FACTOR_CACHE:
+        _FACTOR_CACHE[key] = schedule_factor(_stage_orders(w), rounded)
+    return _FACTOR_CACHE[key]
+
+
+def time_features(w: Workload, collectives: dict, consts: dict | None = None) -> dict:
+    """The amounts each fitted constant multiplies: step_s = sum(constant * feature).
+
+    With a pipeline, every per-micro-batch amount (matmul FLOPs, elementwise traffic, logit work,
+    launches) is the average stage's, stretched by ``pipeline_factor``: the step is the schedule's
+    critical path over unequal stages, which ``consts`` (the calibration's own constants) cost."""
     flops = w.tokens_per_step * w.hw_flops_per_token / w.world_size
-    bubble = bubble_ratio(w)
+    stretch = pipeline_factor(w, consts)
     params_rank = w.params / (w.tp * w.pp)
     mem_bytes = 2 * (w.state_bytes or 0) + (AMP_CAST_BYTES * params_rank * w.passes if w.recipe == "amp" else 0)
     sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
@@ -347,12 +461,14 @@ def time_features(w: Workload, collectives: dict) -> dict:
     tp_share = 1 / sp_div if sp_div > 1 else activation_layer_bytes(w) / (34 * w.seq_len * w.rows * w.d_model)
     act_elems = w.rows * w.seq_len * w.d_model * tp_share * w.n_layers / w.pp * w.passes * recompute
     f = dict.fromkeys(TIME_CONSTANTS, 0.0)
-    f["inv_rate"] = flops * (1 + bubble)
-    f["inv_rate_x"] = flops * (1 + bubble) / w.gemm_size
+    f["inv_rate"] = flops * stretch
+    f["inv_rate_x"] = flops * stretch / w.gemm_size
     f["inv_mem_bw"] = mem_bytes
-    f["inv_act_bw"] = act_elems * ACT_BYTES.get(w.recipe, 2)
+    f["inv_act_bw"] = act_elems * ACT_BYTES.get(w.recipe, 2) * stretch
+    # the last stage's loss, shared out over the p stages and stretched like the rest
     f["logit_s"] = w.rows * w.seq_len * w.vocab_size / (w.tp if w.family == "model_parallel" else 1) * w.passes
-    f["host_s"] = w.n_layers / w.pp * w.passes
+    f["logit_s"] *= stretch / w.pp
+    f["host_s"] = w.n_layers / w.pp * w.passes * stretch
     f["inv_host_bw"] = 2 * w.cpu_state_bytes if w.offload else 0.0
     f["inv_mem_bw"] += device_copy_bytes(w)
     for kind, nbytes in w.comm_bytes.items():
@@ -432,6 +548,8 @@ def device_copy_bytes(w: Workload) -> float:
     return 0.0
 
 
+# The terms paid once per micro-batch pass on a pipeline stage (stretched by pipeline_factor).
+PER_MICROBATCH = ("inv_rate", "inv_rate_x", "inv_act_bw", "logit_s", "host_s")
 TIME_PARTS = {
     "compute": ("inv_rate", "inv_rate_x"),
     "memory": ("inv_mem_bw", "inv_act_bw", "logit_s"),
@@ -663,12 +781,17 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
     """Step time, throughput, MFU, peak memory and traffic of ``w`` under calibration ``cal``."""
     tc = {**TIME_DEFAULTS, **cal["time"]}
     mc = {**MEMORY_DEFAULTS, **cal["memory"]}
-    feats = time_features(w, cal["collectives"])
+    feats = time_features(w, cal["collectives"], tc)
     parts = {part: sum(tc[k] * feats[k] for k in keys) for part, keys in TIME_PARTS.items()}
     flops = w.tokens_per_step * w.hw_flops_per_token / w.world_size
-    bubble = bubble_ratio(w)
-    parts["bubble"] = parts["compute"] * bubble / (1 + bubble)
-    parts["compute"] -= parts["bubble"]
+    # the stretch of the per-micro-batch work over the average stage's is idle time of the average
+    # rank: shown as the bubble
+    stretch = pipeline_factor(w, tc)
+    parts["bubble"] = 0.0
+    for part in ("compute", "memory", "host"):
+        per_mb = sum(tc[k] * feats[k] for k in TIME_PARTS[part] if k in PER_MICROBATCH)
+        parts["bubble"] += per_mb * (1 - 1 / stretch)
+        parts[part] -= per_mb * (1 - 1 / stretch)
     notes = []
     factor = 1.0
     if impl:
