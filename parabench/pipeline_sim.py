@@ -21,6 +21,11 @@ Run with the measured times, the simulation gives the bubble the schedule and th
 imply; run with every op of a kind set to its mean over all stages, it gives the equal-stage
 bubble (the theory, at the measured F:B:W ratio). The measured bubble minus the first is what
 neither explains: point-to-point transfers, launches and host gaps between ops.
+
+Two checks on the order alone go with it: the peak of (chunk, micro-batch) activations each stage
+holds (``simulate``'s ``peak_live``), and ``check_untagged_channels``, whether the order still
+pairs every send with its receive where messages between two stages match in posting order
+without tags (as NCCL's send/recv do).
 """
 
 from __future__ import annotations
@@ -52,20 +57,40 @@ def _dependencies(op: Op, last_chunk: int) -> list[tuple[str, int, int]]:
     raise ValueError(f"unknown op kind {op.kind!r}; valid: {', '.join(KINDS)}")
 
 
-def simulate(stage_ops: list[list[Op]]) -> dict:
-    """Run each stage's ops in its order, each as soon as its stage is free and its dependencies
-    are done, messages free. Returns ``step_s`` (the makespan), per stage ``busy_s``, ``end_s`` and
-    ``bubble`` (1 − busy/step), and ``bubble_mean`` over stages. A schedule in which some op waits
-    for one that never runs, or for one queued behind itself, raises ValueError."""
-    if not stage_ops or not all(stage_ops):
-        raise ValueError("every stage needs at least one op")
-    last_chunk = max(op.chunk for ops in stage_ops for op in ops)
+def _peak_live(ops: list[Op], present: set[tuple[str, int, int]]) -> int:
+    """Most (chunk, micro-batch) activations alive at once on a stage running ``ops`` in order:
+    from its F until its W where the schedule has one, else until its B."""
+    live = peak = 0
+    for op in ops:
+        if op.kind == "F":
+            live += 1
+            peak = max(peak, live)
+        elif op.kind == ("W" if ("W", op.chunk, op.micro) in present else "B"):
+            live -= 1
+    return peak
+
+
+def _present(stage_ops: list[list[Op]], last_chunk: int) -> set[tuple[str, int, int]]:
+    """Every op's (kind, chunk, micro); ValueError where an op depends on one no stage runs."""
     present = {(op.kind, op.chunk, op.micro) for ops in stage_ops for op in ops}
     for ops in stage_ops:
         for op in ops:
             missing = [d for d in _dependencies(op, last_chunk) if d not in present]
             if missing:
                 raise ValueError(f"{op.kind}{op.micro}c{op.chunk} depends on {missing[0]}, which no stage runs")
+    return present
+
+
+def simulate(stage_ops: list[list[Op]]) -> dict:
+    """Run each stage's ops in its order, each as soon as its stage is free and its dependencies
+    are done, messages free. Returns ``step_s`` (the makespan), per stage ``busy_s``, ``end_s``,
+    ``bubble`` (1 − busy/step) and ``peak_live`` (``_peak_live``), and ``bubble_mean`` over stages.
+    A schedule in which some op waits for one that never runs, or for one queued behind itself,
+    raises ValueError."""
+    if not stage_ops or not all(stage_ops):
+        raise ValueError("every stage needs at least one op")
+    last_chunk = max(op.chunk for ops in stage_ops for op in ops)
+    present = _present(stage_ops, last_chunk)
     done: dict[tuple[str, int, int], float] = {}
     pos = [0] * len(stage_ops)
     free = [0.0] * len(stage_ops)
@@ -97,7 +122,42 @@ def simulate(stage_ops: list[list[Op]]) -> dict:
         "end_s": free,
         "bubble": bubbles,
         "bubble_mean": sum(bubbles) / len(bubbles),
+        "peak_live": [_peak_live(ops, present) for ops in stage_ops],
     }
+
+
+def check_untagged_channels(stage_ops: list[list[Op]]) -> None:
+    """Raise ValueError unless, between every two stages, the messages one sends (an op's output
+    that an op of the other stage depends on, sent when the op runs) come in the order the other
+    receives them (when the op that needs one runs). Without tags the k-th receive takes the k-th
+    send, so any other order hands an op another op's tensor, or leaves a message untaken."""
+    last_chunk = max(op.chunk for ops in stage_ops for op in ops)
+    _present(stage_ops, last_chunk)
+    stage_of = {(op.kind, op.chunk, op.micro): s for s, ops in enumerate(stage_ops) for op in ops}
+    sent: dict[tuple[int, int], list] = {}
+    received: dict[tuple[int, int], list] = {}
+    readers: dict[tuple[str, int, int], list[int]] = {}
+    for s, ops in enumerate(stage_ops):
+        for op in ops:
+            for dep in _dependencies(op, last_chunk):
+                src = stage_of[dep]
+                if src != s:
+                    received.setdefault((src, s), []).append(dep)
+                    if s not in readers.setdefault(dep, []):
+                        readers[dep].append(s)
+    for s, ops in enumerate(stage_ops):
+        for op in ops:
+            for dst in readers.get((op.kind, op.chunk, op.micro), []):
+                sent.setdefault((s, dst), []).append((op.kind, op.chunk, op.micro))
+    for channel in sorted(set(sent) | set(received), key=str):
+        out, into = sent.get(channel, []), received.get(channel, [])
+        if out != into:
+            n = next((k for k, (a, b) in enumerate(zip(out, into)) if a != b), min(len(out), len(into)))
+            where = f"stage {channel[0]} -> stage {channel[1]}, message {n}"
+            if n >= len(into):
+                raise ValueError(f"{where}: {out[n]} is sent but never received")
+            got = out[n] if n < len(out) else "nothing (never sent)"
+            raise ValueError(f"{where}: the receive for {into[n]} takes {got}")
 
 
 def equalized(stage_ops: list[list[Op]]) -> list[list[Op]]:

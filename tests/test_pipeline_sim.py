@@ -1,8 +1,10 @@
 """The pipeline replay (``parabench.pipeline_sim``) reproduces each schedule's closed-form bubble at
 equal stage times (GPipe and 1F1B (p−1)/(m+p−1), interleaved (p−1)/(vm+p−1), ZB-H1
-(p−1)·max(T_F, T_B, T_F+T_B−T_W) over the step), the known larger bubble of a slow last stage, and,
-on committed 4x H100 records, the measured bubble from each op's measured time; the report's bubble
-row splits measured − theory into op ratio, imbalance and residual. In-process, no launches."""
+(p−1)·max(T_F, T_B, T_F+T_B−T_W) over the step), the known larger bubble of a slow last stage,
+each stage's peak live activations, and, on committed 4x H100 records, the measured bubble from
+each op's measured time; it refuses an order whose untagged messages would cross; the report's
+bubble row splits measured − theory into op ratio, imbalance and residual. In-process, no
+launches."""
 
 from __future__ import annotations
 
@@ -11,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from parabench.pipeline_sim import Op, equalized, ops_from_stats, replay, simulate
+from parabench.pipeline_sim import Op, check_untagged_channels, equalized, ops_from_stats, replay, simulate
 from parabench.report import frames
 from parabench.results import load_run
 from reference_impls.pipeline import bubble_fraction_theory, gpipe_order, one_f_one_b_order
 from reference_impls.pipeline_interleaved import bubble_fraction_theory as interleaved_theory
 from reference_impls.pipeline_interleaved import interleaved_order
 from reference_impls.pipeline_zb import bubble_fraction_theory as zb_theory
+from reference_impls.pipeline_zb import peak_live_theory as zb_peak_live
 from reference_impls.pipeline_zb import zb_h1_order
 
 RUN = Path(__file__).resolve().parent.parent / "results" / "h100x4" / "20261126-203946"
@@ -78,6 +81,37 @@ def test_a_schedule_that_cannot_run_is_refused():
         simulate([[Op("F", 0, 1, 1), Op("B", 0, 1, 1)]])
     with pytest.raises(ValueError, match="not in the timeline"):
         ops_from_stats([{"stage": 0, "order": ["F0", "B0"], "timeline": [["F", 0, 0.0, 1.0]]}])
+
+
+def test_peak_live_counts_activations_from_f_to_their_last_backward():
+    """GPipe holds all m, 1F1B p − s on stage s, ZB-H1 p (to W, not B); a W, where the schedule
+    has one, not the B, frees the activation."""
+    p, m = 4, 8
+    peaks = {fn: simulate(plain(fn, p, m, lambda s, k: 1.0))["peak_live"] for fn in (gpipe_order, one_f_one_b_order)}
+    assert peaks[gpipe_order] == [m] * p
+    assert peaks[one_f_one_b_order] == [p - s for s in range(p)]
+    assert simulate(plain(zb_h1_order, p, m, lambda s, k: 1.0))["peak_live"] == [zb_peak_live(p, m)] * p
+    one_stage = [Op("F", 0, 0, 1), Op("B", 0, 0, 1), Op("F", 1, 0, 1), Op("B", 1, 0, 1)]
+    assert simulate([one_stage])["peak_live"] == [1]
+    assert simulate([one_stage + [Op("W", 0, 0, 1), Op("W", 1, 0, 1)]])["peak_live"] == [2]
+
+
+def test_untagged_channels_accept_the_schedules_and_refuse_a_crossed_message():
+    """Every schedule here pairs its sends and receives in order; stage 1 taking micro-batch 1
+    before 0 still replays (each op waits for its own input), but without tags its first receive
+    would take micro-batch 0's activation."""
+    for order_fn in (gpipe_order, one_f_one_b_order, zb_h1_order):
+        check_untagged_channels(plain(order_fn, 4, 8, lambda s, k: 1.0))
+    p, v, m = 2, 2, 4  # rank 0 -> rank 1 carries activations and gradients, interleaved
+    check_untagged_channels([[Op(k, i, r + c * p, 1.0) for k, c, i in interleaved_order(r, p, v, m)] for r in range(p)])
+    first = [Op("F", 0, 0, 1), Op("F", 1, 0, 1), Op("B", 0, 0, 1), Op("B", 1, 0, 1)]
+    crossed = [Op("F", 1, 1, 1), Op("F", 0, 1, 1), Op("B", 0, 1, 1), Op("B", 1, 1, 1)]
+    assert simulate([first, crossed])["step_s"] > 0
+    with pytest.raises(ValueError, match=r"stage 0 -> stage 1, message 0: the receive for \('F', 0, 1\) takes"):
+        check_untagged_channels([first, crossed])
+    twice = [Op("F", 0, 0, 1), Op("F", 0, 0, 1), Op("B", 0, 0, 1)]
+    with pytest.raises(ValueError, match="sent but never received"):
+        check_untagged_channels([twice, [Op("F", 0, 1, 1), Op("B", 0, 1, 1)]])
 
 
 def _stages(case_id):

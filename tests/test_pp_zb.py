@@ -14,8 +14,10 @@ from __future__ import annotations
 import pytest
 from harness import assert_matches_single, payload_by_kind, run_cases
 
+from parabench import pipeline_sim
 from parabench.case import Case
 from parabench.models import model_config
+from parabench.pipeline_sim import Op
 from parabench.suite import SuiteError, validate_case
 from parabench.theory import expected
 from reference_impls.pipeline import one_f_one_b_order
@@ -76,35 +78,12 @@ def test_order_by_hand():
 
 
 def simulate(p: int, m: int, t_f: float, t_b: float, t_w: float) -> dict:
-    """Every stage's order against the others, blocking on its inputs (F on the previous stage's
-    F, B on the next stage's B, W on its own B), messages taking no time; fails on a deadlock.
-    Returns the step time, the bubble (idle share of the step) and the peak live micro-batches
-    (between F and W) per stage."""
-    orders = [zb_h1_order(s, p, m) for s in range(p)]
-    pos, free, live, peak = [0] * p, [0.0] * p, [0] * p, [0] * p
-    done: dict = {}
+    """Every stage's ZB-H1 order replayed against the others (``parabench.pipeline_sim``: F waits
+    for the previous stage's F, B for the next stage's B, W for its own B, messages free); raises
+    on a deadlock. Gives the step time ``step_s`` and, per stage, the ``bubble`` (idle share of
+    the step) and ``peak_live`` micro-batches (between F and W)."""
     cost = {"F": t_f, "B": t_b, "W": t_w}
-    while any(pos[s] < len(orders[s]) for s in range(p)):
-        progressed = False
-        for s in range(p):
-            while pos[s] < len(orders[s]):
-                kind, i = orders[s][pos[s]]
-                need = {
-                    "F": (s - 1, "F", i) if s > 0 else None,
-                    "B": (s + 1, "B", i) if s < p - 1 else (s, "F", i),
-                    "W": (s, "B", i),
-                }[kind]
-                if need is not None and need not in done:
-                    break
-                start = max(free[s], done[need] if need else 0.0)
-                free[s] = done[s, kind, i] = start + cost[kind]
-                live[s] += {"F": 1, "B": 0, "W": -1}[kind]
-                peak[s] = max(peak[s], live[s])
-                pos[s] += 1
-                progressed = True
-        assert progressed, f"deadlock at p={p} m={m}: {pos}"
-    step = max(free)
-    return {"step": step, "bubble": 1 - m * (t_f + t_b + t_w) / step, "peak_live": peak}
+    return pipeline_sim.simulate([[Op(k, i, s, cost[k]) for k, i in zb_h1_order(s, p, m)] for s in range(p)])
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
@@ -129,10 +108,10 @@ def test_idle_slots_equal_the_analytic_bubble(p, times):
     four), and (p-1) max(T_F, T_B, T_F+T_B-T_W) beyond; at most p micro-batches alive."""
     for m in (p, 2 * p, 4 * p):
         sim = simulate(p, m, *times)
-        assert sim["bubble"] == pytest.approx(bubble_fraction_theory(p, m, *times)), (p, m, times)
+        assert sim["bubble"] == pytest.approx([bubble_fraction_theory(p, m, *times)] * p), (p, m, times)
         t_f, t_b, t_w = times
         if t_w <= min(t_f, t_b):
-            assert sim["step"] - m * sum(times) == pytest.approx((p - 1) * (t_f + t_b - t_w))
+            assert sim["step_s"] - m * sum(times) == pytest.approx((p - 1) * (t_f + t_b - t_w))
         assert sim["peak_live"] == [peak_live_theory(p, m)] * p
 
 
@@ -141,9 +120,9 @@ def test_bubble_is_a_third_of_1f1b_at_equal_times():
     times, so the fraction (p-1)/(3m+p-1) against (p-1)/(m+p-1)."""
     for p, m in ((4, 8), (8, 16)):
         sim = simulate(p, m, 1, 1, 1)
-        assert sim["step"] - 3 * m == pytest.approx((3 * (p - 1)) / 3)
+        assert sim["step_s"] - 3 * m == pytest.approx((3 * (p - 1)) / 3)
         assert bubble_fraction_theory(p, m) == pytest.approx((p - 1) / (3 * m + p - 1))
-        assert sim["bubble"] < (p - 1) / (m + p - 1)
+        assert max(sim["bubble"]) < (p - 1) / (m + p - 1)
 
 
 # --- validation --------------------------------------------------------------------------------------
