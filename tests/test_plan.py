@@ -154,7 +154,24 @@ def test_plan_peaks_hold_the_alive_states_and_the_printed_parts_sum_to_the_peak(
 
 
 def _device_s(w, cal) -> float:
-    return sum(cal["time"].get(k, M.TIME_DEFAULTS[k]) * v for k, v in M.time_features(w, COLLECTIVES).items())
+    consts = {**M.TIME_DEFAULTS, **cal["time"]}
+    return sum(consts[k] * v for k, v in M.time_features(w, COLLECTIVES, consts).items())
+
+
+def test_overlapped_collective_exposes_its_tail_or_what_compute_cannot_hide():
+    """Pieces issued as compute produces them end max(last piece, comm - hidden) after the compute."""
+    assert M.overlap_tail_s(10.0, 100.0, 10, 0.0) == pytest.approx(1.0)  # hidden but the last of 10 pieces
+    assert M.overlap_tail_s(10.0, 100.0, 10, 0.3) == pytest.approx(3.0)  # the embedding's larger last bucket
+    assert M.overlap_tail_s(10.0, 4.0, 5, 0.0) == pytest.approx(10.0 - 4.0 * 0.8)  # compute too short to hide it
+    assert M.overlap_tail_s(10.0, 100.0, 1, 0.0) == pytest.approx(10.0)  # one piece: nothing to hide behind
+    w = for_config(model="tiny", cfg=model_config("tiny"), strategy="ref.zero2", world_size=2, micro_batch=1)
+    f = M.time_features(w, COLLECTIVES, M.TIME_DEFAULTS)
+    # a tiny model's gradient is one bucket: its reduce-scatter ends with backward, nothing hidden; the
+    # post-update all-gather is serial
+    total = sum(
+        M.collective_s(COLLECTIVES, k, b, M.group_size(w, k), M.comm_calls(w, k, b)) for k, b in w.comm_bytes.items()
+    )
+    assert f["comm_serial"] == pytest.approx(total) and f["exp_shard"] == pytest.approx(0.0, abs=1e-15)
 
 
 def test_host_bound_step_is_the_larger_of_device_and_hook_time():

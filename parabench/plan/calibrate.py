@@ -258,7 +258,11 @@ def fit_time(obs: list[Observation], collectives: dict, kind: str = "h100", roun
         # features the previous round's constants give (the first round: matmul FLOPs only)
         feats = [M.time_features(o.workload, collectives, consts) for o in device_obs]
         x = np.array([[f[c] for c in cols] for f in feats]).reshape(len(device_obs), len(cols))
-        used = [j for j, c in enumerate(cols) if np.any(x[:, j]) and not (c == "inv_rate" and kind in MATMUL_CEILING)]
+        used = [
+            j
+            for j, c in enumerate(cols)
+            if np.any(x[:, j]) and not (c == "inv_rate" and kind in MATMUL_CEILING) and c not in M.FIXED_TIME_CONSTANTS
+        ]
         y = np.array([o.step_s / impl[o.workload.impl] for o in device_obs])
         fixed = np.array([sum(consts[c] * f[c] for j, c in enumerate(cols) if j not in used) for f in feats])
         sol = nnls(x[:, used] / y[:, None], (y - fixed) / y)
