@@ -77,6 +77,21 @@ def test_megatron_order_by_hand():
     )
 
 
+@pytest.mark.parametrize(
+    "p, v, m, forwards_first",
+    [(2, 2, 4, [5, 3]), (4, 2, 8, [11, 9, 7, 5]), (4, 3, 8, [15, 13, 11, 9]), (4, 2, 4, [8, 8, 8, 8])],
+)
+def test_forwards_before_the_first_backward_are_megatrons(p, v, m, forwards_first):
+    """Megatron-LM's warm-up, 2(p-r-1) + (v-1)p forwards (all m*v when m == p), then the steady
+    state opens with one more forward before its first backward; literal counts, so a warm-up one
+    longer or shorter fails here even where the bubble would not show it."""
+    counts = []
+    for r in range(p):
+        kinds = [kind for kind, _, _ in interleaved_order(r, p, v, m)]
+        counts.append(kinds.index("B"))
+    assert counts == forwards_first
+
+
 def simulate(p: int, v: int, m: int, t_f: float = 1.0, t_b: float = 2.0) -> dict:
     """Every rank's order replayed against the others (``parabench.pipeline_sim``: a chunk's
     forward waits for the previous chunk's, its backward for the next chunk's and its own forward,
