@@ -109,8 +109,11 @@ def parallelize(
     microbatches: int | None = None,
     record_timeline: bool = False,
     virtual_stages: int = 1,
+    stage_layers: list[int] | None = None,
 ) -> ParallelGPT:
-    """Apply TP, then PP, then DP to the full ``model`` (built identically on every rank)."""
+    """Apply TP, then PP, then DP to the full ``model`` (built identically on every rank).
+    ``stage_layers``: blocks per pipeline stage (``pipeline.partition_layers``); None, an equal
+    split. One stage per rank only: interleaving cuts ``pp x virtual_stages`` chunks instead."""
     cfg = model.cfg
     tp = dist.get_world_size(tp_group)
     pp = dist.get_world_size(pp_group)
@@ -127,16 +130,21 @@ def parallelize(
         stage = dist.get_rank(pp_group)
         ranks = dist.get_process_group_ranks(pp_group)
         if virtual_stages > 1:
+            if stage_layers is not None:
+                raise ValueError(
+                    f"stage_layers sets the blocks of each of {pp} pipeline stages; interleaving "
+                    f"(virtual_stages={virtual_stages}) cuts {pp * virtual_stages} chunks and takes no stage_layers"
+                )
             n_layers = len(model.blocks)
             model = split_chunks(model, stage, pp, virtual_stages)
             engine = InterleavedPipelineEngine(
                 model, stage, ranks, pp_group, virtual_stages, n_layers, record_timeline=record_timeline
             )
         elif schedule == "zb_h1":  # B and W split (pipeline_zb.py); the stage split of 1F1B
-            model = split_stage(model, stage, pp)
+            model = split_stage(model, stage, pp, stage_layers)
             engine = ZeroBubblePipelineEngine(model, stage, ranks, pp_group, record_timeline=record_timeline)
         else:
-            model = split_stage(model, stage, pp)
+            model = split_stage(model, stage, pp, stage_layers)
             engine = PipelineEngine(model, stage, ranks, pp_group, schedule=schedule, record_timeline=record_timeline)
     names = dict(model.named_parameters())
     shard_dims = {n: shard_dims[n] for n in names}

@@ -41,16 +41,48 @@ TAG_ACT, TAG_GRAD = 0, 1
 # --- partition and schedules ---------------------------------------------------------------------
 
 
-def partition_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
-    """Contiguous ``[lo, hi)`` block ranges per stage; the first stages take the remainder."""
-    if n_stages > n_layers:
-        raise ValueError(f"{n_stages} stages for {n_layers} layers")
-    base, extra = divmod(n_layers, n_stages)
+def check_stage_layers(stage_layers, n_layers: int, n_stages: int) -> None:
+    """Raise a ValueError unless ``stage_layers`` gives one block count per stage, each at least
+    one, summing to the model's ``n_layers``."""
+    ok = (
+        isinstance(stage_layers, (list, tuple))
+        and len(stage_layers) == n_stages
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in stage_layers)
+        and sum(stage_layers) == n_layers
+    )
+    if not ok:
+        shown = list(stage_layers) if isinstance(stage_layers, (list, tuple)) else stage_layers
+        raise ValueError(
+            f"option stage_layers={shown!r} "
+            f"must list the blocks of each of the {n_stages} pipeline stages: {n_stages} integers, "
+            f"each >= 1, summing to the model's {n_layers} layers"
+        )
+
+
+def partition_layers(n_layers: int, n_stages: int, stage_layers=None) -> list[tuple[int, int]]:
+    """Contiguous ``[lo, hi)`` block ranges per stage.
+
+    Without ``stage_layers``, as equal as the count allows, the first stages taking the remainder.
+    With it, ``stage_layers[s]`` blocks on stage ``s``: an uneven split that gives the end stages
+    fewer blocks, since the first also runs the embedding and the last the final LayerNorm, head
+    and loss (at gpt-1.3b pp 4 the last stage's step was 35-45 % longer than the others' on an
+    equal split, docs/results.md). Megatron-LM's ``--decoder-first-pipeline-num-layers`` /
+    ``--decoder-last-pipeline-num-layers`` and torchtitan's
+    ``pipeline_parallel_first_stage_less_layers`` / ``pipeline_parallel_last_stage_less_layers``
+    (``generate_llm_fqn_per_model_part``, which counts the embedding and the output as layers)
+    make the same choice; here the counts are given outright."""
+    if stage_layers is not None:
+        check_stage_layers(stage_layers, n_layers, n_stages)
+        sizes = list(stage_layers)
+    else:
+        if n_stages > n_layers:
+            raise ValueError(f"{n_stages} stages for {n_layers} layers")
+        base, extra = divmod(n_layers, n_stages)
+        sizes = [base + (1 if s < extra else 0) for s in range(n_stages)]
     bounds, lo = [], 0
-    for s in range(n_stages):
-        hi = lo + base + (1 if s < extra else 0)
-        bounds.append((lo, hi))
-        lo = hi
+    for size in sizes:
+        bounds.append((lo, lo + size))
+        lo += size
     return bounds
 
 
@@ -79,14 +111,15 @@ def bubble_fraction_theory(n_stages: int, m: int) -> float:
 # --- stage construction -------------------------------------------------------------------------
 
 
-def split_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
+def split_stage(model: nn.Module, stage: int, n_stages: int, stage_layers=None) -> nn.Module:
     """Keep, in place, only what stage ``stage`` runs; parameter names stay the full model's.
+    ``stage_layers``: blocks per stage (:func:`partition_layers`); None, an equal split.
 
     ``model`` needs ``tok_emb, pos_emb, blocks, ln_f, head`` and an ``embed(tokens)`` method (the
     GPT and its tensor-parallel shard both have them). ``blocks`` becomes a ModuleDict keyed by
     the global block index, so ``blocks.5.attn.q.weight`` keeps its name on whatever stage holds it.
     """
-    lo, hi = partition_layers(len(model.blocks), n_stages)[stage]
+    lo, hi = partition_layers(len(model.blocks), n_stages, stage_layers)[stage]
     model.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(lo, hi)})
     if stage > 0:
         del model.tok_emb, model.pos_emb

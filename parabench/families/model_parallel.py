@@ -61,6 +61,10 @@ class ModelParallelOptions(CommonOptions):
     sp: bool = False  # sequence parallel under a pipeline strategy (ref.pp_*)
     record_timeline: bool = False  # one more untimed step records the pipeline timeline (CUDA events on a GPU)
     virtual_stages: int = 2  # ref.pp_interleaved / torch.pp_interleaved: model chunks per rank
+    # Blocks per pipeline stage, e.g. [7, 6, 6, 5] (one stage per rank; not the interleaved
+    # schedules): fewer on the last stage, which also runs the head and loss. None: an equal split
+    # (reference_impls.pipeline.partition_layers). Reference and peers cut the same stages.
+    stage_layers: list[int] | None = None
 
     @property
     def n_microbatches(self) -> int:
@@ -91,6 +95,16 @@ def validate(case, o: ModelParallelOptions, cfg: GPTConfig) -> None:
                 f"(each pipeline micro-batch is micro_batch / microbatches samples; "
                 f"the default is 2*pp = {2 * pp})"
             )
+    if o.stage_layers is not None:
+        if case.strategy in INTERLEAVED_STRATEGIES:
+            raise ValueError(
+                f"{case.strategy}: option stage_layers sets the blocks of each of the pp={pp} pipeline stages, "
+                f"but interleaving cuts pp x virtual_stages = {pp * o.virtual_stages} chunks; "
+                f"drop stage_layers (interleaved chunks are split equally)"
+            )
+        from reference_impls.pipeline import check_stage_layers
+
+        check_stage_layers(o.stage_layers, cfg.n_layers, pp)
     if case.strategy in INTERLEAVED_STRATEGIES:
         v = o.virtual_stages
         if pp * v > cfg.n_layers:
@@ -179,6 +193,7 @@ class ModelParallelTrainer(Trainer):
             schedule=schedule,
             microbatches=o.microbatches,
             virtual_stages=virtual_stages,
+            stage_layers=o.stage_layers,
         )
         del model
         blocks = self.par.module.blocks  # a ModuleDict keyed by global index on a pipeline stage
@@ -285,14 +300,16 @@ def _mp_sp_params(cfg: GPTConfig, lo: int, hi: int, first: bool, last: bool) -> 
     return (hi - lo) * 6 * h + (cfg.seq_len * h if first else 0) + (2 * h if last else 0)
 
 
-def rank_chunks(cfg: GPTConfig, p: int, v: int, pp_rank: int) -> list[tuple[int, int, bool, bool]]:
+def rank_chunks(
+    cfg: GPTConfig, p: int, v: int, pp_rank: int, stage_layers: list[int] | None = None
+) -> list[tuple[int, int, bool, bool]]:
     """``(lo, hi, first, last)`` of each model chunk pipeline rank ``pp_rank`` holds: one stage
-    (v = 1), or chunks ``pp_rank + k p`` of ``p v`` (interleaved); ``first`` holds the embedding,
-    ``last`` the final LayerNorm, head and loss."""
+    (v = 1; ``stage_layers`` blocks per stage when given), or chunks ``pp_rank + k p`` of ``p v``
+    (interleaved); ``first`` holds the embedding, ``last`` the final LayerNorm, head and loss."""
     from reference_impls.pipeline import partition_layers
 
     C = p * v
-    bounds = partition_layers(cfg.n_layers, C)
+    bounds = partition_layers(cfg.n_layers, C, stage_layers)
     return [(*bounds[c], c == 0, c == C - 1) for c in range(pp_rank, C, p)]
 
 
@@ -334,7 +351,7 @@ def model_parallel_ops(
     # E: bytes of what lives in the parameter dtype (fp32 under "amp", bf16/fp16 under "master",
     # where every activation and gradient is in the compute dtype).
     h, s, E = cfg.d_model, cfg.seq_len, BYTES[case.param_precision]
-    chunks = rank_chunks(cfg, p, virtual_stages_of(case, o), pp_rank)
+    chunks = rank_chunks(cfg, p, virtual_stages_of(case, o), pp_rank, o.stage_layers)
     layers = sum(hi - lo for lo, hi, _, _ in chunks)
     first, last = chunks[0][2], chunks[-1][3]
     B = case.micro_batch * case.grad_accum
@@ -413,7 +430,7 @@ def model_parallel_expectation(sequence_parallel: bool | None, schedule: str | N
         per_rank = [sum_ops(model_parallel_ops(cfg, case, c, sp)) for c in grid]
         state = []
         for _, pp_rank, _ in grid:
-            n = sum(_mp_local_params(cfg, t, *c) for c in rank_chunks(cfg, p, v, pp_rank))
+            n = sum(_mp_local_params(cfg, t, *c) for c in rank_chunks(cfg, p, v, pp_rank, o.stage_layers))
             state.append(recipe_state_bytes(case, n))
         out = Expectation(
             state_bytes=state,
@@ -555,14 +572,14 @@ def torch_tp_expectation(sequence_parallel: bool):
 DS_ALLREDUCE_BUCKET = 500_000_000
 
 
-def deepspeed_pp_stage_numels(cfg: GPTConfig, pp: int, stage: int) -> list[int]:
+def deepspeed_pp_stage_numels(cfg: GPTConfig, pp: int, stage: int, stage_layers: list[int] | None = None) -> list[int]:
     """Parameter sizes of one stage in PipelineModule order (embeddings, blocks, LayerNorm + head)."""
     import torch
 
     from parabench.models import GPT
     from reference_impls.pipeline import partition_layers
 
-    lo, hi = partition_layers(cfg.n_layers, pp)[stage]
+    lo, hi = partition_layers(cfg.n_layers, pp, stage_layers)[stage]
     with torch.device("meta"):
         model = GPT(cfg)
     mods = ([model.tok_emb, model.pos_emb] if stage == 0 else []) + [model.blocks[i] for i in range(lo, hi)]
@@ -586,7 +603,7 @@ def deepspeed_pp_ops(cfg: GPTConfig, case, stage: int) -> list[tuple[str, int]]:
         if stage < p - 1:
             ops += [("send", act), ("recv", act)]
     bucket = 0
-    for numel in deepspeed_pp_stage_numels(cfg, p, stage):
+    for numel in deepspeed_pp_stage_numels(cfg, p, stage, o.stage_layers):
         bucket += numel
         if bucket > DS_ALLREDUCE_BUCKET:
             ops.append(("all_reduce", bucket * e))
@@ -609,7 +626,7 @@ def expect_deepspeed_pp(cfg, case, o, dp):
     e = BYTES[case.precision]
     state = []
     for s in range(p):
-        n = sum(deepspeed_pp_stage_numels(cfg, p, s))
+        n = sum(deepspeed_pp_stage_numels(cfg, p, s, o.stage_layers))
         if case.precision == "bf16":  # bf16 module; BF16_Optimizer: fp32 gradient accumulators, fp32 master
             state.append({"params": e * n, "grads": 4 * n, "optimizer": 12 * n})
         else:
@@ -661,7 +678,7 @@ def torch_pipeline_ops(cfg: GPTConfig, case, pp_rank: int, dp: int) -> list[tupl
             if c < chunks - 1:
                 ops += [("send", act), ("recv", act)]
     if dp > 1:
-        bounds = partition_layers(cfg.n_layers, chunks)
+        bounds = partition_layers(cfg.n_layers, chunks, o.stage_layers)
         for k in range(v):
             c = pp_rank + k * p
             ops += [
@@ -690,7 +707,7 @@ def expect_torch_pipeline(cfg, case, o, dp):
     p = o.pp
     v = virtual_stages_of(case, o)
     chunks = p * v
-    bounds = partition_layers(cfg.n_layers, chunks)
+    bounds = partition_layers(cfg.n_layers, chunks, o.stage_layers)
     grid = [(r // p, r % p) for r in range(case.world_size)]  # (dp rank, pp rank); no tp
     per_rank = [sum_ops(torch_pipeline_ops(cfg, case, pp_rank, dp)) for _, pp_rank in grid]
     state = []

@@ -70,10 +70,11 @@ class Head(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def layer_bounds(n_layers: int, pp: int) -> list[int]:
-    """PipelineModule ``parts`` for layers [Embed, block 0..L-1, Head]: parabench's block split,
-    the embeddings with the first stage's blocks, the head with the last's."""
-    bounds = partition_layers(n_layers, pp)
+def layer_bounds(n_layers: int, pp: int, stage_layers: list[int] | None = None) -> list[int]:
+    """PipelineModule ``parts`` for layers [Embed, block 0..L-1, Head]: parabench's block split
+    (``stage_layers`` blocks per stage when given), the embeddings with the first stage's blocks,
+    the head with the last's."""
+    bounds = partition_layers(n_layers, pp, stage_layers)
     return [0] + [1 + hi for _, hi in bounds[:-1]] + [n_layers + 2]
 
 
@@ -131,7 +132,7 @@ class DeepSpeedPipelineTrainer(Trainer):
 
         model = build_model(cfg, spec.seed, spec.device)
         layers = [Embed(model.tok_emb, model.pos_emb), *model.blocks, Head(model.ln_f, model.head)]
-        parts = layer_bounds(cfg.n_layers, pp)
+        parts = layer_bounds(cfg.n_layers, pp, o.stage_layers)
         # Axes (data, pipe): rank = data * pp + pipe, parabench's grid (pipeline innermost).
         ds_topo = ProcessTopology(axes=["data", "pipe"], dims=[topo.dp, pp])
         cls = _pipeline_module_class()

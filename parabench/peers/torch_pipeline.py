@@ -73,7 +73,8 @@ class TorchPipelineTrainer(Trainer):
         o = ModelParallelOptions.read(spec.options)
         v = o.virtual_stages if schedule == "interleaved" else 1
         n_chunks = pp * v
-        bounds = partition_layers(spec.model.n_layers, n_chunks)  # the same split as the reference
+        # the same split as the reference (o.stage_layers: one stage per rank; validation refuses it interleaved)
+        bounds = partition_layers(spec.model.n_layers, n_chunks, o.stage_layers)
         # Interleaved: rank r holds chunks r, r + pp, r + 2pp, ... (Narayanan et al. 2021, Sec. 2.2.2).
         self.stage_ids = [self.pp_rank + k * pp for k in range(v)]
         self.modules = [GPTStage(model, *bounds[s], s == 0, s == n_chunks - 1, spec) for s in self.stage_ids]

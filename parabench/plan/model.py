@@ -252,6 +252,7 @@ class Workload:
     microbatches: int = 1  # pipeline micro-batches per micro_batch
     virtual_stages: int = 1
     schedule: str | None = None  # "1f1b" | "gpipe" | "zb_h1"
+    stage_layers: tuple | None = None  # blocks per pipeline stage (option stage_layers); None: equal split
     # ZB-H1's mean forward, input-gradient and weight-gradient times (a record's measured ones; the
     # ratio is what matters): None for the paper's headline T_F = T_B = T_W
     zb_times: tuple | None = None
@@ -371,11 +372,12 @@ LOGIT_FORWARD_SHARE = 0.5
 
 def _chunk_layers(w: Workload, interleaved: bool) -> list[int]:
     """Blocks per virtual stage (global chunk order): parabench's split (reference_impls.pipeline
-    partition_layers over p stages, or over p*v chunks for interleaved 1F1B, chunk c on rank c mod p)."""
+    partition_layers over p stages, the option stage_layers where given, or over p*v chunks for
+    interleaved 1F1B, chunk c on rank c mod p)."""
     from reference_impls.pipeline import partition_layers
 
     n = w.pp * (w.virtual_stages if interleaved else 1)
-    return [hi - lo for lo, hi in partition_layers(w.n_layers, n)]
+    return [hi - lo for lo, hi in partition_layers(w.n_layers, n, None if interleaved else w.stage_layers)]
 
 
 def pipeline_op_costs(w: Workload, consts: dict) -> list[tuple[float, float, float]]:
@@ -799,6 +801,8 @@ def pipeline_stage_peaks(w: Workload) -> list[tuple[float, float, float]]:
     torch_outputs = w.strategy.startswith("torch.pp")
     out = []
     for stage in range(p):
+        if w.stage_layers and v == 1:  # an uneven split: this stage's own blocks
+            unit_bytes = layer_bytes * w.stage_layers[stage]
         last = stage == p - 1
         full: set = set()
         with_dy: set = set()

@@ -84,6 +84,7 @@ def _degrees(strategy: str, world_size: int, options: dict, n_layers: int) -> di
     m = options.get("microbatches")
     m = int(m) if m else 2 * pp
     interleaved = "interleaved" in strategy
+    split = options.get("stage_layers")
     if strategy.endswith("gpipe"):
         schedule = "gpipe"
     elif strategy.endswith("_zb") and pp > 1:
@@ -100,6 +101,8 @@ def _degrees(strategy: str, world_size: int, options: dict, n_layers: int) -> di
         "virtual_stages": int(options.get("virtual_stages") or 2) if interleaved else 1,
         "schedule": schedule,
         "sp": bool(options.get("sp")) or strategy.endswith("_sp"),
+        # blocks per stage: one stage per rank only (validation refuses it interleaved)
+        "stage_layers": tuple(split) if split and pp > 1 and not interleaved else None,
     }
 
 
