@@ -396,3 +396,44 @@ def test_one_gpu_sharding_and_ddp_copy_bytes_beyond_single():
     cal = C.load_kind("h100")
     step = {s: M.predict(w[s], cal).step_s for s in ("single", "torch.fsdp2")}
     assert step["torch.fsdp2"] > step["single"]
+
+
+def test_balanced_split_unloads_the_head_stage_and_its_suite_runs_that_split(tmp_path):
+    """gpt-1.3b pp 4: the split that evens the predicted stage costs gives the last stage (head and
+    loss) fewer blocks than the first, covers every block once, is predicted faster than the equal
+    split, and the suite written from it carries the option to the case."""
+    from parabench.plan import search as S
+
+    cal, cfg = C.load_kind("h100"), model_config("gpt-1.3b")
+    equal = S.evaluate(
+        S.Candidate("ref.pp_1f1b", 4, 16, 1, {"pp": 4, "microbatches": 8}, "master"), "gpt-1.3b", cfg, cal, 79.2 * M.GIB
+    )
+    uneven = S.balanced(equal, cal)
+    split = uneven.options["stage_layers"]
+    assert len(split) == 4 and sum(split) == cfg.n_layers and min(split) >= 1
+    assert split[-1] < min(split[:-1]), split
+    assert "stage_layers" not in equal.options
+    S.evaluate(uneven, "gpt-1.3b", cfg, cal, 79.2 * M.GIB)
+    assert uneven.dropped is None and uneven.workload.stage_layers == tuple(split)
+    assert uneven.prediction.tokens_per_s_per_gpu > 1.05 * equal.prediction.tokens_per_s_per_gpu
+    assert f"stage_layers={','.join(map(str, split))}" in S.table([uneven, equal], 2)
+    out = tmp_path / "split.toml"
+    out.write_text(S.suite_toml("split", "gpt-1.3b", cfg, [uneven, equal], "h100-80g"))
+    cases = load_suite(str(out)).cases
+    assert [c.options.get("stage_layers") for c in cases] == [split, None]
+
+
+def test_plan_adds_the_balanced_split_beside_the_equal_one_only_where_they_differ():
+    from parabench.models import GPTConfig
+    from parabench.plan import search as S
+
+    # a vocabulary this large against d 64 puts most of a stage's cost in the head
+    cfg = GPTConfig(n_layers=6, d_model=128, n_heads=4, vocab_size=50304, seq_len=1024)
+    ok, dropped = S.plan("custom", cfg, 2, "h100-80g", C.load_kind("h100"))
+    pipelined = [c for c in ok + dropped if c.strategy == "ref.pp_1f1b" and c.micro_batch == 4]
+    splits = sorted(str(c.options.get("stage_layers")) for c in pipelined if c.options["microbatches"] == 2)
+    assert splits == ["None", "[5, 1]"], splits
+    assert not any("stage_layers" in c.options for c in ok + dropped if c.strategy == "ref.pp_interleaved")
+    flat = GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64)
+    ok, dropped = S.plan("custom", flat, 2, "h100-80g", C.load_kind("h100"))
+    assert not any("stage_layers" in c.options for c in ok + dropped)

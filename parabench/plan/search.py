@@ -129,7 +129,8 @@ def _workload(model: str, cfg, c: Candidate) -> M.Workload | None:
     proportional), so two points per accumulation give the rest exactly."""
     from dataclasses import replace
 
-    key = (model, cfg, c.strategy, c.world_size, c.recipe, c.grad_accum, tuple(sorted(c.options.items())))
+    options = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in c.options.items()))
+    key = (model, cfg, c.strategy, c.world_size, c.recipe, c.grad_accum, options)
     m = int(c.options.get("microbatches") or 1)
     points = _EXPECTATIONS.setdefault(key, {})
     for rows in (m, 2 * m):
@@ -226,31 +227,62 @@ def peak_parts(p: M.Prediction, w: M.Workload) -> str:
     )
 
 
+def balanced(c: Candidate, cal: dict) -> Candidate | None:
+    """``c`` with option ``stage_layers`` set to the split that evens its pipeline stages' predicted
+    cost (``model.balanced_stage_layers``: the last stage also runs the head and the loss); None
+    where ``c`` has no such option, is interleaved (chunks are split equally), has no workload, or
+    the balanced split is the equal one."""
+    w = c.workload
+    if w is None or w.pp <= 1 or w.virtual_stages != 1 or "stage_layers" in c.options:
+        return None
+    if not _has_option(c.strategy, "stage_layers"):
+        return None
+    from reference_impls.pipeline import partition_layers
+
+    split = M.balanced_stage_layers(w, {**M.TIME_DEFAULTS, **cal["time"]})
+    if split is None or split == [hi - lo for lo, hi in partition_layers(w.n_layers, w.pp)]:
+        return None
+    return Candidate(
+        c.strategy, c.world_size, c.micro_batch, c.grad_accum, {**c.options, "stage_layers": split}, c.recipe
+    )
+
+
 def plan(
     model: str, cfg, gpus: int, gpu: str, cal: dict, recipe: str = "master", global_batch: int | None = None
 ) -> tuple[list[Candidate], list[Candidate]]:
-    """(feasible ranked by predicted tokens/s per GPU, dropped with reasons)."""
+    """(feasible ranked by predicted tokens/s per GPU, dropped with reasons). Each pipeline
+    candidate on the equal split is followed by its balanced split where that differs."""
     _, capacity = GPUS[gpu]
-    evaluated = [evaluate(c, model, cfg, cal, capacity) for c in candidates(cfg, gpus, recipe, global_batch)]
+    evaluated = []
+    for c in candidates(cfg, gpus, recipe, global_batch):
+        evaluated.append(evaluate(c, model, cfg, cal, capacity))
+        uneven = balanced(evaluated[-1], cal)
+        if uneven is not None:
+            evaluated.append(evaluate(uneven, model, cfg, cal, capacity))
     ok = [c for c in evaluated if c.dropped is None]
     ok.sort(key=lambda c: -c.prediction.tokens_per_s_per_gpu)
     return ok, [c for c in evaluated if c.dropped is not None]
 
 
+def _shown(v) -> str:
+    return ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+
+
 def describe(c: Candidate) -> str:
-    opts = " ".join(f"{k}={v}" for k, v in c.options.items() if k != "activation_checkpointing")
+    opts = " ".join(f"{k}={_shown(v)}" for k, v in c.options.items() if k != "activation_checkpointing")
     ac = " +ckpt" if c.options.get("activation_checkpointing") else ""
     return f"{c.strategy}{ac}{' ' + opts if opts else ''}"
 
 
 def table(ok: list[Candidate], top: int) -> str:
-    head = f"{'#':>3} {'configuration':42s} {'degrees':13s} {'mb':>3} {'ga':>3} {'tok/s/GPU':>10} {'MFU':>6} {'peak GiB':>9}  bottleneck"
+    width = max([42] + [len(describe(c)) for c in ok[:top]])
+    head = f"{'#':>3} {'configuration':{width}s} {'degrees':13s} {'mb':>3} {'ga':>3} {'tok/s/GPU':>10} {'MFU':>6} {'peak GiB':>9}  bottleneck"
     lines = [head, "-" * len(head)]
     for i, c in enumerate(ok[:top], 1):
         p = c.prediction
         mfu = f"{p.mfu * 100:5.1f}%" if p.mfu is not None else "   - "
         lines.append(
-            f"{i:>3} {describe(c):42s} {c.degrees:13s} {c.micro_batch:>3} {c.grad_accum:>3} "
+            f"{i:>3} {describe(c):{width}s} {c.degrees:13s} {c.micro_batch:>3} {c.grad_accum:>3} "
             f"{p.tokens_per_s_per_gpu:>10.0f} {mfu:>6} {p.peak_bytes / M.GIB:>9.1f}  {p.bottleneck}"
         )
     return "\n".join(lines)
@@ -261,6 +293,8 @@ def suite_toml(name: str, model: str, cfg, chosen: list[Candidate], gpu: str) ->
     measures what the planner predicted."""
 
     def val(v):
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(val(x) for x in v) + "]"
         if isinstance(v, bool):
             return "true" if v else "false"
         return str(v) if isinstance(v, (int, float)) else f'"{v}"'
