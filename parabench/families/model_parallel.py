@@ -575,18 +575,10 @@ DS_ALLREDUCE_BUCKET = 500_000_000
 
 def deepspeed_pp_stage_numels(cfg: GPTConfig, pp: int, stage: int, stage_layers: list[int] | None = None) -> list[int]:
     """Parameter sizes of one stage in PipelineModule order (embeddings, blocks, LayerNorm + head)."""
-    import torch
-
-    from parabench.models import GPT
     from reference_impls.pipeline import partition_layers
 
     lo, hi = partition_layers(cfg.n_layers, pp, stage_layers)[stage]
-    with torch.device("meta"):
-        model = GPT(cfg)
-    mods = ([model.tok_emb, model.pos_emb] if stage == 0 else []) + [model.blocks[i] for i in range(lo, hi)]
-    if stage == pp - 1:
-        mods += [model.ln_f, model.head]
-    return [p.numel() for m in mods for p in m.parameters()]
+    return _chunk_param_numels(cfg, lo, hi, stage == 0, stage == pp - 1)
 
 
 def deepspeed_pp_ops(cfg: GPTConfig, case, stage: int) -> list[tuple[str, int]]:

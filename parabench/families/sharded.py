@@ -304,8 +304,9 @@ def expect_torch_fsdp2(cfg, case, o, dp):
         if dp > 1
         else {}
     )
-    if dp > 1 and fsdp2_float8_scale_bytes(cfg, o):
-        comm["all_reduce"] = fsdp2_float8_scale_bytes(cfg, o)
+    scale_bytes = fsdp2_float8_scale_bytes(cfg, o)
+    if dp > 1 and scale_bytes:
+        comm["all_reduce"] = scale_bytes
     return Expectation(
         state_bytes=None,  # per-parameter dim-0 sharding: shard sizes vary by rank, see the measurement
         comm_payload_bytes=comm,
