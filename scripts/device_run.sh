@@ -9,7 +9,8 @@
 # order within DEADLINE_S seconds in all, and after each one rewrites OUT_DIR/results.tgz
 # (records, manifests, reports; no logs) and OUT_DIR/logs.tgz, so a suite cut off by the
 # deadline still leaves everything finished before it. Console output goes to OUT_DIR/console.txt.
-# PARABENCH_ARGS pass to every `parabench run suite` (e.g. --repeats 3), PARABENCH_FIDELITY_ARGS to
+# PARABENCH_ARGS pass to every `parabench run suite` (e.g. --repeats 3, or --filter 'ref.ddp gpt-1.3b':
+# shell quoting holds a filter with spaces together), PARABENCH_FIDELITY_ARGS to
 # the `parabench fidelity` that follows a peer-fidelity suite (e.g. --launches 3).
 #
 # One device call may run 10 minutes, so a suite may need several calls. The runs live in
@@ -45,6 +46,7 @@ work=${DEVICE_WORK:-/tmp/parabench-device}
 mkdir -p "$work/res" "$out"
 [ -f "$work/run_id" ] || date -u +%Y%m%d-%H%M%S > "$work/run_id"
 run_args="--run-id $(cat "$work/run_id") --resume"
+eval "suite_args=(${PARABENCH_ARGS:-})"
 pack() {
   tar czf "$out/results.tgz" --exclude='logs' --exclude='.scratch' -C "$work/res" .
   tar czf "$out/logs.tgz" --exclude='.scratch' -C "$work/res" .
@@ -52,7 +54,7 @@ pack() {
 for suite in "$@"; do
   left=$(( deadline - ($(date +%s) - start) ))
   if [ "$left" -lt 20 ]; then echo "device_run: no time left for $suite" | tee -a "$out/console.txt"; continue; fi
-  timeout -s INT "$left" python3 -m parabench.cli run suite "$suite" --out "$work/res" $run_args ${PARABENCH_ARGS:-} 2>&1 | tee -a "$out/console.txt"
+  timeout -s INT "$left" python3 -m parabench.cli run suite "$suite" --out "$work/res" $run_args "${suite_args[@]}" 2>&1 | tee -a "$out/console.txt"
   pack
   if [[ $suite == peer-fidelity* ]]; then  # each peer case beside its library's minimal script (resumes too)
     left=$(( deadline - ($(date +%s) - start) ))
