@@ -11,7 +11,8 @@
 # warm; a later call waits on it and packs what it recorded. Each stream runs its items in order,
 # each item one `device_run.sh` of one suite with the item's ARGS as PARABENCH_ARGS (e.g.
 # '--filter w1'), on CUDA_VISIBLE_DEVICES=GPUS with a DEVICE_WORK of its own, so every item of a
-# stream resumes the same run ids. The streams run from a private copy of the tree, made once per
+# stream resumes the same run ids. An item '@after OTHER' waits until stream OTHER has ended (two
+# cases that would not fit the host's memory together, say). The streams run from a private copy of the tree, made once per
 # machine, because each call re-syncs the repository copy underneath running processes.
 # PARABENCH_HOST_SHARED, if set at `start`, reaches every record's manifest: say there what else
 # ran on the host.
@@ -30,6 +31,9 @@ case $cmd in
     cd "$tree" && CUDA_VISIBLE_DEVICES=$gpus DEVICE_WORK=$dir/work setsid nohup bash -c '
       while IFS= read -r item; do
         read -r suite args <<< "$item"
+        if [ "$suite" = @after ]; then
+          while [ ! -f "$0/../$args/done" ]; do sleep 5; done; continue
+        fi
         PARABENCH_ARGS="$args" DEADLINE_S=${STREAM_DEADLINE_S:-100000} bash scripts/device_run.sh "$0/out" "$suite"
       done < "$0/items"
       date +%s > "$0/done"' "$dir" > "$dir/stream.log" 2>&1 < /dev/null &
