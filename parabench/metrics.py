@@ -230,8 +230,8 @@ def model_section(case) -> dict:
 
 
 def check_against_theory(theory: dict | None, per_rank: list[dict], allowance: float = 0.01) -> dict:
-    """Measured vs expected: communication payload per kind (rank 0's instrumented step) and
-    model-state bytes per rank. ``ok`` is False when any ratio is off by more than ``allowance``."""
+    """Measured vs expected: communication payload per kind (rank 0's instrumented step),
+    model-state bytes per rank, and where the theory gives them NVMe bytes read and written per step. ``ok`` is False when any ratio is off by more than ``allowance``."""
     if not theory:
         return {"available": False}
     out: dict = {"available": True, "allowance": allowance}
@@ -262,7 +262,17 @@ def check_against_theory(theory: dict | None, per_rank: list[dict], allowance: f
             rows.append(row)
         out["state"] = rows
         out["state_ok"] = all(v["ok"] for row in rows for v in row.values())
-    out["ok"] = out.get("comm_ok", True) and out.get("state_ok", True)
+    nvme_exp = theory.get("nvme_io_bytes_per_step")
+    nvme_meas = (per_rank[0].get("strategy_stats") or {}) if per_rank else {}
+    if nvme_exp and nvme_meas.get("nvme_read_bytes_per_step") is not None:
+        # ZeRO-Infinity's disk traffic, rank 0's measured bytes per timed step (peers.deepspeed_nvme)
+        out["nvme_io"] = _comm_rows(
+            nvme_exp,
+            {"by_kind": {k: {"payload_bytes": nvme_meas[f"nvme_{k}_bytes_per_step"]} for k in nvme_exp}},
+            allowance,
+        )
+        out["nvme_io_ok"] = all(r["ok"] for r in out["nvme_io"].values())
+    out["ok"] = out.get("comm_ok", True) and out.get("state_ok", True) and out.get("nvme_io_ok", True)
     return out
 
 

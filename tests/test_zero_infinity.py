@@ -271,3 +271,23 @@ def test_nvme_swapped_training_equals_zero3_and_misaligned_swaps_are_refused(tra
     # All six block weights sit behind a 520-element bias or LayerNorm (the 256-token embeddings stay in memory).
     assert f"DeepSpeed {deepspeed.__version__}" in msg and "6 swapped gradient piece(s)" in msg
     assert "blocks.0.attn.q.weight at offset" in msg
+
+
+def test_nvme_bytes_of_the_h100_run_pass_their_check_and_a_doubled_write_fails():
+    """The committed GPU record's disk traffic against expect_deepspeed_zero3_nvme, recomputed."""
+    import copy
+    import glob
+    import json
+
+    from parabench.recheck import recheck_record
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (path,) = glob.glob(f"{root}/results/zero-infinity-gpu/20261127-012755-gpu0/cases/*.json")
+    rec = json.load(open(path))
+    checked = recheck_record(rec) or rec
+    assert checked["checks"]["nvme_io_ok"] is True
+    assert set(checked["checks"]["nvme_io"]) == {"read", "write"}
+    bad = copy.deepcopy(rec)
+    stats = bad["per_rank"][0]["strategy_stats"]
+    stats["nvme_write_bytes_per_step"] *= 2
+    assert recheck_record(bad)["checks"]["nvme_io_ok"] is False
