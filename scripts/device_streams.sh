@@ -8,7 +8,9 @@
 #
 # A device call may last 10 minutes, and a suite cut off by device_run.sh's deadline loses the case
 # in flight. A stream runs detached (setsid), so it goes on between calls while the machine stays
-# warm; a later call waits on it and packs what it recorded. Each stream runs its items in order,
+# warm (its processes survive the call's end, in another PID namespace than the next call's, so
+# streams are watched through files and stopped by command line); a later call waits on it and
+# packs what it recorded. Each stream runs its items in order,
 # each item one `device_run.sh` of one suite with the item's ARGS as PARABENCH_ARGS (e.g.
 # '--filter w1'), on CUDA_VISIBLE_DEVICES=GPUS with a DEVICE_WORK of its own, so every item of a
 # stream resumes the same run ids. An item '@after OTHER' waits until stream OTHER has ended (two
@@ -30,6 +32,7 @@ case $cmd in
     printf '%s\n' "$@" > "$dir/items"
     cd "$tree" && CUDA_VISIBLE_DEVICES=$gpus DEVICE_WORK=$dir/work setsid nohup bash -c '
       while IFS= read -r item; do
+        [ -f "$0/stop" ] && break
         read -r suite args <<< "$item"
         if [ "$suite" = @after ]; then
           while [ ! -f "$0/../$args/done" ]; do sleep 5; done; continue
@@ -37,29 +40,30 @@ case $cmd in
         PARABENCH_ARGS="$args" DEADLINE_S=${STREAM_DEADLINE_S:-100000} bash scripts/device_run.sh "$0/out" "$suite"
       done < "$0/items"
       date +%s > "$0/done"' "$dir" > "$dir/stream.log" 2>&1 < /dev/null &
-    echo $! > "$dir/pid"
-    echo "stream $name on GPUs $gpus: $# items, pid $(cat "$dir/pid")"
+    echo "stream $name on GPUs $gpus: $# items"
     ;;
   wait)
     end=$(( $(date +%s) + ${1:?seconds} ))
     while [ "$(date +%s)" -lt "$end" ]; do
       running=0
-      for d in "$root"/*/; do [ -f "$d/pid" ] && [ ! -f "$d/done" ] && kill -0 "$(cat "$d/pid")" 2>/dev/null && running=1; done
+      for d in "$root"/*/; do [ -f "$d/items" ] && [ ! -f "$d/done" ] && running=1; done
       [ $running = 0 ] && break
       sleep 5
     done
     for d in "$root"/*/; do
-      [ -f "$d/pid" ] || continue
+      [ -f "$d/items" ] || continue
       n=$(basename "$d"); state=running
       [ -f "$d/done" ] && state=done
-      [ $state = running ] && ! kill -0 "$(cat "$d/pid")" 2>/dev/null && state=dead
       echo "stream $n: $state; last: $(grep -E 'ok |oom|failed|timeout|crash' "$d/out/console.txt" 2>/dev/null | tail -1)"
     done
     ;;
   stop)
     d=$root/${1:?name}
-    [ -f "$d/pid" ] && kill -INT -- -"$(cat "$d/pid")" 2>/dev/null
-    sleep 10; kill -KILL -- -"$(cat "$d/pid")" 2>/dev/null; date +%s > "$d/done"
+    touch "$d/stop"
+    # by command line, not PID: a later device call runs in another PID namespace than the stream
+    pkill -INT -f "$d/work" 2>/dev/null
+    for _ in $(seq 12); do [ -f "$d/done" ] && break; sleep 5; done
+    pkill -KILL -f "$d/" 2>/dev/null; [ -f "$d/done" ] || date +%s > "$d/done"
     ;;
   pack)
     out=${1:?out dir}; mkdir -p "$out"
