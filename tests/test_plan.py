@@ -445,7 +445,9 @@ def test_zero_bubble_version_2_is_the_schedule_replay_and_version_1_host_bound()
     host-bound; version 2 (explicit dy^T x) is the replayed schedule's device time, whatever host cost
     version 1 calibrated; torch.pp_zb stays host-bound."""
     opts = {"pp": 2, "microbatches": 4}
-    v2 = for_config(model="tiny", cfg=model_config("tiny"), strategy="ref.pp_zb", world_size=2, micro_batch=4, options=opts)
+    v2 = for_config(
+        model="tiny", cfg=model_config("tiny"), strategy="ref.pp_zb", world_size=2, micro_batch=4, options=opts
+    )
     assert v2.strategy_version == "2" and not M.is_host_bound(v2)
     v1 = dataclasses.replace(v2, strategy_version="1")
     assert M.is_host_bound(v1) and M.is_host_bound(dataclasses.replace(v2, strategy_version=None))
@@ -468,7 +470,13 @@ def _run_folder(root: Path, name: str, shared: str | None) -> None:
     (run / "cases").mkdir(parents=True)
     env = {"PARABENCH_HOST_SHARED": shared} if shared is not None else {}
     (run / "manifest.json").write_text(json.dumps({"schema_version": 1, "kind": "run", "env": env}))
-    record = {"schema_version": 1, "label": "a", "status": "ok", "device": {"name": "NVIDIA H100 80GB HBM3"}, "case": {}}
+    record = {
+        "schema_version": 1,
+        "label": "a",
+        "status": "ok",
+        "device": {"name": "NVIDIA H100 80GB HBM3"},
+        "case": {},
+    }
     (run / "cases" / "a.json").write_text(json.dumps(record))
 
 

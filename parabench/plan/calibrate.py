@@ -128,7 +128,9 @@ def host_shared(manifest: dict) -> str | None:
 # Why a shared host's records stay out: the neighbours' streams share the host's CPU cores, PCIe
 # and NVMe (and, for NVLink collectives, nothing isolates them), so a step measures the contention
 # as much as the configuration; the planner predicts a host that runs one job.
-HOST_SHARED_REASON = "ran beside other streams on the same host (manifest env PARABENCH_HOST_SHARED): contended CPU, PCIe, NVMe"
+HOST_SHARED_REASON = (
+    "ran beside other streams on the same host (manifest env PARABENCH_HOST_SHARED): contended CPU, PCIe, NVMe"
+)
 
 
 def _runs(results_dir):
