@@ -460,6 +460,12 @@ def test_zero_bubble_version_2_is_the_schedule_replay_and_version_1_host_bound()
     slow = {**cal, "host_tensor_s": {"ref.pp_zb": 10 * device / M.host_units(v2)}}
     assert M.predict(v2, slow).step_s == pytest.approx(device)
     assert M.predict(v1, slow).step_s == pytest.approx(10 * device)
+    # records of the two versions are two configurations; other strategies' versions are not told apart
+    case = {"model": "gpt-1.3b", "strategy": "ref.pp_zb", "world_size": 4, "precision": "bf16", "micro_batch": 16}
+    keys = {C.config_key({"case": case, "strategy_version": v}) for v in (None, "1", "2")}
+    assert len(keys) == 2
+    case_1f1b = {**case, "strategy": "ref.pp_1f1b"}
+    assert len({C.config_key({"case": case_1f1b, "strategy_version": v}) for v in (None, "1", "2")}) == 1
     # version 2 configurations do not set the host cost of version 1
     obs = [C.Observation("a", v1, 1.0, None), C.Observation("b", v2, 100.0, None)]
     assert C.fit_host(obs, [1e-6, 1e-6])["ref.pp_zb"] == pytest.approx(1.0 / M.host_units(v1))

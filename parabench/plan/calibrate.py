@@ -95,9 +95,13 @@ class Observation:
 def config_key(record: dict) -> str:
     c = record["case"]
     layout = c.get("layout") or ((record.get("model") or {}).get("config") or {}).get("layout") or "separate"
-    # the default layout adds nothing, so keys of the records before layouts existed stay as they were
+    # versions of a strategy that run different code (ref.pp_zb 1 and 2) are different configurations
+    version = M.modelled_version(c.get("strategy") or "", record.get("strategy_version"))
+    # the default layout (and a version the model does not tell apart) adds nothing, so keys of the
+    # records before layouts and versions existed stay as they were
     return json.dumps(
         ([] if layout == "separate" else [layout])
+        + ([] if version is None else [f"v{version}"])
         + [
             c.get("model"),
             c.get("seq_len") or (record.get("model") or {}).get("config", {}).get("seq_len"),

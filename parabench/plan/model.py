@@ -194,6 +194,12 @@ AMP_CAST_BYTES = 12
 ACT_BYTES = {"amp": 4, None: 2}
 
 
+def modelled_version(strategy: str, version: str | None) -> str | None:
+    """The version of ``strategy`` as the model tells versions apart ("1" for a record made before
+    versions were written), or None where the model treats every version alike."""
+    return (version or "1") if strategy in HOST_BOUND_VERSIONS else None
+
+
 def is_host_bound(w: "Workload") -> bool:
     if not w.strategy.startswith(HOST_BOUND) or w.offload:
         return False
