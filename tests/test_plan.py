@@ -342,6 +342,7 @@ def test_superseded_and_perturbed_runs_are_excluded():
     assert C.excluded("results/gpu-mp/20261126-021202", "torch.pp_1f1b")
     assert C.excluded("results/gpu-mp/20261126-021202", "ref.pp_1f1b") is None
     assert C.excluded("results/h100x2/20261126-180901", "ref.ddp") is None
+    assert "copy" in C.excluded("results/baselines/h100x4", "ref.ddp")
 
 
 def test_predict_suite_writes_one_prediction_per_case(tmp_path):
@@ -437,3 +438,61 @@ def test_plan_adds_the_balanced_split_beside_the_equal_one_only_where_they_diffe
     flat = GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64)
     ok, dropped = S.plan("custom", flat, 2, "h100-80g", C.load_kind("h100"))
     assert not any("stage_layers" in c.options for c in ok + dropped)
+
+
+def test_zero_bubble_version_2_is_the_schedule_replay_and_version_1_host_bound():
+    """ref.pp_zb version 1 (records without a version) ran W as one autograd call per module and is
+    host-bound; version 2 (explicit dy^T x) is the replayed schedule's device time, whatever host cost
+    version 1 calibrated; torch.pp_zb stays host-bound."""
+    opts = {"pp": 2, "microbatches": 4}
+    v2 = for_config(
+        model="tiny", cfg=model_config("tiny"), strategy="ref.pp_zb", world_size=2, micro_batch=4, options=opts
+    )
+    assert v2.strategy_version == "2" and not M.is_host_bound(v2)
+    v1 = dataclasses.replace(v2, strategy_version="1")
+    assert M.is_host_bound(v1) and M.is_host_bound(dataclasses.replace(v2, strategy_version=None))
+    torch_zb = for_config(
+        model="tiny", cfg=model_config("tiny"), strategy="torch.pp_zb", world_size=2, micro_batch=4, options=opts
+    )
+    assert M.is_host_bound(torch_zb)
+    cal = _cal(inv_rate=1e-15)
+    device = _device_s(v2, cal)
+    slow = {**cal, "host_tensor_s": {"ref.pp_zb": 10 * device / M.host_units(v2)}}
+    assert M.predict(v2, slow).step_s == pytest.approx(device)
+    assert M.predict(v1, slow).step_s == pytest.approx(10 * device)
+    # records of the two versions are two configurations; other strategies' versions are not told apart
+    case = {"model": "gpt-1.3b", "strategy": "ref.pp_zb", "world_size": 4, "precision": "bf16", "micro_batch": 16}
+    keys = {C.config_key({"case": case, "strategy_version": v}) for v in (None, "1", "2")}
+    assert len(keys) == 2
+    case_1f1b = {**case, "strategy": "ref.pp_1f1b"}
+    assert len({C.config_key({"case": case_1f1b, "strategy_version": v}) for v in (None, "1", "2")}) == 1
+    # version 2 configurations do not set the host cost of version 1
+    obs = [C.Observation("a", v1, 1.0, None), C.Observation("b", v2, 100.0, None)]
+    assert C.fit_host(obs, [1e-6, 1e-6])["ref.pp_zb"] == pytest.approx(1.0 / M.host_units(v1))
+
+
+def _run_folder(root: Path, name: str, shared: str | None) -> None:
+    run = root / name
+    (run / "cases").mkdir(parents=True)
+    env = {"PARABENCH_HOST_SHARED": shared} if shared is not None else {}
+    (run / "manifest.json").write_text(json.dumps({"schema_version": 1, "kind": "run", "env": env}))
+    record = {
+        "schema_version": 1,
+        "label": "a",
+        "status": "ok",
+        "device": {"name": "NVIDIA H100 80GB HBM3"},
+        "case": {},
+    }
+    (run / "cases" / "a.json").write_text(json.dumps(record))
+
+
+def test_runs_on_a_shared_host_stay_out_of_the_calibration(tmp_path):
+    """A manifest naming other streams on the host (PARABENCH_HOST_SHARED) measured contention: none
+    of its records is calibrated on, and the calibration says why; an empty value is a quiet host."""
+    _run_folder(tmp_path / "results", "suite/quiet", None)
+    _run_folder(tmp_path / "results", "suite/blank", "  ")
+    _run_folder(tmp_path / "results", "suite/busy", "zeropp-gpu on GPUs 0,1")
+    runs = sorted(run for run, _ in C.gpu_records(tmp_path / "results"))
+    assert runs == ["results/suite/blank", "results/suite/quiet"]
+    assert C.left_out_runs(tmp_path / "results") == {"results/suite/busy": C.HOST_SHARED_REASON}
+    assert C.host_shared({"env": {"PARABENCH_HOST_SHARED": "x"}}) == "x" and C.host_shared({}) is None

@@ -41,8 +41,6 @@ MATMUL_CEILING = {"h100": 790e12, "h200": 790e12}
 EXCLUDED_RUNS = {
     "h100x2/20261126-025621": "superseded first h100x2 run from an uncommitted tree (docs/results.md)",
     "h100x1/20261126-031123": "superseded first h100x1 run from an uncommitted tree (docs/results.md)",
-    "baselines/h100x1": "a copy of h100x1/20261126-153915 (counting it twice would weight it double)",
-    "baselines/h100x2": "a copy of h100x2/20261126-093352 (counting it twice would weight it double)",
     "repeatability/slow5": "every timed step slowed by 5 % on purpose (the compare gate's positive control)",
 }
 EXCLUDED_CASES = {
@@ -51,8 +49,16 @@ EXCLUDED_CASES = {
 }
 
 
+# Folders whose runs are all left out: a baseline is a copy of a committed run.
+EXCLUDED_FOLDERS = {
+    "baselines": "a copy of a committed run (results/baselines/README.md): counting it twice would weight it double",
+}
+
+
 def excluded(run: str, strategy: str) -> str | None:
     """Why a record of ``run`` (a path ending in suite/run_id) is left out, or None."""
+    if Path(run).parent.name in EXCLUDED_FOLDERS:
+        return EXCLUDED_FOLDERS[Path(run).parent.name]
     for key, why in EXCLUDED_RUNS.items():
         if run.endswith(key):
             return why
@@ -89,9 +95,13 @@ class Observation:
 def config_key(record: dict) -> str:
     c = record["case"]
     layout = c.get("layout") or ((record.get("model") or {}).get("config") or {}).get("layout") or "separate"
-    # the default layout adds nothing, so keys of the records before layouts existed stay as they were
+    # versions of a strategy that run different code (ref.pp_zb 1 and 2) are different configurations
+    version = M.modelled_version(c.get("strategy") or "", record.get("strategy_version"))
+    # the default layout (and a version the model does not tell apart) adds nothing, so keys of the
+    # records before layouts and versions existed stay as they were
     return json.dumps(
         ([] if layout == "separate" else [layout])
+        + ([] if version is None else [f"v{version}"])
         + [
             c.get("model"),
             c.get("seq_len") or (record.get("model") or {}).get("config", {}).get("seq_len"),
@@ -113,8 +123,22 @@ def _recipe(case: dict):
     return recipe_of(case)
 
 
-def gpu_records(results_dir, kind: str = "h100"):
-    """(run dir, record) of every ok record of device ``kind`` below ``results_dir``."""
+def host_shared(manifest: dict) -> str | None:
+    """What else ran on the host while this run did (the manifest's PARABENCH_HOST_SHARED, set by
+    scripts/device_run.sh / device_streams.sh), or None for a host the run had to itself."""
+    return ((manifest.get("env") or {}).get("PARABENCH_HOST_SHARED") or "").strip() or None
+
+
+# Why a shared host's records stay out: the neighbours' streams share the host's CPU cores, PCIe
+# and NVMe (and, for NVLink collectives, nothing isolates them), so a step measures the contention
+# as much as the configuration; the planner predicts a host that runs one job.
+HOST_SHARED_REASON = (
+    "ran beside other streams on the same host (manifest env PARABENCH_HOST_SHARED): contended CPU, PCIe, NVMe"
+)
+
+
+def _runs(results_dir):
+    """(run name, manifest, records) of every run folder below ``results_dir``."""
     from parabench.results import load_run
 
     root = Path(results_dir)
@@ -122,11 +146,32 @@ def gpu_records(results_dir, kind: str = "h100"):
         run = manifest_path.parent
         if not (run / "cases").is_dir():
             continue
-        _, records = load_run(run)
+        manifest, records = load_run(run)
+        yield str(run.relative_to(root.parent) if root.parent in run.parents else run), manifest, records
+
+
+def gpu_records(results_dir, kind: str = "h100"):
+    """(run dir, record) of every ok record of device ``kind`` below ``results_dir``, from runs
+    that had their host to themselves (``host_shared``)."""
+    for run, manifest, records in _runs(results_dir):
+        if host_shared(manifest):
+            continue
         for r in records:
             if r.get("status") != "ok" or device_kind((r.get("device") or {}).get("name")) != kind:
                 continue
-            yield str(run.relative_to(root.parent) if root.parent in run.parents else run), r
+            yield run, r
+
+
+def left_out_runs(results_dir, kind: str = "h100") -> dict[str, str]:
+    """Runs with records of device ``kind`` that the calibration leaves out whole, with the reason."""
+    out = {}
+    for run, manifest, records in _runs(results_dir):
+        if not any(device_kind((r.get("device") or {}).get("name")) == kind for r in records):
+            continue
+        why = (HOST_SHARED_REASON if host_shared(manifest) else None) or excluded(run, "")
+        if why:
+            out[run] = why
+    return out
 
 
 def observations(results_dir="results", kind: str = "h100") -> list[Observation]:
@@ -348,7 +393,9 @@ def fit(obs: list[Observation], collectives: dict, kind: str = "h100", device_na
 
 
 def calibrate(results_dir="results", kind: str = "h100") -> dict:
-    return fit(observations(results_dir, kind), fit_collectives(results_dir, kind), kind, DEVICE_KINDS[kind][0])
+    cal = fit(observations(results_dir, kind), fit_collectives(results_dir, kind), kind, DEVICE_KINDS[kind][0])
+    cal["left_out_runs"] = left_out_runs(results_dir, kind)
+    return cal
 
 
 # --- storage ---------------------------------------------------------------------------------------

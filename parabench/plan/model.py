@@ -173,6 +173,13 @@ SHRINK = 1.0
 # micro-batch (reference_impls/pipeline_zb.backward_weight; torch's stage_backward_weight per
 # parameter group), each a host round trip that a one-row micro-batch cannot hide.
 HOST_BOUND = ("deepspeed.zero3", "torch.fsdp2", "torch.tp", "ref.pp_zb", "torch.pp_zb")
+# Strategies host-bound in some versions only (the strategy's version, parabench.strategies; a record
+# made before versions were written ran version 1). ref.pp_zb version 1 ran W as one autograd.grad
+# per parameter-owning module and micro-batch; version 2 computes every Linear's weight gradient as an
+# explicit dy^T x matmul, all of them inside one no_grad context (pipeline_zb.backward_weight), and
+# keeps autograd calls for the two LayerNorms per block and the embeddings only: a few host calls per
+# block against the block's matmuls, so its step is the schedule's device time (pipeline_sim replay).
+HOST_BOUND_VERSIONS = {"ref.pp_zb": ("1",)}
 # Parameter tensors of a GPT block per model layout (parabench.models): "separate" q, k, v, proj, fc,
 # fc2 weights, five biases (k has none) and two LayerNorms' weight and bias; "fused" one qkv weight and
 # bias instead of q, k, v's five tensors. Outside the blocks: two embeddings, final LayerNorm weight and
@@ -187,8 +194,17 @@ AMP_CAST_BYTES = 12
 ACT_BYTES = {"amp": 4, None: 2}
 
 
+def modelled_version(strategy: str, version: str | None) -> str | None:
+    """The version of ``strategy`` as the model tells versions apart ("1" for a record made before
+    versions were written), or None where the model treats every version alike."""
+    return (version or "1") if strategy in HOST_BOUND_VERSIONS else None
+
+
 def is_host_bound(w: "Workload") -> bool:
-    return w.strategy.startswith(HOST_BOUND) and not w.offload
+    if not w.strategy.startswith(HOST_BOUND) or w.offload:
+        return False
+    versions = HOST_BOUND_VERSIONS.get(w.strategy)
+    return versions is None or (w.strategy_version or "1") in versions
 
 
 def host_key(w: "Workload") -> str:
@@ -258,6 +274,9 @@ class Workload:
     zb_times: tuple | None = None
     # ref.pp_zb version 1 only (its records): finished micro-batches' graphs kept to the step's end
     zb_keeps_done_graphs: bool = False
+    # the strategy's version the configuration ran (a record's), or will run (the current code's);
+    # None: a record made before versions were written (version 1)
+    strategy_version: str | None = None
     layout: str = "separate"  # parabench.models.LAYOUTS
     sp: bool = False
     checkpointing: bool = False

@@ -175,7 +175,8 @@ def label(o: C.Observation) -> str:
     opts = json.loads(o.key)[-1]
     extra = " ".join(f"{k}={v}" for k, v in opts.items())
     layout = "" if w.layout == "separate" else f"layout={w.layout}"
-    return " ".join(x for x in (w.strategy, extra, layout) if x)
+    version = M.modelled_version(w.strategy, w.strategy_version)
+    return " ".join(x for x in (w.strategy, extra, layout, version and f"v{version}") if x)
 
 
 def _row(o: C.Observation, p: M.Prediction) -> dict:

@@ -124,6 +124,7 @@ def build(
     layout: str = "separate",
     zb_times: tuple | None = None,
     zb_keeps_done_graphs: bool = False,
+    strategy_version: str | None = None,
 ) -> Workload | None:
     """A workload from plain values; None for a strategy family the planner does not model."""
     family = family_of(strategy)
@@ -161,6 +162,7 @@ def build(
         layout=layout or "separate",
         zb_times=zb_times,
         zb_keeps_done_graphs=zb_keeps_done_graphs,
+        strategy_version=strategy_version,
         **_degrees(strategy, world_size, options, shape["n_layers"]),
     )
 
@@ -209,6 +211,7 @@ def from_record(record: dict) -> Workload | None:
         zb_times=measured_zb_times(record),
         # ref.pp_zb version 1 kept every finished micro-batch's graph to the step's end
         zb_keeps_done_graphs=case.get("strategy") == "ref.pp_zb" and record.get("strategy_version") in (None, "1"),
+        strategy_version=record.get("strategy_version"),
     )
 
 
@@ -228,6 +231,7 @@ def for_config(
     from parabench import theory
     from parabench.case import Case
     from parabench.models import MODEL_LADDER, hardware_flops_per_token, model_flops_per_token, parameter_count
+    from parabench.strategies import STRATEGIES
 
     options = dict(options or {})
     case = Case(
@@ -259,4 +263,6 @@ def for_config(
         options=config_options(case.options),
         theory=json.loads(json.dumps(exp or {}, default=float)),
         layout=cfg.layout,
+        # the version the current code runs
+        strategy_version=STRATEGIES[strategy].version if strategy in STRATEGIES else None,
     )
