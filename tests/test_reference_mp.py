@@ -83,6 +83,7 @@ CASES_4 = dict(
         mk("sp2xpp2", "ref.pp_1f1b", 4, pp=2, tp=2, sp=True),
         mk("torch.tp2xdp2", "torch.tp", 4, micro_batch=2, tp=2),
         mk("torch.tp_sp2xdp2", "torch.tp_sp", 4, micro_batch=2, tp=2),
+        mk("torch.1f1b_pp2xdp2", "torch.pp_1f1b", 4, pp=2),
     ]
 )
 CASES_8 = dict(
@@ -112,6 +113,7 @@ METERED = {
     "torch.tp_sp2xdp2",
     "torch.gpipe2",
     "torch.1f1b2",
+    "torch.1f1b_pp2xdp2",
 }
 
 
@@ -334,6 +336,22 @@ def test_torch_tp_averages_over_dp_in_buckets(group4):
             if ref_name:
                 ref = group4[ref_name]["per_rank"][rank]["comm"]["by_kind"]["all_reduce"]["calls"]
                 assert got == ref, (name, rank, got, ref)
+
+
+def test_torch_pipeline_averages_over_dp_through_ddp(group4):
+    """pp 2 x dp 2: each torch.pp_1f1b stage is a DDP module that the pipelining runtime reduces
+    in the last micro-batch's backward, in DDP's buckets (the tiny model's stage fits in one), not
+    one all-reduce per parameter after the schedule (the byte check cannot tell the two apart)."""
+    from parabench.families.model_parallel import torch_pipeline_ops
+    from parabench.meters.comm import SCALAR_BYTES
+
+    case = CASES_4["torch.1f1b_pp2xdp2"]
+    cfg = model_config(case.model, case.seq_len)
+    for rank, r in enumerate(group4["torch.1f1b_pp2xdp2"]["per_rank"]):
+        assert r["strategy_stats"] == {"dp_grad_sync": "ddp"}, r["strategy_stats"]
+        ops = torch_pipeline_ops(cfg, case, rank % 2, 2)
+        want = sum(1 for kind, n in ops if kind == "all_reduce" and n > SCALAR_BYTES)
+        assert r["comm"]["by_kind"]["all_reduce"]["calls"] == want == 1, (rank, r["comm"]["by_kind"])
 
 
 def test_dp_buckets_close_at_the_cap():

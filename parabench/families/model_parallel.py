@@ -647,8 +647,28 @@ def expect_deepspeed_pp(cfg, case, o, dp):
 # stream stays fp32 under autocast. So interleaving moves the same bytes per boundary crossing but
 # crosses v times as many boundaries (C - 1 instead of pp - 1), and every rank but the ends of the
 # chain sends and receives on both sides of each of its chunks. Shapes are inferred on the first
-# step only (the metered step is a later one). Data parallel: one all-reduce per parameter
-# gradient (fp32) over the dp group, after the schedule.
+# step only (the metered step is a later one). Data parallel: each chunk's DDP all-reduces its
+# gradients (in the parameter dtype) over the dp group in buckets during the last micro-batch's
+# backward; torch.pp_zb, whose split backward DDP cannot see, one all-reduce per parameter gradient
+# after the schedule (peers/torch_pipeline.py).
+
+# DDP's reducer rebuilds its buckets after the first synced backward, in the order the gradients
+# became ready (about the reverse of registration; the order changes how many buckets, never the
+# bytes): the first closes at 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``), the rest at
+# ``bucket_cap_mb``, 25 MiB by default. The rebuild broadcasts the bucket layout once, in the
+# forward of the second step, ahead of any metered step.
+DDP_FIRST_BUCKET_BYTES = 2**20
+
+
+def ddp_bucket_payloads(numels: list[int], element_size: int, cap: int = TORCH_TP_DP_BUCKET_BYTES) -> list[int]:
+    """Bytes of each bucket DDP's rebuilt reducer makes of one module's parameters (registration order)."""
+    out, size, limit = [], 0, DDP_FIRST_BUCKET_BYTES
+    for n in reversed(numels):
+        size += n * element_size
+        if size >= limit:
+            out.append(size)
+            size, limit = 0, cap
+    return out + [size] if size else out
 
 
 def torch_pipeline_ops(cfg: GPTConfig, case, pp_rank: int, dp: int) -> list[tuple[str, int]]:
@@ -674,9 +694,11 @@ def torch_pipeline_ops(cfg: GPTConfig, case, pp_rank: int, dp: int) -> list[tupl
         bounds = partition_layers(cfg.n_layers, chunks, o.stage_layers)
         for k in range(v):
             c = pp_rank + k * p
-            ops += [
-                ("all_reduce", e * numel) for numel in _chunk_param_numels(cfg, *bounds[c], c == 0, c == chunks - 1)
-            ]
+            numels = _chunk_param_numels(cfg, *bounds[c], c == 0, c == chunks - 1)
+            if case.strategy == "torch.pp_zb":
+                ops += [("all_reduce", e * numel) for numel in numels]
+            else:
+                ops += [("all_reduce", b) for b in ddp_bucket_payloads(numels, e)]
     return ops
 
 
@@ -734,7 +756,9 @@ def expect_torch_pipeline(cfg, case, o, dp):
         paper_state_bytes=None,
         notes=f"torch.distributed.pipelining over {chunks} chunks ({v} per rank): per micro-batch each chunk "
         "boundary sends the fp32 activation b·s·h forward and its gradient back; fp32 parameters, gradients "
-        "and AdamW moments of the rank's chunks; see parabench.families.model_parallel.torch_pipeline_ops.",
+        "and AdamW moments of the rank's chunks; with dp > 1 each chunk's DDP all-reduces its gradients in "
+        "buckets (torch.pp_zb: one all-reduce per gradient after the schedule); see "
+        "parabench.families.model_parallel.torch_pipeline_ops.",
         pipeline=pipeline,
     )
 
@@ -859,7 +883,7 @@ ROWS = (
         "peer",
         "torch.distributed.pipelining PipelineStage + ScheduleGPipe",
         expect_torch_pipeline,
-        version="2",
+        version="3",  # 3: dp > 1 through DDP-wrapped stages (2: one all-reduce per gradient after the schedule)
     ),
     _row(
         "torch.pp_1f1b",
@@ -867,7 +891,7 @@ ROWS = (
         "peer",
         "torch.distributed.pipelining PipelineStage + Schedule1F1B",
         expect_torch_pipeline,
-        version="2",
+        version="3",  # 3: dp > 1 through DDP-wrapped stages (2: one all-reduce per gradient after the schedule)
     ),
     _row(
         "torch.pp_interleaved",
@@ -875,7 +899,7 @@ ROWS = (
         "peer",
         "torch.distributed.pipelining ScheduleInterleaved1F1B, virtual_stages (default 2) chunks per rank",
         expect_torch_pipeline,
-        version="2",
+        version="3",  # 3: dp > 1 through DDP-wrapped stages (2: one all-reduce per gradient after the schedule)
     ),
     _row(
         "torch.pp_zb",

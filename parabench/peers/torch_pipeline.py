@@ -4,8 +4,35 @@ The stage of this rank keeps contiguous blocks (the first stage also the embeddi
 the final LayerNorm and head); ``PipelineStage`` talks to its neighbours over
 ``topology.pp_group``; ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` /
 ``ScheduleInterleavedZeroBubble`` run ``microbatches * grad_accum`` micro-batches (``microbatches`` defaults to ``2*pp``) with
-``scale_grads=True`` (gradients of the mean loss). With ``dp > 1`` the stage's gradients are
-averaged over ``topology.dp_group`` after the schedule.
+``scale_grads=True`` (gradients of the mean loss).
+
+Data parallelism (``dp > 1``), torch.pp_gpipe / torch.pp_1f1b / torch.pp_interleaved: each stage
+module is wrapped in ``DistributedDataParallel`` over ``topology.dp_group`` before it is given to
+``PipelineStage``, the composition torch's pipelining runtime is written for
+(torch/distributed/pipelining/stage.py, ``forward_maybe_with_nosync`` and
+``backward_maybe_with_nosync``: every micro-batch's forward and backward but the last backward run
+under ``no_sync``, gradients accumulate locally; the last backward calls the reducer's
+``prepare_for_backward`` itself, so DDP's bucketed all-reduce (``bucket_cap_mb`` 25, its default,
+and ``gradient_as_bucket_view=True`` as the DDP notes and ``torch.ddp`` use) overlaps that
+backward). DDP averages over dp; the schedule's ``scale_grads`` (``perform_reduce_grad``, after
+the reduction) then divides by the micro-batches: the gradient of the global mean loss. The
+alternative torch's stage code also takes, an ``FSDPModule`` / ``ReplicateModule``
+(``perform_reduce_grad``), is torchtitan's: until March 2026 torchtitan refused DDP with any other
+parallelism ("DDP has not supported > 1D parallelism", its ``apply_ddp``), then wrapped every block
+in the FSDP-based ``torch.distributed._composable.replicate_with_fsdp.replicate`` (pytorch/torchtitan
+#2458), and since April 2026 applies ``fully_shard`` over its ``dp_replicate`` x ``fsdp`` mesh
+(#2900, ``torchtitan/models/llama3/parallelize.py``). On a pure replicate axis those reduce only in
+``perform_reduce_grad``, after the last backward, turn the parameters into DTensors and are
+private (``_composable``) for replicate; DDP is the public wrapper torch's stage handles that
+overlaps the reduction with the last backward, so it is used here. ``strategy_stats`` says which
+reduction ran (``dp_grad_sync``).
+
+torch.pp_zb keeps an explicit average after the schedule (one all-reduce per gradient over
+``topology.dp_group``): its split backward (``stage_backward_input``, then ``stage_backward_weight``)
+computes weight gradients with ``torch.autograd.grad`` and adds them to ``.grad`` by hand
+(torch/distributed/pipelining/_backward.py), so DDP's accumulate-grad hooks never fire on any
+stage but the first (whose weight step is a full backward): with DDP, a pp 2 x dp 2 CPU run
+all-reduced nothing on stage 1 and its replicas drifted apart, silently.
 
 ``torch.pp_zb`` gives ``ScheduleInterleavedZeroBubble`` one stage per rank: its order is then
 ZB-H1's (Qi et al. 2024, Sec. 3.1; the class calls it ZB1P), with the backward split into
@@ -26,6 +53,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
 )
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parabench.families.model_parallel import ModelParallelOptions
 from parabench.models import build_model, lm_loss
@@ -81,9 +109,10 @@ class TorchPipelineTrainer(Trainer):
         del model
         for m in self.modules:  # per block of this rank's stages, as torchtitan's pipelined llama
             compile_blocks(m.blocks.values(), spec)
+        self.dp_grad_sync = dp_grad_sync(schedule, dist.get_world_size(topo.dp_group))
+        submods = [self._wrap(m) for m in self.modules] if self.dp_grad_sync == "ddp" else self.modules
         self.stages = [
-            PipelineStage(m, s, n_chunks, spec.device, group=topo.pp_group)
-            for m, s in zip(self.modules, self.stage_ids)
+            PipelineStage(m, s, n_chunks, spec.device, group=topo.pp_group) for m, s in zip(submods, self.stage_ids)
         ]
         self.n_micro = o.n_microbatches * spec.grad_accum
         cls = {
@@ -102,6 +131,27 @@ class TorchPipelineTrainer(Trainer):
         self.measure_state = False
         self._grad_bytes = 0
 
+    def _wrap(self, module: GPTStage) -> DDP:
+        # No find_unused_parameters: every parameter of a stage gets a gradient in every step.
+        ddp = DDP(
+            module,
+            device_ids=[self.spec.device.index] if self.spec.device.type == "cuda" else None,
+            process_group=self.spec.topology.dp_group,
+            gradient_as_bucket_view=True,
+        )
+        # The stage arms the reducer itself before the last backward (``prepare_for_backward``);
+        # a forward outside ``no_sync`` arms it too. The stage's first-step metadata inference runs
+        # the module's forward outside ``no_sync`` (stage.py ``_forward_metadata_inference``), so
+        # the no_sync backwards after it would feed the reducer: under GPipe's order that breaks
+        # DDP's bucket rebuild (params_.size() == rebuilt_param_indices_.size() asserts in the
+        # next step's forward). Off for good, as ``no_sync`` turns it off per call, it leaves the
+        # last backward's arming to the stage alone.
+        ddp.require_backward_grad_sync = False
+        return ddp
+
+    def strategy_stats(self) -> dict:
+        return {"dp_grad_sync": self.dp_grad_sync}
+
     def train_step(self, inputs, targets):
         losses: list = []
         kwargs = {}
@@ -112,7 +162,7 @@ class TorchPipelineTrainer(Trainer):
         else:
             self.schedule.step(**kwargs)
         dp = self.spec.topology.dp_group
-        if dist.get_world_size(dp) > 1:
+        if self.dp_grad_sync == "per_parameter_all_reduce":
             for p in self.params:
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=dp)
@@ -144,6 +194,15 @@ class TorchPipelineTrainer(Trainer):
             if r["dp"] == 0:
                 full.update(r["params"])
         return full
+
+
+def dp_grad_sync(schedule: str, dp: int) -> str:
+    """How gradients are averaged over data parallelism: "none" (dp 1), "ddp" (each stage module in
+    DDP, reduced by the pipelining runtime), or "per_parameter_all_reduce" after the schedule (the
+    zero-bubble split backward, which DDP's hooks cannot see; module docstring)."""
+    if dp == 1:
+        return "none"
+    return "per_parameter_all_reduce" if schedule == "zb" else "ddp"
 
 
 def build_gpipe(spec: TrainSpec) -> TorchPipelineTrainer:
