@@ -262,6 +262,37 @@ def device_inventory() -> list[dict]:
     ]
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux /proc/cpuinfo; else what platform knows): host-bound libraries
+    run at the speed of this CPU, so two machines with one core count can differ."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def host_facts() -> dict:
+    """The host's CPU and memory, and the cores this process may run on (a stream pinned with
+    taskset beside another on a shared host sees fewer than cpu_count)."""
+    facts = {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model(),
+    }
+    if hasattr(os, "sched_getaffinity"):
+        facts["cpus_usable"] = len(os.sched_getaffinity(0))
+    try:
+        facts["memory_bytes"] = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        facts["memory_bytes"] = None
+    return facts
+
+
 def _git_identity(status: str | None) -> dict:
     """The commit the tree was made from. A copy of the tree sent to an offline GPU machine names it
     in PARABENCH_GIT_COMMIT, which wins: the copy may carry a stale .git of its own (the device
@@ -286,7 +317,7 @@ def make_manifest(suite, run_id: str, argv: list[str] | None = None) -> dict:
         "git": _git_identity(status),
         "versions": library_versions(),
         "devices": device_inventory(),
-        "host": {"hostname": socket.gethostname(), "platform": platform.platform(), "cpu_count": os.cpu_count()},
+        "host": host_facts(),
         "env": recorded_env(),
         "argv": redact_argv(argv or []),
         "n_cases": len(suite.cases),

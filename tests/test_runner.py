@@ -289,3 +289,15 @@ def test_a_case_that_leaves_memory_allocated_ends_its_launch(leak_run):
     assert (left["rank"], left["leftover_bytes"]) == (1, 1048576 + 314572800)
     assert any("left 0.29 GiB allocated on rank 1" in c for c in big["caveats"])
     assert not small.get("caveats") and "left 0.29 GiB" in proc.stdout
+
+
+def test_manifest_names_the_cpu_the_host_bound_libraries_ran_on():
+    """Host-bound peers (DeepSpeed's per-tensor Python, FSDP2 hooks) run at the CPU's speed, so the
+    manifest says which CPU, how much memory, and how many cores the run could use."""
+    from parabench.results import make_manifest
+    from parabench.suite import load_suite
+
+    host = make_manifest(load_suite("smoke"), "r")["host"]
+    assert host["cpu_model"]
+    assert 1 <= host["cpus_usable"] <= host["cpu_count"]
+    assert host["memory_bytes"] > 1 << 30
