@@ -13,6 +13,24 @@ left in bf16, as torchtitan's float8 converter leaves ``output`` (its default ``
 vocabulary-sized logits feed the loss directly, where float8's 3 significant bits cost accuracy.
 A mixture-of-experts router is left alone too (its width is the expert count).
 
+Option ``fp8_filter`` picks among those linears (``FP8_FILTERS``), for every strategy that takes the
+recipe alike (the references' ``reference_model``, the torch peers' ``recipe_module`` and torch.fsdp2):
+
+- ``"all"`` (the default): every one of them, torchtitan's default (its float8 converter swaps every
+  linear outside ``filter_fqns``, which lists the output head).
+- ``"auto"``: torchao's automatic filter for the tensorwise recipe,
+  ``torchao.float8.float8_linear_utils._auto_filter_for_recipe("tensorwise", filter_fqns)``, with the
+  head and routers as ``filter_fqns``. It also skips a linear of ``K <= 4096`` inputs and ``N <= 1024``
+  outputs, where torchao's README (float8, "Performance", "tensorwise scaling": a microbenchmark table
+  of float8-over-bf16 speedup by M, K, N on H100) shows float8 no faster than bf16. torchtitan offers
+  the same choice as the flag ``auto_filter_small_kn`` in its float8 converter's ``filter_fqns``
+  (``Float8LinearConverter._init_filter_fn``, torchtitan/components/quantization/float8.py). At
+  gpt-350m (d 1024) it keeps only ``mlp.fc``; at gpt-1.3b (d 2048) all six block linears.
+
+The theory's float8 counts (``block_float8_numel``, ``block_float8_linears``: torch.fsdp2's float8
+all-gather) follow the chosen filter, and each rank records what ``convert`` swapped
+(``strategy_stats["float8"]``: filter, Float8Linear count per block and their names).
+
 Which parameter layout: fp32 parameters, gradients and AdamW states, the "amp" recipe's. torchao's
 README sends float8 pre-training users to torchtitan (docs/float8.md), which keeps fp32 parameters in
 every path: under FSDP2 the fp32 shards are cast on all-gather (``MixedPrecisionPolicy``), without
@@ -36,7 +54,10 @@ machine without torchao (``pip install parabench[fp8]``: torchao 0.17.0, built a
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import typing
+from typing import Callable, Literal
 
 import torch
 
@@ -50,6 +71,11 @@ MIN_CAPABILITY = (8, 9)
 EMULATE = False
 # Module names never converted: the output head (bf16, as torchtitan's ``output``) and MoE routers.
 SKIPPED_MODULES = ("head", "router")
+# Option ``fp8_filter``: which of the convertible linears become Float8Linear (module docstring).
+Fp8Filter = Literal["all", "auto"]
+FP8_FILTERS: tuple[str, ...] = typing.get_args(Fp8Filter)
+# What the last ``convert`` in this process swapped (``take_conversion``; the worker records it).
+_last_conversion: dict | None = None
 
 
 def torchao_available() -> bool:
@@ -76,44 +102,114 @@ def skip_reason(device: str, capability: tuple[int, int] | None = None) -> str |
 
 
 def converts(module: torch.nn.Module, fqn: str) -> bool:
-    """``module_filter_fn``: a linear outside the head and routers whose dimensions are multiples of 16."""
+    """``module_filter_fn`` of ``fp8_filter = "all"``: a linear outside the head and routers whose
+    dimensions are multiples of 16."""
     if not isinstance(module, torch.nn.Linear) or fqn.split(".")[-1] in SKIPPED_MODULES:
         return False
     out_features, in_features = module.weight.shape
     return out_features % 16 == 0 and in_features % 16 == 0
 
 
-def float8_numel(model: torch.nn.Module) -> int:
-    """Elements of the weights the conversion casts to float8 (biases stay high precision)."""
-    return sum(m.weight.numel() for n, m in model.named_modules() if converts(m, n))
+def module_filter(fp8_filter: str = "all") -> Callable[[torch.nn.Module, str], bool]:
+    """The ``module_filter_fn`` of option ``fp8_filter``: ``converts`` for "all"; for "auto",
+    torchao's own tensorwise auto filter (needs torchao), with the skipped modules as its
+    ``filter_fqns`` (matched as substrings of the name there; no other GPT module name contains them)."""
+    if fp8_filter == "all":
+        return converts
+    if fp8_filter == "auto":
+        if not torchao_available():
+            raise RuntimeError(f"fp8_filter 'auto' is torchao's filter: {INSTALL_HINT}")
+        from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+
+        return _auto_filter_for_recipe("tensorwise", filter_fqns=list(SKIPPED_MODULES))
+    raise ValueError(f"unknown fp8_filter {fp8_filter!r}; valid values: {', '.join(FP8_FILTERS)}")
 
 
-def block_float8_numel(cfg) -> int:
-    """Float8 weight elements of one transformer block of ``cfg`` (every block has the same shapes),
-    counted on the meta device: no memory, no initialisation."""
+def float8_weights(model: torch.nn.Module, fp8_filter: str = "all") -> dict[str, int]:
+    """Module name -> weight elements, of the linears ``convert`` casts to float8 (biases stay high
+    precision)."""
+    keep = module_filter(fp8_filter)
+    return {n: m.weight.numel() for n, m in model.named_modules() if keep(m, n)}
+
+
+def float8_numel(model: torch.nn.Module, fp8_filter: str = "all") -> int:
+    """Elements of the weights the conversion casts to float8."""
+    return sum(float8_weights(model, fp8_filter).values())
+
+
+def block_float8_weights(cfg, fp8_filter: str = "all") -> dict[str, int]:
+    """``float8_weights`` of one transformer block of ``cfg`` (every block has the same shapes),
+    built on the meta device: no memory, no initialisation."""
+    return dict(_block_float8_weights(cfg, fp8_filter))
+
+
+@functools.cache  # the theory asks once per expectation; a gpt-13b block takes ~10 ms to build on meta
+def _block_float8_weights(cfg, fp8_filter: str) -> tuple[tuple[str, int], ...]:
     from parabench.models import Block
 
     with torch.device("meta"):
-        return float8_numel(Block(cfg, 0))
+        return tuple(float8_weights(Block(cfg, 0), fp8_filter).items())
 
 
-def block_float8_linears(cfg) -> int:
+def block_float8_numel(cfg, fp8_filter: str = "all") -> int:
+    """Float8 weight elements of one transformer block of ``cfg``."""
+    return sum(block_float8_weights(cfg, fp8_filter).values())
+
+
+def block_float8_linears(cfg, fp8_filter: str = "all") -> int:
     """Linears of one transformer block of ``cfg`` the conversion casts to float8."""
-    from parabench.models import Block
-
-    with torch.device("meta"):
-        return sum(1 for n, m in Block(cfg, 0).named_modules() if converts(m, n))
+    return len(block_float8_weights(cfg, fp8_filter))
 
 
-def convert(model: torch.nn.Module, fsdp_float8_all_gather: bool = False) -> torch.nn.Module:
-    """Swap the chosen linears for torchao ``Float8Linear`` in place (before DDP, FSDP2, a reference's
-    flat buffers, activation checkpointing and compile: torchtitan converts the model first)."""
+def convert(model: torch.nn.Module, fp8_filter: str = "all", fsdp_float8_all_gather: bool = False) -> torch.nn.Module:
+    """Swap the linears ``fp8_filter`` picks for torchao ``Float8Linear`` in place (before DDP, FSDP2,
+    a reference's flat buffers, activation checkpointing and compile: torchtitan converts the model
+    first), and note what was swapped for ``take_conversion``."""
+    global _last_conversion
     if not torchao_available():
         raise RuntimeError(f"the fp8 recipe needs torchao: {INSTALL_HINT}")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather, emulate=EMULATE)
-    return convert_to_float8_training(model, config=config, module_filter_fn=converts)
+    model = convert_to_float8_training(model, config=config, module_filter_fn=module_filter(fp8_filter))
+    _last_conversion = conversion_summary(model, fp8_filter)
+    return model
+
+
+def conversion_summary(model: torch.nn.Module, fp8_filter: str) -> dict:
+    """What a converted GPT holds in float8: the filter, the Float8Linear count per block and their
+    names inside a block, and their weight elements."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    swapped = {n: m.weight.numel() for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    blocks = getattr(model, "blocks", ())
+    per_block = [sum(1 for n in swapped if n.startswith(f"blocks.{i}.")) for i in range(len(blocks))]
+    return {
+        "fp8_filter": fp8_filter,
+        "float8_linears": len(swapped),
+        "float8_linears_per_block": per_block,
+        "block_modules": sorted({n.split(".", 2)[2] for n in swapped if n.startswith("blocks.")}),
+        "float8_numel": sum(swapped.values()),
+    }
+
+
+def take_conversion() -> dict | None:
+    """``conversion_summary`` of the last ``convert`` in this process since the last call, or None."""
+    global _last_conversion
+    summary, _last_conversion = _last_conversion, None
+    return summary
+
+
+def filter_option_error(case) -> str | None:
+    """Why a case's ``fp8_filter`` option cannot apply, or None (its value's type is checked with
+    the strategy's options)."""
+    if "fp8_filter" not in case.options or case.recipe == "fp8":
+        return None
+    ran = f"the {case.recipe!r} recipe" if case.recipe else f"{case.precision}, which has no recipe"
+    return (
+        f"option fp8_filter ({' or '.join(repr(f) for f in FP8_FILTERS)}) picks the linears of the fp8 recipe; "
+        f"this case trains in {ran}: give it recipe fp8 or drop the option"
+    )
 
 
 def is_fp8(spec) -> bool:

@@ -74,7 +74,8 @@ PER_RANK_KEYS: dict[str, str] = {
     "step_breakdown": "profiler time per category, when the case asked for it",
     "trace": "option trace: {path (relative to the run folder), bytes} of the profiled step's gzipped Chrome trace",
     "memory_snapshot": "option memory_snapshot: {path, bytes} of the CUDA memory snapshot, or {path: None, reason}",
-    "strategy_stats": "what a strategy reports of its own (expert routing, context-parallel load)",
+    "strategy_stats": "what a strategy reports of its own (expert routing, context-parallel load; recipe fp8: "
+    "float8 = {fp8_filter, float8_linears, float8_linears_per_block, block_modules, float8_numel})",
 }
 
 

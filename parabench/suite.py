@@ -60,6 +60,7 @@ from pathlib import Path
 import tomllib
 
 from parabench.case import SCALING_MODES, Case
+from parabench.fp8 import filter_option_error
 from parabench.models import LAYOUTS, MODEL_LADDER
 from parabench.recipes import RECIPES
 from parabench.results import UnsafeNameError, check_path_component
@@ -400,6 +401,9 @@ def validate_case(case: Case) -> None:
         raise SuiteError("seq_len is unreasonably large")
     try:
         opts = info.parse_options(case.options)
+        fp8_filter_error = filter_option_error(case)
+        if fp8_filter_error:
+            raise ValueError(fp8_filter_error)
         Topology.check(case.world_size, getattr(opts, "pp", 1), getattr(opts, "tp", 1))
         if info.validate is not None:
             info.validate(case, opts, replace(MODEL_LADDER[case.model], layout=case.layout))

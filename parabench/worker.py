@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from parabench.case import Case
 from parabench.distributed import init_process_group, pick_device, synchronize
+from parabench.fp8 import take_conversion
 from parabench.hardware import device_name, measured_matmul_flops, peak_flops
 from parabench.meters import flight_recorder, memory, telemetry
 from parabench.meters.comm import CommMeter
@@ -287,7 +288,9 @@ def run_case(
     spec = make_spec(case, device)
     topo = spec.topology
     t_setup = time.perf_counter()
+    take_conversion()  # nothing an earlier case of the launch converted is credited to this one
     trainer = get_strategy(case.strategy).build(spec)
+    float8 = take_conversion()  # recipe fp8: the linears the builder swapped (parabench.fp8.convert)
     synchronize(device)
     setup_s = time.perf_counter() - t_setup
 
@@ -372,6 +375,8 @@ def run_case(
     # (a pipeline's timeline, when asked for, comes from its own step instead).
     pipeline = trainer.pipeline_stats()
     strategy_stats = trainer.strategy_stats()  # attention work, routing
+    if float8 is not None:
+        strategy_stats = {**(strategy_stats or {}), "float8": float8}
     if timeline_on:
         progress.phase("meters", detail="pipeline timeline")
         pipeline = timeline_step(trainer, batches[n_steps], device)

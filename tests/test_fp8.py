@@ -122,7 +122,7 @@ def _float8_names(model) -> set[str]:
 @pytest.mark.parametrize("builder", ["peer", "reference"])
 def test_conversion_swaps_exactly_the_block_linears(builder):
     pytest.importorskip("torchao.float8", reason="parabench[fp8] not installed")
-    from parabench.families.data_parallel import LossScaleOptions, reference_model
+    from parabench.families.data_parallel import DataParallelOptions, reference_model
     from parabench.peers.common import recipe_module
 
     cfg = MODEL_LADDER["tiny"]
@@ -131,7 +131,7 @@ def test_conversion_swaps_exactly_the_block_linears(builder):
     if builder == "peer":
         model = recipe_module(build_model(cfg, 7), spec)
     else:
-        model = reference_model(spec, LossScaleOptions())
+        model = reference_model(spec, DataParallelOptions())
     want = {f"blocks.{i}.{name}" for i in range(cfg.n_layers) for name in BLOCK_LINEARS}
     assert _float8_names(model) == want
     assert type(model.head) is torch.nn.Linear and type(model.tok_emb) is torch.nn.Embedding

@@ -10,6 +10,7 @@ from typing import ClassVar, Literal
 import torch
 import torch.distributed as dist
 
+from parabench.fp8 import Fp8Filter
 from parabench.models import build_model, lm_loss
 from parabench.strategies import (
     ANY_LAYOUT,
@@ -52,6 +53,9 @@ class LossScaleOptions(CommonOptions):
 @dataclass(frozen=True)
 class DataParallelOptions(LossScaleOptions):
     bucket_mb: float = 25.0  # gradient bucket size in MiB of the compute dtype (torch DDP's bucket_cap_mb too)
+    # recipe fp8: which linears become float8, "all" (torchtitan's default) or "auto" (torchao's
+    # tensorwise auto filter: large K or N only); parabench.fp8.module_filter
+    fp8_filter: Fp8Filter = "all"
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ def common_kwargs(spec: TrainSpec, o: LossScaleOptions, groups=()) -> dict:
     )
 
 
-def reference_model(spec: TrainSpec, o: LossScaleOptions):
+def reference_model(spec: TrainSpec, o: DataParallelOptions):
     """The GPT a reference trains. Under the "amp" recipe its forward runs under torch.autocast (the
     reference then keeps, reduces and updates fp32 parameters: ``compute_dtype`` is fp32); "fp8" is
     "amp" with the blocks' linears in float8 (``parabench.fp8``); under
@@ -101,7 +105,7 @@ def reference_model(spec: TrainSpec, o: LossScaleOptions):
     if spec.recipe == "fp8":  # torchao Float8Linear in the blocks, before the flat buffers see them
         from parabench.fp8 import convert
 
-        convert(model)
+        convert(model, o.fp8_filter)
     if spec.recipe in ("amp", "fp8") and spec.precision != "fp32":
         model.forward = torch.autocast(device_type=spec.device.type, dtype=spec.compute_dtype)(model.forward)
     if o.activation_checkpointing:

@@ -273,7 +273,7 @@ def fsdp2_float8_gather_saving(cfg, case, o, pbytes: int) -> int:
 
     kept_blocks = 1 if fsdp2_kept_after_forward(cfg, case, o) else 0
     gathers = case.grad_accum * (2 * cfg.n_layers - kept_blocks)
-    return gathers * block_float8_numel(cfg) * (pbytes - 1)
+    return gathers * block_float8_numel(cfg, o.fp8_filter) * (pbytes - 1)
 
 
 def fsdp2_float8_scale_bytes(cfg, o) -> int:
@@ -284,7 +284,7 @@ def fsdp2_float8_scale_bytes(cfg, o) -> int:
         return 0
     from parabench.fp8 import block_float8_linears
 
-    return 4 * cfg.n_layers * block_float8_linears(cfg)
+    return 4 * cfg.n_layers * block_float8_linears(cfg, o.fp8_filter)
 
 
 def expect_torch_fsdp2(cfg, case, o, dp):

@@ -56,9 +56,10 @@ def recipe_module(model: torch.nn.Module, spec: TrainSpec) -> torch.nn.Module:
     """ "master": the module's parameters in the compute dtype (bf16), before any wrapper sees them;
     "fp8": fp32 parameters, the blocks' linears swapped for torchao's Float8Linear (``parabench.fp8``)."""
     if spec.recipe == "fp8":
+        from parabench.families.data_parallel import DataParallelOptions
         from parabench.fp8 import convert
 
-        return convert(model)
+        return convert(model, DataParallelOptions.read(spec.options).fp8_filter)
     return model.to(spec.compute_dtype) if master_recipe(spec) else model
 
 

@@ -78,7 +78,7 @@ def build(spec: TrainSpec, offload: bool = False, mesh=None) -> FSDP2Trainer:
     if spec.recipe == "fp8":  # first, as torchtitan converts before parallelizing
         from parabench.fp8 import convert
 
-        convert(model, fsdp_float8_all_gather=o.fp8_all_gather)
+        convert(model, o.fp8_filter, fsdp_float8_all_gather=o.fp8_all_gather)
     checkpoint_blocks(model, spec)  # before fully_shard: its hooks stay outside the recomputed region
     compile_blocks(model.blocks, spec)  # ... and outside the compiled one (torchtitan's order)
     mesh = mesh if mesh is not None else spec.topology.mesh["dp"]

@@ -40,6 +40,7 @@ FP8_COLUMNS = [
     ("model", "model", "str"),
     ("world_size", "devices", "int"),
     ("micro_batch", "micro-batch", "int"),
+    ("fp8_options", "fp8 options", "str"),
     ("base", "beside", "str"),
     ("base_tps", "beside tok/s/device", "int"),
     ("fp8_tps", "fp8 tok/s/device", "int"),
@@ -69,9 +70,21 @@ def tail_loss(r: dict, n: int = LOSS_TAIL) -> float | None:
     return sum(losses[-n:]) / len(losses[-n:])
 
 
+# Options that configure the fp8 recipe itself (``parabench.fp8``, torch.fsdp2): an fp8 case with them
+# still sits beside the bf16 recipes of the case without them, as its own fp8 row.
+FP8_RECIPE_OPTIONS = ("fp8_filter", "fp8_all_gather")
+
+
+def _fp8_options(c: dict) -> str:
+    opts = c.get("options") or {}
+    return ",".join(f"{k}={opts[k]}" for k in sorted(opts) if k in FP8_RECIPE_OPTIONS)
+
+
 def _key(r: dict):
     c = r.get("case") or {}
-    opts = json.dumps(c.get("options") or {}, sort_keys=True)
+    opts = json.dumps(
+        {k: v for k, v in (c.get("options") or {}).items() if k not in FP8_RECIPE_OPTIONS}, sort_keys=True
+    )
     layout = c.get("layout") or "separate"  # a fused-qkv model is a different model
     return (
         c.get("strategy"),
@@ -111,7 +124,9 @@ def _pairs(records) -> list[dict]:
         c = r.get("case") or {}
         if r.get("status") != "ok" or c.get("precision") == "fp32" or int(c.get("repeat") or 0):
             continue
-        pairs.setdefault(_key(r), {})[recipe_of(c)] = r
+        recipe = recipe_of(c)
+        variant = _fp8_options(c) if recipe == "fp8" else ""
+        pairs.setdefault(_key(r), {})[recipe + (f" [{variant}]" if variant else "")] = r
     return [by for _, by in sorted(pairs.items(), key=lambda kv: str(kv[0]))]
 
 
@@ -137,9 +152,9 @@ def fp8_rows(runs) -> list[dict]:
     rows = []
     for manifest, records in runs:
         for by in _pairs(records):
-            f = by.get("fp8")
-            for base in ("amp", "master"):
-                if f is None or base not in by:
+            fp8_cases = [r for name, r in by.items() if name.split(" ")[0] == "fp8"]
+            for f, base in ((f, base) for f in fp8_cases for base in ("amp", "master")):
+                if base not in by:
                     continue
                 b = by[base]
                 bl, fl = tail_loss(b), tail_loss(f)
@@ -147,6 +162,7 @@ def fp8_rows(runs) -> list[dict]:
                     {
                         "run": run_name(manifest),
                         **_shape(f),
+                        "fp8_options": _fp8_options(f.get("case") or {}),
                         "base": f"bf16-{base}",
                         **_side_by_side(f, b, "fp8", "base"),
                         "base_loss": bl,
