@@ -192,3 +192,166 @@ def test_report_sets_fp8_beside_each_bf16_recipe_of_the_same_case():
         "recipe-effect",
         "fp8-effect",
     ]
+
+
+# --- option fp8_filter ---------------------------------------------------------------------------
+
+
+def _torchao_tensorwise_keeps(cfg) -> set[str]:
+    """The block linears torchao's own tensorwise auto filter converts, asked module by module."""
+    from torchao.float8.float8_linear_utils import _auto_filter_for_tensorwise
+
+    from parabench.models import Block
+
+    with torch.device("meta"):
+        block = Block(cfg, 0)
+    return {
+        n
+        for n, m in block.named_modules()
+        if isinstance(m, torch.nn.Linear) and _auto_filter_for_tensorwise(m, f"blocks.0.{n}", filter_fqns=["head"])
+    }
+
+
+@pytest.mark.parametrize(("model", "auto_keeps"), [("gpt-350m", {"mlp.fc"}), ("gpt-1.3b", set(BLOCK_LINEARS))])
+def test_auto_filter_is_torchaos_choice_and_the_theory_counts_follow_it(model, auto_keeps):
+    """torchao's rule skips a linear of K <= 4096 and N <= 1024: at d 1024 every linear but mlp.fc
+    (N 4096); at d 2048 none. The theory's float8 counts are those of the chosen filter."""
+    pytest.importorskip("torchao.float8", reason="parabench[fp8] not installed")
+    cfg = MODEL_LADDER[model]
+    d = cfg.d_model
+    assert _torchao_tensorwise_keeps(cfg) == auto_keeps
+    assert set(fp8.block_float8_weights(cfg, "auto")) == auto_keeps
+    assert set(fp8.block_float8_weights(cfg, "all")) == set(BLOCK_LINEARS)
+    assert fp8.block_float8_numel(cfg, "all") == 12 * d * d and fp8.block_float8_linears(cfg, "all") == 6
+    want_numel = 4 * d * d if model == "gpt-350m" else 12 * d * d
+    assert fp8.block_float8_numel(cfg, "auto") == want_numel
+    assert fp8.block_float8_linears(cfg, "auto") == len(auto_keeps)
+    with pytest.raises(ValueError, match="valid values: all, auto"):
+        fp8.module_filter("small")
+
+
+def test_fsdp2_float8_gather_theory_follows_the_filter():
+    """torch.fsdp2 with fp8_all_gather: only the converted weights travel in 1 byte and carry a scale."""
+    pytest.importorskip("torchao.float8", reason="parabench[fp8] not installed")
+    cfg = MODEL_LADDER["gpt-350m"]
+    d, blocks = cfg.d_model, cfg.n_layers
+
+    def comm(**opts):
+        case = Case(
+            model="gpt-350m", strategy="torch.fsdp2", world_size=2, precision="bf16", recipe="fp8", options=opts
+        )
+        return expected(case, cfg, 2)["comm_payload_bytes"]
+
+    plain, every, auto = comm(), comm(fp8_all_gather=True), comm(fp8_all_gather=True, fp8_filter="auto")
+    assert every["all_reduce"] == 4 * blocks * 6 and auto["all_reduce"] == 4 * blocks * 1
+    # tuned FSDP2 keeps the last block gathered after forward: 2L - 1 block gathers, 3 bytes saved per element
+    gathers = 2 * blocks - 1
+    assert plain["all_gather"] - every["all_gather"] == gathers * 12 * d * d * 3
+    assert plain["all_gather"] - auto["all_gather"] == gathers * 4 * d * d * 3
+    assert comm(fp8_filter="auto") == plain  # without the float8 all-gather the filter changes no traffic
+
+
+def test_fp8_filter_option_is_validated_hashed_and_labelled():
+    auto, every, default = (
+        mk("ref.zero2", "fp8", options=o) for o in ({"fp8_filter": "auto"}, {"fp8_filter": "all"}, {})
+    )
+    for case in (auto, every, default):
+        validate_case(case)
+    assert len({auto.case_hash, every.case_hash, default.case_hash}) == 3
+    assert "fp8_filter=auto" in auto.label and "fp8_filter" not in default.label
+    with pytest.raises(SuiteError, match=r"option fp8_filter must be 'all' \| 'auto', got 'small'"):
+        validate_case(mk("torch.fsdp2", "fp8", options={"fp8_filter": "small"}))
+    for case in (
+        mk("ref.zero2", "amp", options={"fp8_filter": "auto"}),
+        mk("torch.ddp", "master", options={"fp8_filter": "all"}),
+        mk("deepspeed.zero2", "master", options={"fp8_filter": "auto"}),
+        mk("ref.ddp", None, precision="fp32", options={"fp8_filter": "auto"}),
+    ):
+        with pytest.raises(SuiteError, match=r"option fp8_filter \('all' or 'auto'\) picks the linears of the fp8"):
+            validate_case(case)
+    with pytest.raises(SuiteError, match="unknown option 'fp8_filter'"):  # a strategy without the fp8 recipe
+        validate_case(mk("torch.tp", "amp", options={"fp8_filter": "auto"}))
+
+
+def test_fp8_peers_suite_runs_auto_beside_all_and_amp_at_350m():
+    cases = [c for c in load_suite("suites/fp8-peers-gpu.toml").cases if c.model == "gpt-350m"]
+    got = {(c.strategy, c.recipe, c.options.get("fp8_filter", "all")) for c in cases}
+    assert got == {
+        (s, r, f) for s in ("ref.zero2", "torch.fsdp2") for r, f in (("amp", "all"), ("fp8", "all"), ("fp8", "auto"))
+    }
+    assert all(c.world_size == 2 and c.micro_batch == 8 and c.options["compile"] for c in cases)
+
+
+def _converted_by_every_fp8_strategy(fp8_filter: str) -> dict:
+    """Rank-local, world 1: build every strategy that takes the fp8 recipe on a one-block model of
+    gpt-350m's widths; per strategy, what ``convert`` recorded (the worker's ``strategy_stats.float8``)."""
+    import dataclasses
+
+    from parabench.topology import build_topology
+
+    cfg = dataclasses.replace(MODEL_LADDER["gpt-350m"], n_layers=1, vocab_size=256, seq_len=16)
+    topo = build_topology("cpu")
+    out = {}
+    for name in sorted(n for n, s in STRATEGIES.items() if "fp8" in s.recipes_for("bf16")):
+        opts = {"fp8_filter": fp8_filter}
+        spec = TrainSpec(cfg, 0, torch.device("cpu"), "bf16", topo, 1, options=opts, recipe="fp8")
+        fp8.take_conversion()
+        trainer = STRATEGIES[name].build(spec)
+        out[name] = fp8.take_conversion()
+        trainer.close()
+    return out, _recorded_float8()
+
+
+def _recorded_float8() -> dict:
+    """Rank-local: a tiny fp8 case (fp8_filter all) through the worker, float8 emulated; its rank's
+    strategy_stats."""
+    from parabench.worker import run_case
+
+    fp8.EMULATE = True
+    options = {"fp8_filter": "all", "roofline": False, "telemetry": False}
+    case = Case(
+        model="tiny",
+        strategy="single",
+        world_size=1,
+        precision="bf16",
+        recipe="fp8",
+        device="cpu",
+        steps=1,
+        warmup=0,
+        options=options,
+    )
+    return run_case(case, torch.device("cpu"))["per_rank"][0]["strategy_stats"]
+
+
+def test_every_fp8_strategy_converts_what_the_filter_picks():
+    pytest.importorskip("torchao.float8", reason="parabench[fp8] not installed")
+    from parabench.distributed import run_on_gloo
+
+    ((auto, recorded),) = run_on_gloo(_converted_by_every_fp8_strategy, 1, "auto")
+    tiny = MODEL_LADDER["tiny"]
+    assert recorded["float8"] == {  # the worker records what the builder converted, per rank
+        "fp8_filter": "all",
+        "float8_linears": 6 * tiny.n_layers,
+        "float8_linears_per_block": [6] * tiny.n_layers,
+        "block_modules": sorted(BLOCK_LINEARS),
+        "float8_numel": tiny.n_layers * fp8.block_float8_numel(tiny),
+    }
+    assert set(auto) == {
+        "single",
+        "torch.ddp",
+        "torch.fsdp2",
+        "ref.ddp",
+        "ref.zero1",
+        "ref.zero2",
+        "ref.zero3",
+        "ref.fsdp",
+    }
+    d = MODEL_LADDER["gpt-350m"].d_model
+    want = {
+        "fp8_filter": "auto",
+        "float8_linears": 1,
+        "float8_linears_per_block": [1],
+        "block_modules": ["mlp.fc"],
+        "float8_numel": 4 * d * d,
+    }
+    assert all(summary == want for summary in auto.values()), auto
