@@ -171,8 +171,8 @@ def test_emulated_fp8_training_tracks_amp_on_the_same_data(monkeypatch):
 def test_report_sets_fp8_beside_each_bf16_recipe_of_the_same_case():
     from parabench.report.recipe_effect import fp8_rows, table_specs
 
-    def record(recipe, tps, peak, losses, strategy="ref.ddp"):
-        case = mk(strategy, recipe).to_dict()
+    def record(recipe, tps, peak, losses, strategy="ref.ddp", **options):
+        case = mk(strategy, recipe, options=options).to_dict()
         metrics = {"tokens_per_s_per_device": tps, "peak_alloc_bytes": peak, "losses": losses}
         return {"status": "ok", "case": case, "metrics": metrics}
 
@@ -182,10 +182,17 @@ def test_report_sets_fp8_beside_each_bf16_recipe_of_the_same_case():
         record("master", 120.0, 2**30, [9.0] * 5 + [2.9] * 20),
         record("fp8", 150.0, 2**31, [9.0] * 5 + [3.1] * 20),
         record("fp8", 150.0, 2**31, tail, strategy="torch.ddp"),  # no bf16 recipe beside it: no row
+        record("fp8", 110.0, 2**31, tail, fp8_filter="auto"),  # an fp8 variant: its own row beside amp
     ]
     rows = fp8_rows([({"suite": "s", "run_id": "r"}, records)])
-    assert [(r["strategy"], r["base"]) for r in rows] == [("ref.ddp", "bf16-amp"), ("ref.ddp", "bf16-master")]
-    amp, master = rows
+    assert [(r["strategy"], r["fp8_options"], r["base"]) for r in rows] == [
+        ("ref.ddp", "", "bf16-amp"),
+        ("ref.ddp", "", "bf16-master"),
+        ("ref.ddp", "fp8_filter=auto", "bf16-amp"),
+        ("ref.ddp", "fp8_filter=auto", "bf16-master"),
+    ]
+    amp, master, auto_amp, _ = rows
+    assert auto_amp["tps_ratio"] == pytest.approx(1.1)
     assert amp["tps_ratio"] == 1.5 and amp["mem_ratio"] == 1.0 and master["mem_ratio"] == 2.0
     assert amp["loss_diff"] == pytest.approx(0.1) and master["loss_diff"] == pytest.approx(0.2)  # last 10 steps
     assert [s["id_"] for s in table_specs([({"suite": "s", "run_id": "r"}, records)], [])] == [
