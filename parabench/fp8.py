@@ -16,8 +16,8 @@ A mixture-of-experts router is left alone too (its width is the expert count).
 Option ``fp8_filter`` picks among those linears (``FP8_FILTERS``), for every strategy that takes the
 recipe alike (the references' ``reference_model``, the torch peers' ``recipe_module`` and torch.fsdp2):
 
-- ``"all"`` (the default): every one of them, torchtitan's default (its float8 converter swaps every
-  linear outside ``filter_fqns``, which lists the output head).
+- ``"all"`` (the default): every one of them, as torchtitan's float8 converter does by default
+  (every linear not named in its ``filter_fqns``).
 - ``"auto"``: torchao's automatic filter for the tensorwise recipe,
   ``torchao.float8.float8_linear_utils._auto_filter_for_recipe("tensorwise", filter_fqns)``, with the
   head and routers as ``filter_fqns``. It also skips a linear of ``K <= 4096`` inputs and ``N <= 1024``
