@@ -78,6 +78,10 @@ FP8_FILTERS: tuple[str, ...] = typing.get_args(Fp8Filter)
 _last_conversion: dict | None = None
 
 
+class TorchaoMissing(RuntimeError):
+    """Something needs torchao (a float8 conversion, or "auto"'s filter) on a machine without it."""
+
+
 def torchao_available() -> bool:
     return importlib.util.find_spec("torchao") is not None
 
@@ -118,7 +122,7 @@ def module_filter(fp8_filter: str = "all") -> Callable[[torch.nn.Module, str], b
         return converts
     if fp8_filter == "auto":
         if not torchao_available():
-            raise RuntimeError(f"fp8_filter 'auto' is torchao's filter: {INSTALL_HINT}")
+            raise TorchaoMissing(f"fp8_filter 'auto' is torchao's filter: {INSTALL_HINT}")
         from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
 
         return _auto_filter_for_recipe("tensorwise", filter_fqns=list(SKIPPED_MODULES))

@@ -362,3 +362,18 @@ def test_every_fp8_strategy_converts_what_the_filter_picks():
         "float8_numel": 4 * d * d,
     }
     assert all(summary == want for summary in auto.values()), auto
+
+
+def test_skipped_auto_case_without_torchao_is_recorded_without_theory(monkeypatch):
+    """Which linears "auto" converts is torchao's answer: without torchao the case is skipped with
+    the install hint and its record says no theory rather than failing to be written."""
+    from parabench.record import build_record
+
+    case = mk("torch.fsdp2", "fp8", device="cuda", options={"fp8_filter": "auto", "fp8_all_gather": True})
+    monkeypatch.setattr(fp8, "torchao_available", lambda: False)
+    reason = fp8.skip_reason("cuda", (9, 0))
+    assert "install parabench[fp8]" in reason
+    rec = build_record(case, "skipped", error={"message": reason})
+    assert rec["theory"] is None and rec["status"] == "skipped"
+    monkeypatch.setattr(fp8, "torchao_available", lambda: True)
+    assert build_record(case, "skipped", error={"message": "x"})["theory"] is not None
