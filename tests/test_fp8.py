@@ -20,6 +20,10 @@ from parabench.topology import Topology
 BLOCK_LINEARS = ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc", "mlp.proj")
 
 
+# the strategies that declare the fp8 recipe
+FP8_STRATEGIES = {"single", "torch.ddp", "torch.fsdp2", "ref.ddp", "ref.zero1", "ref.zero2", "ref.zero3", "ref.fsdp"}
+
+
 def mk(strategy: str, recipe: str | None, precision: str = "bf16", **kw) -> Case:
     return Case(model="tiny", strategy=strategy, world_size=2, precision=precision, recipe=recipe, **kw)
 
@@ -37,16 +41,7 @@ def test_fp8_is_a_named_hashed_bf16_recipe_of_the_strategies_that_declare_it():
     spec = TrainSpec(cfg, 0, torch.device("cpu"), "bf16", Topology(2, 0, 2), 2, recipe="fp8")
     assert spec.param_dtype == torch.float32 and spec.autocast_on
     declared = {n for n, s in STRATEGIES.items() if "fp8" in s.recipes_for("bf16")}
-    assert declared == {
-        "single",
-        "torch.ddp",
-        "torch.fsdp2",
-        "ref.ddp",
-        "ref.zero1",
-        "ref.zero2",
-        "ref.zero3",
-        "ref.fsdp",
-    }
+    assert declared == FP8_STRATEGIES
     assert all("fp8" not in s.recipes_for("fp16") for s in STRATEGIES.values())
     with pytest.raises(SuiteError, match="does not train fp16 in the 'fp8' recipe"):
         validate_case(mk("ref.ddp", "fp8", precision="fp16"))
@@ -343,16 +338,7 @@ def test_every_fp8_strategy_converts_what_the_filter_picks():
         "block_modules": sorted(BLOCK_LINEARS),
         "float8_numel": tiny.n_layers * fp8.block_float8_numel(tiny),
     }
-    assert set(auto) == {
-        "single",
-        "torch.ddp",
-        "torch.fsdp2",
-        "ref.ddp",
-        "ref.zero1",
-        "ref.zero2",
-        "ref.zero3",
-        "ref.fsdp",
-    }
+    assert set(auto) == FP8_STRATEGIES
     d = MODEL_LADDER["gpt-350m"].d_model
     want = {
         "fp8_filter": "auto",
