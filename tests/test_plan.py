@@ -496,3 +496,33 @@ def test_runs_on_a_shared_host_stay_out_of_the_calibration(tmp_path):
     assert runs == ["results/suite/blank", "results/suite/quiet"]
     assert C.left_out_runs(tmp_path / "results") == {"results/suite/busy": C.HOST_SHARED_REASON}
     assert C.host_shared({"env": {"PARABENCH_HOST_SHARED": "x"}}) == "x" and C.host_shared({}) is None
+
+
+def test_torch_pipeline_dp_overlaps_the_last_backward_from_version_3_and_zero_bubble_stays_serial():
+    """torch.pp_1f1b version 3 (DDP-wrapped stages) hides its dp all-reduce, but for the last
+    (embedding) bucket, behind the last micro-batch's backward; version 2 (its records) and
+    torch.pp_zb all-reduce after the schedule, with nothing beside them."""
+    cfg, opts = model_config("gpt-125m"), {"pp": 2}
+    v3 = for_config(model="gpt-125m", cfg=cfg, strategy="torch.pp_1f1b", world_size=4, micro_batch=8, options=opts)
+    zb = for_config(model="gpt-125m", cfg=cfg, strategy="torch.pp_zb", world_size=4, micro_batch=8, options=opts)
+    assert v3.strategy_version == "3" and (v3.pp, v3.dp) == (2, 2)
+    v2 = dataclasses.replace(v3, strategy_version="2")
+
+    def dp_comm(w) -> tuple[float, float]:
+        f = M.time_features(w, COLLECTIVES, M.TIME_DEFAULTS)
+        b = w.comm_bytes["all_reduce"]
+        serial = M.collective_s(COLLECTIVES, "all_reduce", b, w.dp, M.comm_calls(w, "all_reduce", b))
+        return f["comm_serial"], serial
+
+    exposed_v2, serial_v2 = dp_comm(v2)
+    exposed_v3, serial_v3 = dp_comm(v3)
+    exposed_zb, serial_zb = dp_comm(zb)
+    assert serial_v2 > 0 and exposed_v2 == pytest.approx(serial_v2)
+    assert exposed_zb == pytest.approx(serial_zb)
+    # what stays exposed at version 3 is the embedding's bucket, which backward makes last
+    embed_share = cfg.vocab_size * cfg.d_model * 2 / v3.comm_bytes["all_reduce"]
+    assert exposed_v3 == pytest.approx(serial_v3 * embed_share) and exposed_v3 < 0.6 * exposed_v2
+    # version 3 records are their own configuration; versions before it keep their keys
+    case = {"model": "gpt-125m", "strategy": "torch.pp_1f1b", "world_size": 4, "precision": "bf16", "micro_batch": 8}
+    keys = [C.config_key({"case": case, "strategy_version": v}) for v in (None, "1", "2", "3")]
+    assert len(set(keys[:3])) == 1 and keys[3] != keys[0]

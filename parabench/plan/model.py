@@ -180,6 +180,13 @@ HOST_BOUND = ("deepspeed.zero3", "torch.fsdp2", "torch.tp", "ref.pp_zb", "torch.
 # keeps autograd calls for the two LayerNorms per block and the embeddings only: a few host calls per
 # block against the block's matmuls, so its step is the schedule's device time (pipeline_sim replay).
 HOST_BOUND_VERSIONS = {"ref.pp_zb": ("1",)}
+# torch pipelines whose dp reduction moved into the schedule, from the version named
+# (parabench/peers/torch_pipeline.py): from version 3 each stage module is DDP-wrapped and torch's
+# runtime arms its reducer for the last micro-batch's backward only, which all-reduces the stage's
+# gradients in buckets beside that backward; before (every record of versions 1-2), one all-reduce
+# per gradient after the schedule. torch.pp_zb still reduces after the schedule: its split backward
+# writes weight gradients by hand, where DDP's hooks never fire.
+DDP_STAGE_VERSIONS = {"torch.pp_gpipe": 3, "torch.pp_1f1b": 3, "torch.pp_interleaved": 3}
 # Parameter tensors of a GPT block per model layout (parabench.models): "separate" q, k, v, proj, fc,
 # fc2 weights, five biases (k has none) and two LayerNorms' weight and bias; "fused" one qkv weight and
 # bias instead of q, k, v's five tensors. Outside the blocks: two embeddings, final LayerNorm weight and
@@ -197,7 +204,19 @@ ACT_BYTES = {"amp": 4, None: 2}
 def modelled_version(strategy: str, version: str | None) -> str | None:
     """The version of ``strategy`` as the model tells versions apart ("1" for a record made before
     versions were written), or None where the model treats every version alike."""
-    return (version or "1") if strategy in HOST_BOUND_VERSIONS else None
+    if strategy in HOST_BOUND_VERSIONS:
+        return version or "1"
+    first = DDP_STAGE_VERSIONS.get(strategy)
+    # the DDP-wrapped stages are one configuration from their first version on; the versions
+    # before it (serial dp reduction) keep the keys they had
+    return str(first) if first is not None and int(version or "1") >= first else None
+
+
+def ddp_stages(w: "Workload") -> bool:
+    """Whether ``w`` runs a torch pipeline's DDP-wrapped stages (its dp all-reduce overlaps the
+    last micro-batch's backward)."""
+    first = DDP_STAGE_VERSIONS.get(w.strategy)
+    return first is not None and int(w.strategy_version or "1") >= first
 
 
 def is_host_bound(w: "Workload") -> bool:
@@ -550,7 +569,8 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
     f["inv_mem_bw"] += device_copy_bytes(w)
     c = {**TIME_DEFAULTS, **(consts or {})}
     # the compute a collective issued during the passes can hide behind: the rank's matmuls and
-    # elementwise work (a pipeline's stretch excluded: gradient traffic runs after the schedule there)
+    # elementwise work of one pass (a pipeline's stretch excluded: its gradient traffic runs after the
+    # schedule, or beside the last micro-batch's backward only)
     pass_s = (c["inv_rate"] * flops + c["inv_act_bw"] * act_elems * ACT_BYTES.get(w.recipe, 2)) / max(1, w.passes)
     for kind, nbytes in w.comm_bytes.items():
         n = group_size(w, kind)
@@ -582,6 +602,10 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
 # torch DDP (``bucket_cap_mb`` 25), and DeepSpeed ZeRO-1/2's reduce bucket (``reduce_bucket_size``
 # 5e8 elements, its default; the tuned profile writes none).
 BUCKET_BYTES = 25 * 2**20
+# DDP's rebuilt reducer closes its first bucket at 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``;
+# parabench.families.model_parallel.DDP_FIRST_BUCKET_BYTES). The planner's torch.ddp keeps its
+# calibrated 25 MiB pieces.
+DDP_FIRST_BUCKET_BYTES = 2**20
 DEEPSPEED_REDUCE_BUCKET_ELEMS = 5e8
 # Which share of a pass's compute a collective issued during it can hide behind: gradient traffic
 # is launched from backward hooks (backward: 2 of 3 matmul passes), ZeRO-3 / FSDP gathers run one
@@ -603,11 +627,19 @@ def comm_overlap(w: Workload, kind: str, nbytes: float) -> tuple | None:
       (block) in forward and again in backward, prefetched one unit ahead; one reduce-scatter (HSDP:
       and one all-reduce across replicas) per unit from backward; every micro-batch.
     - deepspeed.zero1 / zero2 tuned (overlap_comm on): reduce per 5e8-element bucket beside
-      backward; matched (DeepSpeed's default overlap_comm off at stages 0-2), zero0, ref.ps, pipeline
-      data parallelism: serial."""
+      backward; matched (DeepSpeed's default overlap_comm off at stages 0-2), zero0, ref.ps: serial.
+    - torch.pp_gpipe / 1f1b / interleaved from version 3 (``ddp_stages``): each of the rank's stage
+      modules is DDP-wrapped and all-reduces in DDP's rebuilt buckets (the first closes at 1 MiB,
+      the rest at 25 MiB) during the last micro-batch's backward only: the compute it hides behind
+      is one micro-batch's backward of the rank's stage(s); rank 0's last bucket holds the token
+      embedding. Earlier versions, torch.pp_zb and the other pipelines' data parallelism: serial."""
     s = w.strategy
     elem = 2 if w.recipe != "amp" else 4  # the gradient / gathered dtype on the wire
     embed = w.vocab_size * w.d_model / (w.tp if w.family == "model_parallel" else 1) * elem
+    if kind == "all_reduce" and w.tp == 1 and not w.offload and ddp_stages(w):
+        chunks = w.virtual_stages  # one DDP, so one 1 MiB first bucket, per stage module of the rank
+        units = chunks + max(0.0, nbytes - chunks * DDP_FIRST_BUCKET_BYTES) / BUCKET_BYTES
+        return BACKWARD_SHARE, units, max(BUCKET_BYTES, embed), 1
     if w.family == "model_parallel" or kind in ("send", "recv") or w.offload:
         return None
     grad_passes = 1 if s in ("ref.ddp", "torch.ddp", "ref.zero1", "deepspeed.zero1") else w.passes
