@@ -526,3 +526,29 @@ def test_torch_pipeline_dp_overlaps_the_last_backward_from_version_3_and_zero_bu
     case = {"model": "gpt-125m", "strategy": "torch.pp_1f1b", "world_size": 4, "precision": "bf16", "micro_batch": 8}
     keys = [C.config_key({"case": case, "strategy_version": v}) for v in (None, "1", "2", "3")]
     assert len(set(keys[:3])) == 1 and keys[3] != keys[0]
+
+
+def test_host_floor_lasts_each_action_at_least_its_host_time():
+    """An action whose device work is shorter than its host time (``pp_host_block_s`` per block)
+    lasts the host time: equal ops all floored to 3 give 1F1B's (m+p-1) (F+B) against m of the
+    device's F+B = 3; no floor leaves the replay as it was; the floor follows the chunk's blocks."""
+    cfg = dataclasses.replace(model_config("tiny"), n_layers=8)
+    p, m = 2, 4
+    w = for_config(
+        model="tiny", cfg=cfg, strategy="ref.pp_1f1b", world_size=p, micro_batch=m, options={"pp": p, "microbatches": m}
+    )
+    orders, costs = M._stage_orders(w), _equal_costs(w)
+    assert M.schedule_factor(orders, costs, [0.0] * p) == M.schedule_factor(orders, costs)
+    assert M.schedule_factor(orders, costs, [3.0] * p) == pytest.approx((m + p - 1) * 6 / (m * 3))
+    assert M.pipeline_host_floors(w, {"pp_host_block_s": 1e-3}) == pytest.approx([4e-3, 4e-3])
+    inter = for_config(
+        model="tiny",
+        cfg=cfg,
+        strategy="ref.pp_interleaved",
+        world_size=p,
+        micro_batch=m,
+        options={"pp": p, "microbatches": m},
+    )
+    assert M.pipeline_host_floors(inter, {"pp_host_block_s": 1e-3}) == pytest.approx([2e-3] * 4)
+    consts = {"inv_rate": 1e-15}
+    assert M.pipeline_factor(w, {**consts, "pp_host_block_s": 1.0}) > M.pipeline_factor(w, consts)

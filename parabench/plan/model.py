@@ -90,6 +90,9 @@ TIME_DOC = {
     "= accesses per element / HBM bandwidth)",
     "logit_s": "s per logit element (b*s*V) per pass: softmax/cross-entropy, memory-bound",
     "host_s": "s of host/launch overhead per layer per micro-batch pass",
+    "pp_host_block_s": "s of host time per block per pipeline action (one F, B or W of a chunk): the least an "
+    "action lasts, so an action whose device work is shorter waits on its host (fitted over every pipeline "
+    "record by a 1-D search, not by the least squares)",
     "inv_host_bw": "s/byte of CPU-offloaded optimizer state (1 / host bandwidth)",
     "exp_dp": "share of overlapped data-parallel gradient traffic (DDP family) that still costs step time "
     "(compute slowed beside it); the unhidden tail is in comm_serial",
@@ -118,6 +121,7 @@ TIME_DEFAULTS = {
     "logit_s": 0.0,
     "host_s": 0.0,
     "inv_host_bw": 1 / 20e9,
+    "pp_host_block_s": 0.0,
     # overlapped traffic: the tail its compute cannot hide is charged in comm_serial; what the
     # overlapped part costs beside it (compute slowed by the collective's kernels) is not
     # identifiable without a multi-GPU record, and the first-principles default is none
@@ -510,17 +514,24 @@ def _stage_orders(w: Workload) -> tuple:
     return _ORDER_CACHE[key]
 
 
-def schedule_factor(orders, costs) -> float:
+def schedule_factor(orders, costs, floors=None) -> float:
     """Makespan of ``orders`` (each stage's (kind, global chunk, micro-batch) ops) with each op
     lasting ``costs[chunk][F/B/W]`` and free messages (parabench.pipeline_sim), over the mean
     stage's busy time: the step's stretch over the average rank's work. Equal stages give
-    1 + (p-1)/m (GPipe, 1F1B), 1 + (p-1)/(vm) (interleaved), ZB-H1's theory."""
+    1 + (p-1)/m (GPipe, 1F1B), 1 + (p-1)/(vm) (interleaved), ZB-H1's theory. ``floors[chunk]``:
+    the least an op of that chunk lasts in the makespan (its host time); the busy time stays the
+    device's, so the step's excess over it is charged as stretch."""
     from parabench.pipeline_sim import Op, simulate
 
     index = {"F": 0, "B": 1, "W": 2}
-    ops = [[Op(kind, mb, chunk, costs[chunk][index[kind]]) for kind, chunk, mb in order] for order in orders]
-    res = simulate(ops)
-    mean_busy = sum(res["busy_s"]) / len(res["busy_s"])
+
+    def lasting(chunk, kind):
+        cost = costs[chunk][index[kind]]
+        return max(cost, floors[chunk]) if floors and cost > 0 else cost
+
+    busy = simulate([[Op(k, mb, c, costs[c][index[k]]) for k, c, mb in order] for order in orders])["busy_s"]
+    res = simulate([[Op(k, mb, c, lasting(c, k)) for k, c, mb in order] for order in orders])
+    mean_busy = sum(busy) / len(busy)
     return res["step_s"] / mean_busy if mean_busy > 0 else 1.0
 
 
@@ -531,12 +542,24 @@ def pipeline_factor(w: Workload, consts: dict | None = None) -> float:
     if w.pp <= 1:
         return 1.0
     costs = pipeline_op_costs(w, consts or {})
+    floors = pipeline_host_floors(w, consts or {})
     top = max(max(c) for c in costs) or 1.0
     rounded = tuple(tuple(float(f"{x / top:.3g}") for x in c) for c in costs)
-    key = (w.schedule, w.pp, w.microbatches, w.virtual_stages, rounded)
+    floors_r = tuple(float(f"{x / top:.3g}") for x in floors) if any(floors) else None
+    key = (w.schedule, w.pp, w.microbatches, w.virtual_stages, rounded, floors_r)
     if key not in _FACTOR_CACHE:
-        _FACTOR_CACHE[key] = schedule_factor(_stage_orders(w), rounded)
+        _FACTOR_CACHE[key] = schedule_factor(_stage_orders(w), rounded, floors_r)
     return _FACTOR_CACHE[key]
+
+
+def pipeline_host_floors(w: Workload, consts: dict) -> list[float]:
+    """Per virtual stage (global chunk order), the host seconds one of its actions takes: Python
+    module calls and kernel launches of each block, the blocking p2p of the action
+    (``pp_host_block_s`` per block). The device runs an action no faster than its host issues it,
+    which shows where one action's device work is short (few rows, few blocks per chunk)."""
+    per_block = (consts or {}).get("pp_host_block_s", 0.0)
+    interleaved = any(chunk > 0 for _, chunk, _ in _stage_orders(w)[0])
+    return [per_block * n for n in _chunk_layers(w, interleaved)]
 
 
 def time_features(w: Workload, collectives: dict, consts: dict | None = None) -> dict:
