@@ -231,7 +231,8 @@ def model_section(case) -> dict:
 
 def check_against_theory(theory: dict | None, per_rank: list[dict], allowance: float = 0.01) -> dict:
     """Measured vs expected: communication payload per kind (rank 0's instrumented step),
-    model-state bytes per rank, and where the theory gives them NVMe bytes read and written per step. ``ok`` is False when any ratio is off by more than ``allowance``."""
+    model-state bytes per rank, and where the theory gives them NVMe bytes read and written per
+    step. ``ok`` is False when any ratio is off by more than ``allowance``."""
     if not theory:
         return {"available": False}
     out: dict = {"available": True, "allowance": allowance}

@@ -625,10 +625,6 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
 # torch DDP (``bucket_cap_mb`` 25), and DeepSpeed ZeRO-1/2's reduce bucket (``reduce_bucket_size``
 # 5e8 elements, its default; the tuned profile writes none).
 BUCKET_BYTES = 25 * 2**20
-# DDP's rebuilt reducer closes its first bucket at 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``;
-# parabench.families.model_parallel.DDP_FIRST_BUCKET_BYTES). The planner's torch.ddp keeps its
-# calibrated 25 MiB pieces.
-DDP_FIRST_BUCKET_BYTES = 2**20
 DEEPSPEED_REDUCE_BUCKET_ELEMS = 5e8
 # Which share of a pass's compute a collective issued during it can hide behind: gradient traffic
 # is launched from backward hooks (backward: 2 of 3 matmul passes), ZeRO-3 / FSDP gathers run one
@@ -660,6 +656,10 @@ def comm_overlap(w: Workload, kind: str, nbytes: float) -> tuple | None:
     elem = 2 if w.recipe != "amp" else 4  # the gradient / gathered dtype on the wire
     embed = w.vocab_size * w.d_model / (w.tp if w.family == "model_parallel" else 1) * elem
     if kind == "all_reduce" and w.tp == 1 and not w.offload and ddp_stages(w):
+        # DDP's rebuilt first bucket, as the theory counts it (the planner's torch.ddp keeps its
+        # calibrated 25 MiB pieces); imported here to keep torch out of the planner's import
+        from parabench.families.model_parallel import DDP_FIRST_BUCKET_BYTES
+
         chunks = w.virtual_stages  # one DDP, so one 1 MiB first bucket, per stage module of the rank
         units = chunks + max(0.0, nbytes - chunks * DDP_FIRST_BUCKET_BYTES) / BUCKET_BYTES
         return BACKWARD_SHARE, units, max(BUCKET_BYTES, embed), 1
