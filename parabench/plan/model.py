@@ -205,22 +205,25 @@ AMP_CAST_BYTES = 12
 ACT_BYTES = {"amp": 4, None: 2}
 
 
+def _runs_ddp_stages(strategy: str, version: str | None) -> bool:
+    first = DDP_STAGE_VERSIONS.get(strategy)
+    return first is not None and int(version or "1") >= first
+
+
 def modelled_version(strategy: str, version: str | None) -> str | None:
     """The version of ``strategy`` as the model tells versions apart ("1" for a record made before
     versions were written), or None where the model treats every version alike."""
     if strategy in HOST_BOUND_VERSIONS:
         return version or "1"
-    first = DDP_STAGE_VERSIONS.get(strategy)
     # the DDP-wrapped stages are one configuration from their first version on; the versions
     # before it (serial dp reduction) keep the keys they had
-    return str(first) if first is not None and int(version or "1") >= first else None
+    return str(DDP_STAGE_VERSIONS[strategy]) if _runs_ddp_stages(strategy, version) else None
 
 
 def ddp_stages(w: "Workload") -> bool:
     """Whether ``w`` runs a torch pipeline's DDP-wrapped stages (its dp all-reduce overlaps the
     last micro-batch's backward)."""
-    first = DDP_STAGE_VERSIONS.get(w.strategy)
-    return first is not None and int(w.strategy_version or "1") >= first
+    return _runs_ddp_stages(w.strategy, w.strategy_version)
 
 
 def is_host_bound(w: "Workload") -> bool:
@@ -529,7 +532,8 @@ def schedule_factor(orders, costs, floors=None) -> float:
         cost = costs[chunk][index[kind]]
         return max(cost, floors[chunk]) if floors and cost > 0 else cost
 
-    busy = simulate([[Op(k, mb, c, costs[c][index[k]]) for k, c, mb in order] for order in orders])["busy_s"]
+    # each stage's device time (pipeline_sim's busy_s without the floors), summed: no second replay
+    busy = [sum(costs[c][index[k]] for k, c, _ in order) for order in orders]
     res = simulate([[Op(k, mb, c, lasting(c, k)) for k, c, mb in order] for order in orders])
     mean_busy = sum(busy) / len(busy)
     return res["step_s"] / mean_busy if mean_busy > 0 else 1.0
