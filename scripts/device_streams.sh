@@ -17,7 +17,9 @@
 # cases that would not fit the host's memory together, say). The streams run from a private copy of the tree, made once per
 # machine, because each call re-syncs the repository copy underneath running processes.
 # PARABENCH_HOST_SHARED, if set at `start`, reaches every record's manifest: say there what else
-# ran on the host.
+# ran on the host. STREAM_CPUS, if set at `start` (a taskset list, e.g. 0-15), pins the stream and
+# every process it starts to those CPUs, so a host-heavy stream (NVMe or CPU offload) leaves the
+# other streams' CPUs alone; the manifests' cpus_usable then says how many each had.
 set -uo pipefail
 root=/tmp/pb-streams
 tree=$root/tree
@@ -30,7 +32,8 @@ case $cmd in
     dir=$root/$name
     mkdir -p "$dir/out" "$dir/work"
     printf '%s\n' "$@" > "$dir/items"
-    cd "$tree" && CUDA_VISIBLE_DEVICES=$gpus DEVICE_WORK=$dir/work setsid nohup bash -c '
+    pin=(); [ -n "${STREAM_CPUS:-}" ] && pin=(taskset -c "$STREAM_CPUS")
+    cd "$tree" && CUDA_VISIBLE_DEVICES=$gpus DEVICE_WORK=$dir/work setsid nohup "${pin[@]}" bash -c '
       while IFS= read -r item; do
         [ -f "$0/stop" ] && break
         read -r suite args <<< "$item"
@@ -40,7 +43,7 @@ case $cmd in
         PARABENCH_ARGS="$args" DEADLINE_S=${STREAM_DEADLINE_S:-100000} bash scripts/device_run.sh "$0/out" "$suite"
       done < "$0/items"
       date +%s > "$0/done"' "$dir" > "$dir/stream.log" 2>&1 < /dev/null &
-    echo "stream $name on GPUs $gpus: $# items"
+    echo "stream $name on GPUs $gpus${STREAM_CPUS:+, CPUs $STREAM_CPUS}: $# items"
     ;;
   wait)
     end=$(( $(date +%s) + ${1:?seconds} ))
