@@ -154,7 +154,7 @@ def test_plan_peaks_hold_the_alive_states_and_the_printed_parts_sum_to_the_peak(
 
 
 def _device_s(w, cal) -> float:
-    consts = {**M.TIME_DEFAULTS, **cal["time"]}
+    consts = M.time_constants(cal["time"])
     return sum(consts[k] * v for k, v in M.time_features(w, COLLECTIVES, consts).items())
 
 
@@ -186,6 +186,78 @@ def test_host_bound_step_is_the_larger_of_device_and_hook_time():
     assert M.predict(w, slow).bottleneck == "host_wait"
     fast = {**cal, "host_tensor_s": {w.impl: 0.1 * device / M.host_units(w)}}
     assert M.predict(w, fast).step_s == pytest.approx(device)
+
+
+def test_compile_removes_dtensor_dispatch_and_prices_fused_elementwise_traffic():
+    """torch.tp is host-bound eager only; a compiled configuration's elementwise traffic takes the
+    compiled constant, which falls back to the eager one where no compiled record calibrated it."""
+    tp = dict(model="tiny", cfg=model_config("tiny"), strategy="torch.tp", world_size=2, micro_batch=2)
+    eager = for_config(**tp, options={"tp": 2})
+    compiled = for_config(**tp, options={"tp": 2, "compile": True})
+    assert compiled.compiled and not eager.compiled
+    assert M.is_host_bound(eager) and not M.is_host_bound(compiled)
+    fsdp = for_config(
+        model="tiny", cfg=model_config("tiny"), strategy="torch.fsdp2", world_size=2, options={"compile": True}
+    )
+    assert M.is_host_bound(fsdp)  # its per-module hooks run outside the compiled blocks
+    fe, fc = (M.time_features(w, COLLECTIVES, M.time_constants(None)) for w in (eager, compiled))
+    assert fe["inv_act_bw"] > 0 and fc["inv_act_bw"] == 0
+    assert fc["inv_act_bw_compiled"] == pytest.approx(fe["inv_act_bw"])
+    cal = _cal(inv_rate=1e-15, inv_act_bw=1e-12)
+    assert M.predict(compiled, cal).step_s == pytest.approx(M.predict(eager, cal).step_s)  # no host cost calibrated
+    fused = _cal(inv_rate=1e-15, inv_act_bw=1e-12, inv_act_bw_compiled=0.5e-12)
+    assert M.predict(compiled, fused).step_s < M.predict(compiled, cal).step_s
+
+
+def test_nvme_offload_is_not_modelled():
+    """ZeRO-Infinity's step is its disk's; no term models a disk, so the planner leaves it out."""
+    assert M.family_of("deepspeed.zero3_nvme") is None and M.family_of("deepspeed.zero3_offload") == "sharded"
+
+
+def test_host_floor_keeps_the_device_factor_and_binds_only_where_the_host_is_slower():
+    """DeepSpeed ZeRO-1/2 tuned: step = max(device x its factor, cost per tensor x tensors x passes);
+    the matched profile has no floor."""
+    kw = dict(model="tiny", cfg=model_config("tiny"), strategy="deepspeed.zero2", world_size=2, micro_batch=1)
+    tuned = for_config(**kw, options={"profile": "tuned"})
+    assert M.has_host_floor(tuned) and not M.is_host_bound(tuned)
+    assert not M.has_host_floor(for_config(**kw, options={"profile": "matched"}))
+    cal = {**_cal(inv_rate=1e-15), "impl_time": {tuned.impl: 1.2}}
+    device = 1.2 * _device_s(tuned, cal)
+    assert M.predict(tuned, cal).step_s == pytest.approx(device)  # no calibrated floor
+    units = M.host_units(tuned)
+    low = {**cal, "host_tensor_s": {tuned.impl: 0.5 * device / units}}
+    assert M.predict(tuned, low).step_s == pytest.approx(device)
+    high = {**cal, "host_tensor_s": {tuned.impl: 2 * device / units}}
+    assert M.predict(tuned, high).step_s == pytest.approx(2 * device)
+
+
+def test_fit_time_leaves_host_floored_steps_out_of_the_device_factor():
+    """Host-floored configurations whose step is the host's must not raise the library's device
+    factor: the floor is fitted from them, the factor from the ones the device bounds."""
+    base = [_obs("ref.zero2", mb, 0.0) for mb in (1, 2, 64, 128)]
+    cal_consts = M.time_constants({"inv_rate": 1 / 600e12})
+    for o in base:
+        f = M.time_features(o.workload, COLLECTIVES, cal_consts)
+        o.step_s = sum(cal_consts[k] * v for k, v in f.items())
+    ds = []
+    for mb in (1, 2, 64, 128):
+        o = _obs("deepspeed.zero2", mb, 0.0)
+        o.workload = dataclasses.replace(o.workload, profile="tuned")
+        o.key += "tuned"
+        ds.append(o)
+    dev = {
+        id(o): 1.1 * sum(cal_consts[k] * v for k, v in M.time_features(o.workload, COLLECTIVES, cal_consts).items())
+        for o in ds
+    }
+    floor = 1.2 * dev[id(ds[1])] / M.host_units(ds[1].workload)  # binds at micro-batches 1 and 2
+    assert floor * M.host_units(ds[2].workload) < dev[id(ds[2])] / 1.1
+    for o in ds:
+        o.step_s = max(dev[id(o)], floor * M.host_units(o.workload))
+    consts, impl, host = C.fit_time(base + ds, COLLECTIVES, kind="h100")
+    alone_consts, alone_impl, _ = C.fit_time(base + ds[2:], COLLECTIVES, kind="h100")
+    assert impl["deepspeed.zero2:tuned"] == pytest.approx(alone_impl["deepspeed.zero2:tuned"], rel=0.01)
+    assert consts == pytest.approx(alone_consts, rel=0.01)
+    assert host["deepspeed.zero2:tuned"] == pytest.approx(floor, rel=0.05)
 
 
 def test_fit_host_recovers_the_per_tensor_cost_despite_one_stalled_launch():
@@ -240,7 +312,7 @@ def test_predicted_bubble_is_the_stretch_of_the_per_micro_batch_work():
     w = for_config(
         model="tiny", cfg=cfg, strategy="ref.pp_1f1b", world_size=2, micro_batch=4, options={"pp": 2, "microbatches": 4}
     )
-    consts = {**M.TIME_DEFAULTS, "inv_rate": 1e-15, "logit_s": 1e-11}
+    consts = M.time_constants({"inv_rate": 1e-15, "logit_s": 1e-11})
     p = M.predict(w, _cal(**consts))
     feats = M.time_features(w, COLLECTIVES, consts)
     per_mb = sum(consts[k] * feats[k] for k in M.PER_MICROBATCH)  # stretched: the stages' timeline

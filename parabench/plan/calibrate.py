@@ -272,12 +272,13 @@ def _impl_factors(ratios: dict[str, list[float]], log: bool) -> dict[str, float]
 
 
 def fit_host(obs: list[Observation], device_s: list[float]) -> dict[str, float]:
-    """Per host-bound library, the cost per parameter tensor c minimising the summed |log error| of
-    step = max(device, c x tensors x passes) over its configurations (a 1-D search over the values
-    each configuration alone would imply: robust to one stalled launch)."""
+    """Per library that waits on its host (``M.waits_on_host``), the cost per parameter tensor c
+    minimising the summed |log error| of step = max(device, c x tensors x passes) over its
+    configurations (a 1-D search over the values each configuration alone would imply: robust to
+    one stalled launch). ``device_s``: each configuration's device time, with its factor."""
     by_impl: dict[str, list] = {}
     for o, d in zip(obs, device_s):
-        if M.is_host_bound(o.workload):
+        if M.waits_on_host(o.workload):
             # per library, and per library and recipe: autocast adds cast ops each hook/dispatch sees
             for key in (o.workload.impl, M.host_key(o.workload)):
                 by_impl.setdefault(key, []).append((o.step_s, d, M.host_units(o.workload)))
@@ -330,15 +331,28 @@ def fit_pipeline_host(obs: list[Observation], collectives: dict, consts: dict, i
 
 def fit_time(obs: list[Observation], collectives: dict, kind: str = "h100", rounds: int = 4) -> tuple[dict, dict, dict]:
     """Device constants from the configurations not bound by host hooks (NNLS on relative error),
-    implementation factors from their residuals, then the host cost of each hook-driven library."""
+    implementation factors from their residuals, then the host cost of each hook-driven library.
+
+    A library with a host floor (``M.has_host_floor``) enters the device fit only where its floor,
+    fitted against the previous round's device times, does not bind: the first round fits without
+    any of them (factor 1), so a host-bound step never inflates the factor of its device work."""
     cols = M.TIME_CONSTANTS
-    device_obs = [o for o in obs if not M.is_host_bound(o.workload)]
-    consts = dict(M.TIME_DEFAULTS)
+    floor_obs = [o for o in obs if M.has_host_floor(o.workload)]
+    held = {id(o) for o in floor_obs}
+    consts = M.time_constants(None)
     if kind in MATMUL_CEILING:
         consts["inv_rate"] = 1 / MATMUL_CEILING[kind]
-    impl = {o.workload.impl: 1.0 for o in device_obs}
+    impl: dict[str, float] = {}
     used: list[int] = []
-    for _ in range(rounds if device_obs else 0):
+
+    def device_s(o: Observation) -> float:
+        f = M.time_features(o.workload, collectives, consts)
+        return sum(consts[c] * v for c, v in f.items()) * impl.get(o.workload.impl, 1.0)
+
+    for _ in range(rounds):
+        device_obs = [o for o in obs if not M.is_host_bound(o.workload) and id(o) not in held]
+        if not device_obs:
+            break
         # a pipeline's stretch depends on its stages' costs, i.e. on the constants: refit on the
         # features the previous round's constants give (the first round: matmul FLOPs only)
         feats = [M.time_features(o.workload, collectives, consts) for o in device_obs]
@@ -348,7 +362,7 @@ def fit_time(obs: list[Observation], collectives: dict, kind: str = "h100", roun
             for j, c in enumerate(cols)
             if np.any(x[:, j]) and not (c == "inv_rate" and kind in MATMUL_CEILING) and c not in M.FIXED_TIME_CONSTANTS
         ]
-        y = np.array([o.step_s / impl[o.workload.impl] for o in device_obs])
+        y = np.array([o.step_s / impl.get(o.workload.impl, 1.0) for o in device_obs])
         fixed = np.array([sum(consts[c] * f[c] for j, c in enumerate(cols) if j not in used) for f in feats])
         sol = nnls(x[:, used] / y[:, None], (y - fixed) / y)
         for j, v in zip(used, sol):
@@ -359,11 +373,14 @@ def fit_time(obs: list[Observation], collectives: dict, kind: str = "h100", roun
             ratios.setdefault(o.workload.impl, []).append(o.step_s / pred)
         lo, hi = M.IMPL_TIME_BOUNDS
         impl = {k: min(max(v, lo), hi) for k, v in _impl_factors(ratios, log=True).items() if M.time_factor_cause(k)}
-        impl = {o.workload.impl: impl.get(o.workload.impl, 1.0) for o in device_obs}
         consts["pp_host_block_s"] = fit_pipeline_host(device_obs, collectives, consts, impl)
-    impl = {k: v for k, v in impl.items() if M.time_factor_cause(k)}
-    device_s = [sum(consts[c] * v for c, v in M.time_features(o.workload, collectives, consts).items()) for o in obs]
-    host = fit_host(obs, device_s)
+        if floor_obs:
+            dev = [device_s(o) for o in floor_obs]
+            floor = fit_host(floor_obs, dev)
+            held = {id(o) for o, d in zip(floor_obs, dev) if floor[o.workload.impl] * M.host_units(o.workload) >= d}
+    if "inv_act_bw_compiled" not in [cols[j] for j in used]:  # no compiled record: compile changes nothing
+        consts["inv_act_bw_compiled"] = consts["inv_act_bw"]
+    host = fit_host(obs, [device_s(o) for o in obs])
     # A constant no observation exercises keeps its default and says so.
     fitted = [cols[j] for j in used] + (["pp_host_block_s"] if consts["pp_host_block_s"] > 0 else [])
     return consts, impl | {"_fitted": fitted}, host

@@ -70,6 +70,7 @@ TIME_CONSTANTS = (
     "inv_rate_x",
     "inv_mem_bw",
     "inv_act_bw",
+    "inv_act_bw_compiled",
     "logit_s",
     "host_s",
     "inv_host_bw",
@@ -88,6 +89,9 @@ TIME_DOC = {
     "inv_mem_bw": "s/byte of optimizer-step and cast traffic (1 / achieved HBM bandwidth)",
     "inv_act_bw": "s per activation byte per layer pass (elementwise kernels: norms, GELU, residual, dropout; "
     "= accesses per element / HBM bandwidth)",
+    "inv_act_bw_compiled": "inv_act_bw of a configuration with per-block torch.compile (option compile): Inductor "
+    "fuses a block's elementwise chains, so fewer accesses per element (inv_act_bw where no compiled record "
+    "calibrates it)",
     "logit_s": "s per logit element (b*s*V) per pass: softmax/cross-entropy, memory-bound",
     "host_s": "s of host/launch overhead per layer per micro-batch pass",
     "pp_host_block_s": "s of host time per block per pipeline action (one F, B or W of a chunk): the least an "
@@ -131,6 +135,16 @@ TIME_DEFAULTS = {
     "exp_p2p": 1.0,
     "comm_serial": 1.0,
 }
+
+
+def time_constants(consts: dict | None) -> dict:
+    """``consts`` over the defaults; the compiled elementwise constant is the eager one where no
+    compiled record calibrated it (compile then changes nothing)."""
+    c = {**TIME_DEFAULTS, **(consts or {})}
+    c.setdefault("inv_act_bw_compiled", c["inv_act_bw"])
+    return c
+
+
 MEMORY_DEFAULTS = {
     "act_master": 1.0,
     "act_amp": 1.3,
@@ -184,6 +198,17 @@ HOST_BOUND = ("deepspeed.zero3", "torch.fsdp2", "torch.tp", "ref.pp_zb", "torch.
 # keeps autograd calls for the two LayerNorms per block and the embeddings only: a few host calls per
 # block against the block's matmuls, so its step is the schedule's device time (pipeline_sim replay).
 HOST_BOUND_VERSIONS = {"ref.pp_zb": ("1",)}
+# Implementations with device work of their own (a fitted factor, IMPL_TIME_CAUSES) that also wait on
+# their host where the device work is short: step = max(device x factor, host cost per tensor x
+# tensors x passes). DeepSpeed ZeRO-1/2 under the tuned profile (results/ds-host-gpu/20261127-043817,
+# one host at 1, 2 and 4 GPUs): 108-136 ms a step at gpt-350m micro-batch 4 with the GPU 49-63 %
+# busy, where ref.zero2 takes 67-74 ms; 120-123 ms at gpt-1.3b micro-batch 2 (24 blocks both: the
+# same parameter tensors); GPU-bound at gpt-1.3b micro-batch 4 and up.
+HOST_FLOOR_IMPLS = ("deepspeed.zero1:tuned", "deepspeed.zero2:tuned")
+# Host-bound in eager mode only: DTensor's per-op dispatch is traced into the graph by per-block
+# torch.compile (option compile). tp-compile-gpu (gpt-1.3b mb 8, bf16-master): torch.tp compiled ran
+# within 1 % of ref.tp compiled at tp 2 and 4, where eager it ran 0.61x and 0.40x ref.tp eager.
+HOST_BOUND_EAGER_ONLY = ("torch.tp",)
 # torch pipelines whose dp reduction moved into the schedule, from the version named
 # (parabench/peers/torch_pipeline.py): from version 3 each stage module is DDP-wrapped and torch's
 # runtime arms its reducer for the last micro-batch's backward only, which all-reduces the stage's
@@ -226,11 +251,27 @@ def ddp_stages(w: "Workload") -> bool:
     return _runs_ddp_stages(w.strategy, w.strategy_version)
 
 
+def act_column(w: "Workload") -> str:
+    """The constant that prices ``w``'s elementwise traffic: compiled blocks fuse it."""
+    return "inv_act_bw_compiled" if w.compiled else "inv_act_bw"
+
+
 def is_host_bound(w: "Workload") -> bool:
     if not w.strategy.startswith(HOST_BOUND) or w.offload:
         return False
+    if w.compiled and w.strategy.startswith(HOST_BOUND_EAGER_ONLY):
+        return False
     versions = HOST_BOUND_VERSIONS.get(w.strategy)
     return versions is None or (w.strategy_version or "1") in versions
+
+
+def has_host_floor(w: "Workload") -> bool:
+    return w.impl in HOST_FLOOR_IMPLS and not w.offload
+
+
+def waits_on_host(w: "Workload") -> bool:
+    """Whether ``w``'s step is max(device time, host time): host-bound, or with a host floor."""
+    return is_host_bound(w) or has_host_floor(w)
 
 
 def host_key(w: "Workload") -> str:
@@ -259,6 +300,8 @@ def host_units(w: "Workload") -> float:
 def family_of(strategy: str) -> str | None:
     """The strategy family the planner models, from the name (the report has no registry)."""
     s = strategy.split(".", 1)[-1]
+    if s.endswith("_nvme"):  # ZeRO-Infinity's step is the disk's (no term models the disk)
+        return None
     if strategy.startswith("deepspeed.pp") or s.startswith(("tp", "pp")):
         return "model_parallel"
     if s.startswith(("zero", "fsdp", "hsdp")):
@@ -308,6 +351,7 @@ class Workload:
     checkpointing: bool = False
     offload: bool = False
     profile: str | None = None
+    compiled: bool = False  # option compile: each block under torch.compile
     state_bytes: float | None = None  # model states of the heaviest rank (at the optimizer step)
     state_parts: dict | None = None  # the same as {params, grads, optimizer}
     state_source: str = "theory"
@@ -433,7 +477,7 @@ def pipeline_op_costs(w: Workload, consts: dict) -> list[tuple[float, float, flo
     the loss's logit work (``logit_s`` per logit element). Backward is the rest of each part (about
     twice the forward for matmuls); ZB-H1 splits it into B and W by the measured (or the paper's
     equal) T_B : T_W. W is 0 for the other schedules."""
-    c = {**TIME_DEFAULTS, **(consts or {})}
+    c = time_constants(consts)
     order0 = _stage_orders(w)[0]
     interleaved = any(chunk > 0 for _, chunk, _ in order0)
     has_w = any(kind == "W" for kind, _, _ in order0)
@@ -448,7 +492,7 @@ def pipeline_op_costs(w: Workload, consts: dict) -> list[tuple[float, float, flo
     per_block = (
         c["inv_rate"] * block_flops
         + c["inv_rate_x"] * block_flops / w.gemm_size
-        + c["inv_act_bw"] * tokens * w.d_model * tp_share * recompute * ACT_BYTES.get(w.recipe, 2)
+        + c[act_column(w)] * tokens * w.d_model * tp_share * recompute * ACT_BYTES.get(w.recipe, 2)
         + c["host_s"]
     )
     fwd_share = 1 / (3 + (1 if w.checkpointing else 0))  # recomputation runs in backward
@@ -587,18 +631,19 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
     f["inv_rate"] = flops * stretch
     f["inv_rate_x"] = flops * stretch / w.gemm_size
     f["inv_mem_bw"] = mem_bytes
-    f["inv_act_bw"] = act_elems * ACT_BYTES.get(w.recipe, 2) * stretch
+    act_col = act_column(w)
+    f[act_col] = act_elems * ACT_BYTES.get(w.recipe, 2) * stretch
     # the last stage's loss, shared out over the p stages and stretched like the rest
     f["logit_s"] = w.rows * w.seq_len * w.vocab_size / (w.tp if w.family == "model_parallel" else 1) * w.passes
     f["logit_s"] *= stretch / w.pp
     f["host_s"] = w.n_layers / w.pp * w.passes * stretch
     f["inv_host_bw"] = 2 * w.cpu_state_bytes if w.offload else 0.0
     f["inv_mem_bw"] += device_copy_bytes(w)
-    c = {**TIME_DEFAULTS, **(consts or {})}
+    c = time_constants(consts)
     # the compute a collective issued during the passes can hide behind: the rank's matmuls and
     # elementwise work of one pass (a pipeline's stretch excluded: its gradient traffic runs after the
     # schedule, or beside the last micro-batch's backward only)
-    pass_s = (c["inv_rate"] * flops + c["inv_act_bw"] * act_elems * ACT_BYTES.get(w.recipe, 2)) / max(1, w.passes)
+    pass_s = (c["inv_rate"] * flops + c[act_col] * act_elems * ACT_BYTES.get(w.recipe, 2)) / max(1, w.passes)
     for kind, nbytes in w.comm_bytes.items():
         n = group_size(w, kind)
         if n <= 1:  # an out-of-place collective of one rank is a device copy (read and write every byte)
@@ -768,10 +813,10 @@ def device_copy_bytes(w: Workload) -> float:
 
 
 # The terms paid once per micro-batch pass on a pipeline stage (stretched by pipeline_factor).
-PER_MICROBATCH = ("inv_rate", "inv_rate_x", "inv_act_bw", "logit_s", "host_s")
+PER_MICROBATCH = ("inv_rate", "inv_rate_x", "inv_act_bw", "inv_act_bw_compiled", "logit_s", "host_s")
 TIME_PARTS = {
     "compute": ("inv_rate", "inv_rate_x"),
-    "memory": ("inv_mem_bw", "inv_act_bw", "logit_s"),
+    "memory": ("inv_mem_bw", "inv_act_bw", "inv_act_bw_compiled", "logit_s"),
     "host": ("host_s",),
     "offload": ("inv_host_bw",),
     "comm": ("exp_dp", "exp_shard", "exp_tp", "exp_p2p", "comm_serial"),
@@ -1000,7 +1045,7 @@ def _dot(consts: dict, feats: dict) -> float:
 
 def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
     """Step time, throughput, MFU, peak memory and traffic of ``w`` under calibration ``cal``."""
-    tc = {**TIME_DEFAULTS, **cal["time"]}
+    tc = time_constants(cal["time"])
     mc = {**MEMORY_DEFAULTS, **cal["memory"]}
     feats = time_features(w, cal["collectives"], tc)
     parts = {part: sum(tc[k] * feats[k] for k in keys) for part, keys in TIME_PARTS.items()}
@@ -1022,7 +1067,7 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
     parts = {k: v * factor for k, v in parts.items()}
     device = sum(parts.values())
     parts["host_wait"] = 0.0
-    if is_host_bound(w):
+    if waits_on_host(w):
         per_tensor, source = host_cost(w, cal.get("host_tensor_s") or {})
         if per_tensor is None:
             notes.append(f"no calibrated host cost of {w.impl}: device time only")

@@ -239,7 +239,7 @@ def balanced(c: Candidate, cal: dict) -> Candidate | None:
         return None
     from reference_impls.pipeline import partition_layers
 
-    split = M.balanced_stage_layers(w, {**M.TIME_DEFAULTS, **cal["time"]})
+    split = M.balanced_stage_layers(w, M.time_constants(cal["time"]))
     if split is None or split == [hi - lo for lo, hi in partition_layers(w.n_layers, w.pp)]:
         return None
     return Candidate(

@@ -153,6 +153,7 @@ def build(
         checkpointing=bool(options.get("activation_checkpointing")),
         offload="offload" in strategy,
         profile=options.get("profile"),
+        compiled=bool(options.get("compile")),
         state_bytes=sum(parts.values()) if parts else None,
         state_parts=parts,
         state_source=source,
