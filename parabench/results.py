@@ -51,6 +51,14 @@ ENV_NAMES = frozenset(
         "PARABENCH_HOST_SHARED",  # what else ran on the host's other GPUs meanwhile (device_run.sh)
     }
 )
+
+
+def host_shared(manifest: dict) -> str | None:
+    """What else ran on the host while this run did (the manifest's PARABENCH_HOST_SHARED, set by
+    scripts/device_run.sh / device_streams.sh), or None for a host the run had to itself."""
+    return ((manifest.get("env") or {}).get("PARABENCH_HOST_SHARED") or "").strip() or None
+
+
 ENV_PREFIXES = (
     "NCCL_",
     "TORCH_",

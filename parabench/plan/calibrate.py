@@ -26,6 +26,7 @@ import numpy as np
 
 from parabench.plan import model as M
 from parabench.plan.workload import config_options, from_record
+from parabench.results import host_shared
 
 SCHEMA_VERSION = 1
 CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "results" / "calibration"
@@ -121,12 +122,6 @@ def _recipe(case: dict):
     from parabench.recipes import recipe_of
 
     return recipe_of(case)
-
-
-def host_shared(manifest: dict) -> str | None:
-    """What else ran on the host while this run did (the manifest's PARABENCH_HOST_SHARED, set by
-    scripts/device_run.sh / device_streams.sh), or None for a host the run had to itself."""
-    return ((manifest.get("env") or {}).get("PARABENCH_HOST_SHARED") or "").strip() or None
 
 
 # Why a shared host's records stay out: the neighbours' streams share the host's CPU cores, PCIe

@@ -28,7 +28,7 @@ from parabench.report import predicted as predicted_section
 from parabench.report import scaling as scaling_section
 from parabench.report import step_breakdown as step_breakdown_section
 from parabench.report import traces as traces_section
-from parabench.results import load_run
+from parabench.results import host_shared, load_run
 from parabench.stats import combine_launches
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
@@ -324,6 +324,26 @@ def devices_text(m: dict) -> str:
     return "; ".join(parts) if parts else "–"
 
 
+def _cpus_text(m: dict) -> str | None:
+    """The host's CPU and how many of its cores the run could use ("Intel Xeon, 16 of 64 usable")."""
+    model, total, usable = (frames.dig(m, "host", k) for k in ("cpu_model", "cpu_count", "cpus_usable"))
+    if total is None and model is None:
+        return None
+    cores = f"{usable} of {total} cores usable" if usable is not None and usable != total else f"{total} cores"
+    return f"{model}, {cores}" if model else cores
+
+
+def host_shared_notes(manifests: list[dict]) -> list[dict]:
+    """Runs whose host ran other work meanwhile (``PARABENCH_HOST_SHARED``, set by the one who ran
+    them): shown at the top, because a host-bound case measures the host as much as the GPU."""
+    out = []
+    for m in manifests:
+        text = host_shared(m)
+        if text:
+            out.append({"run": f"{m.get('suite')}/{m.get('run_id')}", "text": text, "cpus": _cpus_text(m)})
+    return out
+
+
 def _env_summary(manifests: list[dict]) -> dict:
     keys = [
         ("suite", lambda m: m.get("suite")),
@@ -338,6 +358,7 @@ def _env_summary(manifests: list[dict]) -> dict:
         ),
         ("devices", devices_text),
         ("host", lambda m: frames.dig(m, "host", "hostname")),
+        ("CPUs", _cpus_text),
         ("platform", lambda m: frames.dig(m, "host", "platform")),
         ("python", lambda m: frames.dig(m, "versions", "python")),
         ("torch", lambda m: frames.dig(m, "versions", "torch")),
@@ -506,6 +527,7 @@ def render_report(
     return env.get_template("report.html.j2").render(
         manifests=manifests,
         device_texts=[devices_text(m) for m in manifests],
+        host_shared=host_shared_notes(manifests),
         env_summary=_env_summary(manifests),
         tables=tables,
         failed=failed,
