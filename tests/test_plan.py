@@ -260,6 +260,18 @@ def test_fit_time_leaves_host_floored_steps_out_of_the_device_factor():
     assert host["deepspeed.zero2:tuned"] == pytest.approx(floor, rel=0.05)
 
 
+def test_device_copies_of_a_pass_hide_its_collectives_too():
+    """FSDP2's casts and gradient concatenation run on the compute stream beside its all-gathers and
+    reduce-scatters: the slower those copies, the less of the traffic is left unhidden."""
+    w = for_config(model="tiny", cfg=model_config("tiny"), strategy="torch.fsdp2", world_size=2, micro_batch=4)
+    assert M.device_copy_bytes(w) > 0
+    slow_links = {op: {**v, "busbw_Bps": 1e9} for op, v in COLLECTIVES.items()}
+    fast_copies, slow_copies = (
+        M.time_features(w, slow_links, M.time_constants({"inv_rate": 1e-15, "inv_mem_bw": bw})) for bw in (1e-15, 1e-9)
+    )
+    assert slow_copies["comm_serial"] < fast_copies["comm_serial"]
+
+
 def test_fit_host_recovers_the_per_tensor_cost_despite_one_stalled_launch():
     obs = [_obs("deepspeed.zero3", mb, 0.0) for mb in (1, 2, 4)]
     per_tensor = 1e-3

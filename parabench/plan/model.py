@@ -640,10 +640,13 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
     f["inv_host_bw"] = 2 * w.cpu_state_bytes if w.offload else 0.0
     f["inv_mem_bw"] += device_copy_bytes(w)
     c = time_constants(consts)
-    # the compute a collective issued during the passes can hide behind: the rank's matmuls and
-    # elementwise work of one pass (a pipeline's stretch excluded: its gradient traffic runs after the
-    # schedule, or beside the last micro-batch's backward only)
-    pass_s = (c["inv_rate"] * flops + c[act_col] * act_elems * ACT_BYTES.get(w.recipe, 2)) / max(1, w.passes)
+    # the compute a collective issued during the passes can hide behind: the rank's matmuls,
+    # elementwise work and the implementation's device copies (casts into gather buffers, gradient
+    # concatenation: kernels on the compute stream beside the collective) of one pass (a pipeline's
+    # stretch excluded: its gradient traffic runs after the schedule, or beside the last
+    # micro-batch's backward only)
+    pass_work = c["inv_rate"] * flops + c[act_col] * act_elems * ACT_BYTES.get(w.recipe, 2)
+    pass_s = (pass_work + c["inv_mem_bw"] * device_copy_bytes(w)) / max(1, w.passes)
     for kind, nbytes in w.comm_bytes.items():
         n = group_size(w, kind)
         if n <= 1:  # an out-of-place collective of one rank is a device copy (read and write every byte)
