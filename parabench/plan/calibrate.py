@@ -289,6 +289,14 @@ def fit_host(obs: list[Observation], device_s: list[float]) -> dict[str, float]:
 PIPELINE_HOST_RANGE = (0.0, 3e-3)
 
 
+def device_time(o: Observation, collectives: dict, consts: dict, impl: dict) -> float:
+    """Seconds of ``o``'s device work under ``consts`` (each constant times its feature), times its
+    implementation's factor in ``impl``."""
+    c = M.time_constants(consts)
+    f = M.time_features(o.workload, collectives, c)
+    return sum(c[k] * v for k, v in f.items()) * impl.get(o.workload.impl, 1.0)
+
+
 def fit_pipeline_host(obs: list[Observation], collectives: dict, consts: dict, impl: dict) -> float:
     """``pp_host_block_s`` minimising the summed |log error| over every pipeline configuration with
     the other constants held (one value for all of them: a 1-D golden-section search, robust to one
@@ -299,12 +307,7 @@ def fit_pipeline_host(obs: list[Observation], collectives: dict, consts: dict, i
 
     def loss(h: float) -> float:
         c = {**consts, "pp_host_block_s": h}
-        total = 0.0
-        for o in pipes:
-            f = M.time_features(o.workload, collectives, c)
-            pred = sum(c[k] * f[k] for k in M.TIME_CONSTANTS) * impl.get(o.workload.impl, 1.0)
-            total += abs(math.log(pred / o.step_s))
-        return total
+        return sum(abs(math.log(device_time(o, collectives, c, impl) / o.step_s)) for o in pipes)
 
     a, b = PIPELINE_HOST_RANGE
     g = (math.sqrt(5) - 1) / 2
@@ -334,16 +337,13 @@ def fit_time(obs: list[Observation], collectives: dict, kind: str = "h100", roun
     cols = M.TIME_CONSTANTS
     floor_obs = [o for o in obs if M.has_host_floor(o.workload)]
     held = {id(o) for o in floor_obs}
-    consts = M.time_constants(None)
+    # without the compiled elementwise constant until a compiled record fits it: until then (and in
+    # the calibration written) it is derived from inv_act_bw (``M.time_constants``)
+    consts = dict(M.TIME_DEFAULTS)
     if kind in MATMUL_CEILING:
         consts["inv_rate"] = 1 / MATMUL_CEILING[kind]
     impl: dict[str, float] = {}
     used: list[int] = []
-
-    def device_s(o: Observation) -> float:
-        f = M.time_features(o.workload, collectives, consts)
-        return sum(consts[c] * v for c, v in f.items()) * impl.get(o.workload.impl, 1.0)
-
     for _ in range(rounds):
         device_obs = [o for o in obs if not M.is_host_bound(o.workload) and id(o) not in held]
         if not device_obs:
@@ -358,24 +358,24 @@ def fit_time(obs: list[Observation], collectives: dict, kind: str = "h100", roun
             if np.any(x[:, j]) and not (c == "inv_rate" and kind in MATMUL_CEILING) and c not in M.FIXED_TIME_CONSTANTS
         ]
         y = np.array([o.step_s / impl.get(o.workload.impl, 1.0) for o in device_obs])
-        fixed = np.array([sum(consts[c] * f[c] for j, c in enumerate(cols) if j not in used) for f in feats])
+        tc = M.time_constants(consts)
+        fixed = np.array([sum(tc[c] * f[c] for j, c in enumerate(cols) if j not in used) for f in feats])
         sol = nnls(x[:, used] / y[:, None], (y - fixed) / y)
         for j, v in zip(used, sol):
             consts[cols[j]] = float(v)
         ratios: dict[str, list] = {}
+        tc = M.time_constants(consts)
         for o, f in zip(device_obs, feats):
-            pred = sum(consts[c] * f[c] for c in cols)
+            pred = sum(tc[c] * f[c] for c in cols)
             ratios.setdefault(o.workload.impl, []).append(o.step_s / pred)
         lo, hi = M.IMPL_TIME_BOUNDS
         impl = {k: min(max(v, lo), hi) for k, v in _impl_factors(ratios, log=True).items() if M.time_factor_cause(k)}
         consts["pp_host_block_s"] = fit_pipeline_host(device_obs, collectives, consts, impl)
         if floor_obs:
-            dev = [device_s(o) for o in floor_obs]
+            dev = [device_time(o, collectives, consts, impl) for o in floor_obs]
             floor = fit_host(floor_obs, dev)
             held = {id(o) for o, d in zip(floor_obs, dev) if floor[o.workload.impl] * M.host_units(o.workload) >= d}
-    if "inv_act_bw_compiled" not in [cols[j] for j in used]:  # no compiled record: compile changes nothing
-        consts["inv_act_bw_compiled"] = consts["inv_act_bw"]
-    host = fit_host(obs, [device_s(o) for o in obs])
+    host = fit_host(obs, [device_time(o, collectives, consts, impl) for o in obs])
     # A constant no observation exercises keeps its default and says so.
     fitted = [cols[j] for j in used] + (["pp_host_block_s"] if consts["pp_host_block_s"] > 0 else [])
     return consts, impl | {"_fitted": fitted}, host

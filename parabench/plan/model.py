@@ -266,7 +266,7 @@ def is_host_bound(w: "Workload") -> bool:
 
 
 def has_host_floor(w: "Workload") -> bool:
-    return w.impl in HOST_FLOOR_IMPLS and not w.offload
+    return w.impl in HOST_FLOOR_IMPLS
 
 
 def waits_on_host(w: "Workload") -> bool:

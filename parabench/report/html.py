@@ -325,7 +325,7 @@ def devices_text(m: dict) -> str:
 
 
 def _cpus_text(m: dict) -> str | None:
-    """The host's CPU and how many of its cores the run could use ("Intel Xeon, 16 of 64 usable")."""
+    """The host's CPU and how many of its cores the run could use ("Intel Xeon, 16 of 64 cores usable")."""
     model, total, usable = (frames.dig(m, "host", k) for k in ("cpu_model", "cpu_count", "cpus_usable"))
     if total is None and model is None:
         return None
