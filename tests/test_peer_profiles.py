@@ -44,6 +44,11 @@ def mk(strategy: str, profile: str | None, grad_accum: int = 1) -> Case:
 CASES = {f"{s}/tuned": mk(s, None) for s in TUNED}
 CASES |= {f"{s}/matched": mk(s, "matched") for s in MATCHED}
 CASES |= {f"{s}/tuned/ga2": mk(s, None, grad_accum=2) for s in ("torch.fsdp2", "deepspeed.zero3")}
+# every block, and the root, kept gathered from forward to backward: one all-gather per micro-batch
+for ga in (1, 2):
+    CASES[f"torch.fsdp2/tuned/no-reshard/ga{ga}"] = dataclasses.replace(
+        mk("torch.fsdp2", None, grad_accum=ga), options={"profile": "tuned", "reshard_after_forward": False}
+    )
 # AdamW named in DeepSpeed's engine config instead of a client optimizer (option optimizer_in_config)
 CASES["deepspeed.zero3/tuned/config-optimizer"] = dataclasses.replace(
     mk("deepspeed.zero3", None), options={"profile": "tuned", "optimizer_in_config": True}

@@ -271,8 +271,7 @@ def fsdp2_float8_gather_saving(cfg, case, o, pbytes: int) -> int:
         return 0
     from parabench.fp8 import block_float8_numel
 
-    kept_blocks = 1 if fsdp2_kept_after_forward(cfg, case, o) else 0
-    gathers = case.grad_accum * (2 * cfg.n_layers - kept_blocks)
+    gathers = case.grad_accum * (2 * cfg.n_layers - fsdp2_blocks_kept_after_forward(cfg, case, o))
     return gathers * block_float8_numel(cfg, o.fp8_filter) * (pbytes - 1)
 
 
@@ -371,12 +370,22 @@ def deepspeed_expectation(stage: int):
     return fn
 
 
+def fsdp2_blocks_kept_after_forward(cfg, case, o) -> int:
+    """Blocks FSDP2 keeps gathered from forward to backward (not all-gathered again): every one
+    with ``reshard_after_forward=False`` given, the last under the tuned profile when the option is
+    not given (torch_fsdp2.block_reshard_after_forward), else none."""
+    if "reshard_after_forward" in case.options:
+        return 0 if o.reshard_after_forward else cfg.n_layers
+    return 1 if getattr(o, "profile", "matched") == "tuned" else 0
+
+
 def fsdp2_kept_after_forward(cfg, case, o) -> int:
-    """Parameters FSDP2 keeps gathered from forward to backward (not all-gathered again): the last
-    block under the tuned profile (torch_fsdp2.block_reshard_after_forward), else none."""
-    if getattr(o, "profile", "matched") != "tuned" or "reshard_after_forward" in case.options:
-        return 0
-    return sum(math.prod(s) for s in _block_shapes(cfg)[-1])
+    """Parameters FSDP2 keeps gathered from forward to backward. ``reshard_after_forward=False``
+    given applies to the root as well, so then every parameter; FSDP2 still frees them after
+    backward, so each micro-batch's forward gathers them again."""
+    if "reshard_after_forward" in case.options and not o.reshard_after_forward:
+        return psi(cfg)
+    return fsdp2_blocks_kept_after_forward(cfg, case, o) * sum(math.prod(s) for s in _block_shapes(cfg)[-1])
 
 
 def deepspeed_persistent_numel(cfg, o) -> int:
