@@ -420,6 +420,28 @@ def test_ranking_metrics_respect_the_noise_band():
     assert s["spearman_noise_tied_median"] == pytest.approx(1.0)
 
 
+def test_retest_ranks_the_measurements_against_themselves():
+    """The ceiling of the Spearman column: configurations measured in two runs ranked run against
+    run. Two runs that agree give 1; two that reverse the order give -1; a configuration measured
+    once takes no part; the model's Spearman on the same configurations stands beside it."""
+
+    def obs(i, steps):
+        o = _obs("ref.ddp", 1, sum(steps) / len(steps))
+        return dataclasses.replace(o, key=str(i), run_steps={f"run{j}": s for j, s in enumerate(steps)})
+
+    agree = [obs(i, (1.0 + i, 1.1 + i)) for i in range(4)]
+    rows = [{"key": o.key, "pred_step_s": -o.step_s} for o in agree]  # predicted in reverse
+    rt = V.retest(agree + [dataclasses.replace(obs(9, (9.0,)), key="once")], rows)
+    (g,) = rt["per_group"]
+    assert g["configs"] == 4 and g["retest_spearman"] == pytest.approx(1.0)
+    assert g["model_spearman"] == pytest.approx(-1.0) and rt["model_at_or_above_retest"] == 0
+    # the second run reverses the first: whichever run a draw takes first, the ranks are opposite
+    reverse = [obs(i, (1.0 + i, 4.0 - i)) for i in range(4)]
+    rt = V.retest(reverse, [{"key": o.key, "pred_step_s": o.step_s} for o in reverse])
+    assert rt["per_group"][0]["retest_spearman"] == pytest.approx(-1.0)
+    assert "retest" in "\n".join(V.retest_lines(rt))
+
+
 def test_superseded_and_perturbed_runs_are_excluded():
     assert "superseded" in C.excluded("results/h100x2/20261126-025621", "ref.ddp")
     assert C.excluded("results/repeatability/slow5", "ref.zero2")

@@ -91,6 +91,7 @@ class Observation:
     peak_bytes: float | None
     runs: list = field(default_factory=list)
     n_records: int = 0
+    run_steps: dict = field(default_factory=dict)  # run -> median step of its records (one launch each)
 
 
 def config_key(record: dict) -> str:
@@ -191,6 +192,10 @@ def observations(results_dir="results", kind: str = "h100") -> list[Observation]
                 statistics.median(peaks) if peaks else None,
                 sorted({run for run, _, _ in items}),
                 len(items),
+                {
+                    run: statistics.median(r["metrics"]["step_time_s_median"] for rr, r, _ in items if rr == run)
+                    for run in {run for run, _, _ in items}
+                },
             )
         )
     return out
