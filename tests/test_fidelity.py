@@ -16,7 +16,7 @@ import torch
 from helpers import parabench
 
 from parabench.cli import main as cli_main
-from parabench.fidelity import PEER_SCRIPTS, SCRIPTS_DIR, plan
+from parabench.fidelity import PEER_SCRIPTS, SCRIPTS_DIR, fidelity_line, plan
 from parabench.models import build_model, model_config, parameter_count
 from parabench.report.fidelity import ratios
 from parabench.report.html import render_report
@@ -207,6 +207,10 @@ def test_ratios_pool_launches_by_median_with_an_interval():
     assert r["launches"] == "4 / 4"
     low, high = r["tps_interval"]["low"], r["tps_interval"]["high"]
     assert low < 0.95 < 1.0 < high and 0 < r["tps_interval"]["coverage"] < 1
+    # The console's line says the same as the report's table: medians, interval, launches a side.
+    line = fidelity_line({**combined, "label": "c"}, entry)
+    assert f"({17_227.5 / 16_764:.3f}x, interval " in line and "medians of 4 / 4 launches" in line
+    assert line.endswith(": pass")
     # A single launch a side: no interval; an entry from before launches existed still reads.
     one = ratios(rec(15_000), {"status": "ok", "result": _launch(20_000)["result"]})
     assert one["tps_interval"] is None and one["tps_ratio"] == 0.75 and one["verdict"] == "fail"

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from parabench.report.fidelity import ratios
+from parabench.report.fidelity import interval_text, ratios
 
 SCRIPTS_DIR = Path(__file__).resolve().parent / "scripts"
 
@@ -187,11 +187,14 @@ def run_fidelity(
     Host-bound peers (DeepSpeed ZeRO-3 at small micro-batches) move by 20-40 % between launches of
     the same code, the script as much as the adapter: one launch a side cannot tell a defect from
     that spread. The entry keeps every launch (``launches``); ``result`` is the first ok one."""
-    from parabench.results import write_json_atomic
+    from parabench.results import load_run, write_json_atomic
     from parabench.runner import LaunchOwner
+    from parabench.stats import combine_launches
 
     run_dir = Path(run_dir)
     records = [r for r in peer_records(run_dir) if all(f in r.get("label", "") for f in filters or [])]
+    # each line judges the adapter's launches (--repeats) against the script's so far, as the report does
+    pooled = {r.get("case_hash"): r for r in combine_launches(load_run(run_dir)[1])}
     counts = {"ok": 0, "failed": 0, "timeout": 0, "skipped": 0, "kept": 0}
     owner = LaunchOwner(run_dir, echo)
     with owner.owning():
@@ -216,11 +219,10 @@ def run_fidelity(
                 entry = _launch_script(owner, run_dir, r, args, done)
                 if entry["status"] == "ok":
                     done.append(entry)
-                write_json_atomic(
-                    out_path, _entry({**base, "script": entry["script"], "argv": entry["argv"]}, done, entry)
-                )
+                written = _entry({**base, "script": entry["script"], "argv": entry["argv"]}, done, entry)
+                write_json_atomic(out_path, written)
                 counts[entry["status"]] += 1
-                echo(fidelity_line(r, entry))
+                echo(fidelity_line(pooled.get(key, r), written if entry["status"] == "ok" else entry))
                 if entry["status"] != "ok":
                     break
     return counts
@@ -294,8 +296,9 @@ def fidelity_line(record: dict, entry: dict) -> str:
     def f(v, spec):
         return format(v, spec) if v is not None else "-"
 
+    pooled = f", interval {interval_text(r['tps_interval'])}" if r["tps_interval"] else ""
     return (
         f"fidelity: {record.get('label')}: tok/s/dev adapter {f(r['adapter_tps'], ',.0f')} script "
-        f"{f(r['script_tps'], ',.0f')} ({f(r['tps_ratio'], '.3f')}x), peak adapter/script "
-        f"{f(r['mem_ratio'], '.3f')}x: {r['verdict']}"
+        f"{f(r['script_tps'], ',.0f')} ({f(r['tps_ratio'], '.3f')}x{pooled}; medians of {r['launches']} launches), "
+        f"peak adapter/script {f(r['mem_ratio'], '.3f')}x: {r['verdict']}"
     )

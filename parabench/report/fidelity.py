@@ -105,7 +105,7 @@ def ratios(record: dict, entry: dict) -> dict:
     }
 
 
-def _interval_text(interval: dict | None) -> str:
+def interval_text(interval: dict | None) -> str:
     if not interval:
         return "–"
     return f"{interval['low']:.3f}–{interval['high']:.3f} ({interval['coverage']:.0%})"
@@ -147,7 +147,7 @@ def fidelity_rows(run_dirs: list[Path], runs) -> list[dict]:
                     "recipe": entry.get("recipe") or "–",
                     "status": entry.get("status"),
                     **r,
-                    "tps_interval_text": _interval_text(r["tps_interval"]),
+                    "tps_interval_text": interval_text(r["tps_interval"]),
                     "adapter_mem_MiB": _mib(r["adapter_mem"]),
                     "script_mem_MiB": _mib(r["script_mem"]),
                     "adapter_loss": _adapter_loss_at_last_timed_step(record) if record else None,
