@@ -482,6 +482,23 @@ def test_preregistered_comparison_matches_every_case_of_the_run_by_hash():
     assert zb["peak_err_pct"] == pytest.approx((zb["pred_peak_bytes"] / zb["peak_bytes"] - 1) * 100)
 
 
+def test_preregistered_comparison_takes_a_repeated_case_once_at_its_median(tmp_path):
+    """Three launches of a case are one configuration in the ranking, at the median over launches."""
+    from parabench.plan.validate import preregistered
+    from parabench.results import load_run
+
+    run = ROOT / "results/peer-fidelity-350m-gpu/20261127-064048"  # 2 cases, 3 launches each
+    records = load_run(run)[1]
+    hashes = sorted({r["case_hash"] for r in records})
+    preds = {"predictions": [{"case_hash": h, "step_time_s": 0.3, "peak_bytes": 1e10} for h in hashes]}
+    (tmp_path / "p.json").write_text(json.dumps(preds))
+    rep = preregistered(tmp_path / "p.json", run)
+    assert sorted(r["key"] for r in rep["cases"]) == hashes
+    for row in rep["cases"]:
+        steps = sorted(r["metrics"]["step_time_s_median"] for r in records if r["case_hash"] == row["key"])
+        assert len(steps) == 3 and row["step_s"] == pytest.approx(steps[1])
+
+
 def test_one_gpu_sharding_and_ddp_copy_bytes_beyond_single():
     """At one GPU FSDP2 does single's work plus its copies (copy-in, copy-out, the one-rank
     reduce-scatter), the references their per-gather cast and out-of-place reduce-scatter, and an

@@ -296,17 +296,20 @@ def _signed_pct(pred, meas):
 
 
 def preregistered(predictions_path, run_dir, worst: int = 8) -> dict:
-    """Predictions written before ``run_dir`` ran, against its records (matched by case hash).
+    """Predictions written before ``run_dir`` ran, against its records (matched by case hash; a
+    case with repeats by the medians over its launches).
 
     Summaries over every predicted case of the run and over its cases of the largest GPU count
     (the out-of-scale part when the calibration had none), with the worst misses (signed %,
     prediction over measurement) of step time and peak memory."""
     from parabench.plan.workload import from_record
     from parabench.results import load_run
+    from parabench.stats import combine_launches
 
     doc = json.loads(Path(predictions_path).read_text())
     by_hash = {p["case_hash"]: p for p in doc["predictions"]}
-    _, records = load_run(Path(run_dir))
+    # a case launched several times (repeats) is one configuration: its medians over launches
+    records = combine_launches(load_run(Path(run_dir))[1])
     rows, unmatched = [], []
     for r in records:
         p = by_hash.get(r.get("case_hash"))
