@@ -125,3 +125,26 @@ def test_unknown_profile_is_refused_naming_both(strategy):
         validate_case(mk(strategy, "fast"))
     with pytest.raises(SuiteError, match="unknown option 'profile'"):
         validate_case(Case(model="tiny", strategy="ref.zero2", world_size=2, options={"profile": "tuned"}))
+
+
+def test_deepspeed_zero3_working_set_is_what_its_reuse_distance_keeps_gathered():
+    """Tuned (DeepSpeed's defaults): up to 1e9 elements stay gathered from forward into backward,
+    the whole of gpt-350m (its measured all-gather: every parameter once) and 1e9 of gpt-1.3b's
+    1.42e9 (measured: 30 % gathered again); matched (reuse distance 0): none; a given
+    ``stage3_max_reuse_distance`` or ``stage3_max_live_parameters`` bounds it."""
+    from parabench.theory import psi
+
+    def ws(model, **options):
+        case = Case(
+            model=model, strategy="deepspeed.zero3", world_size=2, micro_batch=4, precision="bf16", options=options
+        )
+        return expected(case, model_config(model), 2).get("working_set_bytes")
+
+    small, large = model_config("gpt-350m"), model_config("gpt-1.3b")
+    assert ws("gpt-350m", profile="tuned") == {"kept_gathered_params": 2 * psi(small)}
+    assert ws("gpt-1.3b", profile="tuned") == {"kept_gathered_params": 2 * 10**9} and psi(large) > 10**9
+    assert ws("gpt-1.3b", profile="matched") is None
+    assert ws("gpt-1.3b", profile="tuned", zero={"stage3_max_live_parameters": 10**8}) == {
+        "kept_gathered_params": 2 * 10**8
+    }
+    assert ws("gpt-1.3b", profile="tuned", zero={"stage3_max_reuse_distance": 0}) is None
