@@ -169,7 +169,7 @@ def test_planner_replays_the_split():
 
     equal, uneven = w(None), w([5, 3])
     assert equal.stage_layers is None and uneven.stage_layers == (5, 3)
-    assert M._chunk_layers(uneven, False) == [5, 3]
+    assert M._chunk_layers(uneven) == [5, 3]
     layer = M.activation_layer_bytes(uneven)
     # 1F1B: stage 0 holds p = 2 micro-batches of its 5 blocks, stage 1 one micro-batch of its 3
     assert [act for act, _, _ in M.pipeline_stage_peaks(uneven)] == pytest.approx([2 * 5 * layer, 3 * layer])

@@ -459,12 +459,13 @@ def bubble_ratio(w: Workload) -> float:
 LOGIT_FORWARD_SHARE = 0.5
 
 
-def _chunk_layers(w: Workload, interleaved: bool) -> list[int]:
+def _chunk_layers(w: Workload) -> list[int]:
     """Blocks per virtual stage (global chunk order): parabench's split (reference_impls.pipeline
     partition_layers over p stages, the option stage_layers where given, or over p*v chunks for
     interleaved 1F1B, chunk c on rank c mod p)."""
     from reference_impls.pipeline import partition_layers
 
+    interleaved = any(chunk > 0 for _, chunk, _ in _stage_orders(w)[0])
     n = w.pp * (w.virtual_stages if interleaved else 1)
     return [hi - lo for lo, hi in partition_layers(w.n_layers, n, None if interleaved else w.stage_layers)]
 
@@ -478,10 +479,8 @@ def pipeline_op_costs(w: Workload, consts: dict) -> list[tuple[float, float, flo
     twice the forward for matmuls); ZB-H1 splits it into B and W by the measured (or the paper's
     equal) T_B : T_W. W is 0 for the other schedules."""
     c = time_constants(consts)
-    order0 = _stage_orders(w)[0]
-    interleaved = any(chunk > 0 for _, chunk, _ in order0)
-    has_w = any(kind == "W" for kind, _, _ in order0)
-    layers = _chunk_layers(w, interleaved)
+    has_w = any(kind == "W" for kind, _, _ in _stage_orders(w)[0])
+    layers = _chunk_layers(w)
     tokens = w.rows * w.seq_len
     tdiv = w.tp if w.family == "model_parallel" else 1
     head_flops = 6 * w.d_model * w.vocab_size
@@ -528,7 +527,7 @@ def balanced_stage_layers(w: Workload, consts: dict) -> list[int] | None:
     equal split. None without a pipeline or with no block to move."""
     if w.pp <= 1 or w.n_layers <= w.pp:
         return None
-    equal = _chunk_layers(replace(w, stage_layers=None, virtual_stages=1), False)
+    equal = _chunk_layers(replace(w, stage_layers=None, virtual_stages=1))
     moved = [equal[0] - 1, equal[1] + 1, *equal[2:]]
 
     def stage_costs(split):
@@ -606,8 +605,7 @@ def pipeline_host_floors(w: Workload, consts: dict) -> list[float]:
     (``pp_host_block_s`` per block). The device runs an action no faster than its host issues it,
     which shows where one action's device work is short (few rows, few blocks per chunk)."""
     per_block = (consts or {}).get("pp_host_block_s", 0.0)
-    interleaved = any(chunk > 0 for _, chunk, _ in _stage_orders(w)[0])
-    return [per_block * n for n in _chunk_layers(w, interleaved)]
+    return [per_block * n for n in _chunk_layers(w)]
 
 
 def time_features(w: Workload, collectives: dict, consts: dict | None = None) -> dict:
