@@ -102,6 +102,8 @@ def test_cli_rejects_unknown_names(capsys):
     assert "valid models" in capsys.readouterr().err
     assert main(["plan", "--model", "gpt-350m", "--gpus", "2", "--gpu", "tpu-v9"]) == 2
     assert "valid GPUs: h100-80g" in capsys.readouterr().err
+    assert main(["plan", "--model", "gpt-350m", "--gpus", "2", "--recipe", "fp8"]) == 2
+    assert "recipe fp8 is not modelled: no term models float8" in capsys.readouterr().err
 
 
 def test_write_suite_parses_and_infeasible_configs_are_dropped(tmp_path, capsys):

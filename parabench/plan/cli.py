@@ -29,7 +29,9 @@ def add_arguments(p) -> None:
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--gpu", default="h100-80g", help="GPU kind (h100-80g, ...)")
     p.add_argument(
-        "--recipe", default="master", help="master (bf16 params, fp32 masters) or amp (fp32 params, autocast)"
+        "--recipe",
+        default="master",
+        help="master (bf16 params, fp32 masters) or amp (fp32 params, autocast); fp8 is not modelled",
     )
     p.add_argument(
         "--global-batch", type=int, help="sequences per optimizer step (fixes micro-batch x accumulation x dp)"
@@ -79,6 +81,7 @@ def resolve_model(args):
 
 def plan_main(args) -> int:
     from parabench.plan import calibrate as C
+    from parabench.plan import model as M
     from parabench.plan import search as S
     from parabench.recipes import RECIPES
 
@@ -87,6 +90,8 @@ def plan_main(args) -> int:
             raise PlanError(f"unknown GPU {args.gpu!r}; valid GPUs: {', '.join(S.GPUS)}")
         if args.recipe not in RECIPES:
             raise PlanError(f"unknown recipe {args.recipe!r}; valid recipes: {', '.join(RECIPES)}")
+        if args.recipe in M.UNMODELLED_RECIPES:
+            raise PlanError(f"recipe {args.recipe} is not modelled: {M.UNMODELLED_RECIPES[args.recipe]}")
         if args.gpus < 1:
             raise PlanError("--gpus must be at least 1")
         model, cfg = resolve_model(args)
