@@ -22,7 +22,7 @@ from pathlib import Path
 import jinja2
 
 from parabench.compare import DEFAULT_THRESHOLD, METRICS, compare_runs
-from parabench.report import cp_balance, frames, moe_routing, overview, recipe_effect, spread
+from parabench.report import cp_balance, frames, moe_routing, nvme, overview, recipe_effect, spread
 from parabench.report import fidelity as fidelity_section
 from parabench.report import predicted as predicted_section
 from parabench.report import scaling as scaling_section
@@ -485,6 +485,8 @@ def render_report(
     for spec in cp_balance.table_specs(runs, run_col):  # ring attention: contiguous vs zig-zag balance
         tables.append(_table(**spec))
     for spec in moe_routing.table_specs(runs, run_col):  # MoE: expert load, all-to-all, drops, collapse
+        tables.append(_table(**spec))
+    for spec in nvme.table_specs(runs, run_col):  # ZeRO-Infinity: disk bytes vs theory, rates vs the disk
         tables.append(_table(**spec))
     for spec in step_breakdown_section.table_specs(runs, run_col):  # compute vs exposed communication
         tables.append(_table(**spec))
