@@ -84,6 +84,7 @@ CASES_4 = dict(
         mk("torch.tp2xdp2", "torch.tp", 4, micro_batch=2, tp=2),
         mk("torch.tp_sp2xdp2", "torch.tp_sp", 4, micro_batch=2, tp=2),
         mk("torch.1f1b_pp2xdp2", "torch.pp_1f1b", 4, pp=2),
+        mk("torch.zb_pp2xdp2", "torch.pp_zb", 4, pp=2),
     ]
 )
 CASES_8 = dict(
@@ -114,6 +115,7 @@ METERED = {
     "torch.gpipe2",
     "torch.1f1b2",
     "torch.1f1b_pp2xdp2",
+    "torch.zb_pp2xdp2",
 }
 
 
@@ -280,7 +282,7 @@ def test_measured_comm_and_state_equal_theory(group2, group4, group8, name):
             assert got[kind] == pytest.approx(want[kind], rel=0.01), (rank, kind, got, want)
         assert r["state"] == exp["state_bytes"][rank], (rank, r["state"], exp["state_bytes"][rank])
     assert exp["comm_payload_bytes"] == exp["comm_payload_bytes_per_rank"][0]
-    if p > 1:  # interleaving v chunks per rank divides the bubble by v
+    if p > 1 and case.strategy != "torch.pp_zb":  # interleaving v chunks per rank divides the bubble by v
         v = case.options.get("virtual_stages", 2) if case.strategy == "torch.pp_interleaved" else 1
         m = case.options.get("microbatches", 2 * p)
         assert exp["pipeline"]["bubble_fraction"] == pytest.approx((p - 1) / (v * m + p - 1))
@@ -349,6 +351,22 @@ def test_torch_pipeline_averages_over_dp_through_ddp(group4):
     cfg = model_config(case.model, case.seq_len)
     for rank, r in enumerate(group4["torch.1f1b_pp2xdp2"]["per_rank"]):
         assert r["strategy_stats"] == {"dp_grad_sync": "ddp"}, r["strategy_stats"]
+        ops = torch_pipeline_ops(cfg, case, rank % 2, 2)
+        want = sum(1 for kind, n in ops if kind == "all_reduce" and n > SCALAR_BYTES)
+        assert r["comm"]["by_kind"]["all_reduce"]["calls"] == want == 1, (rank, r["comm"]["by_kind"])
+
+
+def test_torch_zero_bubble_averages_over_dp_in_buckets(group4):
+    """pp 2 x dp 2: torch.pp_zb's split backward writes weight gradients by hand, where DDP's hooks
+    never fire, so it averages after the schedule: in DDP's buckets (the tiny model's stage fits in
+    one), as ``torch_pipeline_ops`` lists, not one all-reduce per parameter."""
+    from parabench.families.model_parallel import torch_pipeline_ops
+    from parabench.meters.comm import SCALAR_BYTES
+
+    case = CASES_4["torch.zb_pp2xdp2"]
+    cfg = model_config(case.model, case.seq_len)
+    for rank, r in enumerate(group4["torch.zb_pp2xdp2"]["per_rank"]):
+        assert r["strategy_stats"] == {"dp_grad_sync": "bucketed_all_reduce_after_schedule"}, r["strategy_stats"]
         ops = torch_pipeline_ops(cfg, case, rank % 2, 2)
         want = sum(1 for kind, n in ops if kind == "all_reduce" and n > SCALAR_BYTES)
         assert r["comm"]["by_kind"]["all_reduce"]["calls"] == want == 1, (rank, r["comm"]["by_kind"])

@@ -649,8 +649,8 @@ def expect_deepspeed_pp(cfg, case, o, dp):
 # chain sends and receives on both sides of each of its chunks. Shapes are inferred on the first
 # step only (the metered step is a later one). Data parallel: each chunk's DDP all-reduces its
 # gradients (in the parameter dtype) over the dp group in buckets during the last micro-batch's
-# backward; torch.pp_zb, whose split backward DDP cannot see, one all-reduce per parameter gradient
-# after the schedule (peers/torch_pipeline.py).
+# backward; torch.pp_zb, whose split backward DDP cannot see, the same 25 MiB buckets in parameter
+# order after the schedule (peers/common.average_over_dp).
 
 # DDP's reducer rebuilds its buckets after the first synced backward, in the order the gradients
 # became ready (about the reverse of registration; the order changes how many buckets, never the
@@ -695,8 +695,8 @@ def torch_pipeline_ops(cfg: GPTConfig, case, pp_rank: int, dp: int) -> list[tupl
         for k in range(v):
             c = pp_rank + k * p
             numels = _chunk_param_numels(cfg, *bounds[c], c == 0, c == chunks - 1)
-            if case.strategy == "torch.pp_zb":
-                ops += [("all_reduce", e * numel) for numel in numels]
+            if case.strategy == "torch.pp_zb":  # common.average_over_dp, parameter order
+                ops += [("all_reduce", b) for b in dp_bucket_payloads(numels, e)]
             else:
                 ops += [("all_reduce", b) for b in ddp_bucket_payloads(numels, e)]
     return ops
@@ -757,7 +757,7 @@ def expect_torch_pipeline(cfg, case, o, dp):
         notes=f"torch.distributed.pipelining over {chunks} chunks ({v} per rank): per micro-batch each chunk "
         "boundary sends the fp32 activation b·s·h forward and its gradient back; fp32 parameters, gradients "
         "and AdamW moments of the rank's chunks; with dp > 1 each chunk's DDP all-reduces its gradients in "
-        "buckets (torch.pp_zb: one all-reduce per gradient after the schedule); see "
+        "buckets (torch.pp_zb: in 25 MiB buckets after the schedule); see "
         "parabench.families.model_parallel.torch_pipeline_ops.",
         pipeline=pipeline,
     )
@@ -908,6 +908,7 @@ ROWS = (
         "torch.distributed.pipelining ScheduleInterleavedZeroBubble with one stage per rank (ZB-H1's order; "
         "stage_backward_input / stage_backward_weight split the backward)",
         expect_torch_pipeline,
+        version="2",  # 2: dp > 1 averages in 25 MiB buckets after the schedule (1: one all-reduce per gradient)
     ),
     _row(
         "deepspeed.pp",

@@ -22,6 +22,48 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+# DDP's default ``bucket_cap_mb``: a bucket is all-reduced once it holds at least this many bytes.
+DP_BUCKET_BYTES = 25 * 2**20
+
+
+def average_over_dp(params, dp_group, bucket_bytes: int = DP_BUCKET_BYTES) -> int:
+    """Average the local gradient shards over ``dp_group`` as DDP does: in parameter order, each
+    dtype's gradients fill flat buckets, a bucket closing once it holds ``bucket_bytes`` or more;
+    one all-reduce per bucket. Every bucket's collective is started before the first is waited on,
+    so copying one bucket in overlaps the previous one's all-reduce (at most one flat copy of the
+    gradients alive). For peers whose gradients DDP's hooks cannot reduce: torch.tp after backward,
+    on gradients already in their parameter's layout (during backward the embeddings' gradients are
+    still full ``Replicate`` tensors, t times their shard), and torch.pp_zb after its split
+    backward. Returns the number of buckets."""
+    world = dist.get_world_size(dp_group)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            g = local_tensor(p.grad)
+            by_dtype.setdefault(g.dtype, []).append(g)
+    buckets: list[list[torch.Tensor]] = []
+    for grads in by_dtype.values():
+        bucket, size = [], 0
+        for g in grads:
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+            if size >= bucket_bytes:
+                buckets.append(bucket)
+                bucket, size = [], 0
+        if bucket:
+            buckets.append(bucket)
+    pending = []
+    for bucket in buckets:
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        pending.append((bucket, flat, dist.all_reduce(flat, group=dp_group, async_op=True)))
+    for bucket, flat, work in pending:
+        work.wait()
+        flat.div_(world)
+        for g, mean in zip(bucket, flat.split([g.numel() for g in bucket])):
+            g.copy_(mean.view_as(g))
+    return len(buckets)
+
+
 def tensor_bytes(tensors) -> int:
     return sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors if t is not None)
 

@@ -27,8 +27,8 @@ private (``_composable``) for replicate; DDP is the public wrapper torch's stage
 overlaps the reduction with the last backward, so it is used here. ``strategy_stats`` says which
 reduction ran (``dp_grad_sync``).
 
-torch.pp_zb keeps an explicit average after the schedule (one all-reduce per gradient over
-``topology.dp_group``): its split backward (``stage_backward_input``, then ``stage_backward_weight``)
+torch.pp_zb keeps an explicit average after the schedule (``common.average_over_dp``: DDP's
+25 MiB buckets over ``topology.dp_group``, one all-reduce each): its split backward (``stage_backward_input``, then ``stage_backward_weight``)
 computes weight gradients with ``torch.autograd.grad`` and adds them to ``.grad`` by hand
 (torch/distributed/pipelining/_backward.py), so DDP's accumulate-grad hooks never fire on any
 stage but the first (whose weight step is a full backward): with DDP, a pp 2 x dp 2 CPU run
@@ -59,6 +59,7 @@ from parabench.families.model_parallel import ModelParallelOptions
 from parabench.models import build_model, lm_loss
 from parabench.peers.common import (
     autocast,
+    average_over_dp,
     compile_blocks,
     optimizer_state_bytes,
     recipe_module,
@@ -162,11 +163,8 @@ class TorchPipelineTrainer(Trainer):
         else:
             self.schedule.step(**kwargs)
         dp = self.spec.topology.dp_group
-        if self.dp_grad_sync == "per_parameter_all_reduce":
-            for p in self.params:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=dp)
-                    p.grad.div_(dist.get_world_size(dp))
+        if self.dp_grad_sync == "bucketed_all_reduce_after_schedule":
+            average_over_dp(self.params, dp)
         if self.measure_state:
             self._grad_bytes = tensor_bytes(p.grad for p in self.params)
         self.optimizer.step()
@@ -198,11 +196,11 @@ class TorchPipelineTrainer(Trainer):
 
 def dp_grad_sync(schedule: str, dp: int) -> str:
     """How gradients are averaged over data parallelism: "none" (dp 1), "ddp" (each stage module in
-    DDP, reduced by the pipelining runtime), or "per_parameter_all_reduce" after the schedule (the
+    DDP, reduced by the pipelining runtime), or "bucketed_all_reduce_after_schedule" (the
     zero-bubble split backward, which DDP's hooks cannot see; module docstring)."""
     if dp == 1:
         return "none"
-    return "per_parameter_all_reduce" if schedule == "zb" else "ddp"
+    return "bucketed_all_reduce_after_schedule" if schedule == "zb" else "ddp"
 
 
 def build_gpipe(spec: TrainSpec) -> TorchPipelineTrainer:

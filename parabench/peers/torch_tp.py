@@ -40,8 +40,10 @@ from torch.distributed.tensor.parallel import (
 
 from parabench.models import build_model, lm_loss
 from parabench.peers.common import (
+    DP_BUCKET_BYTES,
     TorchTrainer,
     autocast,
+    average_over_dp,
     compile_blocks,
     local_tensor,
     recipe_module,
@@ -49,9 +51,6 @@ from parabench.peers.common import (
     tensor_bytes,
 )
 from parabench.strategies import TrainSpec
-
-# DDP's default ``bucket_cap_mb``: a bucket is all-reduced once it holds at least this many bytes.
-DP_BUCKET_BYTES = 25 * 2**20
 
 
 def _plan(model, sequence_parallel: bool) -> dict:
@@ -178,43 +177,6 @@ def _match_parameter_layouts(module: torch.nn.Module, tp_group) -> None:
         dist.all_reduce(flat, group=tp_group)
         for p, local, summed in zip(ps, locals_, flat.split([t.numel() for t in locals_])):
             p.grad = DTensor.from_local(summed.view_as(local), p.device_mesh, p.placements, run_check=False)
-
-
-def average_over_dp(params, dp_group, bucket_bytes: int = DP_BUCKET_BYTES) -> int:
-    """Average the local gradient shards over ``dp_group`` as DDP does: in parameter order, each
-    dtype's gradients fill flat buckets, a bucket closing once it holds ``bucket_bytes`` or more;
-    one all-reduce per bucket. Every bucket's collective is started before the first is waited on,
-    so copying one bucket in overlaps the previous one's all-reduce (at most one flat copy of the
-    gradients alive, as ref.tp's single flat buffer). Runs after backward, on gradients already in
-    their parameter's layout: during backward the embeddings' gradients are still full
-    ``Replicate`` tensors, t times their shard. Returns the number of buckets."""
-    world = dist.get_world_size(dp_group)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            g = local_tensor(p.grad)
-            by_dtype.setdefault(g.dtype, []).append(g)
-    buckets: list[list[torch.Tensor]] = []
-    for grads in by_dtype.values():
-        bucket, size = [], 0
-        for g in grads:
-            bucket.append(g)
-            size += g.numel() * g.element_size()
-            if size >= bucket_bytes:
-                buckets.append(bucket)
-                bucket, size = [], 0
-        if bucket:
-            buckets.append(bucket)
-    pending = []
-    for bucket in buckets:
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        pending.append((bucket, flat, dist.all_reduce(flat, group=dp_group, async_op=True)))
-    for bucket, flat, work in pending:
-        work.wait()
-        flat.div_(world)
-        for g, mean in zip(bucket, flat.split([g.numel() for g in bucket])):
-            g.copy_(mean.view_as(g))
-    return len(buckets)
 
 
 def tp_adamw(params, spec: TrainSpec) -> torch.optim.Optimizer:
