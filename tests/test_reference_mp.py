@@ -340,33 +340,22 @@ def test_torch_tp_averages_over_dp_in_buckets(group4):
                 assert got == ref, (name, rank, got, ref)
 
 
-def test_torch_pipeline_averages_over_dp_through_ddp(group4):
-    """pp 2 x dp 2: each torch.pp_1f1b stage is a DDP module that the pipelining runtime reduces
-    in the last micro-batch's backward, in DDP's buckets (the tiny model's stage fits in one), not
-    one all-reduce per parameter after the schedule (the byte check cannot tell the two apart)."""
+@pytest.mark.parametrize(
+    "name,sync", [("torch.1f1b_pp2xdp2", "ddp"), ("torch.zb_pp2xdp2", "bucketed_all_reduce_after_schedule")]
+)
+def test_torch_pipeline_averages_over_dp_in_buckets(group4, name, sync):
+    """pp 2 x dp 2, in DDP's buckets (the tiny model's stage fits in one), as ``torch_pipeline_ops``
+    lists, not one all-reduce per parameter (the byte check cannot tell the two apart):
+    torch.pp_1f1b's stages are DDP modules that the pipelining runtime reduces in the last
+    micro-batch's backward; torch.pp_zb's split backward writes weight gradients where DDP's hooks
+    never fire, so it averages after the schedule (``common.average_over_dp``)."""
     from parabench.families.model_parallel import torch_pipeline_ops
     from parabench.meters.comm import SCALAR_BYTES
 
-    case = CASES_4["torch.1f1b_pp2xdp2"]
+    case = CASES_4[name]
     cfg = model_config(case.model, case.seq_len)
-    for rank, r in enumerate(group4["torch.1f1b_pp2xdp2"]["per_rank"]):
-        assert r["strategy_stats"] == {"dp_grad_sync": "ddp"}, r["strategy_stats"]
-        ops = torch_pipeline_ops(cfg, case, rank % 2, 2)
-        want = sum(1 for kind, n in ops if kind == "all_reduce" and n > SCALAR_BYTES)
-        assert r["comm"]["by_kind"]["all_reduce"]["calls"] == want == 1, (rank, r["comm"]["by_kind"])
-
-
-def test_torch_zero_bubble_averages_over_dp_in_buckets(group4):
-    """pp 2 x dp 2: torch.pp_zb's split backward writes weight gradients by hand, where DDP's hooks
-    never fire, so it averages after the schedule: in DDP's buckets (the tiny model's stage fits in
-    one), as ``torch_pipeline_ops`` lists, not one all-reduce per parameter."""
-    from parabench.families.model_parallel import torch_pipeline_ops
-    from parabench.meters.comm import SCALAR_BYTES
-
-    case = CASES_4["torch.zb_pp2xdp2"]
-    cfg = model_config(case.model, case.seq_len)
-    for rank, r in enumerate(group4["torch.zb_pp2xdp2"]["per_rank"]):
-        assert r["strategy_stats"] == {"dp_grad_sync": "bucketed_all_reduce_after_schedule"}, r["strategy_stats"]
+    for rank, r in enumerate(group4[name]["per_rank"]):
+        assert r["strategy_stats"] == {"dp_grad_sync": sync}, r["strategy_stats"]
         ops = torch_pipeline_ops(cfg, case, rank % 2, 2)
         want = sum(1 for kind, n in ops if kind == "all_reduce" and n > SCALAR_BYTES)
         assert r["comm"]["by_kind"]["all_reduce"]["calls"] == want == 1, (rank, r["comm"]["by_kind"])
