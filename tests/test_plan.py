@@ -677,3 +677,24 @@ def test_host_floor_lasts_each_action_at_least_its_host_time():
     assert M.pipeline_host_floors(inter, {"pp_host_block_s": 1e-3}) == pytest.approx([2e-3] * 4)
     consts = {"inv_rate": 1e-15}
     assert M.pipeline_factor(w, {**consts, "pp_host_block_s": 1.0}) > M.pipeline_factor(w, consts)
+
+
+def test_report_shows_each_prediction_and_the_planners_validation():
+    """A GPU run's report: each case beside its prediction, then the validation of that device
+    kind's calibration (leave one out, out of scale, the measurements' retest, the targets), as
+    the committed validation file says; a CPU run has neither."""
+    from parabench.report.html import render_report
+    from parabench.report.predicted import validation_rows
+
+    html = render_report([ROOT / "results/ds-host-gpu/20261127-043817"], with_figures=False)
+    assert 'id="tbl-predicted"' in html and 'id="tbl-plan-validation-h100"' in html
+    report = json.loads((ROOT / "results/calibration/validation-h100.json").read_text())
+    rows = validation_rows(report)
+    loo = rows[0]
+    assert loo["test"] == "leave one configuration out"
+    assert loo["configs"] == report["leave_one_out"]["configurations"]
+    assert loo["step_median"] == report["leave_one_out"]["step_median_pct"]
+    assert rows[-2]["spearman"].startswith(f"{report['retest']['retest_median']:.2f}")
+    assert rows[-1]["test"] == "target" and rows[-1]["spearman"] == ">= 0.9 in every group"
+    cpu = render_report([ROOT / "results/meter-overhead/cpu"], with_figures=False)
+    assert "tbl-plan-validation" not in cpu

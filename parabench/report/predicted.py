@@ -8,6 +8,8 @@ been fitted on this very run: the honest out-of-sample figures are in
 
 from __future__ import annotations
 
+import json
+
 from parabench.report.frames import dig, run_name
 
 MISS = 0.25
@@ -67,9 +69,115 @@ def prediction_rows(runs, calibration_dir=None) -> tuple[list[dict], list[str]]:
                     "bottleneck": p.bottleneck,
                     "flag": "MISS" if miss else "",
                     "miss": miss,
+                    "kind": kind,
                 }
             )
     return rows, sorted(missing)
+
+
+VALIDATION_COLUMNS = [
+    ("test", "test", "wrap"),
+    ("configs", "configurations", "int"),
+    ("step_median", "step error median %", "f1"),
+    ("step_p90", "step error p90 %", "f1"),
+    ("peak_median", "peak error median %", "f1"),
+    ("peak_p90", "peak error p90 %", "f1"),
+    ("spearman", "Spearman within groups, median (groups)", "str"),
+    ("spearman_tied", "Spearman, runs within 5 % merged", "f2"),
+    ("pairs", "pairs > 5 % apart ordered", "str"),
+    ("fastest", "fastest named (3 % band; exactly)", "str"),
+]
+VALIDATION_TESTS = {
+    "leave_one_out": "leave one configuration out",
+    "out_of_scale": "out of scale: 1-GPU calibration, 2-GPU configurations",
+    "out_of_scale_4": "out of scale: 1-2-GPU calibration, 4-GPU configurations",
+}
+
+
+def _pct(v):
+    return v * 100 if v is not None else None
+
+
+def validation_rows(report: dict) -> list[dict]:
+    """The planner's own validation (``parabench.plan.validate``'s file) as table rows: each test,
+    the measurements' retest (the ceiling of the Spearman column) and the issue's targets."""
+    rows = []
+    for key, name in VALIDATION_TESTS.items():
+        s = report.get(key) or {}
+        if not s.get("configurations"):
+            continue
+        fast = s.get("fastest_share")
+        rows.append(
+            {
+                "test": name,
+                "configs": s["configurations"],
+                "step_median": s.get("step_median_pct"),
+                "step_p90": s.get("step_p90_pct"),
+                "peak_median": s.get("peak_median_pct"),
+                "peak_p90": s.get("peak_p90_pct"),
+                "spearman": "–"
+                if s.get("spearman_median") is None
+                else f"{s['spearman_median']:.2f} ({s['spearman_groups']})",
+                "spearman_tied": s.get("spearman_noise_tied_median"),
+                "pairs": "–"
+                if s.get("resolved_pairs_ordered_share") is None
+                else f"{_pct(s['resolved_pairs_ordered_share']):.0f} % of {s['resolved_pairs']}",
+                "fastest": "–"
+                if fast is None
+                else f"{_pct(fast):.0f} %; {_pct(s['fastest_strict_share']):.0f} % of {s['fastest_groups']}",
+            }
+        )
+    rt = report.get("retest") or {}
+    if rt.get("groups"):
+        rows.append(
+            {
+                "test": "the measurements themselves: two launches of each configuration ranked against each "
+                f"other; the model's leave-one-out on the same configurations {rt['model_median']:.2f}",
+                "configs": sum(g["configs"] for g in rt["per_group"]),
+                "spearman": f"{rt['retest_median']:.2f} ({rt['groups']})",
+            }
+        )
+    t = report.get("targets") or {}
+    if t:
+        rows.append(
+            {
+                "test": "target",
+                "step_median": t.get("step_median_pct"),
+                "peak_median": t.get("peak_median_pct"),
+                "spearman": f">= {t.get('spearman_min')} in every group",
+                "fastest": f">= {_pct(t.get('fastest_share')):.0f} %",
+            }
+        )
+    return rows
+
+
+def validation_spec(kinds: list[str], calibration_dir=None) -> list[dict]:
+    """The validation table of each device kind the run's predictions came from, where its file exists."""
+    from parabench.plan import calibrate as C
+
+    specs = []
+    for kind in kinds:
+        path = C.calibration_path(f"validation-{kind}", calibration_dir)
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if report.get("kind") != "plan-validation":
+            continue
+        specs.append(
+            {
+                "id_": f"plan-validation-{kind}",
+                "title": f"Planner validation ({kind})",
+                "columns": VALIDATION_COLUMNS,
+                "rows": validation_rows(report),
+                "note": f"How far the predictions above can be trusted: {path.name}, written by python -m "
+                "parabench.plan.validate from the committed quiet-host runs of this device kind. Leave one out "
+                "predicts each configuration from a calibration without it; out of scale predicts larger GPU "
+                "counts from smaller ones. The Spearman is the rank correlation of the configurations within "
+                "each (model, GPU count, recipe, micro-batch) group; the measurements' own row is its ceiling.",
+            }
+        )
+    return specs
 
 
 def table_specs(runs, run_col: list, calibration_dir=None) -> list[dict]:
@@ -81,7 +189,7 @@ def table_specs(runs, run_col: list, calibration_dir=None) -> list[dict]:
     note = (
         "Each case beside the calibrated planner's prediction (parabench plan), from the record's own theory. "
         f"Rows flagged MISS are off by more than {MISS:.0%} in step time or peak memory. The calibration may "
-        "include this run: see results/calibration/validation-*.json for leave-one-out errors."
+        "include this run: the validation table below gives the out-of-sample errors."
     )
     if not rows:
         note = f"No planner calibration for {', '.join(missing)}: no predictions (calibrated GPU kinds only)."
@@ -96,4 +204,4 @@ def table_specs(runs, run_col: list, calibration_dir=None) -> list[dict]:
             "note": note,
             "row_class": lambda r: "bad-row" if r.get("miss") else "",
         }
-    ]
+    ] + (validation_spec(sorted({r["kind"] for r in rows}), calibration_dir) if rows else [])
