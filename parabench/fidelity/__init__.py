@@ -158,11 +158,8 @@ def _pipeline_args(case: dict, peer: PeerScript) -> tuple[list[str], str | None]
     return [f"--microbatches={o.n_microbatches}", f"--virtual-stages={v}"], None
 
 
-def peer_records(run_dir: Path) -> list[dict]:
-    """The run's finished peer cases that have a script, one per case hash (the first launch)."""
-    from parabench.results import load_run
-
-    _, records = load_run(run_dir)
+def peer_records(records: list[dict]) -> list[dict]:
+    """A run's finished peer cases that have a script, one per case hash (the first launch)."""
     seen, out = set(), []
     for r in records:
         case = r.get("case") or {}
@@ -192,9 +189,10 @@ def run_fidelity(
     from parabench.stats import combine_launches
 
     run_dir = Path(run_dir)
-    records = [r for r in peer_records(run_dir) if all(f in r.get("label", "") for f in filters or [])]
+    _, run_records = load_run(run_dir)
+    records = [r for r in peer_records(run_records) if all(f in r.get("label", "") for f in filters or [])]
     # each line judges the adapter's launches (--repeats) against the script's so far, as the report does
-    pooled = {r.get("case_hash"): r for r in combine_launches(load_run(run_dir)[1])}
+    pooled = {r.get("case_hash"): r for r in combine_launches(run_records)}
     counts = {"ok": 0, "failed": 0, "timeout": 0, "skipped": 0, "kept": 0}
     owner = LaunchOwner(run_dir, echo)
     with owner.owning():

@@ -182,20 +182,19 @@ def observations(results_dir="results", kind: str = "h100") -> list[Observation]
         by_key.setdefault(config_key(r), []).append((run, r, w))
     out = []
     for key, items in sorted(by_key.items()):
-        steps = [r["metrics"]["step_time_s_median"] for _, r, _ in items]
+        steps_by_run: dict[str, list[float]] = {}
+        for run, r, _ in items:
+            steps_by_run.setdefault(run, []).append(r["metrics"]["step_time_s_median"])
         peaks = [r["metrics"].get("peak_alloc_bytes") for _, r, _ in items if r["metrics"].get("peak_alloc_bytes")]
         out.append(
             Observation(
                 key,
                 items[0][2],
-                statistics.median(steps),
+                statistics.median(s for steps in steps_by_run.values() for s in steps),
                 statistics.median(peaks) if peaks else None,
-                sorted({run for run, _, _ in items}),
+                sorted(steps_by_run),
                 len(items),
-                {
-                    run: statistics.median(r["metrics"]["step_time_s_median"] for rr, r, _ in items if rr == run)
-                    for run in {run for run, _, _ in items}
-                },
+                {run: statistics.median(steps) for run, steps in steps_by_run.items()},
             )
         )
     return out

@@ -31,7 +31,7 @@ NOTE = (
     "through DeepSpeed's async I/O. Bytes are the process's own disk reads and writes (/proc/self/io) over the "
     "full steps after the first; the theory is the swap traffic read from DeepSpeed's swappers (the read is a "
     "range: parameters still in the swap buffers are not read again for backward). The probe is a sequential "
-    "O_DIRECT write and read of 1 GiB in the swap folder before training, by every rank at once; "
+    "O_DIRECT write and read in the swap folder before training (option disk_probe_mb), by every rank at once; "
     "'% of probe' sets each rank's rate against its own probe."
 )
 
