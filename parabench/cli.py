@@ -317,7 +317,7 @@ def cmd_run_case(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from parabench.models import MODEL_LADDER, parameter_count
+    from parabench.models import CUSTOM_MODEL_FORM, MODEL_LADDER, parameter_count
     from parabench.strategies import STRATEGIES
 
     print("strategies:")
@@ -330,6 +330,7 @@ def cmd_list(args) -> int:
             f"  {name:<10} {parameter_count(cfg)['total'] / 1e6:>9.1f} M params  L={cfg.n_layers} d={cfg.d_model} "
             f"heads={cfg.n_heads} seq={cfg.seq_len} vocab={cfg.vocab_size}"
         )
+    print(f"  {CUSTOM_MODEL_FORM}: any other dense shape, e.g. custom-L20-d2304-h18 (vocab 50304 unless -v)")
     print("suites:")
     for name in list_suites():
         try:

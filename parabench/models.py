@@ -14,6 +14,7 @@ Batches are a pure function of (seed, step), so any world size sees the same glo
 from __future__ import annotations
 
 import math
+import re
 import types
 from dataclasses import asdict, dataclass, replace
 
@@ -118,12 +119,55 @@ MODEL_LADDER: dict[str, GPTConfig] = {
 }
 
 
+# A dense shape off the ladder, named by its shape so that every process that reads a case (the
+# workers torchrun starts, recheck, the report, the planner) rebuilds it from the name alone:
+# "custom-L20-d2304-h18" is 20 layers of width 2304 with 18 heads; "-v32000" sets the vocabulary.
+# The sequence length stays the case's own (seq_len).
+CUSTOM_MODEL = re.compile(r"custom-L(\d+)-d(\d+)-h(\d+)(?:-v(\d+))?")
+CUSTOM_MODEL_FORM = "custom-L<layers>-d<width>-h<heads>[-v<vocab>]"
+
+
+def custom_model_name(cfg: GPTConfig) -> str | None:
+    """The name :data:`CUSTOM_MODEL` gives ``cfg``'s shape, or None for a shape a name cannot carry
+    (mixture of experts, another MLP ratio, the fused layout: those stay on the ladder)."""
+    plain = GPTConfig(n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads, vocab_size=cfg.vocab_size)
+    if replace(cfg, seq_len=plain.seq_len) != plain:
+        return None
+    return f"custom-L{cfg.n_layers}-d{cfg.d_model}-h{cfg.n_heads}" + (
+        "" if cfg.vocab_size == GPTConfig.vocab_size else f"-v{cfg.vocab_size}"
+    )
+
+
+def is_model_name(name) -> bool:
+    """A ladder model, or a well-formed custom shape name."""
+    try:
+        model_config(name)
+    except (KeyError, TypeError):
+        return False
+    return True
+
+
+def unknown_model_message(name) -> str:
+    return f"unknown model {name!r}; valid models: {', '.join(MODEL_LADDER)}, or {CUSTOM_MODEL_FORM}"
+
+
+def _custom_shape(name: str) -> GPTConfig:
+    layers, width, heads, vocab = CUSTOM_MODEL.fullmatch(name).groups()
+    n_layers, d_model, n_heads = int(layers), int(width), int(heads)
+    if min(n_layers, d_model, n_heads) < 1 or d_model % n_heads:
+        raise KeyError(f"model {name!r}: layers, width and heads must be positive, and heads must divide the width")
+    return GPTConfig(n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab_size=int(vocab or GPTConfig.vocab_size))
+
+
 def model_config(
     name: str, seq_len: int | None = None, vocab_size: int | None = None, layout: str | None = None
 ) -> GPTConfig:
-    if name not in MODEL_LADDER:
-        raise KeyError(f"unknown model {name!r}; valid models: {', '.join(MODEL_LADDER)}")
-    cfg = MODEL_LADDER[name]
+    if isinstance(name, str) and CUSTOM_MODEL.fullmatch(name):
+        cfg = _custom_shape(name)
+    elif name in MODEL_LADDER:
+        cfg = MODEL_LADDER[name]
+    else:
+        raise KeyError(unknown_model_message(name))
     if seq_len is not None:
         cfg = replace(cfg, seq_len=seq_len)
     if vocab_size is not None:

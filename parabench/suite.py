@@ -61,7 +61,7 @@ import tomllib
 
 from parabench.case import SCALING_MODES, Case
 from parabench.fp8 import filter_option_error
-from parabench.models import LAYOUTS, MODEL_LADDER
+from parabench.models import LAYOUTS, is_model_name, model_config, unknown_model_message
 from parabench.recipes import RECIPES
 from parabench.results import UnsafeNameError, check_path_component
 from parabench.strategies import DP_PRECISIONS, STRATEGIES, get_strategy
@@ -340,8 +340,8 @@ def _check_value(key: str, value, fail) -> None:
     want = _TYPES.get(key)
     if want is not None and (not isinstance(value, want) or (want is int and isinstance(value, bool))):
         fail(f"expected {getattr(want, '__name__', 'a number')}, got {type(value).__name__} {value!r}")
-    if key == "model" and value not in MODEL_LADDER:
-        fail(f"unknown model {value!r}; valid models: {', '.join(MODEL_LADDER)}")
+    if key == "model" and not is_model_name(value):
+        fail(unknown_model_message(value))
     if key == "strategy" and value not in STRATEGIES:
         fail(f"unknown strategy {value!r}; valid strategies: {', '.join(sorted(STRATEGIES))}")
     if key == "precision" and value not in DP_PRECISIONS:
@@ -406,7 +406,7 @@ def validate_case(case: Case) -> None:
             raise ValueError(fp8_filter_error)
         Topology.check(case.world_size, getattr(opts, "pp", 1), getattr(opts, "tp", 1))
         if info.validate is not None:
-            info.validate(case, opts, replace(MODEL_LADDER[case.model], layout=case.layout))
+            info.validate(case, opts, model_config(case.model, layout=case.layout))
     except TopologyError:
         raise
     except ValueError as exc:

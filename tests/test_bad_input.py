@@ -471,3 +471,39 @@ def test_interrupt_hint_keeps_suite_out_and_run_id():
     assert _resume_command(args, Path("elsewhere/smoke/20261127-101010")) == (
         "parabench run suite smoke --out=elsewhere --run-id 20261127-101010 --resume"
     )
+
+
+def test_a_custom_shape_trains_end_to_end_and_a_malformed_one_names_the_line(tmp_path, capsys):
+    """A suite may name a shape off the ladder (custom-L<layers>-d<width>-h<heads>[-v<vocab>]): the
+    workers rebuild it from the name, and the record carries its shape and parameter count."""
+    from parabench.models import model_config, parameter_count
+
+    good = write_suite(
+        tmp_path,
+        """
+        [suite]
+        name = "custom-shape"
+        device = "cpu"
+        seq_len = 32
+        steps = 2
+        warmup = 0
+
+        [[matrix]]
+        model = "custom-L1-d32-h2-v128"
+        strategy = "ref.zero2"
+        world_size = 2
+        micro_batch = 2
+        """,
+    )
+    rc, out, err = cli(capsys, "run", "suite", good, "--out", tmp_path / "res")
+    assert rc == 0, err
+    run = next((tmp_path / "res" / "custom-shape").iterdir())
+    record = json.loads(next((run / "cases").glob("*.json")).read_text())
+    assert record["case"]["model"] == "custom-L1-d32-h2-v128"
+    want = parameter_count(model_config("custom-L1-d32-h2-v128", seq_len=32))["total"]
+    assert record["model"]["params"]["total"] == want and record["model"]["config"]["n_layers"] == 1
+    bad = write_suite(
+        tmp_path, '[suite]\nname = "b"\n\n[[matrix]]\nmodel = "custom-L1-d30-h4"\nstrategy = "single"\n', "b.toml"
+    )
+    rc, _, err = cli(capsys, "run", "suite", bad, "--out", tmp_path / "res")
+    assert rc == 2 and f"b.toml:{line_of(bad, 'custom-L1-d30-h4')}" in err and "custom-L<layers>" in err

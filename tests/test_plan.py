@@ -698,3 +698,42 @@ def test_report_shows_each_prediction_and_the_planners_validation():
     assert rows[-1]["test"] == "target" and rows[-1]["spearman"] == ">= 0.9 in every group"
     cpu = render_report([ROOT / "results/meter-overhead/cpu"], with_figures=False)
     assert "tbl-plan-validation" not in cpu
+
+
+def test_custom_shape_names_round_trip_and_bad_ones_say_the_form():
+    from parabench.models import GPTConfig, custom_model_name, is_model_name
+
+    cfg = model_config("custom-L3-d96-h6-v512", seq_len=128)
+    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.vocab_size, cfg.seq_len) == (3, 96, 6, 512, 128)
+    assert custom_model_name(cfg) == "custom-L3-d96-h6-v512"
+    assert custom_model_name(model_config("gpt-1.3b")) == "custom-L24-d2048-h16"  # the ladder's default vocab
+    assert custom_model_name(GPTConfig(n_layers=2, d_model=64, n_heads=4, mlp_ratio=2)) is None
+    assert not is_model_name("custom-L3-d96-h5") and not is_model_name("custom-L3-d96") and not is_model_name({})
+    with pytest.raises(KeyError, match="heads must divide the width"):
+        model_config("custom-L3-d96-h5")
+    with pytest.raises(KeyError, match=r"or custom-L<layers>-d<width>-h<heads>\[-v<vocab>\]"):
+        model_config("gpt-99b")
+
+
+def test_plan_writes_a_runnable_suite_for_a_custom_shape(tmp_path, capsys):
+    """A shape off the ladder goes from `parabench plan` to a suite by its shape name, and the
+    suite's cases train that shape: the same parameter count as the planner's configuration."""
+    from parabench.models import parameter_count
+
+    out = tmp_path / "custom.toml"
+    argv = ["plan", "--layers", "3", "--hidden", "96", "--heads", "6", "--vocab", "512", "--seq", "128", "--gpus", "2"]
+    assert main([*argv, "--top", "2", "--write-suite", str(out)]) == 0
+    assert "custom-L3-d96-h6-v512: 3 layers, d 96, 6 heads, vocab 512, seq 128" in capsys.readouterr().out
+    suite = load_suite(str(out))
+    assert len(suite.cases) == 2 and {c.model for c in suite.cases} == {"custom-L3-d96-h6-v512"}
+    cfg = suite.cases[0].model_config()
+    assert (
+        cfg.seq_len == 128
+        and parameter_count(cfg)["total"] == parameter_count(model_config("custom-L3-d96-h6-v512", seq_len=128))["total"]
+    )
+    assert main(["plan", "--model", "custom-L3-d96-h5", "--gpus", "2"]) == 2
+    assert "heads must divide the width" in capsys.readouterr().err
+    shape = tmp_path / "moe.toml"
+    shape.write_text("n_layers = 2\nd_model = 64\nn_heads = 4\nmlp_ratio = 2\n")
+    assert main(["plan", "--shape", str(shape), "--gpus", "2", "--write-suite", str(tmp_path / "x.toml")]) == 2
+    assert "cannot carry this one's other fields" in capsys.readouterr().err

@@ -14,7 +14,9 @@ SHAPE_FLAGS = ("layers", "hidden", "heads", "vocab", "seq")
 
 def add_arguments(p) -> None:
     p.add_argument(
-        "--model", help="a model of the ladder (parabench list), or 'custom' with the shape flags or --shape"
+        "--model",
+        help="a model of the ladder (parabench list), a shape name custom-L<layers>-d<width>-h<heads>[-v<vocab>], "
+        "or 'custom' with the shape flags or --shape",
     )
     p.add_argument(
         "--shape",
@@ -49,7 +51,14 @@ class PlanError(ValueError):
 
 
 def resolve_model(args):
-    from parabench.models import MODEL_LADDER, GPTConfig, model_config
+    from parabench.models import (
+        CUSTOM_MODEL,
+        CUSTOM_MODEL_FORM,
+        MODEL_LADDER,
+        GPTConfig,
+        custom_model_name,
+        model_config,
+    )
 
     custom = {k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k) is not None}
     if args.shape:
@@ -59,23 +68,27 @@ def resolve_model(args):
         unknown = sorted(set(data) - known)
         if unknown:
             raise PlanError(f"{args.shape}: unknown shape keys {unknown}; valid: {', '.join(sorted(known))}")
-        return "custom", GPTConfig(**data)
+        cfg = GPTConfig(**data)
+        return custom_model_name(cfg) or "custom", cfg
     if args.model in (None, "custom"):
         need = ("layers", "hidden", "heads")
         if not all(k in custom for k in need):
             raise PlanError(
                 "give --model NAME, or a custom shape with --layers --hidden --heads [--vocab --seq] or --shape FILE"
             )
-        return "custom", GPTConfig(
+        if custom["hidden"] % custom["heads"]:
+            raise PlanError(f"--heads {custom['heads']} does not divide --hidden {custom['hidden']}")
+        cfg = GPTConfig(
             n_layers=custom["layers"],
             d_model=custom["hidden"],
             n_heads=custom["heads"],
             vocab_size=custom.get("vocab", 50304),
             seq_len=custom.get("seq", 2048),
         )
+        return custom_model_name(cfg), cfg
     dense = [n for n, c in MODEL_LADDER.items() if not c.is_moe]
-    if args.model not in dense:
-        raise PlanError(f"unknown model {args.model!r}; valid models: {', '.join(dense)} (or custom)")
+    if args.model not in dense and not CUSTOM_MODEL.fullmatch(args.model):
+        raise PlanError(f"unknown model {args.model!r}; valid models: {', '.join(dense)}, or {CUSTOM_MODEL_FORM}")
     return args.model, model_config(args.model, seq_len=custom.get("seq"), vocab_size=custom.get("vocab"))
 
 
@@ -107,7 +120,7 @@ def plan_main(args) -> int:
                 f"no calibration for {args.gpu} ({kind}); calibrated kinds: {', '.join(have) or 'none'} "
                 f"(python -m parabench.plan.calibrate --kind {kind})"
             )
-    except (PlanError, C.CalibrationError, OSError, tomllib.TOMLDecodeError, TypeError) as exc:
+    except (PlanError, C.CalibrationError, OSError, tomllib.TOMLDecodeError, TypeError, KeyError) as exc:
         print(f"parabench plan: {exc}", file=sys.stderr)
         return 2
     ok, dropped = S.plan(model, cfg, args.gpus, args.gpu, cal, args.recipe, args.global_batch)
@@ -126,7 +139,13 @@ def plan_main(args) -> int:
             print(f"  {S.describe(c):42s} mb {c.micro_batch:<3} {c.dropped}")
     if args.write_suite:
         if model == "custom":
-            print("parabench plan: --write-suite needs a ladder model (suites name models by name)", file=sys.stderr)
+            from parabench.models import CUSTOM_MODEL_FORM
+
+            print(
+                f"parabench plan: --write-suite: suites name a custom model by its shape ({CUSTOM_MODEL_FORM}), "
+                "which cannot carry this one's other fields (MLP ratio, experts, layout)",
+                file=sys.stderr,
+            )
             return 2
         name = re.sub(r"[^A-Za-z0-9_.-]", "-", Path(args.write_suite).stem)
         text = S.suite_toml(name, model, cfg, ok[: args.top], args.gpu)

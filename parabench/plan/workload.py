@@ -231,12 +231,12 @@ def for_config(
     """The workload of a configuration nobody ran: the theory's expectation computed now."""
     from parabench import theory
     from parabench.case import Case
-    from parabench.models import MODEL_LADDER, hardware_flops_per_token, model_flops_per_token, parameter_count
+    from parabench.models import hardware_flops_per_token, is_model_name, model_flops_per_token, parameter_count
     from parabench.strategies import STRATEGIES
 
     options = dict(options or {})
     case = Case(
-        model=model if model in MODEL_LADDER else "gpt-125m",
+        model=model if is_model_name(model) else "gpt-125m",
         strategy=strategy,
         world_size=world_size,
         precision=precision,
