@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from parabench.cli import main
-from parabench.models import model_config
+from parabench.models import GPTConfig, model_config
 from parabench.plan import calibrate as C
 from parabench.plan import model as M
 from parabench.plan import validate as V
@@ -729,7 +729,8 @@ def test_plan_writes_a_runnable_suite_for_a_custom_shape(tmp_path, capsys):
     cfg = suite.cases[0].model_config()
     assert (
         cfg.seq_len == 128
-        and parameter_count(cfg)["total"] == parameter_count(model_config("custom-L3-d96-h6-v512", seq_len=128))["total"]
+        and parameter_count(cfg)["total"]
+        == parameter_count(model_config("custom-L3-d96-h6-v512", seq_len=128))["total"]
     )
     assert main(["plan", "--model", "custom-L3-d96-h5", "--gpus", "2"]) == 2
     assert "heads must divide the width" in capsys.readouterr().err
@@ -737,3 +738,48 @@ def test_plan_writes_a_runnable_suite_for_a_custom_shape(tmp_path, capsys):
     shape.write_text("n_layers = 2\nd_model = 64\nn_heads = 4\nmlp_ratio = 2\n")
     assert main(["plan", "--shape", str(shape), "--gpus", "2", "--write-suite", str(tmp_path / "x.toml")]) == 2
     assert "cannot carry this one's other fields" in capsys.readouterr().err
+
+
+def test_accumulated_gradients_are_alive_through_later_micro_batches():
+    """Under gradient accumulation the gradients of the earlier micro-batches are alive at the next
+    one's peak: the references' ZeRO-1 its full 16-bit buckets (it reduces on the last micro-batch
+    only), ZeRO-2 its fp32 main-gradient shards; torch DDP's buckets are alive either way."""
+    from parabench.plan import workload as W
+
+    cfg = model_config("gpt-1.3b")
+
+    def backward_states(strategy, grad_accum):
+        w = W.for_config(
+            model="gpt-1.3b", cfg=cfg, strategy=strategy, world_size=4, micro_batch=1, grad_accum=grad_accum
+        )
+        return M.states_at(w, "backward"), w.state_parts
+
+    for strategy, part in (("ref.zero1", "params"), ("ref.zero2", "grads"), ("torch.ddp", None)):
+        (once, parts), (accumulated, _) = backward_states(strategy, 1), backward_states(strategy, 4)
+        assert accumulated - once == pytest.approx(parts[part] if part else 0.0), strategy
+    assert backward_states("ref.zero1", 4)[1]["grads"] > backward_states("ref.zero1", 4)[1]["params"]
+
+
+def test_a_checkpointed_block_is_recomputed_after_the_loss_backward_is_over():
+    """With activation checkpointing, the logits' buffers and the recomputed block's activations
+    are never alive together: two phases, and the peak is the larger."""
+    from parabench.plan import workload as W
+
+    def phases(vocab, seq):
+        cfg = GPTConfig(n_layers=24, d_model=2048, n_heads=16, vocab_size=vocab, seq_len=seq)
+        w = W.for_config(
+            model="custom",
+            cfg=cfg,
+            strategy="ref.zero2",
+            world_size=2,
+            micro_batch=4,
+            options={"activation_checkpointing": True},
+        )
+        return M.memory_features(w), M.predict(w, C.load_kind("h100")).peak_phase
+
+    feats, phase = phases(50304, 2048)
+    (_, first), (_, again) = feats["first"], feats["recompute"]
+    assert first["logit_bytes_master"] > 0 and again["logit_bytes_master"] == 0
+    assert again["act_master"] - first["act_master"] == pytest.approx(34 * 2048 * 4 * 2048)
+    assert phase == "start of backward"
+    assert phases(256, 8192)[1] == "first block recomputation"

@@ -857,6 +857,8 @@ def persistent_grad_bytes(w: Workload) -> float:
     (the meter: 4 bytes of gradients at the peak of deepspeed.zero1/2)."""
     parts = w.state_parts or {}
     grads, params = parts.get("grads", 0.0), parts.get("params", 0.0)
+    if w.grad_accum > 1:
+        return accumulated_grad_bytes(w)
     if w.strategy == "ref.ddp":  # flat_grad (the size of flat_param) kept; the fp32 main gradient made at the update
         return min(grads, params)
     if w.strategy == "ref.ps":  # the server's flat_grad and receive buffer kept; the fp32 sum made at the update
@@ -864,6 +866,23 @@ def persistent_grad_bytes(w: Workload) -> float:
     if w.strategy == "torch.ddp":  # the reducer's buckets live as long as DDP (gradient_as_bucket_view)
         return grads
     return 0.0
+
+
+def accumulated_grad_bytes(w: Workload) -> float:
+    """Gradient bytes alive through the backward of every micro-batch after the first, under
+    gradient accumulation: what the earlier micro-batches accumulated into. The references' DDP and
+    ZeRO-1 keep their full gradient buffers, in the parameters' dtype, and reduce on the last
+    micro-batch only (reference_impls/data_parallel.py, zero.py: their fp32 main gradient is made
+    at the update); the others accumulate into what the theory counts as gradients: torch DDP's
+    buckets, the references' fp32 main-gradient shards (ZeRO-2/3, FSDP: reduce-scattered every
+    micro-batch), FSDP2's and DeepSpeed's sharded gradients, the model-parallel trainers' ``p.grad``."""
+    parts = w.state_parts or {}
+    grads, params = parts.get("grads", 0.0), parts.get("params", 0.0)
+    if w.strategy in ("ref.ddp", "ref.zero1"):
+        return min(grads, params)
+    if w.strategy == "ref.ps":
+        return min(grads, 2 * params)
+    return grads
 
 
 # Trainers whose "master" recipe runs reference_impls.mixed_precision.MasterWeightOptimizer, which
@@ -990,15 +1009,15 @@ def pipeline_stage_peaks(w: Workload) -> list[tuple[float, float, float]]:
             act = unit_bytes * (len(full) * (1 + (ZB_OUTPUTS if ref_zb else 0.0)) + len(with_dy) * ZB_DY)
             if ref_zb and not last and w.zb_keeps_done_graphs:
                 act += unit_bytes * ZB_RETAINED * done
-            act += transient
             heads = sum(1 for c, _ in full if c == v - 1) if last else 0
             logit = logit_elems if heads else 0.0
             fixed = max(0, heads - 1) * RETAINED_LOGIT_BYTES * logit_elems
             if torch_outputs and last:
                 fixed += outputs * TORCH_PP_OUTPUT_BYTES * logit_elems
-            cand = (act, logit, fixed)
-            if act + 12 * logit + fixed > best[0] + 12 * best[1] + best[2]:
-                best = cand
+            # the loss's backward is over before the recomputation of a block starts
+            for cand in ((act, logit, fixed), (act + transient, 0.0, fixed)):
+                if cand[0] + 12 * cand[1] + cand[2] > best[0] + 12 * best[1] + best[2]:
+                    best = cand
         out.append(best)
     return out
 
@@ -1021,13 +1040,19 @@ def memory_features(w: Workload) -> dict:
     during = states_at(w, "backward") + w.working_set_bytes
     if w.pp <= 1:
         per_layer = activation_layer_bytes(w)
-        if w.checkpointing:  # each block's input kept, one block's activations live during recompute
-            sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
-            act = 2 * w.seq_len * w.rows * w.d_model / sp_div * w.n_layers + per_layer
-        else:
-            act = per_layer * w.n_layers
-        first = {**base, act_key: act, logit_key: w.rows * w.seq_len * w.vocab_size / vocab_div}
-        return {"first": (during, first), "step": (states_at(w, "step"), step)}
+        logits = w.rows * w.seq_len * w.vocab_size / vocab_div
+        if not w.checkpointing:
+            first = {**base, act_key: per_layer * w.n_layers, logit_key: logits}
+            return {"first": (during, first), "step": (states_at(w, "step"), step)}
+        # Each block's input kept. The loss's backward (the logits' buffers) is over before the last
+        # block is recomputed, so one block's activations are alive in a later phase of their own.
+        sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
+        inputs = 2 * w.seq_len * w.rows * w.d_model / sp_div * w.n_layers
+        return {
+            "first": (during, {**base, act_key: inputs, logit_key: logits}),
+            "recompute": (during, {**base, act_key: inputs + per_layer}),
+            "step": (states_at(w, "step"), step),
+        }
     phases = {}
     for i, (act, logit, fixed) in enumerate(pipeline_stage_peaks(w)):
         phases[f"stage{i}"] = (during + fixed, {**base, act_key: act, logit_key: logit})
@@ -1114,7 +1139,9 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
             "implementation": extra_frac * memory_unit(w),
         }
         mem = sum(mem_parts.values())
-        mem_phase = "optimizer step" if name == "step" else ("start of backward" + (f", {name}" if w.pp > 1 else ""))
+        mem_phase = {"step": "optimizer step", "recompute": "first block recomputation"}.get(
+            name, "start of backward" + (f", {name}" if w.pp > 1 else "")
+        )
     else:
         notes.append("no model-state expectation: no memory prediction")
     bottleneck = max((k for k in parts), key=lambda k: parts[k])
