@@ -97,7 +97,8 @@ def spearman(a, b) -> float | None:
 
 
 def group_of(w: M.Workload) -> str:
-    """Configurations ranked against each other: one model (and layout), GPU count, recipe, micro-batch."""
+    """Configurations ranked against each other (by time per token): one model (and layout), GPU count,
+    recipe, micro-batch."""
     layout = "" if w.layout == "separate" else f" {w.layout}"
     return f"{w.model}{layout} w{w.world_size} {w.recipe} mb{w.micro_batch}"
 
@@ -118,8 +119,10 @@ def summarize(rows: list[dict]) -> dict:
     for g, rs in sorted(groups.items()):
         if len(rs) < 2:
             continue
-        meas = [r["step_s"] for r in rs]
-        pred = [r["pred_step_s"] for r in rs]
+        # ranked as the planner ranks, by throughput: a group's configurations share a micro-batch,
+        # not a step's tokens (data-parallel degree and accumulation differ)
+        meas = [r["step_s"] / r.get("tokens_per_step", 1) for r in rs]
+        pred = [r["pred_step_s"] / r.get("tokens_per_step", 1) for r in rs]
         strict = int(np.argmin(meas)) == int(np.argmin(pred))
         ok = meas[int(np.argmin(pred))] <= min(meas) * (1 + FASTEST_NOISE)
         fastest.append(ok)
@@ -196,8 +199,8 @@ def retest(obs: list[C.Observation], rows: list[dict], draws: int = RETEST_DRAWS
         rhos = []
         for _ in range(draws):
             picks = [rng.choice(len(r), size=2, replace=False) for r in runs]
-            first = [o.run_steps[r[i]] for o, r, (i, _) in zip(os_, runs, picks)]
-            second = [o.run_steps[r[j]] for o, r, (_, j) in zip(os_, runs, picks)]
+            first = [o.run_steps[r[i]] / o.workload.tokens_per_step for o, r, (i, _) in zip(os_, runs, picks)]
+            second = [o.run_steps[r[j]] / o.workload.tokens_per_step for o, r, (_, j) in zip(os_, runs, picks)]
             rho = spearman(first, second)
             if rho is not None:
                 rhos.append(rho)
@@ -206,7 +209,10 @@ def retest(obs: list[C.Observation], rows: list[dict], draws: int = RETEST_DRAWS
                 "group": g,
                 "configs": len(os_),
                 "retest_spearman": float(np.median(rhos)) if rhos else None,
-                "model_spearman": spearman([o.step_s for o in os_], [pred[o.key] for o in os_]),
+                "model_spearman": spearman(
+                    [o.step_s / o.workload.tokens_per_step for o in os_],
+                    [pred[o.key] / o.workload.tokens_per_step for o in os_],
+                ),
             }
         )
     ret = [x["retest_spearman"] for x in per_group if x["retest_spearman"] is not None]
@@ -241,6 +247,7 @@ def _row(o: C.Observation, p: M.Prediction) -> dict:
         "group": group_of(o.workload),
         "step_s": o.step_s,
         "pred_step_s": p.step_s,
+        "tokens_per_step": o.workload.tokens_per_step,
         "peak_bytes": o.peak_bytes,
         "pred_peak_bytes": p.peak_bytes,
         "runs": o.runs,
@@ -328,6 +335,7 @@ def preregistered(predictions_path, run_dir, worst: int = 8) -> dict:
                 "world_size": w.world_size,
                 "step_s": m["step_time_s_median"],
                 "pred_step_s": p["step_time_s"],
+                "tokens_per_step": w.tokens_per_step,
                 "step_err_pct": _signed_pct(p["step_time_s"], m["step_time_s_median"]),
                 "peak_bytes": m.get("peak_alloc_bytes"),
                 "pred_peak_bytes": p.get("peak_bytes"),
