@@ -807,3 +807,19 @@ def test_a_checkpointed_block_is_recomputed_after_the_loss_backward_is_over():
     assert again["act_master"] - first["act_master"] == pytest.approx(34 * 2048 * 4 * 2048)
     assert phase == "start of backward"
     assert phases(256, 8192)[1] == "first block recomputation"
+
+
+def test_gradient_buffers_are_not_charged_at_the_loss_peak():
+    """The references' ZeRO-3 gradient buffers (the theory's ``grad_buffers``) are made in backward,
+    after the loss's peak: the loss phase holds the gathered units only, a later phase all of it."""
+    from parabench.plan import workload as W
+
+    w = W.for_config(model="gpt-1.3b", cfg=model_config("gpt-1.3b"), strategy="ref.zero3", world_size=4, micro_batch=2)
+    assert 0 < w.working_set_grad_bytes < w.working_set_bytes
+    feats = M.memory_features(w)
+    (at_loss, first), (later, backward) = feats["first"], feats["backward"]
+    assert later - at_loss == pytest.approx(w.working_set_grad_bytes)
+    assert first["logit_bytes_master"] > 0 and backward["logit_bytes_master"] == 0
+    p = M.predict(w, C.load_kind("h100"))
+    assert p.memory_bytes["working_set"] == pytest.approx(w.working_set_bytes - w.working_set_grad_bytes)
+    assert p.peak_phase == "start of backward"

@@ -365,6 +365,8 @@ class Workload:
     state_parts: dict | None = None  # the same as {params, grads, optimizer}
     state_source: str = "theory"
     working_set_bytes: float = 0.0
+    # of which gradient buffers: made in backward as gradients arrive, after the loss's peak
+    working_set_grad_bytes: float = 0.0
     cpu_state_bytes: float = 0.0
     comm_bytes: dict = field(default_factory=dict)  # kind -> payload bytes per step, rank 0
 
@@ -1047,15 +1049,20 @@ def memory_features(w: Workload) -> dict:
     if w.pp <= 1:
         per_layer = activation_layer_bytes(w)
         logits = w.rows * w.seq_len * w.vocab_size / vocab_div
+        # The loss's backward (the logits' buffers) is over before the first gradient buffer is made
+        # and before the last block is recomputed: those are alive in a later phase of their own.
+        at_loss = during - w.working_set_grad_bytes
         if not w.checkpointing:
-            first = {**base, act_key: per_layer * w.n_layers, logit_key: logits}
-            return {"first": (during, first), "step": (states_at(w, "step"), step)}
-        # Each block's input kept. The loss's backward (the logits' buffers) is over before the last
-        # block is recomputed, so one block's activations are alive in a later phase of their own.
+            acts = {**base, act_key: per_layer * w.n_layers}
+            return {
+                "first": (at_loss, {**acts, logit_key: logits}),
+                "backward": (during, acts),
+                "step": (states_at(w, "step"), step),
+            }
         sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
-        inputs = 2 * w.seq_len * w.rows * w.d_model / sp_div * w.n_layers
+        inputs = 2 * w.seq_len * w.rows * w.d_model / sp_div * w.n_layers  # each block's input kept
         return {
-            "first": (during, {**base, act_key: inputs, logit_key: logits}),
+            "first": (at_loss, {**base, act_key: inputs, logit_key: logits}),
             "recompute": (during, {**base, act_key: inputs + per_layer}),
             "step": (states_at(w, "step"), step),
         }
@@ -1129,6 +1136,9 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
         stage = phases[name][1]
         extra_frac = (cal.get("impl_memory") or {}).get(w.impl, 0.0) if impl else 0.0
         extra_frac = min(max(0.0, extra_frac), IMPL_MEMORY_MAX)
+        working_set = {"step": 0.0, "first": w.working_set_bytes - w.working_set_grad_bytes}.get(
+            name, w.working_set_bytes
+        )
         mem_parts = {
             "model_states": states_at(w, "step" if name == "step" else "backward") - master_grad_buffer_bytes(w),
             "master_grad_buffer": master_grad_buffer_bytes(w),
@@ -1136,18 +1146,18 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
             "logits": mc["logit_bytes_master"] * stage["logit_bytes_master"]
             + mc["logit_bytes_amp"] * stage["logit_bytes_amp"],
             "cast_copies": mc["cast"] * stage["cast"],
-            "working_set": w.working_set_bytes if name != "step" else 0.0,
+            "working_set": working_set,
             # other micro-batches' loss graphs and outputs a pipeline stage still holds
-            "retained_logits": 0.0
-            if name == "step"
-            else phases[name][0] - states_at(w, "backward") - w.working_set_bytes,
+            "retained_logits": 0.0 if name == "step" else phases[name][0] - states_at(w, "backward") - working_set,
             "fixed": mc["const_bytes"],
             "implementation": extra_frac * memory_unit(w),
         }
         mem = sum(mem_parts.values())
-        mem_phase = {"step": "optimizer step", "recompute": "first block recomputation"}.get(
-            name, "start of backward" + (f", {name}" if w.pp > 1 else "")
-        )
+        mem_phase = {
+            "step": "optimizer step",
+            "recompute": "first block recomputation",
+            "backward": "first gradient buffers",
+        }.get(name, "start of backward" + (f", {name}" if w.pp > 1 else ""))
     else:
         notes.append("no model-state expectation: no memory prediction")
     bottleneck = max((k for k in parts), key=lambda k: parts[k])

@@ -35,6 +35,12 @@ def _sum_bytes(d) -> float | None:
     return None if any(v is None for v in vals) else float(sum(vals))
 
 
+def _grad_buffer_bytes(d) -> float:
+    """The working set's gradient buffers (``grad_buffers``), or 0."""
+    v = byte_high(d.get("grad_buffers")) if isinstance(d, dict) and "grad_buffers" in d else None
+    return float(v or 0.0)
+
+
 def _state_parts(theory: dict, strategy: str, params: int, world_size: int) -> tuple[dict | None, str]:
     """{params, grads, optimizer} bytes of the heaviest rank: the theory's layout, else the ZeRO
     paper's line split into its terms (mixed precision, Adam: 2Ψ parameters, 2Ψ gradients, 12Ψ
@@ -158,6 +164,7 @@ def build(
         state_parts=parts,
         state_source=source,
         working_set_bytes=_sum_bytes(theory.get("working_set_bytes")) or 0.0,
+        working_set_grad_bytes=_grad_buffer_bytes(theory.get("working_set_bytes")),
         cpu_state_bytes=_cpu_state(theory, strategy, params, world_size),
         comm_bytes={k: v for k, v in comm.items() if v > 0},
         layout=layout or "separate",
