@@ -823,3 +823,17 @@ def test_gradient_buffers_are_not_charged_at_the_loss_peak():
     p = M.predict(w, C.load_kind("h100"))
     assert p.memory_bytes["working_set"] == pytest.approx(w.working_set_bytes - w.working_set_grad_bytes)
     assert p.peak_phase == "start of backward"
+
+
+def test_fsdp2_holds_fp32_sharded_masters_not_the_zero_papers_split():
+    """FSDP2's sharded parameters are the fp32 masters: 4 + 4 + 8 bytes per parameter over N, so
+    12 of the 16 are alive through backward (the paper's 2 + 2 + 12 split would keep 14)."""
+    from parabench.plan import workload as W
+
+    cfg = model_config("gpt-1.3b")
+    w = W.for_config(model="gpt-1.3b", cfg=cfg, strategy="torch.fsdp2", world_size=2, micro_batch=4)
+    psi_n = w.params / 2
+    assert w.state_parts == pytest.approx({"params": 4 * psi_n, "grads": 4 * psi_n, "optimizer": 8 * psi_n})
+    assert M.states_at(w, "backward") == pytest.approx(12 * psi_n)
+    zero3 = W.for_config(model="gpt-1.3b", cfg=cfg, strategy="deepspeed.zero3", world_size=2, micro_batch=4)
+    assert sum(zero3.state_parts.values()) == pytest.approx(sum(w.state_parts.values()), rel=0.01)

@@ -41,6 +41,13 @@ def _grad_buffer_bytes(d) -> float:
     return float(v or 0.0)
 
 
+# FSDP2's sharded parameters are fp32 in every recipe (its MixedPrecisionPolicy casts only what it
+# gathers): they are the master weights (4 bytes), their sharded gradients are fp32 too, and Adam
+# holds the two moments (8). The ZeRO paper's split (2 + 2 + 12) would keep 2 bytes more alive
+# through backward than exist.
+FP32_SHARDED_PARAMS = ("torch.fsdp2", "torch.hsdp")
+
+
 def _state_parts(theory: dict, strategy: str, params: int, world_size: int) -> tuple[dict | None, str]:
     """{params, grads, optimizer} bytes of the heaviest rank: the theory's layout, else the ZeRO
     paper's line split into its terms (mixed precision, Adam: 2Ψ parameters, 2Ψ gradients, 12Ψ
@@ -66,6 +73,8 @@ def _state_parts(theory: dict, strategy: str, params: int, world_size: int) -> t
         "grads": 2 * psi / (n if stage >= 2 else 1),
         "optimizer": 12 * psi / (n if stage >= 1 else 1),
     }
+    if strategy in FP32_SHARDED_PARAMS:  # the same 16Ψ/N, split as these trainers hold it
+        parts = {"params": 4 * psi / n, "grads": 4 * psi / n, "optimizer": 8 * psi / n}
     if "offload" in strategy or "nvme" in strategy:  # the figure is the 16-bit parameters left on the GPU
         return {"params": float(paper), "grads": 0.0, "optimizer": 0.0}, "zero-paper"
     total = sum(parts.values())
