@@ -837,3 +837,16 @@ def test_fsdp2_holds_fp32_sharded_masters_not_the_zero_papers_split():
     assert M.states_at(w, "backward") == pytest.approx(12 * psi_n)
     zero3 = W.for_config(model="gpt-1.3b", cfg=cfg, strategy="deepspeed.zero3", world_size=2, micro_batch=4)
     assert sum(zero3.state_parts.values()) == pytest.approx(sum(w.state_parts.values()), rel=0.01)
+
+
+def test_amp_weight_copies_are_charged_to_fsdp2_not_to_the_reference_shards():
+    from parabench.plan import workload as W
+
+    cfg = model_config("gpt-1.3b")
+
+    def cast(strategy):
+        w = W.for_config(model="gpt-1.3b", cfg=cfg, strategy=strategy, world_size=2, micro_batch=4, recipe="amp")
+        return M.memory_features(w)["first"][1]["cast"], w.params
+
+    (fsdp2, psi), (zero3, _), (ddp, _) = cast("torch.fsdp2"), cast("ref.zero3"), cast("ref.ddp")
+    assert fsdp2 == ddp == pytest.approx(2 * psi) and zero3 == 0
