@@ -859,37 +859,36 @@ def persistent_grad_bytes(w: Workload) -> float:
     (the meter: 4 bytes of gradients at the peak of deepspeed.zero1/2)."""
     parts = w.state_parts or {}
     grads, params = parts.get("grads", 0.0), parts.get("params", 0.0)
-    if w.grad_accum > 1:
-        return accumulated_grad_bytes(w)
+    kept = 0.0
     if w.strategy == "ref.ddp":  # flat_grad (the size of flat_param) kept; the fp32 main gradient made at the update
-        return min(grads, params)
-    if w.strategy == "ref.ps":  # the server's flat_grad and receive buffer kept; the fp32 sum made at the update
-        return min(grads, 2 * params)
-    if w.strategy == "torch.ddp":  # the reducer's buckets live as long as DDP (gradient_as_bucket_view)
-        return grads
-    return 0.0
+        kept = min(grads, params)
+    elif w.strategy == "ref.ps":  # the server's flat_grad and receive buffer kept; the fp32 sum made at the update
+        kept = min(grads, 2 * params)
+    elif w.strategy == "torch.ddp":  # the reducer's buckets live as long as DDP (gradient_as_bucket_view)
+        kept = grads
+    return kept + (accumulated_grad_bytes(w) if w.grad_accum > 1 else 0.0)
 
 
 def accumulated_grad_bytes(w: Workload) -> float:
-    """Gradient bytes alive through the backward of every micro-batch after the first, under
-    gradient accumulation: what the earlier micro-batches accumulated into. The references' DDP and
-    ZeRO-1 keep their full gradient buffers, in the parameters' dtype, and reduce on the last
-    micro-batch only (reference_impls/data_parallel.py, zero.py: their fp32 main gradient is made
-    at the update); torch DDP keeps a second copy beside its buckets; the others accumulate into
-    what the theory counts as gradients: the references' fp32 main-gradient shards (ZeRO-2/3, FSDP:
+    """Gradient bytes that gradient accumulation keeps alive through the backward of every
+    micro-batch after the first, beyond those kept from step to step: what the earlier micro-batches
+    accumulated into. The references' DDP and parameter server accumulate into the buffer they keep
+    anyway. ZeRO-1 (the reference) keeps its full gradient buckets, in the parameters' dtype, and
+    reduces on the last micro-batch only (reference_impls/zero.py: its fp32 main gradient is made at
+    the update); torch DDP keeps a second copy beside its buckets. The others accumulate into what
+    the theory counts as gradients: the references' fp32 main-gradient shards (ZeRO-2/3, FSDP:
     reduce-scattered every micro-batch), FSDP2's and DeepSpeed's sharded gradients, the
     model-parallel trainers' ``p.grad``."""
     parts = w.state_parts or {}
     grads, params = parts.get("grads", 0.0), parts.get("params", 0.0)
-    if w.strategy in ("ref.ddp", "ref.zero1"):
+    if w.strategy in ("ref.ddp", "ref.ps"):
+        return 0.0
+    if w.strategy in ("ref.zero1", "torch.ddp"):
+        # torch DDP: under no_sync the reducer's hooks do not run, so autograd accumulates into a
+        # ``p.grad`` of its own beside the buckets (gradient_as_bucket_view makes it a view only when
+        # the reducer copies in, on the last micro-batch): plan-check-accum-h100x4 measured 2.3 GiB of
+        # the 2.6 GiB this adds
         return min(grads, params)
-    if w.strategy == "ref.ps":
-        return min(grads, 2 * params)
-    if w.strategy == "torch.ddp":
-        # under no_sync the reducer's hooks do not run, so autograd accumulates into a ``p.grad`` of its
-        # own beside the buckets (gradient_as_bucket_view makes it a view only when the reducer copies
-        # in, on the last micro-batch): plan-check-accum-h100x4 measured 2.3 GiB of the 2.6 GiB this adds
-        return grads + min(grads, params)
     return grads
 
 
