@@ -177,7 +177,7 @@ def observations(results_dir="results", kind: str = "h100") -> list[Observation]
         if not m.get("step_time_s_median"):
             continue
         w = from_record(r)
-        if w is None or w.recipe in M.UNMODELLED_RECIPES or excluded(run, r["case"].get("strategy") or ""):
+        if w is None or w.unmodelled or excluded(run, r["case"].get("strategy") or ""):
             continue
         by_key.setdefault(config_key(r), []).append((run, r, w))
     out = []

@@ -33,7 +33,7 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--recipe",
         default="master",
-        help="master (bf16 params, fp32 masters) or amp (fp32 params, autocast); fp8 is not modelled",
+        help="master (bf16 params, fp32 masters), amp (fp32 params, autocast) or fp8 (amp with float8 block linears, compiled)",
     )
     p.add_argument(
         "--global-batch", type=int, help="sequences per optimizer step (fixes micro-batch x accumulation x dp)"
@@ -119,6 +119,11 @@ def plan_main(args) -> int:
             raise PlanError(
                 f"no calibration for {args.gpu} ({kind}); calibrated kinds: {', '.join(have) or 'none'} "
                 f"(python -m parabench.plan.calibrate --kind {kind})"
+            )
+        if args.recipe == "fp8" and "inv_rate_fp8" not in cal.get("time_fitted", ()):
+            raise PlanError(
+                f"recipe fp8: the {kind} calibration holds no fp8 record to fit float8's matmul rate and casts "
+                "(run suites/plan-data-h100x1.toml on this GPU kind, then python -m parabench.plan.calibrate)"
             )
     except (PlanError, C.CalibrationError, OSError, tomllib.TOMLDecodeError, TypeError, KeyError) as exc:
         print(f"parabench plan: {exc}", file=sys.stderr)

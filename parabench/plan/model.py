@@ -79,10 +79,13 @@ TIME_CONSTANTS = (
     "exp_tp",
     "exp_p2p",
     "comm_serial",
+    "inv_rate_fp8",
+    "fp8_cast_s",
 )
 # Constants the physics sets and no fit moves: exposed communication with nothing to hide behind.
 FIXED_TIME_CONSTANTS = ("comm_serial",)
-MEMORY_CONSTANTS = ("act_master", "act_amp", "logit_bytes_master", "logit_bytes_amp", "cast", "const_bytes")
+ACT_CONSTANTS = ("act_master", "act_amp", "act_amp_compiled", "act_fp8")
+MEMORY_CONSTANTS = ACT_CONSTANTS + ("logit_bytes_master", "logit_bytes_amp", "cast", "const_bytes")
 TIME_DOC = {
     "inv_rate": "s/FLOP at large GEMMs (1 / achieved matmul rate R)",
     "inv_rate_x": "x0/R: s/FLOP x GEMM size (M tokens x width / tp, in 1e6) of the small-GEMM penalty",
@@ -107,10 +110,18 @@ TIME_DOC = {
     "comm_serial": "multiplier (1, not fitted) on the communication the code leaves nothing to hide behind: "
     "collectives issued outside backward (ZeRO-1/2's post-update all-gather, DeepSpeed without overlap_comm) "
     "and the part of an overlapped collective its remaining compute cannot hide (``overlap_tail_s``)",
+    "inv_rate_fp8": "s/FLOP of the transformer blocks' linears under the fp8 recipe (torch._scaled_mm, tensorwise "
+    "scales; inv_rate where no fp8 record calibrates it)",
+    "fp8_cast_s": "s per element of a float8 linear's input or output gradient per pass: the amax reduction, "
+    "the scaled cast to float8 and the transposed copy torchao makes for the weight gradient",
 }
 MEMORY_DOC = {
     "act_master": "multiplier on Korthikanti's activation bytes, bf16/fp16 parameters",
     "act_amp": "multiplier on Korthikanti's activation bytes under autocast (fp32 residual stream)",
+    "act_amp_compiled": "act_amp with per-block torch.compile (option compile): AOTAutograd's partitioner picks "
+    "what a compiled block saves for backward",
+    "act_fp8": "multiplier on Korthikanti's activation bytes under the fp8 recipe (compiled): the partitioner "
+    "saves a float8 linear's input as its float8 cast (1 byte) where recomputing the cast is cheaper",
     "logit_bytes_master": "bytes per logit element (b*s*V) alive at the peak, master recipe",
     "logit_bytes_amp": "bytes per logit element alive at the peak, amp recipe",
     "cast": "multiplier on autocast's 16-bit weight copies (2 bytes per parameter held)",
@@ -134,6 +145,7 @@ TIME_DEFAULTS = {
     "exp_tp": 1.0,
     "exp_p2p": 1.0,
     "comm_serial": 1.0,
+    "fp8_cast_s": 0.0,
 }
 
 
@@ -142,21 +154,36 @@ def time_constants(consts: dict | None) -> dict:
     compiled record calibrated it (compile then changes nothing)."""
     c = {**TIME_DEFAULTS, **(consts or {})}
     c.setdefault("inv_act_bw_compiled", c["inv_act_bw"])
+    c.setdefault("inv_rate_fp8", c["inv_rate"])
     return c
 
 
 # Recipes the model has no term for, with why: the planner refuses to plan them and the
-# calibration leaves their records out (fitted as their amp layout, they would bend amp's constants).
-UNMODELLED_RECIPES = {
-    "fp8": "no term models float8: its matmul rate (1.06-1.09x amp at gpt-1.3b, 0.94x at gpt-350m with every "
-    "linear converted) nor the linear inputs it saves in float8 for backward (4.5-7 GiB per GPU at gpt-1.3b); "
-    "plan the amp recipe, whose parameters fp8 shares, and measure fp8 with suites/fp8-gpu.toml",
-}
+# calibration leaves their records out.
+UNMODELLED_RECIPES: dict[str, str] = {}
+# Recipes that train fp32 parameters under torch.autocast(bf16): the amp layout, casts and
+# fp32 residual stream. fp8 (parabench/fp8.py) is amp with the blocks' linears in float8.
+AUTOCAST_RECIPES = ("amp", "fp8")
+# fp8 variants the float8 terms do not describe, with why (``Workload.unmodelled``).
+FP8_EAGER = (
+    "fp8 without compile: torchao documents float8 training with torch.compile, and eager float8 runs its "
+    "amax, scale and cast as separate kernels (2.6-2.8x amp's step at gpt-1.3b on 2 H200s, fp8-gpu); the "
+    "planner models compiled float8 only"
+)
+FP8_ALL_GATHER = (
+    "torchao's float8 all-gather (option fp8_all_gather): no term for its per-step scale all-reduce and casts "
+    "(measured 0.68x plain fp8 FSDP2 at gpt-1.3b, fp8-gpu and fp8-peers-gpu)"
+)
+FP8_FILTER_AUTO = (
+    "fp8_filter auto converts the linears by shape (parabench/fp8.py); the float8 terms assume every block linear"
+)
 
 
 MEMORY_DEFAULTS = {
     "act_master": 1.0,
     "act_amp": 1.3,
+    "act_amp_compiled": 1.3,
+    "act_fp8": 1.0,
     "logit_bytes_master": 10.0,
     "logit_bytes_amp": 12.0,
     "cast": 1.0,
@@ -234,9 +261,42 @@ TENSORS_OUTSIDE = 5
 # Autocast ("amp") bytes per parameter per pass: the fp32 weight read and its bf16 copy written in
 # forward (4 + 2), the bf16 weight gradient read and accumulated into the fp32 .grad (2 + 4).
 AMP_CAST_BYTES = 12
+# fp8 (torchao Float8Linear, tensorwise) bytes per block-linear parameter per pass, in place of
+# autocast's: the fp32 weight read for its amax and again for the scaled cast (4 + 4), the float8
+# weight and its transpose written (1 + 1), the bf16 weight gradient read and accumulated into the
+# fp32 .grad (2 + 4). The head, embeddings and LayerNorms stay under autocast (AMP_CAST_BYTES).
+FP8_WEIGHT_BYTES = 16
+# Elements a block's float8 linears cast per token, in units of d: (forward inputs, backward output
+# gradients). Separate layout: q, k and v each cast the LayerNorm output (3d), the attention
+# projection d, fc d, fc2 4d; their output gradients 3 x d, d, 4d, d. Fused: one qkv input (d).
+FP8_CAST_ELEMS = {"separate": (9, 9), "fused": (7, 9)}
 # Bytes per activation element of the elementwise kernels: bf16, or fp32 under autocast (norms and
 # the residual stream stay fp32).
-ACT_BYTES = {"amp": 4, None: 2}
+ACT_BYTES = {"amp": 4, "fp8": 4, None: 2}
+
+
+def block_linear_params(w: "Workload") -> float:
+    """Weights of a rank's block linears (q, k, v, proj, fc, fc2: 12 d^2 per block): the ones the
+    fp8 recipe converts (parabench/fp8.py, filter "all")."""
+    return 12 * w.d_model**2 * w.n_layers / (w.tp * w.pp)
+
+
+def fp8_flops_share(w: "Workload") -> float:
+    """Share of the model FLOPs in the block linears (6 x 12 d^2 L per token), which the fp8 recipe
+    runs in float8; 0 under any other recipe."""
+    if w.recipe != "fp8":
+        return 0.0
+    return min(1.0, 6 * 12 * w.d_model**2 * w.n_layers / w.flops_per_token)
+
+
+def fp8_cast_elems(w: "Workload") -> float:
+    """Elements a rank's float8 linears cast per step (forward inputs, recomputed ones again,
+    backward output gradients)."""
+    if w.recipe != "fp8":
+        return 0.0
+    fwd, bwd = FP8_CAST_ELEMS.get(w.layout, FP8_CAST_ELEMS["separate"])
+    per_token = (fwd * (2 if w.checkpointing else 1) + bwd) * w.d_model * w.n_layers / (w.tp * w.pp)
+    return per_token * w.rows * w.seq_len * w.passes
 
 
 def _runs_ddp_stages(strategy: str, version: str | None) -> bool:
@@ -258,6 +318,30 @@ def ddp_stages(w: "Workload") -> bool:
     """Whether ``w`` runs a torch pipeline's DDP-wrapped stages (its dp all-reduce overlaps the
     last micro-batch's backward)."""
     return _runs_ddp_stages(w.strategy, w.strategy_version)
+
+
+def unmodelled_reason(recipe: str | None, options: dict) -> str | None:
+    """Why a configuration of ``recipe`` with ``options`` falls outside the model's terms, or None."""
+    if recipe in UNMODELLED_RECIPES:
+        return UNMODELLED_RECIPES[recipe]
+    if recipe != "fp8":
+        return None
+    if not options.get("compile"):
+        return FP8_EAGER
+    if options.get("fp8_all_gather"):
+        return FP8_ALL_GATHER
+    if (options.get("fp8_filter") or "all") != "all":
+        return FP8_FILTER_AUTO
+    return None
+
+
+def act_constant(w: "Workload") -> str:
+    """The memory constant that scales ``w``'s activations: per recipe, and for amp per compile."""
+    if w.recipe == "fp8":
+        return "act_fp8"
+    if w.recipe == "amp":
+        return "act_amp_compiled" if w.compiled else "act_amp"
+    return "act_master"
 
 
 def act_column(w: "Workload") -> str:
@@ -369,6 +453,9 @@ class Workload:
     working_set_grad_bytes: float = 0.0
     cpu_state_bytes: float = 0.0
     comm_bytes: dict = field(default_factory=dict)  # kind -> payload bytes per step, rank 0
+    # why the model's terms do not describe this configuration (None: they do); the calibration
+    # leaves it out, the planner and the report do not predict it
+    unmodelled: str | None = None
 
     @property
     def impl(self) -> str:
@@ -628,7 +715,10 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
     flops = w.tokens_per_step * w.hw_flops_per_token / w.world_size
     stretch = pipeline_factor(w, consts)
     params_rank = w.params / (w.tp * w.pp)
-    mem_bytes = 2 * (w.state_bytes or 0) + (AMP_CAST_BYTES * params_rank * w.passes if w.recipe == "amp" else 0)
+    mem_bytes = 2 * (w.state_bytes or 0)
+    if w.recipe in AUTOCAST_RECIPES:
+        fp8_params = block_linear_params(w) if w.recipe == "fp8" else 0.0
+        mem_bytes += (AMP_CAST_BYTES * (params_rank - fp8_params) + FP8_WEIGHT_BYTES * fp8_params) * w.passes
     sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
     recompute = 4 / 3 if w.checkpointing else 1.0  # forward runs twice: (2 + 2) / (1 + 2)
     # Tensor parallelism splits the elementwise work inside its regions (attention, GELU) over the t
@@ -637,7 +727,10 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
     tp_share = 1 / sp_div if sp_div > 1 else activation_layer_bytes(w) / (34 * w.seq_len * w.rows * w.d_model)
     act_elems = w.rows * w.seq_len * w.d_model * tp_share * w.n_layers / w.pp * w.passes * recompute
     f = dict.fromkeys(TIME_CONSTANTS, 0.0)
-    f["inv_rate"] = flops * stretch
+    fp8_share = fp8_flops_share(w)
+    f["inv_rate"] = flops * (1 - fp8_share) * stretch
+    f["inv_rate_fp8"] = flops * fp8_share * stretch
+    f["fp8_cast_s"] = fp8_cast_elems(w) * stretch
     f["inv_rate_x"] = flops * stretch / w.gemm_size
     f["inv_mem_bw"] = mem_bytes
     act_col = act_column(w)
@@ -654,7 +747,12 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
     # concatenation: kernels on the compute stream beside the collective) of one pass (a pipeline's
     # stretch excluded: its gradient traffic runs after the schedule, or beside the last
     # micro-batch's backward only)
-    pass_work = c["inv_rate"] * flops + c[act_col] * act_elems * ACT_BYTES.get(w.recipe, 2)
+    pass_work = (
+        c["inv_rate"] * flops * (1 - fp8_share)
+        + c["inv_rate_fp8"] * flops * fp8_share
+        + c["fp8_cast_s"] * fp8_cast_elems(w)
+        + c[act_col] * act_elems * ACT_BYTES.get(w.recipe, 2)
+    )
     pass_s = (pass_work + c["inv_mem_bw"] * device_copy_bytes(w)) / max(1, w.passes)
     for kind, nbytes in w.comm_bytes.items():
         n = group_size(w, kind)
@@ -825,10 +923,19 @@ def device_copy_bytes(w: Workload) -> float:
 
 
 # The terms paid once per micro-batch pass on a pipeline stage (stretched by pipeline_factor).
-PER_MICROBATCH = ("inv_rate", "inv_rate_x", "inv_act_bw", "inv_act_bw_compiled", "logit_s", "host_s")
+PER_MICROBATCH = (
+    "inv_rate",
+    "inv_rate_x",
+    "inv_rate_fp8",
+    "fp8_cast_s",
+    "inv_act_bw",
+    "inv_act_bw_compiled",
+    "logit_s",
+    "host_s",
+)
 TIME_PARTS = {
-    "compute": ("inv_rate", "inv_rate_x"),
-    "memory": ("inv_mem_bw", "inv_act_bw", "inv_act_bw_compiled", "logit_s"),
+    "compute": ("inv_rate", "inv_rate_x", "inv_rate_fp8"),
+    "memory": ("inv_mem_bw", "inv_act_bw", "inv_act_bw_compiled", "logit_s", "fp8_cast_s"),
     "host": ("host_s",),
     "offload": ("inv_host_bw",),
     "comm": ("exp_dp", "exp_shard", "exp_tp", "exp_p2p", "comm_serial"),
@@ -1038,10 +1145,12 @@ def memory_features(w: Workload) -> dict:
     # Autocast's 16-bit copies of the weights, under amp. FSDP2 gathers fp32 parameters under amp and
     # shows them (torch.fsdp2 amp peaks, -3.5 to -6.5 % without); the references' ZeRO-3 and FSDP
     # peaks under amp do not (+4 to +5.5 % with them), which the model follows without a mechanism.
+    # Under fp8 the float8 linears read the fp32 parameter (no autocast copy); the rest stays autocast's.
     ref_sharded = w.strategy.startswith("ref.") and any(k in w.strategy for k in ("zero3", "fsdp", "hsdp"))
-    cast = 2 * w.params / (w.tp * w.pp) if w.recipe == "amp" and not ref_sharded else 0.0
-    amp = w.recipe == "amp"
-    act_key = "act_amp" if amp else "act_master"
+    amp = w.recipe in AUTOCAST_RECIPES
+    cast_params = w.params / (w.tp * w.pp) - (block_linear_params(w) if w.recipe == "fp8" else 0.0)
+    cast = 2 * cast_params if amp and not ref_sharded else 0.0
+    act_key = act_constant(w)
     logit_key = "logit_bytes_amp" if amp else "logit_bytes_master"
     base = dict.fromkeys(MEMORY_CONSTANTS, 0.0)
     base["const_bytes"] = 1.0
@@ -1144,7 +1253,7 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
         mem_parts = {
             "model_states": states_at(w, "step" if name == "step" else "backward") - master_grad_buffer_bytes(w),
             "master_grad_buffer": master_grad_buffer_bytes(w),
-            "activations": mc["act_master"] * stage["act_master"] + mc["act_amp"] * stage["act_amp"],
+            "activations": sum(mc[k] * stage[k] for k in ACT_CONSTANTS),
             "logits": mc["logit_bytes_master"] * stage["logit_bytes_master"]
             + mc["logit_bytes_amp"] * stage["logit_bytes_amp"],
             "cast_copies": mc["cast"] * stage["cast"],

@@ -89,6 +89,8 @@ def candidates(cfg, gpus: int, recipe: str, global_batch: int | None) -> list[Ca
             ga = global_batch // (micro_batch * dp)
         else:
             ga = 1
+        if recipe == "fp8":  # the float8 terms describe compiled blocks only (model.FP8_EAGER)
+            options = {**options, "compile": True}
         out.append(Candidate(strategy, gpus, micro_batch, ga, options, recipe))
 
     for mb in MICRO_BATCHES:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from parabench.plan.model import Workload, family_of
+from parabench.plan.model import Workload, family_of, unmodelled_reason
 from parabench.record import byte_high
 
 # Options that change what is recorded, not what is timed or held (meters, traces): configurations
@@ -180,6 +180,7 @@ def build(
         zb_times=zb_times,
         zb_keeps_done_graphs=zb_keeps_done_graphs,
         strategy_version=strategy_version,
+        unmodelled=unmodelled_reason(recipe, options),
         **_degrees(strategy, world_size, options, shape["n_layers"]),
     )
 

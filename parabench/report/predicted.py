@@ -49,7 +49,7 @@ def prediction_rows(runs, calibration_dir=None) -> tuple[list[dict], list[str]]:
                 continue
             w = from_record(r)
             step = dig(r, "metrics", "step_time_s_median")
-            if w is None or not step:
+            if w is None or w.unmodelled or not step:
                 continue
             p = M.predict(w, cal)
             peak = dig(r, "metrics", "peak_alloc_bytes")
