@@ -125,8 +125,8 @@ def test_cli_rejects_unknown_names(capsys):
     assert "valid models" in capsys.readouterr().err
     assert main(["plan", "--model", "gpt-350m", "--gpus", "2", "--gpu", "tpu-v9"]) == 2
     assert "valid GPUs: h100-80g" in capsys.readouterr().err
-    assert main(["plan", "--model", "gpt-350m", "--gpus", "2", "--recipe", "fp8"]) == 2
-    assert "recipe fp8 is not modelled: no term models float8" in capsys.readouterr().err
+    assert main(["plan", "--model", "gpt-350m", "--gpus", "2", "--recipe", "fp9"]) == 2
+    assert "valid recipes: " in capsys.readouterr().err
 
 
 def test_write_suite_parses_and_infeasible_configs_are_dropped(tmp_path, capsys):
@@ -317,6 +317,88 @@ def test_amp_costs_cast_and_fp32_activation_traffic():
     cast = fa["inv_mem_bw"] - 2 * amp.state_bytes - (fm["inv_mem_bw"] - 2 * master.state_bytes)
     assert cast == pytest.approx(M.AMP_CAST_BYTES * amp.params * amp.passes)
     assert fa["inv_act_bw"] == pytest.approx(2 * fm["inv_act_bw"])
+
+
+def _tiny(recipe: str, **options):
+    return for_config(
+        model="tiny",
+        cfg=model_config("tiny"),
+        strategy="single",
+        world_size=1,
+        micro_batch=2,
+        recipe=recipe,
+        options=options,
+    )
+
+
+def test_every_time_constant_is_priced_in_a_printed_part():
+    """The step is the sum of the parts the planner prints: a constant outside every part would be
+    fitted and then never charged."""
+    assert {k for keys in M.TIME_PARTS.values() for k in keys} == set(M.TIME_CONSTANTS)
+    w = _tiny("fp8", compile=True)
+    consts = {k: 1e-12 for k in M.TIME_CONSTANTS}
+    feats = M.time_features(w, COLLECTIVES, M.time_constants(consts))
+    assert feats["inv_rate_fp8"] > 0 and feats["fp8_cast_s"] > 0
+    expected = sum(consts[k] * v for k, v in feats.items())
+    assert M.predict(w, _cal(**consts)).step_s == pytest.approx(expected)
+
+
+def test_fp8_runs_the_block_linears_in_float8_and_pays_their_casts():
+    """fp8 is amp with the blocks' linears (72 d^2 L FLOPs per token) at the float8 rate, each float8
+    linear's input and output gradient cast per pass (18 d per token and layer, separate layout), and
+    the linears' weights cast from fp32 instead of autocast's bf16 copies."""
+    fp8, amp = _tiny("fp8", compile=True), _tiny("amp", compile=True)
+    cfg = model_config("tiny")
+    assert M.fp8_flops_share(amp) == 0 and M.fp8_cast_elems(amp) == 0
+    assert M.fp8_flops_share(fp8) == pytest.approx(72 * cfg.d_model**2 * cfg.n_layers / fp8.flops_per_token)
+    tokens = fp8.micro_batch * fp8.seq_len
+    assert M.fp8_cast_elems(fp8) == pytest.approx(18 * cfg.d_model * cfg.n_layers * tokens)
+    c = M.time_constants({"inv_rate": 1e-15})  # float8 rate = bf16 rate where uncalibrated
+    ff, fa = M.time_features(fp8, COLLECTIVES, c), M.time_features(amp, COLLECTIVES, c)
+    assert ff["inv_rate"] + ff["inv_rate_fp8"] == pytest.approx(fa["inv_rate"])
+    weights = 12 * cfg.d_model**2 * cfg.n_layers
+    assert ff["inv_mem_bw"] - fa["inv_mem_bw"] == pytest.approx((M.FP8_WEIGHT_BYTES - M.AMP_CAST_BYTES) * weights)
+    faster = _cal(inv_rate=1e-15, inv_rate_fp8=0.5e-15)
+    assert M.predict(fp8, faster).time_s["compute"] < M.predict(amp, faster).time_s["compute"]
+
+
+def test_fp8_memory_has_its_own_activations_and_no_autocast_copy_of_the_float8_weights():
+    fp8, amp, eager_amp = _tiny("fp8", compile=True), _tiny("amp", compile=True), _tiny("amp")
+    assert (M.act_constant(fp8), M.act_constant(amp), M.act_constant(eager_amp)) == (
+        "act_fp8",
+        "act_amp_compiled",
+        "act_amp",
+    )
+    first_fp8, first_amp = M.memory_features(fp8)["first"][1], M.memory_features(amp)["first"][1]
+    assert first_amp["cast"] - first_fp8["cast"] == pytest.approx(2 * M.block_linear_params(fp8))
+    assert first_fp8["act_fp8"] == pytest.approx(first_amp["act_amp_compiled"]) and first_fp8["act_amp"] == 0
+
+
+def test_fp8_variants_without_terms_are_unmodelled_with_their_reason():
+    assert _tiny("fp8", compile=True).unmodelled is None and _tiny("amp").unmodelled is None
+    assert _tiny("fp8").unmodelled == M.FP8_EAGER
+    assert _tiny("fp8", compile=True, fp8_filter="auto").unmodelled == M.FP8_FILTER_AUTO
+    w = for_config(
+        model="tiny",
+        cfg=model_config("tiny"),
+        strategy="torch.fsdp2",
+        world_size=2,
+        recipe="fp8",
+        options={"compile": True, "fp8_all_gather": True},
+    )
+    assert w.unmodelled == M.FP8_ALL_GATHER
+
+
+def test_plan_fp8_compiles_every_candidate_and_needs_a_calibrated_float8_rate(tmp_path, capsys):
+    assert main(["plan", "--model", "gpt-1.3b", "--gpus", "1", "--recipe", "fp8", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16-fp8" in out and "compile=True" in out
+    cal = json.loads((ROOT / "results" / "calibration" / "h100.json").read_text())
+    cal["time_fitted"] = [k for k in cal["time_fitted"] if k != "inv_rate_fp8"]
+    (tmp_path / "h100.json").write_text(json.dumps(cal))
+    argv = ["plan", "--model", "gpt-1.3b", "--gpus", "1", "--recipe", "fp8", "--calibration", str(tmp_path)]
+    assert main(argv) == 2
+    assert "holds no fp8 record" in capsys.readouterr().err
 
 
 def _equal_costs(w) -> list:
@@ -850,3 +932,17 @@ def test_amp_weight_copies_are_charged_to_fsdp2_not_to_the_reference_shards():
 
     (fsdp2, psi), (zero3, _), (ddp, _) = cast("torch.fsdp2"), cast("ref.zero3"), cast("ref.ddp")
     assert fsdp2 == ddp == pytest.approx(2 * psi) and zero3 == 0
+
+
+def test_an_uncalibrated_profile_takes_the_factor_of_the_same_library_under_another():
+    w = for_config(model="tiny", cfg=model_config("tiny"), strategy="deepspeed.zero0", world_size=2)
+    matched = dataclasses.replace(w, profile=None)
+    assert M.impl_factor(matched, {"deepspeed.zero0:tuned": 1.3, "deepspeed.zero1": 1.1}) == (
+        1.3,
+        "deepspeed.zero0:tuned",
+    )
+    assert M.impl_factor(matched, {"deepspeed.zero0": 1.2, "deepspeed.zero0:tuned": 1.3}) == (1.2, "deepspeed.zero0")
+    assert M.impl_factor(matched, {"deepspeed.zero1:tuned": 1.3}) == (1.0, None)
+    cal = _cal(inv_rate=1e-15) | {"impl_time": {"deepspeed.zero0:tuned": 1.3}}
+    base = M.predict(matched, _cal(inv_rate=1e-15))
+    assert M.predict(matched, cal).step_s == pytest.approx(1.3 * base.step_s)

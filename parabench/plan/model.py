@@ -385,6 +385,17 @@ def host_cost(w: "Workload", host_cal: dict) -> tuple[float | None, str | None]:
     return None, None
 
 
+def impl_factor(w: "Workload", impl_time: dict) -> tuple[float, str | None]:
+    """(step-time factor, the implementation it was calibrated on): ``w``'s own; else the same
+    library under another profile, whose engine runs the same per-step passes but for the ones a
+    profile switches (DeepSpeed bf16 stage 0's BF16_Optimizer: 1.35-1.45x stage 1's step in both
+    profiles, gpu-spine/20261126-020214 and plan-data-h100x1); else 1 (None)."""
+    if w.impl in impl_time:
+        return impl_time[w.impl], w.impl
+    others = sorted(k for k in impl_time if k.split(":", 1)[0] == w.strategy and not k.startswith("_"))
+    return (impl_time[others[0]], others[0]) if others else (1.0, None)
+
+
 def host_units(w: "Workload") -> float:
     """Parameter tensors one rank's hooks visit per step: tensors of its stage x passes."""
     return (TENSORS_PER_LAYER[w.layout] * w.n_layers / w.pp + TENSORS_OUTSIDE) * w.passes
@@ -1220,9 +1231,11 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
     notes = []
     factor = 1.0
     if impl:
-        factor = (cal.get("impl_time") or {}).get(w.impl, 1.0)
-        if w.impl not in (cal.get("impl_time") or {}) and time_factor_cause(w.impl) and not is_host_bound(w):
+        factor, source = impl_factor(w, cal.get("impl_time") or {})
+        if source is None and time_factor_cause(w.impl) and not is_host_bound(w):
             notes.append(f"no calibrated record of {w.impl}: implementation factor 1")
+        elif source not in (None, w.impl):
+            notes.append(f"implementation factor of {source}: no calibrated record of {w.impl}")
     parts = {k: v * factor for k, v in parts.items()}
     device = sum(parts.values())
     parts["host_wait"] = 0.0
