@@ -116,3 +116,25 @@ def test_compiler_failure_is_the_recorded_cause(tmp_path, monkeypatch):
     assert cause is not None and cause.startswith("compilation failed (option compile = true"), cause
     assert "no-such-c++" in cause or "compiler" in cause.lower(), cause
     assert compile_failure(mk("single", False, world_size=1), RuntimeError("x")) is None
+
+
+def _optimize_ddp_after_build(options: dict) -> object:
+    cfg = model_config("tiny")
+    spec = TrainSpec(
+        model=cfg,
+        seed=1234,
+        device=torch.device("cpu"),
+        precision="fp32",
+        topology=Topology(world_size=1, rank=0),
+        micro_batch=2,
+        optim=OptimConfig(lr=1e-3),
+        options={"compile": True, **options},
+    )
+    get_strategy("torch.ddp").build(spec)
+    return torch._dynamo.config.optimize_ddp
+
+
+def test_torch_ddp_option_ddp_optimizer_sets_dynamos_ddp_optimizer_per_case():
+    validate_case(mk("torch.ddp", True, ddp_optimizer=False))
+    assert run_on_gloo(_optimize_ddp_after_build, 1, {"ddp_optimizer": False})[0] is False
+    assert run_on_gloo(_optimize_ddp_after_build, 1, {})[0] is True  # torch's default, torchtitan's choice

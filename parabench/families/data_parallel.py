@@ -61,6 +61,10 @@ class DataParallelOptions(LossScaleOptions):
 @dataclass(frozen=True)
 class DDPPeerOptions(DataParallelOptions):
     profile: PeerProfile = "tuned"  # strategies.PEER_PROFILE_HELP
+    # with option compile: Dynamo's DDPOptimizer (torch._dynamo.config.optimize_ddp, torch's default
+    # and torchtitan's "ddp_optimizer") splits each compiled graph at DDP's bucket boundaries so the
+    # buckets' all-reduce overlaps backward; false compiles each block as one graph, as without DDP
+    ddp_optimizer: bool = True
 
     RECORDED_DEFAULTS: ClassVar[tuple[str, ...]] = ("profile",)
 
