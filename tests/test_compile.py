@@ -76,19 +76,22 @@ def test_compiled_ddp_and_reference_match_eager_and_record_compile_time():
     assert records[1]["metrics"]["compile_s"] > 5 * records[1]["metrics"]["step_time_s_median"]
 
 
-def _single_losses(compile: bool, n_steps: int = 3) -> list[float]:
-    cfg = model_config("tiny")
-    spec = TrainSpec(
-        model=cfg,
+def _one_rank_spec(micro_batch: int, options: dict) -> TrainSpec:
+    return TrainSpec(
+        model=model_config("tiny"),
         seed=1234,
         device=torch.device("cpu"),
         precision="fp32",
         topology=Topology(world_size=1, rank=0),
-        micro_batch=4,
+        micro_batch=micro_batch,
         optim=OptimConfig(lr=1e-3),
-        options={"compile": compile},
+        options=options,
     )
-    trainer = get_strategy("single").build(spec)
+
+
+def _single_losses(compile: bool, n_steps: int = 3) -> list[float]:
+    cfg = model_config("tiny")
+    trainer = get_strategy("single").build(_one_rank_spec(4, {"compile": compile}))
     assert ("forward" in vars(trainer.module.blocks[0])) == compile  # the hook ran, or did not
     return [float(trainer.train_step(*global_batch(step, 4, cfg, 1234))) for step in range(n_steps)]
 
@@ -119,18 +122,7 @@ def test_compiler_failure_is_the_recorded_cause(tmp_path, monkeypatch):
 
 
 def _optimize_ddp_after_build(options: dict) -> object:
-    cfg = model_config("tiny")
-    spec = TrainSpec(
-        model=cfg,
-        seed=1234,
-        device=torch.device("cpu"),
-        precision="fp32",
-        topology=Topology(world_size=1, rank=0),
-        micro_batch=2,
-        optim=OptimConfig(lr=1e-3),
-        options={"compile": True, **options},
-    )
-    get_strategy("torch.ddp").build(spec)
+    get_strategy("torch.ddp").build(_one_rank_spec(2, {"compile": True, **options}))
     return torch._dynamo.config.optimize_ddp
 
 
