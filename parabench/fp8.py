@@ -54,6 +54,8 @@ machine without torchao (``pip install parabench[fp8]``: torchao 0.17.0, built a
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib.util
 import typing
@@ -74,8 +76,9 @@ SKIPPED_MODULES = ("head", "router")
 # Option ``fp8_filter``: which of the convertible linears become Float8Linear (module docstring).
 Fp8Filter = Literal["all", "auto"]
 FP8_FILTERS: tuple[str, ...] = typing.get_args(Fp8Filter)
-# What the last ``convert`` in this process swapped (``take_conversion``; the worker records it).
-_last_conversion: dict | None = None
+# Where ``convert`` reports what it swapped: the list of the innermost ``recorded_conversions``
+# scope (the worker opens one around a case's build), or nowhere.
+_conversions: contextvars.ContextVar[list | None] = contextvars.ContextVar("fp8_conversions", default=None)
 
 
 class TorchaoMissing(RuntimeError):
@@ -168,15 +171,16 @@ def block_float8_linears(cfg, fp8_filter: str = "all") -> int:
 def convert(model: torch.nn.Module, fp8_filter: str = "all", fsdp_float8_all_gather: bool = False) -> torch.nn.Module:
     """Swap the linears ``fp8_filter`` picks for torchao ``Float8Linear`` in place (before DDP, FSDP2,
     a reference's flat buffers, activation checkpointing and compile: torchtitan converts the model
-    first), and note what was swapped for ``take_conversion``."""
-    global _last_conversion
+    first), and report what was swapped to the open ``recorded_conversions`` scope, if any."""
     if not torchao_available():
         raise RuntimeError(f"the fp8 recipe needs torchao: {INSTALL_HINT}")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather, emulate=EMULATE)
     model = convert_to_float8_training(model, config=config, module_filter_fn=module_filter(fp8_filter))
-    _last_conversion = conversion_summary(model, fp8_filter)
+    sink = _conversions.get()
+    if sink is not None:
+        sink.append(conversion_summary(model, fp8_filter))
     return model
 
 
@@ -197,11 +201,16 @@ def conversion_summary(model: torch.nn.Module, fp8_filter: str) -> dict:
     }
 
 
-def take_conversion() -> dict | None:
-    """``conversion_summary`` of the last ``convert`` in this process since the last call, or None."""
-    global _last_conversion
-    summary, _last_conversion = _last_conversion, None
-    return summary
+@contextlib.contextmanager
+def recorded_conversions():
+    """A scope whose ``convert`` calls append their ``conversion_summary`` to the list it yields:
+    what one case's builder swapped, and nothing another case did."""
+    found: list[dict] = []
+    token = _conversions.set(found)
+    try:
+        yield found
+    finally:
+        _conversions.reset(token)
 
 
 def filter_option_error(case) -> str | None:

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from parabench.case import Case
 from parabench.distributed import init_process_group, pick_device, synchronize
-from parabench.fp8 import take_conversion
+from parabench.fp8 import recorded_conversions
 from parabench.hardware import device_name, measured_matmul_flops, peak_flops
 from parabench.meters import flight_recorder, memory, telemetry
 from parabench.meters.comm import CommMeter
@@ -288,9 +288,9 @@ def run_case(
     spec = make_spec(case, device)
     topo = spec.topology
     t_setup = time.perf_counter()
-    take_conversion()  # nothing an earlier case of the launch converted is credited to this one
-    trainer = get_strategy(case.strategy).build(spec)
-    float8 = take_conversion()  # recipe fp8: the linears the builder swapped (parabench.fp8.convert)
+    with recorded_conversions() as conversions:  # recipe fp8: the linears the builder swaps (parabench.fp8.convert)
+        trainer = get_strategy(case.strategy).build(spec)
+    float8 = conversions[-1] if conversions else None
     synchronize(device)
     setup_s = time.perf_counter() - t_setup
 

@@ -297,9 +297,9 @@ def _converted_by_every_fp8_strategy(fp8_filter: str) -> dict:
     for name in sorted(n for n, s in STRATEGIES.items() if "fp8" in s.recipes_for("bf16")):
         opts = {"fp8_filter": fp8_filter}
         spec = TrainSpec(cfg, 0, torch.device("cpu"), "bf16", topo, 1, options=opts, recipe="fp8")
-        fp8.take_conversion()
-        trainer = STRATEGIES[name].build(spec)
-        out[name] = fp8.take_conversion()
+        with fp8.recorded_conversions() as conversions:
+            trainer = STRATEGIES[name].build(spec)
+        (out[name],) = conversions
         trainer.close()
     return out, _recorded_float8()
 
@@ -363,3 +363,16 @@ def test_skipped_auto_case_without_torchao_is_recorded_without_theory(monkeypatc
     assert rec["theory"] is None and rec["status"] == "skipped"
     monkeypatch.setattr(fp8, "torchao_available", lambda: True)
     assert build_record(case, "skipped", error={"message": "x"})["theory"] is not None
+
+
+def test_a_conversion_is_credited_to_the_scope_it_ran_in_only():
+    pytest.importorskip("torchao.float8", reason="parabench[fp8] not installed")
+    cfg = MODEL_LADDER["tiny"]
+    fp8.convert(build_model(cfg, 0))  # outside any scope: reported nowhere
+    with fp8.recorded_conversions() as outer:
+        with fp8.recorded_conversions() as inner:
+            fp8.convert(build_model(cfg, 0))
+        assert len(inner) == 1 and inner[0]["float8_linears"] == 6 * cfg.n_layers
+        assert outer == []
+        fp8.convert(build_model(cfg, 0), "all")
+    assert len(outer) == 1
