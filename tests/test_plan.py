@@ -946,3 +946,14 @@ def test_an_uncalibrated_profile_takes_the_factor_of_the_same_library_under_anot
     cal = _cal(inv_rate=1e-15) | {"impl_time": {"deepspeed.zero0:tuned": 1.3}}
     base = M.predict(matched, _cal(inv_rate=1e-15))
     assert M.predict(matched, cal).step_s == pytest.approx(1.3 * base.step_s)
+
+
+def test_plan_prints_each_rows_share_of_the_first_and_the_validated_tie_band(tmp_path, capsys):
+    assert main(["plan", "--model", "gpt-350m", "--gpus", "2", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "of #1" in out and "100.0%" in out
+    loo = json.loads((ROOT / "results" / "calibration" / "validation-h100.json").read_text())["leave_one_out"]
+    assert f"within 3 % in {loo['fastest_share']:.0%} of groups" in out
+    (tmp_path / "h100.json").write_text((ROOT / "results" / "calibration" / "h100.json").read_text())
+    assert main(["plan", "--model", "gpt-350m", "--gpus", "2", "--top", "3", "--calibration", str(tmp_path)]) == 0
+    assert "ties at the model's accuracy" not in capsys.readouterr().out  # no validation beside it: no claim

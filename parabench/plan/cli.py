@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from dataclasses import fields
@@ -92,6 +93,21 @@ def resolve_model(args):
     return args.model, model_config(args.model, seq_len=custom.get("seq"), vocab_size=custom.get("vocab"))
 
 
+def tie_note(validation_path: Path) -> str | None:
+    """How far apart two predicted rows must be before the order means something, from the
+    calibration's own leave-one-out validation (``parabench.plan.validate``), or None without one."""
+    try:
+        loo = json.loads(validation_path.read_text())["leave_one_out"]
+        band, strict = loo["fastest_share"], loo["fastest_strict_share"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return (
+        f"Rows within 3 % of #1 are ties at the model's accuracy: leaving each measured configuration out, "
+        f"it named the fastest within 3 % in {band:.0%} of groups and exactly in {strict:.0%} "
+        f"({validation_path.name}); measure the tied ones (--write-suite)."
+    )
+
+
 def plan_main(args) -> int:
     from parabench.plan import calibrate as C
     from parabench.plan import model as M
@@ -137,6 +153,9 @@ def plan_main(args) -> int:
     )
     print(f"{len(ok)} of {len(ok) + len(dropped)} configurations fit; predicted, ranked by tokens/s per GPU:\n")
     print(S.table(ok, args.top) if ok else "(none fits)")
+    tie = tie_note(Path(args.calibration or C.CALIBRATION_DIR) / f"validation-{kind}.json")
+    if ok and tie:
+        print(f"\n{tie}")
     shown = [c for c in dropped if not c.dropped.startswith("invalid")][: args.dropped]
     if shown:
         print("\ndropped (first of each kind):")

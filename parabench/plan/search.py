@@ -278,14 +278,19 @@ def describe(c: Candidate) -> str:
 
 def table(ok: list[Candidate], top: int) -> str:
     width = max([42] + [len(describe(c)) for c in ok[:top]])
-    head = f"{'#':>3} {'configuration':{width}s} {'degrees':13s} {'mb':>3} {'ga':>3} {'tok/s/GPU':>10} {'MFU':>6} {'peak GiB':>9}  bottleneck"
+    head = (
+        f"{'#':>3} {'configuration':{width}s} {'degrees':13s} {'mb':>3} {'ga':>3} {'tok/s/GPU':>10} {'of #1':>6} "
+        f"{'MFU':>6} {'peak GiB':>9}  bottleneck"
+    )
     lines = [head, "-" * len(head)]
+    best = ok[0].prediction.tokens_per_s_per_gpu if ok else 0.0
     for i, c in enumerate(ok[:top], 1):
         p = c.prediction
         mfu = f"{p.mfu * 100:5.1f}%" if p.mfu is not None else "   - "
         lines.append(
             f"{i:>3} {describe(c):{width}s} {c.degrees:13s} {c.micro_batch:>3} {c.grad_accum:>3} "
-            f"{p.tokens_per_s_per_gpu:>10.0f} {mfu:>6} {p.peak_bytes / M.GIB:>9.1f}  {p.bottleneck}"
+            f"{p.tokens_per_s_per_gpu:>10.0f} {100 * p.tokens_per_s_per_gpu / best:>5.1f}% {mfu:>6} "
+            f"{p.peak_bytes / M.GIB:>9.1f}  {p.bottleneck}"
         )
     return "\n".join(lines)
 
