@@ -957,3 +957,15 @@ def test_plan_prints_each_rows_share_of_the_first_and_the_validated_tie_band(tmp
     (tmp_path / "h100.json").write_text((ROOT / "results" / "calibration" / "h100.json").read_text())
     assert main(["plan", "--model", "gpt-350m", "--gpus", "2", "--top", "3", "--calibration", str(tmp_path)]) == 0
     assert "ties at the model's accuracy" not in capsys.readouterr().out  # no validation beside it: no claim
+
+
+def test_peaks_of_another_hopper_part_are_scored_against_this_calibration(monkeypatch):
+    cal = _cal(inv_rate=1e-15)
+    exact = _obs("ref.zero2", 2, 0.1)
+    exact = dataclasses.replace(exact, peak_bytes=M.predict(exact.workload, cal).peak_bytes)
+    high = dataclasses.replace(exact, peak_bytes=exact.peak_bytes * 1.25)  # the model 20 % under it
+    monkeypatch.setattr(C, "observations", lambda results, kind: [exact, high] if kind == "h200" else [])
+    got = V.peaks_on_other_parts("results", "h100", cal)
+    assert set(got) == {"h200"} and got["h200"]["configurations"] == 2
+    assert got["h200"]["peak_median_pct"] == pytest.approx(10.0)
+    assert V.peaks_on_other_parts("results", "a100", cal) == {}  # no part shares A100's memory behaviour here

@@ -271,6 +271,31 @@ def out_of_scale(obs: list[C.Observation], collectives: dict, train_ws=(1,), tes
     return [_row(o, M.predict(o.workload, cal)) for o in test]
 
 
+# Device kinds whose GPU memory a calibration's peaks should predict as its own: the same
+# architecture, allocator and kernels on a different part (Hopper: H100 and H200 records of one
+# configuration peak at the same byte count, docs/planner.md), so their records test the memory
+# model out of sample; their step times do not (other bandwidths and clocks).
+SAME_MEMORY_KINDS = {"h100": ("h200",), "h200": ("h100",)}
+
+
+def peaks_on_other_parts(results_dir, kind: str, cal: dict) -> dict:
+    """Per kind in ``SAME_MEMORY_KINDS[kind]`` with records: the peak error of ``cal``'s predictions
+    of its configurations (none of which the calibration saw)."""
+    out = {}
+    for other in SAME_MEMORY_KINDS.get(kind, ()):
+        obs = [o for o in C.observations(results_dir, other) if o.peak_bytes and o.workload.state_bytes is not None]
+        errs = [_pct(M.predict(o.workload, cal).peak_bytes, o.peak_bytes) for o in obs]
+        if errs:
+            runs = sorted({r for o in obs for r in o.runs})
+            out[other] = {
+                "configurations": len(errs),
+                "peak_median_pct": float(np.median(errs)),
+                "peak_p90_pct": float(np.percentile(errs, 90)),
+                "runs": runs,
+            }
+    return out
+
+
 def validate(results_dir="results", kind="h100") -> dict:
     obs = C.observations(results_dir, kind)
     coll = C.fit_collectives(results_dir, kind)
@@ -291,6 +316,7 @@ def validate(results_dir="results", kind="h100") -> dict:
         "out_of_scale": {"train": "1-GPU configurations", "test": "2-GPU configurations", **summarize(oos)},
         "out_of_scale_4": {"train": "1- and 2-GPU configurations", "test": "4-GPU configurations", **summarize(oos4)},
         "retest": retest(obs, loo),
+        "peaks_on_other_parts": peaks_on_other_parts(results_dir, kind, full),
         "predictions": loo,
         "out_of_scale_predictions": oos,
         "out_of_scale_4_predictions": oos4,
@@ -472,6 +498,11 @@ def main(argv=None) -> int:
     out = Path(a.out or Path(a.results) / "calibration" / f"validation-{a.kind}.json")
     C.save(rep, out)
     print(table(rep))
+    for other, s in rep["peaks_on_other_parts"].items():
+        print(
+            f"peaks of the {s['configurations']} {other} configurations, predicted by this calibration: "
+            f"median {s['peak_median_pct']:.1f} %, p90 {s['peak_p90_pct']:.1f} %"
+        )
     if a.worst:
         rows = sorted(rep["predictions"], key=lambda r: -abs(r["pred_step_s"] / r["step_s"] - 1))[: a.worst]
         for r in rows:
