@@ -969,3 +969,19 @@ def test_peaks_of_another_hopper_part_are_scored_against_this_calibration(monkey
     assert set(got) == {"h200"} and got["h200"]["configurations"] == 2
     assert got["h200"]["peak_median_pct"] == pytest.approx(10.0)
     assert V.peaks_on_other_parts("results", "a100", cal) == {}  # no part shares A100's memory behaviour here
+
+
+def test_plan_table_lists_what_each_row_borrows_under_it():
+    from parabench.plan import search as S
+
+    w = for_config(
+        model="tiny",
+        cfg=model_config("tiny"),
+        strategy="deepspeed.zero2_offload",
+        world_size=1,
+        options={"profile": "tuned"},
+    )
+    cal = _cal(inv_rate=1e-15) | {"impl_time": {"deepspeed.zero2_offload": 1.1}}
+    c = S.Candidate("deepspeed.zero2_offload", 1, 1, 1, {"profile": "tuned"}, "master", w, M.predict(w, cal))
+    text = S.table([c, c], 2)
+    assert "notes:\n  #1, #2: implementation factor of deepspeed.zero2_offload: no calibrated record of" in text

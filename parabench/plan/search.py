@@ -292,6 +292,13 @@ def table(ok: list[Candidate], top: int) -> str:
             f"{p.tokens_per_s_per_gpu:>10.0f} {100 * p.tokens_per_s_per_gpu / best:>5.1f}% {mfu:>6} "
             f"{p.peak_bytes / M.GIB:>9.1f}  {p.bottleneck}"
         )
+    # what a row's prediction borrows or lacks (an uncalibrated implementation or host cost)
+    rows_of: dict[str, list[int]] = {}
+    for i, c in enumerate(ok[:top], 1):
+        for note in c.prediction.notes:
+            rows_of.setdefault(note, []).append(i)
+    if rows_of:
+        lines += ["", "notes:"] + [f"  #{', #'.join(map(str, rows))}: {note}" for note, rows in rows_of.items()]
     return "\n".join(lines)
 
 
