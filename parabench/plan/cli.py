@@ -110,7 +110,6 @@ def tie_note(validation_path: Path) -> str | None:
 
 def plan_main(args) -> int:
     from parabench.plan import calibrate as C
-    from parabench.plan import model as M
     from parabench.plan import search as S
     from parabench.recipes import RECIPES
 
@@ -119,8 +118,6 @@ def plan_main(args) -> int:
             raise PlanError(f"unknown GPU {args.gpu!r}; valid GPUs: {', '.join(S.GPUS)}")
         if args.recipe not in RECIPES:
             raise PlanError(f"unknown recipe {args.recipe!r}; valid recipes: {', '.join(RECIPES)}")
-        if args.recipe in M.UNMODELLED_RECIPES:
-            raise PlanError(f"recipe {args.recipe} is not modelled: {M.UNMODELLED_RECIPES[args.recipe]}")
         if args.gpus < 1:
             raise PlanError("--gpus must be at least 1")
         model, cfg = resolve_model(args)

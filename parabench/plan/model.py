@@ -158,9 +158,6 @@ def time_constants(consts: dict | None) -> dict:
     return c
 
 
-# Recipes the model has no term for, with why: the planner refuses to plan them and the
-# calibration leaves their records out.
-UNMODELLED_RECIPES: dict[str, str] = {}
 # Recipes that train fp32 parameters under torch.autocast(bf16): the amp layout, casts and
 # fp32 residual stream. fp8 (parabench/fp8.py) is amp with the blocks' linears in float8.
 AUTOCAST_RECIPES = ("amp", "fp8")
@@ -294,7 +291,7 @@ def fp8_cast_elems(w: "Workload") -> float:
     backward output gradients)."""
     if w.recipe != "fp8":
         return 0.0
-    fwd, bwd = FP8_CAST_ELEMS.get(w.layout, FP8_CAST_ELEMS["separate"])
+    fwd, bwd = FP8_CAST_ELEMS[w.layout]
     per_token = (fwd * (2 if w.checkpointing else 1) + bwd) * w.d_model * w.n_layers / (w.tp * w.pp)
     return per_token * w.rows * w.seq_len * w.passes
 
@@ -322,8 +319,6 @@ def ddp_stages(w: "Workload") -> bool:
 
 def unmodelled_reason(recipe: str | None, options: dict) -> str | None:
     """Why a configuration of ``recipe`` with ``options`` falls outside the model's terms, or None."""
-    if recipe in UNMODELLED_RECIPES:
-        return UNMODELLED_RECIPES[recipe]
     if recipe != "fp8":
         return None
     if not options.get("compile"):
@@ -392,7 +387,7 @@ def impl_factor(w: "Workload", impl_time: dict) -> tuple[float, str | None]:
     profiles, gpu-spine/20261126-020214 and plan-data-h100x1); else 1 (None)."""
     if w.impl in impl_time:
         return impl_time[w.impl], w.impl
-    others = sorted(k for k in impl_time if k.split(":", 1)[0] == w.strategy and not k.startswith("_"))
+    others = sorted(k for k in impl_time if k.split(":", 1)[0] == w.strategy)
     return (impl_time[others[0]], others[0]) if others else (1.0, None)
 
 
@@ -738,10 +733,10 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
     tp_share = 1 / sp_div if sp_div > 1 else activation_layer_bytes(w) / (34 * w.seq_len * w.rows * w.d_model)
     act_elems = w.rows * w.seq_len * w.d_model * tp_share * w.n_layers / w.pp * w.passes * recompute
     f = dict.fromkeys(TIME_CONSTANTS, 0.0)
-    fp8_share = fp8_flops_share(w)
+    fp8_share, cast_elems = fp8_flops_share(w), fp8_cast_elems(w)
     f["inv_rate"] = flops * (1 - fp8_share) * stretch
     f["inv_rate_fp8"] = flops * fp8_share * stretch
-    f["fp8_cast_s"] = fp8_cast_elems(w) * stretch
+    f["fp8_cast_s"] = cast_elems * stretch
     f["inv_rate_x"] = flops * stretch / w.gemm_size
     f["inv_mem_bw"] = mem_bytes
     act_col = act_column(w)
@@ -761,7 +756,7 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
     pass_work = (
         c["inv_rate"] * flops * (1 - fp8_share)
         + c["inv_rate_fp8"] * flops * fp8_share
-        + c["fp8_cast_s"] * fp8_cast_elems(w)
+        + c["fp8_cast_s"] * cast_elems
         + c[act_col] * act_elems * ACT_BYTES.get(w.recipe, 2)
     )
     pass_s = (pass_work + c["inv_mem_bw"] * device_copy_bytes(w)) / max(1, w.passes)
