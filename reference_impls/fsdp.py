@@ -234,10 +234,14 @@ class FSDP:
         work.wait()
         for p in u.params:  # the reduce-scatter's input is done with: free it before the fp32 shard is made
             p.grad = None
+        # The backend may hold its handle on a buffer for a moment after wait() (gloo's worker thread
+        # drops it when it gets round to it): free the bytes here rather than whenever that happens.
+        u.grad_buf.untyped_storage().resize_(0)
         u.grad_buf = None
         dst = self._main_shard(u)
         if out is not dst:
             dst.copy_(out) if not self._written[u.index] else dst.add_(out)
+            out.untyped_storage().resize_(0)
         self._written[u.index] = True
 
     def _drain(self):

@@ -183,3 +183,37 @@ def test_memory_breakdown_zero3_not_above_fsdp2():
                 assert cats["gradients"] <= 4 * shard + exp["working_set_bytes"]["grad_buffers"], (shape, phase, cats)
         fsdp, z3 = rank["ref.fsdp between"], rank["ref.zero3 between"]
         assert fsdp["peak_bytes"] <= z3["peak_bytes"] + fsdp["root_bytes"], (fsdp["peak_bytes"], z3["peak_bytes"])
+
+
+def _measure_with_works_held(named_cases):
+    """``_measure_plain`` with every reduce-scatter's work handle kept until its step ends, as gloo's worker
+    thread may keep one after ``wait()`` returns (it drops it when it next takes the queue's lock)."""
+    import reference_impls.fsdp as fsdp
+
+    held = []
+    issue, step = fsdp.reduce_scatter_into, fsdp.FSDP.train_step
+
+    def issue_and_hold(*args, **kwargs):
+        work = issue(*args, **kwargs)
+        held.append(work)
+        return work
+
+    def step_then_release(self, inputs, targets):
+        try:
+            return step(self, inputs, targets)
+        finally:
+            held.clear()
+
+    fsdp.reduce_scatter_into, fsdp.FSDP.train_step = issue_and_hold, step_then_release
+    return _measure_plain(named_cases)
+
+
+def test_zero3_peak_does_not_depend_on_when_the_backend_drops_its_work():
+    """A collective's work may outlive ``wait()`` on the backend's thread: ref.zero3 frees its reduce-scatter
+    buffers itself and the meter leaves out gloo's own copy, so the peak is the same either way."""
+    cases = {shape: _fsdp_case("ref.zero3", shape).to_dict() for shape in FSDP_SHAPES}
+    promptly = run_on_gloo(_measure_plain, 2, cases)
+    late = run_on_gloo(_measure_with_works_held, 2, cases)
+    for now, held in zip(promptly, late):
+        for shape in FSDP_SHAPES:
+            assert held[shape]["peak_bytes"] == now[shape]["peak_bytes"], (shape, held[shape], now[shape])

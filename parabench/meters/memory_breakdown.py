@@ -37,7 +37,9 @@ that the numbers can be read, and exact for the reference implementations.
 Limits. Storages allocated behind the dispatcher (inside a communication backend, the caching
 allocator's rounding and fragmentation, the CUDA context) are not seen, so the peak here is at
 most the allocator's. A storage shrunk with ``untyped_storage().resize_()`` (FSDP's reshard) is
-noticed at the next op that touches it, or at once for parameter storages (watched every op).
+noticed at the next op that touches it, at once for parameter storages (watched every op), and
+before any new high-water mark is recorded. A storage first seen inside a collective's ``wait()``
+belongs to the backend (gloo finishes some collectives there on copies of its own) and is not counted.
 Python overhead is large (every op of the step): use it on an untimed step only.
 """
 
@@ -49,6 +51,8 @@ from collections import defaultdict
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+_Work = getattr(getattr(torch._C, "_distributed_c10d", None), "Work", None)
 
 CATEGORIES = ("parameters", "optimizer", "gradients", "communication", "activations", "temporaries", "other")
 _COMM_NAMESPACES = ("c10d", "_c10d_functional")
@@ -111,6 +115,7 @@ class MemoryBreakdown(TorchDispatchMode):
         # differs by device (CPU's foreach AdamW makes scratch copies of its moments, CUDA's fused one not).
         self._phase_peak: dict[str, int] = {}
         self._phase_info: dict[str, dict] = {}
+        self._in_wait, self._work_wait = 0, None
 
     # --- what the trainer holds --------------------------------------------------------------
 
@@ -263,6 +268,8 @@ class MemoryBreakdown(TorchDispatchMode):
             return None
         key = st._cdata
         s = self._live.get(key)
+        if s is None and self._in_wait:
+            return None  # a backend's own buffer, first seen inside a collective's wait()
         if s is None:
             s = _Storage(weakref.ref(st, self._on_free(key)), st.nbytes(), created, op)
             self._live[key] = s
@@ -275,6 +282,15 @@ class MemoryBreakdown(TorchDispatchMode):
 
     def _refresh_watched(self):
         for s in list(self._watch.values()):
+            st = s.ref()
+            if st is not None and st.nbytes() != s.nbytes:
+                self.current += st.nbytes() - s.nbytes
+                s.nbytes = st.nbytes()
+
+    def _refresh_all(self):
+        """Re-read every live storage's size: a buffer freed with ``untyped_storage().resize_(0)`` while
+        something else (a collective's work handle) still refers to it holds no bytes."""
+        for s in self._live.values():
             st = s.ref()
             if st is not None and st.nbytes() != s.nbytes:
                 self.current += st.nbytes() - s.nbytes
@@ -301,13 +317,34 @@ class MemoryBreakdown(TorchDispatchMode):
         self._phase_peak, self._phase_info = {}, {}
         self._phase = "forward"
         self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._enter_forward)
+        self._patch_work_wait()
         return super().__enter__()
 
     def __exit__(self, *exc):
         if self._module_hook is not None:
             self._module_hook.remove()
             self._module_hook = None
+        if self._work_wait is not None:
+            _Work.wait, self._work_wait = self._work_wait, None
         return super().__exit__(*exc)
+
+    def _patch_work_wait(self):
+        """Mark the time spent in a collective's ``wait()``: a backend can finish its work there through
+        the dispatcher on a buffer of its own (gloo's reduce-scatter slices its reduced copy of the
+        input), which its worker thread frees whenever it gets round to it. Such a storage was
+        allocated behind the dispatcher and is not counted, as NCCL's are not."""
+        if _Work is None:
+            return
+        self._work_wait = wait = _Work.wait
+
+        def counted_wait(work, *args, **kwargs):
+            self._in_wait += 1
+            try:
+                return wait(work, *args, **kwargs)
+            finally:
+                self._in_wait -= 1
+
+        _Work.wait = counted_wait
 
     def _enter_forward(self, module, args):
         self._phase = "forward"
@@ -336,6 +373,8 @@ class MemoryBreakdown(TorchDispatchMode):
                 s.comm = True
         self._refresh_watched()
         phase = self._phase
+        if self.current > self._phase_peak.get(phase, self.baseline):
+            self._refresh_all()  # a candidate high-water mark: count storages freed by resize_ since
         if self.current > self._phase_peak.get(phase, self.baseline):
             self._phase_peak[phase] = self.current  # what the next snapshot of this phase must exceed
             info = self._snapshot(name, phase)
