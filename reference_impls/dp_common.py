@@ -108,6 +108,13 @@ def adamw(params, lr: float, betas: tuple[float, float], eps: float, weight_deca
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **impl)
 
 
+def free_now(tensor: torch.Tensor) -> None:
+    """Free ``tensor``'s bytes now, whoever still refers to it: a collective's work handle can outlive its
+    ``wait()`` on the backend's thread (gloo drops it when it next takes its queue's lock), and the buffer
+    with it. Only for a buffer no one reads again."""
+    tensor.untyped_storage().resize_(0)
+
+
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 

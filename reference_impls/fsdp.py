@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from reference_impls._compat import all_gather_into, reduce_scatter_into
-from reference_impls.dp_common import adamw, optimizer_state_bytes, round_up, tensor_bytes
+from reference_impls.dp_common import adamw, free_now, optimizer_state_bytes, round_up, tensor_bytes
 
 
 class _Unit:
@@ -234,14 +234,12 @@ class FSDP:
         work.wait()
         for p in u.params:  # the reduce-scatter's input is done with: free it before the fp32 shard is made
             p.grad = None
-        # The backend may hold its handle on a buffer for a moment after wait() (gloo's worker thread
-        # drops it when it gets round to it): free the bytes here rather than whenever that happens.
-        u.grad_buf.untyped_storage().resize_(0)
+        free_now(u.grad_buf)
         u.grad_buf = None
         dst = self._main_shard(u)
         if out is not dst:
             dst.copy_(out) if not self._written[u.index] else dst.add_(out)
-            out.untyped_storage().resize_(0)
+            free_now(out)
         self._written[u.index] = True
 
     def _drain(self):

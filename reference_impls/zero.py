@@ -44,6 +44,7 @@ from reference_impls.dp_common import (
     adamw,
     bind_params,
     flatten,
+    free_now,
     optimizer_state_bytes,
     plan_buckets,
     tensor_bytes,
@@ -130,6 +131,7 @@ class ZeRO:
         """Bucket ``b``'s reduce-scatter is complete: drop its gradient buffer."""
         for q in b.params:
             q.grad = None
+        free_now(self._gbuf[b.index])
         self._gbuf[b.index] = None
 
     def _grad_ready(self, p, b, start):
@@ -182,6 +184,7 @@ class ZeRO:
         dst = self._main_shard(b)
         if out is not dst:
             dst.copy_(out) if not self._written[b.index] else dst.add_(out)
+            free_now(out)
         self._written[b.index] = True
         self._release(b)
 
