@@ -389,6 +389,21 @@ def test_fp8_variants_without_terms_are_unmodelled_with_their_reason():
     assert w.unmodelled == M.FP8_ALL_GATHER
 
 
+def test_torch_ddp_compiled_with_the_ddp_optimizer_notes_its_unmodelled_split_graphs():
+    cal = json.loads((Path(C.CALIBRATION_DIR) / "h100.json").read_text())
+
+    def notes(strategy, **options):
+        w = for_config(
+            model="tiny", cfg=model_config("tiny"), strategy=strategy, world_size=2, recipe="amp", options=options
+        )
+        return M.predict(w, cal).notes
+
+    assert M.SPLIT_GRAPHS_NOTE in notes("torch.ddp", compile=True)
+    assert M.SPLIT_GRAPHS_NOTE not in notes("torch.ddp", compile=True, ddp_optimizer=False)
+    assert M.SPLIT_GRAPHS_NOTE not in notes("torch.ddp")
+    assert M.SPLIT_GRAPHS_NOTE not in notes("ref.ddp", compile=True)
+
+
 def test_plan_fp8_compiles_every_candidate_and_needs_a_calibrated_float8_rate(tmp_path, capsys):
     assert main(["plan", "--model", "gpt-1.3b", "--gpus", "1", "--recipe", "fp8", "--top", "3"]) == 0
     out = capsys.readouterr().out

@@ -181,6 +181,7 @@ def build(
         zb_keeps_done_graphs=zb_keeps_done_graphs,
         strategy_version=strategy_version,
         unmodelled=unmodelled_reason(recipe, options),
+        split_graphs=strategy == "torch.ddp" and bool(options.get("compile") and options.get("ddp_optimizer", True)),
         **_degrees(strategy, world_size, options, shape["n_layers"]),
     )
 
