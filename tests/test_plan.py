@@ -389,7 +389,7 @@ def test_fp8_variants_without_terms_are_unmodelled_with_their_reason():
     assert w.unmodelled == M.FP8_ALL_GATHER
 
 
-def test_torch_ddp_compiled_with_the_ddp_optimizer_notes_its_unmodelled_split_graphs():
+def test_torch_ddp_compiled_with_the_ddp_optimizer_and_checkpointing_notes_the_unmodelled_split():
     cal = json.loads((Path(C.CALIBRATION_DIR) / "h100.json").read_text())
 
     def notes(strategy, **options):
@@ -398,10 +398,12 @@ def test_torch_ddp_compiled_with_the_ddp_optimizer_notes_its_unmodelled_split_gr
         )
         return M.predict(w, cal).notes
 
-    assert M.SPLIT_GRAPHS_NOTE in notes("torch.ddp", compile=True)
-    assert M.SPLIT_GRAPHS_NOTE not in notes("torch.ddp", compile=True, ddp_optimizer=False)
-    assert M.SPLIT_GRAPHS_NOTE not in notes("torch.ddp")
-    assert M.SPLIT_GRAPHS_NOTE not in notes("ref.ddp", compile=True)
+    assert M.SPLIT_GRAPHS_NOTE in notes("torch.ddp", compile=True, activation_checkpointing=True)
+    assert M.SPLIT_GRAPHS_NOTE not in notes("torch.ddp", compile=True)  # modelled
+    assert M.SPLIT_GRAPHS_NOTE not in notes(
+        "torch.ddp", compile=True, activation_checkpointing=True, ddp_optimizer=False
+    )
+    assert M.SPLIT_GRAPHS_NOTE not in notes("ref.ddp", compile=True, activation_checkpointing=True)
 
 
 def test_plan_fp8_compiles_every_candidate_and_needs_a_calibrated_float8_rate(tmp_path, capsys):
@@ -1000,3 +1002,73 @@ def test_plan_table_lists_what_each_row_borrows_under_it():
     c = S.Candidate("deepspeed.zero2_offload", 1, 1, 1, {"profile": "tuned"}, "master", w, M.predict(w, cal))
     text = S.table([c, c], 2)
     assert "notes:\n  #1, #2: implementation factor of deepspeed.zero2_offload: no calibrated record of" in text
+
+
+def _dynamo_split(cfg, bucket_mb: float, dtype) -> list:
+    """The parameter-holding ops of each graph Dynamo's DDPOptimizer cuts one compiled ``Block`` into."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.backends.distributed import DDPOptimizer
+
+    from parabench.models import Block
+
+    block = Block(cfg).to(dtype)
+    captured = {}
+
+    def capture(gm, example_inputs):
+        captured.update(gm=gm, example_inputs=example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(block, backend=capture)(torch.randn(2, 16, cfg.d_model, dtype=dtype))
+    splitter = DDPOptimizer(bucket_bytes_cap=int(bucket_mb * 2**20), backend_compile_fn=lambda gm, _: gm.forward)
+    splitter.compile_fn(captured["gm"], captured["example_inputs"])
+    names = {"mlp_modules_fc_": "fc", "mlp_modules_proj_": "fc2", "attn_modules_proj_": "proj"}
+    names |= {f"attn_modules_{p}_": p for p in ("qkv", "q", "k", "v")} | {"ln1": "ln1", "ln2": "ln2"}
+    return [{next(op for key, op in names.items() if key in p) for p in b.params} for b in splitter.buckets]
+
+
+@pytest.mark.parametrize(
+    "model,bucket_mb,recipe",
+    [
+        ("custom-L1-d512-h8", 1.5625, "amp"),  # gpt-1.3b's cuts under 25 MiB buckets
+        ("custom-L1-d512-h8", 1.0, "fp8"),  # gpt-2.7b's: every linear alone
+        ("custom-L1-d512-h8", 6.25, "amp"),  # gpt-350m's
+        ("custom-L1-d512-h8", 25.0, "amp"),  # the MLP's second linear alone (the first bucket's 1 MiB)
+        ("custom-L1-d512-h8", 3.0, "master"),  # bf16 parameters: half the bytes per bucket
+    ],
+)
+def test_ddp_split_graphs_are_the_ones_dynamo_cuts(model, bucket_mb, recipe):
+    import torch
+
+    cfg = model_config(model)
+    w = for_config(model=model, cfg=cfg, strategy="torch.ddp", world_size=1, recipe=recipe, options={"compile": True})
+    dtype = torch.float32 if recipe in M.AUTOCAST_RECIPES else torch.bfloat16
+    ops_with_params = {op for op, params, _, _ in M._block_ops(w) if params}
+    planned = [set(g) & ops_with_params for g in M.ddp_split_graphs(w, bucket_mb * 2**20)]
+    assert [g for g in planned if g] == _dynamo_split(cfg, bucket_mb, dtype)
+
+
+def test_ddp_split_graphs_add_the_fp32_layernorm_outputs_they_cut_off():
+    """gpt-1.3b mb 4 on one H100 (results/ddp-optimizer-h100x1): torch.ddp compiled held 1.50 GiB (amp) and
+    3.75 GiB (fp8) more with the DDPOptimizer on than off; the term is 4 and 10 bytes per token and width."""
+    ws = {
+        recipe: for_config(
+            model="gpt-1.3b",
+            cfg=model_config("gpt-1.3b"),
+            strategy="torch.ddp",
+            world_size=1,
+            micro_batch=4,
+            recipe=recipe,
+            options={"compile": True},
+        )
+        for recipe in ("amp", "fp8", "master")
+    }
+    assert M.split_graphs_bytes(ws["amp"]) == 1.5 * M.GIB
+    assert M.split_graphs_bytes(ws["fp8"]) == 3.75 * M.GIB
+    assert M.split_graphs_bytes(ws["master"]) == 0
+    off = dataclasses.replace(ws["amp"], split_bucket_bytes=None)
+    assert M.split_graphs_bytes(off) == 0
+    cal = json.loads((Path(C.CALIBRATION_DIR) / "h100.json").read_text())
+    on_peak, off_peak = M.predict(ws["amp"], cal).peak_bytes, M.predict(off, cal).peak_bytes
+    assert on_peak - off_peak == pytest.approx(1.5 * M.GIB)

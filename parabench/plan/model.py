@@ -318,8 +318,8 @@ def ddp_stages(w: "Workload") -> bool:
 
 
 SPLIT_GRAPHS_NOTE = (
-    "peak low: Dynamo's DDPOptimizer splits the compiled blocks at DDP's buckets and they save more for "
-    "backward (no term; ddp_optimizer = false compiles whole blocks, as modelled)"
+    "peak may be low: Dynamo's DDPOptimizer splits the checkpointed compiled blocks at DDP's buckets, and "
+    "no term says what that saves (ddp_optimizer = false compiles whole blocks)"
 )
 
 
@@ -468,9 +468,9 @@ class Workload:
     # why the model's terms do not describe this configuration (None: they do); the calibration
     # leaves it out, the planner and the report do not predict it
     unmodelled: str | None = None
-    # Dynamo's DDPOptimizer splits each compiled block's graph at DDP's buckets (torch.ddp, compiled,
-    # ddp_optimizer on): the split graphs save more for backward than any term here says
-    split_graphs: bool = False
+    # DDP's bucket bytes where Dynamo's DDPOptimizer splits each compiled block's graph at them
+    # (torch.ddp, option compile, ddp_optimizer on): the split graphs save more for backward
+    split_bucket_bytes: float | None = None
 
     @property
     def impl(self) -> str:
@@ -1151,6 +1151,86 @@ def pipeline_stage_peaks(w: Workload) -> list[tuple[float, float, float]]:
     return out
 
 
+# DDP's first bucket cap, which Dynamo's DDPOptimizer also gives the first of its buckets (the last
+# ops of each compiled graph): torch.distributed._DEFAULT_FIRST_BUCKET_BYTES.
+DDP_FIRST_BUCKET_BYTES = 1 << 20
+# Bytes per element of what crosses a split under autocast: LayerNorm runs in fp32 (its output feeds
+# the next linears), attention and GELU outputs are 16-bit.
+_CROSSING_BYTES = {"ln1": 4, "ln2": 4, "attn": 2, "gelu": 2}
+
+
+def _block_ops(w: "Workload") -> list:
+    """One block's forward as DDPOptimizer scans its graph: (op, parameter elements, inputs, output
+    width in units of d), in order (parabench.models.Block; a linear's view and transpose go with it)."""
+    d = w.d_model
+    if w.layout == "fused":
+        qkv, attn_in = [("qkv", 3 * d * d + 3 * d, ["ln1"], 3)], ["qkv"]
+    else:  # separate q, k, v; k has no bias
+        qkv = [("q", d * d + d, ["ln1"], 1), ("k", d * d, ["ln1"], 1), ("v", d * d + d, ["ln1"], 1)]
+        attn_in = ["q", "k", "v"]
+    return [
+        ("ln1", 2 * d, ["x"], 1),
+        *qkv,
+        ("attn", 0, attn_in, 1),
+        ("proj", d * d + d, ["attn"], 1),
+        ("add1", 0, ["x", "proj"], 1),
+        ("ln2", 2 * d, ["add1"], 1),
+        ("fc", 4 * d * d + 4 * d, ["ln2"], 4),
+        ("gelu", 0, ["fc"], 4),
+        ("fc2", 4 * d * d + d, ["gelu"], 1),
+        ("add2", 0, ["add1", "fc2"], 1),
+    ]
+
+
+def ddp_split_graphs(w: "Workload", bucket_bytes: float) -> list:
+    """The ops of each graph Dynamo's DDPOptimizer cuts one compiled block into, in forward order.
+
+    Its scan (torch/_dynamo/backends/distributed.py): walk the graph backwards adding each linear's
+    parameter bytes to the current bucket; once the bucket holds ``bucket_bytes`` (the first one
+    ``DDP_FIRST_BUCKET_BYTES``), the next op starts a new one."""
+    elem = 4 if w.recipe in AUTOCAST_RECIPES else 2  # autocast recipes keep fp32 parameters
+    graphs, size = [[]], 0.0
+    for op, params, _, _ in reversed(_block_ops(w)):
+        cap = min(DDP_FIRST_BUCKET_BYTES, bucket_bytes) if len(graphs) == 1 else bucket_bytes
+        if graphs[0] and size >= cap:
+            graphs.insert(0, [])
+            size = 0.0
+        graphs[0].insert(0, op)
+        size += params * elem
+    return graphs
+
+
+def split_graph_saved_bytes(w: "Workload", bucket_bytes: float) -> float:
+    """Bytes per token that one compiled block saves for backward beyond its whole graph's, when Dynamo's
+    DDPOptimizer splits it at DDP's buckets (torch.ddp, option compile, ``ddp_optimizer`` on).
+
+    A tensor that crosses into a later graph is that graph's input, and AOTAutograd's partitioner saves
+    an input as it is rather than the cast a linear reads, which the whole graph saves: LayerNorm's fp32
+    output instead of its 16-bit (amp) or float8 (fp8) cast, a 16-bit attention or GELU output instead
+    of its float8 cast. Each crossing tensor a linear reads adds its bytes less the cast's, once however
+    many graphs read it. Nothing under the master recipe, where the linears read their inputs as they are."""
+    if w.recipe not in AUTOCAST_RECIPES:
+        return 0.0
+    cast = 1 if w.recipe == "fp8" else 2  # what the whole graph saves of a block linear's input
+    ops = _block_ops(w)
+    graph_of = {op: i for i, ops_i in enumerate(ddp_split_graphs(w, bucket_bytes)) for op in ops_i}
+    linears = {op for op, params, _, _ in ops if params and not op.startswith("ln")}
+    width = {op: units for op, _, _, units in ops}
+    extra = 0.0
+    for src, bytes_per in _CROSSING_BYTES.items():
+        readers = [op for op, _, inputs, _ in ops if src in inputs]
+        if any(r in linears and graph_of[r] != graph_of[src] for r in readers):
+            extra += max(0, bytes_per - cast) * width[src] * w.d_model
+    return extra
+
+
+def split_graphs_bytes(w: "Workload") -> float:
+    """What the DDPOptimizer's split adds to a rank's saved activations (without checkpointing)."""
+    if not w.split_bucket_bytes or w.checkpointing or w.pp > 1:
+        return 0.0
+    return split_graph_saved_bytes(w, w.split_bucket_bytes) * w.rows * w.seq_len * w.n_layers
+
+
 def memory_features(w: Workload) -> dict:
     """Per peak phase, (bytes fixed by the physics, amounts per fitted memory constant). Phases:
     the start of backward with the states alive then (one per pipeline stage, each at its own
@@ -1180,9 +1260,10 @@ def memory_features(w: Workload) -> dict:
         at_loss = during - w.working_set_grad_bytes
         if not w.checkpointing:
             acts = {**base, act_key: per_layer * w.n_layers}
+            split = split_graphs_bytes(w)
             return {
-                "first": (at_loss, {**acts, logit_key: logits}),
-                "backward": (during, acts),
+                "first": (at_loss + split, {**acts, logit_key: logits}),
+                "backward": (during + split, acts),
                 "step": (states_at(w, "step"), step),
             }
         sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
@@ -1264,6 +1345,7 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
         stage = phases[name][1]
         extra_frac = (cal.get("impl_memory") or {}).get(w.impl, 0.0) if impl else 0.0
         extra_frac = min(max(0.0, extra_frac), IMPL_MEMORY_MAX)
+        split = 0.0 if name == "step" else split_graphs_bytes(w)
         working_set = {"step": 0.0, "first": w.working_set_bytes - w.working_set_grad_bytes}.get(
             name, w.working_set_bytes
         )
@@ -1271,12 +1353,15 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
             "model_states": states_at(w, "step" if name == "step" else "backward") - master_grad_buffer_bytes(w),
             "master_grad_buffer": master_grad_buffer_bytes(w),
             "activations": sum(mc[k] * stage[k] for k in ACT_CONSTANTS),
+            "split_graphs": split,
             "logits": mc["logit_bytes_master"] * stage["logit_bytes_master"]
             + mc["logit_bytes_amp"] * stage["logit_bytes_amp"],
             "cast_copies": mc["cast"] * stage["cast"],
             "working_set": working_set,
             # other micro-batches' loss graphs and outputs a pipeline stage still holds
-            "retained_logits": 0.0 if name == "step" else phases[name][0] - states_at(w, "backward") - working_set,
+            "retained_logits": 0.0
+            if name == "step"
+            else phases[name][0] - states_at(w, "backward") - working_set - split,
             "fixed": mc["const_bytes"],
             "implementation": extra_frac * memory_unit(w),
         }
@@ -1286,7 +1371,7 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
             "recompute": "first block recomputation",
             "backward": "first gradient buffers",
         }.get(name, "start of backward" + (f", {name}" if w.pp > 1 else ""))
-        if w.split_graphs:
+        if w.split_bucket_bytes and w.checkpointing:
             notes.append(SPLIT_GRAPHS_NOTE)
     else:
         notes.append("no model-state expectation: no memory prediction")

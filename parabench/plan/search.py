@@ -207,7 +207,7 @@ def peak_split(p: M.Prediction) -> dict:
     """The predicted peak in the parts ``plan`` prints; they sum to the peak exactly."""
     m = p.memory_bytes
     states = m["model_states"] + m["master_grad_buffer"]
-    acts = m["activations"] + m["logits"] + m.get("retained_logits", 0.0)
+    acts = m["activations"] + m["logits"] + m.get("retained_logits", 0.0) + m.get("split_graphs", 0.0)
     overhead = m["implementation"]
     return {
         "states at peak": states,

@@ -181,7 +181,9 @@ def build(
         zb_keeps_done_graphs=zb_keeps_done_graphs,
         strategy_version=strategy_version,
         unmodelled=unmodelled_reason(recipe, options),
-        split_graphs=strategy == "torch.ddp" and bool(options.get("compile") and options.get("ddp_optimizer", True)),
+        split_bucket_bytes=float(options.get("bucket_mb", 25.0)) * 2**20
+        if strategy == "torch.ddp" and options.get("compile") and options.get("ddp_optimizer", True)
+        else None,
         **_degrees(strategy, world_size, options, shape["n_layers"]),
     )
 
