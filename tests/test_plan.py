@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -394,7 +395,12 @@ def test_torch_ddp_compiled_with_the_ddp_optimizer_and_checkpointing_notes_the_u
 
     def notes(strategy, **options):
         w = for_config(
-            model="tiny", cfg=model_config("tiny"), strategy=strategy, world_size=2, recipe="amp", options=options
+            model="gpt-125m",
+            cfg=model_config("gpt-125m"),
+            strategy=strategy,
+            world_size=2,
+            recipe="amp",
+            options=options,
         )
         return M.predict(w, cal).notes
 
@@ -1044,14 +1050,14 @@ def test_ddp_split_graphs_are_the_ones_dynamo_cuts(model, bucket_mb, recipe):
     cfg = model_config(model)
     w = for_config(model=model, cfg=cfg, strategy="torch.ddp", world_size=1, recipe=recipe, options={"compile": True})
     dtype = torch.float32 if recipe in M.AUTOCAST_RECIPES else torch.bfloat16
-    ops_with_params = {op for op, params, _, _ in M._block_ops(w) if params}
+    ops_with_params = {op for op, params in M._block_ops(w) if params}
     planned = [set(g) & ops_with_params for g in M.ddp_split_graphs(w, bucket_mb * 2**20)]
     assert [g for g in planned if g] == _dynamo_split(cfg, bucket_mb, dtype)
 
 
-def test_ddp_split_graphs_add_the_fp32_layernorm_outputs_they_cut_off():
+def test_ddp_split_graphs_add_what_the_h100_record_measured():
     """gpt-1.3b mb 4 on one H100 (results/ddp-optimizer-h100x1): torch.ddp compiled held 1.50 GiB (amp) and
-    3.75 GiB (fp8) more with the DDPOptimizer on than off; the term is 4 and 10 bytes per token and width."""
+    3.75 GiB (fp8) more with the DDPOptimizer on than off."""
     ws = {
         recipe: for_config(
             model="gpt-1.3b",
@@ -1066,9 +1072,26 @@ def test_ddp_split_graphs_add_the_fp32_layernorm_outputs_they_cut_off():
     }
     assert M.split_graphs_bytes(ws["amp"]) == 1.5 * M.GIB
     assert M.split_graphs_bytes(ws["fp8"]) == 3.75 * M.GIB
-    assert M.split_graphs_bytes(ws["master"]) == 0
+    assert M.split_graphs_bytes(ws["master"]) == 0 and M.split_unmodelled(ws["master"])
     off = dataclasses.replace(ws["amp"], split_bucket_bytes=None)
-    assert M.split_graphs_bytes(off) == 0
+    assert M.split_graphs_bytes(off) == 0 and not M.split_unmodelled(off)
     cal = json.loads((Path(C.CALIBRATION_DIR) / "h100.json").read_text())
     on_peak, off_peak = M.predict(ws["amp"], cal).peak_bytes, M.predict(off, cal).peak_bytes
     assert on_peak - off_peak == pytest.approx(1.5 * M.GIB)
+
+
+def test_the_cpu_probe_saw_one_fp32_residual_width_tensor_more_per_cut_block_under_amp():
+    """results/ddp-optimizer-cpu/probe.json: at every bucket size the amp blocks saved exactly
+    ``SPLIT_SAVED_BYTES["amp"]`` per token and width more in tensors of the token shape; what else differs
+    is weight-shaped (d x d casts, recomputed or saved), which the term leaves out."""
+    probe = json.loads((Path(C.CALIBRATION_DIR).parent / "ddp-optimizer-cpu" / "probe.json").read_text())
+    d, layers = (int(x) for x in re.match(r"custom-L(\d+)-d(\d+)", probe["model"]).group(2, 1))
+    rows = [r for r in probe["rows"] if r["recipe"] == "amp"]
+    assert len(rows) == 5
+    for r in rows:
+        token_shaped = [
+            x for x in r["saved_on_only"] if x.startswith(f"(({probe['micro_batch']}, {probe['seq_len']}, ")
+        ]
+        assert token_shaped == [f"(({probe['micro_batch']}, {probe['seq_len']}, {d}), 'float32')"] * layers, r
+        assert not any(x.startswith(f"(({probe['micro_batch']}, {probe['seq_len']}, ") for x in r["saved_off_only"])
+    assert M.SPLIT_SAVED_BYTES["amp"] == 4  # bytes of one fp32 element: that tensor, per token and width

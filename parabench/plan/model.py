@@ -318,8 +318,8 @@ def ddp_stages(w: "Workload") -> bool:
 
 
 SPLIT_GRAPHS_NOTE = (
-    "peak may be low: Dynamo's DDPOptimizer splits the checkpointed compiled blocks at DDP's buckets, and "
-    "no term says what that saves (ddp_optimizer = false compiles whole blocks)"
+    "peak may be low: Dynamo's DDPOptimizer cuts the compiled blocks at DDP's buckets, and nothing measured "
+    "says what that saves with this recipe or checkpointing (ddp_optimizer = false compiles whole blocks)"
 )
 
 
@@ -1154,31 +1154,33 @@ def pipeline_stage_peaks(w: Workload) -> list[tuple[float, float, float]]:
 # DDP's first bucket cap, which Dynamo's DDPOptimizer also gives the first of its buckets (the last
 # ops of each compiled graph): torch.distributed._DEFAULT_FIRST_BUCKET_BYTES.
 DDP_FIRST_BUCKET_BYTES = 1 << 20
-# Bytes per element of what crosses a split under autocast: LayerNorm runs in fp32 (its output feeds
-# the next linears), attention and GELU outputs are 16-bit.
-_CROSSING_BYTES = {"ln1": 4, "ln2": 4, "attn": 2, "gelu": 2}
+# What a compiled block cut by Dynamo's DDPOptimizer saves for backward beyond the whole block's graph,
+# in bytes per token and unit of width. amp: one more fp32 tensor of the residual stream's width, in each
+# of the five cut structures of the CPU probe (results/ddp-optimizer-cpu), and 1.50 GiB at gpt-1.3b mb 4
+# on one H100 (results/ddp-optimizer-h100x1). fp8: that H100 record alone (3.75 GiB); a CPU's float8 path
+# saves other tensors. Other recipes: not measured.
+SPLIT_SAVED_BYTES = {"amp": 4, "fp8": 10}
 
 
 def _block_ops(w: "Workload") -> list:
-    """One block's forward as DDPOptimizer scans its graph: (op, parameter elements, inputs, output
-    width in units of d), in order (parabench.models.Block; a linear's view and transpose go with it)."""
+    """One block's forward as DDPOptimizer's scan meets it: (op, parameter elements), in order
+    (parabench.models.Block; a linear's view and transpose go with it)."""
     d = w.d_model
     if w.layout == "fused":
-        qkv, attn_in = [("qkv", 3 * d * d + 3 * d, ["ln1"], 3)], ["qkv"]
+        qkv = [("qkv", 3 * d * d + 3 * d)]
     else:  # separate q, k, v; k has no bias
-        qkv = [("q", d * d + d, ["ln1"], 1), ("k", d * d, ["ln1"], 1), ("v", d * d + d, ["ln1"], 1)]
-        attn_in = ["q", "k", "v"]
+        qkv = [("q", d * d + d), ("k", d * d), ("v", d * d + d)]
     return [
-        ("ln1", 2 * d, ["x"], 1),
+        ("ln1", 2 * d),
         *qkv,
-        ("attn", 0, attn_in, 1),
-        ("proj", d * d + d, ["attn"], 1),
-        ("add1", 0, ["x", "proj"], 1),
-        ("ln2", 2 * d, ["add1"], 1),
-        ("fc", 4 * d * d + 4 * d, ["ln2"], 4),
-        ("gelu", 0, ["fc"], 4),
-        ("fc2", 4 * d * d + d, ["gelu"], 1),
-        ("add2", 0, ["add1", "fc2"], 1),
+        ("attn", 0),
+        ("proj", d * d + d),
+        ("add1", 0),
+        ("ln2", 2 * d),
+        ("fc", 4 * d * d + 4 * d),
+        ("gelu", 0),
+        ("fc2", 4 * d * d + d),
+        ("add2", 0),
     ]
 
 
@@ -1190,7 +1192,7 @@ def ddp_split_graphs(w: "Workload", bucket_bytes: float) -> list:
     ``DDP_FIRST_BUCKET_BYTES``), the next op starts a new one."""
     elem = 4 if w.recipe in AUTOCAST_RECIPES else 2  # autocast recipes keep fp32 parameters
     graphs, size = [[]], 0.0
-    for op, params, _, _ in reversed(_block_ops(w)):
+    for op, params in reversed(_block_ops(w)):
         cap = min(DDP_FIRST_BUCKET_BYTES, bucket_bytes) if len(graphs) == 1 else bucket_bytes
         if graphs[0] and size >= cap:
             graphs.insert(0, [])
@@ -1200,35 +1202,21 @@ def ddp_split_graphs(w: "Workload", bucket_bytes: float) -> list:
     return graphs
 
 
-def split_graph_saved_bytes(w: "Workload", bucket_bytes: float) -> float:
-    """Bytes per token that one compiled block saves for backward beyond its whole graph's, when Dynamo's
-    DDPOptimizer splits it at DDP's buckets (torch.ddp, option compile, ``ddp_optimizer`` on).
+def _blocks_cut(w: "Workload") -> bool:
+    return bool(w.split_bucket_bytes) and len(ddp_split_graphs(w, w.split_bucket_bytes)) > 1
 
-    A tensor that crosses into a later graph is that graph's input, and AOTAutograd's partitioner saves
-    an input as it is rather than the cast a linear reads, which the whole graph saves: LayerNorm's fp32
-    output instead of its 16-bit (amp) or float8 (fp8) cast, a 16-bit attention or GELU output instead
-    of its float8 cast. Each crossing tensor a linear reads adds its bytes less the cast's, once however
-    many graphs read it. Nothing under the master recipe, where the linears read their inputs as they are."""
-    if w.recipe not in AUTOCAST_RECIPES:
-        return 0.0
-    cast = 1 if w.recipe == "fp8" else 2  # what the whole graph saves of a block linear's input
-    ops = _block_ops(w)
-    graph_of = {op: i for i, ops_i in enumerate(ddp_split_graphs(w, bucket_bytes)) for op in ops_i}
-    linears = {op for op, params, _, _ in ops if params and not op.startswith("ln")}
-    width = {op: units for op, _, _, units in ops}
-    extra = 0.0
-    for src, bytes_per in _CROSSING_BYTES.items():
-        readers = [op for op, _, inputs, _ in ops if src in inputs]
-        if any(r in linears and graph_of[r] != graph_of[src] for r in readers):
-            extra += max(0, bytes_per - cast) * width[src] * w.d_model
-    return extra
+
+def split_unmodelled(w: "Workload") -> bool:
+    """Whether DDPOptimizer cuts ``w``'s blocks where no measurement says what that saves."""
+    return _blocks_cut(w) and (w.checkpointing or w.pp > 1 or w.recipe not in SPLIT_SAVED_BYTES)
 
 
 def split_graphs_bytes(w: "Workload") -> float:
-    """What the DDPOptimizer's split adds to a rank's saved activations (without checkpointing)."""
-    if not w.split_bucket_bytes or w.checkpointing or w.pp > 1:
+    """What DDPOptimizer's cuts add to a rank's saved activations (torch.ddp, option compile,
+    ``ddp_optimizer`` on): ``SPLIT_SAVED_BYTES`` per token, unit of width and cut block."""
+    if not _blocks_cut(w) or split_unmodelled(w):
         return 0.0
-    return split_graph_saved_bytes(w, w.split_bucket_bytes) * w.rows * w.seq_len * w.n_layers
+    return SPLIT_SAVED_BYTES[w.recipe] * w.d_model * w.rows * w.seq_len * w.n_layers
 
 
 def memory_features(w: Workload) -> dict:
@@ -1371,7 +1359,7 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
             "recompute": "first block recomputation",
             "backward": "first gradient buffers",
         }.get(name, "start of backward" + (f", {name}" if w.pp > 1 else ""))
-        if w.split_bucket_bytes and w.checkpointing:
+        if split_unmodelled(w):
             notes.append(SPLIT_GRAPHS_NOTE)
     else:
         notes.append("no model-state expectation: no memory prediction")
