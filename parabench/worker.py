@@ -426,7 +426,8 @@ def run_case(
         "telemetry": device_telemetry,
     }
     if breakdown is not None:
-        mine["memory_breakdown"] = breakdown
+        # what the meter's step ran: compiled blocks run their eager code under it (eager_under_meter)
+        mine["memory_breakdown"] = {**breakdown, "blocks": "eager" if case.options.get("compile") else "as timed"}
     if step_breakdown is not None:
         mine["step_breakdown"] = step_breakdown
     if trace is not None:
