@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from reference_impls._compat import all_gather_into
+from reference_impls.dp_common import free_now
 from reference_impls.fsdp import FSDP
 
 # --- block-wise symmetric quantization --------------------------------------------------------
@@ -193,6 +194,8 @@ class ZeroPP(FSDP):
         u.grad_buf = None
         q_in, s_in = out
         reduced = dequantize(q_in, s_in, self.block, self.qgz_bits)[:, : u.shard_numel].sum(dim=0)  # fp32
+        free_now(q_in)
+        free_now(s_in)
         dst = self._main_shard(u)
         dst.copy_(reduced) if not self._written[u.index] else dst.add_(reduced)
         self._written[u.index] = True
