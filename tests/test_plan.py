@@ -320,16 +320,20 @@ def test_amp_costs_cast_and_fp32_activation_traffic():
     assert fa["inv_act_bw"] == pytest.approx(2 * fm["inv_act_bw"])
 
 
-def _tiny(recipe: str, **options):
+def _workload(recipe: str, model="tiny", strategy="single", world_size=1, micro_batch=2, **options):
     return for_config(
-        model="tiny",
-        cfg=model_config("tiny"),
-        strategy="single",
-        world_size=1,
-        micro_batch=2,
+        model=model,
+        cfg=model_config(model),
+        strategy=strategy,
+        world_size=world_size,
+        micro_batch=micro_batch,
         recipe=recipe,
         options=options,
     )
+
+
+def _tiny(recipe: str, **options):
+    return _workload(recipe, **options)
 
 
 def test_every_time_constant_is_priced_in_a_printed_part():
@@ -394,14 +398,7 @@ def test_torch_ddp_compiled_with_the_ddp_optimizer_and_checkpointing_notes_the_u
     cal = json.loads((Path(C.CALIBRATION_DIR) / "h100.json").read_text())
 
     def notes(strategy, **options):
-        w = for_config(
-            model="gpt-125m",
-            cfg=model_config("gpt-125m"),
-            strategy=strategy,
-            world_size=2,
-            recipe="amp",
-            options=options,
-        )
+        w = _workload("amp", "gpt-125m", strategy, world_size=2, **options)
         return M.predict(w, cal).notes
 
     assert M.SPLIT_GRAPHS_NOTE in notes("torch.ddp", compile=True, activation_checkpointing=True)
@@ -1058,18 +1055,7 @@ def test_ddp_split_graphs_are_the_ones_dynamo_cuts(model, bucket_mb, recipe):
 def test_ddp_split_graphs_add_what_the_h100_record_measured():
     """gpt-1.3b mb 4 on one H100 (results/ddp-optimizer-h100x1): torch.ddp compiled held 1.50 GiB (amp) and
     3.75 GiB (fp8) more with the DDPOptimizer on than off."""
-    ws = {
-        recipe: for_config(
-            model="gpt-1.3b",
-            cfg=model_config("gpt-1.3b"),
-            strategy="torch.ddp",
-            world_size=1,
-            micro_batch=4,
-            recipe=recipe,
-            options={"compile": True},
-        )
-        for recipe in ("amp", "fp8", "master")
-    }
+    ws = {r: _workload(r, "gpt-1.3b", "torch.ddp", micro_batch=4, compile=True) for r in ("amp", "fp8", "master")}
     assert M.split_graphs_bytes(ws["amp"]) == 1.5 * M.GIB
     assert M.split_graphs_bytes(ws["fp8"]) == 3.75 * M.GIB
     assert M.split_graphs_bytes(ws["master"]) == 0 and M.split_unmodelled(ws["master"])
