@@ -130,3 +130,13 @@ def test_torch_ddp_option_ddp_optimizer_sets_dynamos_ddp_optimizer_per_case():
     validate_case(mk("torch.ddp", True, ddp_optimizer=False))
     assert run_on_gloo(_optimize_ddp_after_build, 1, {"ddp_optimizer": False})[0] is False
     assert run_on_gloo(_optimize_ddp_after_build, 1, {})[0] is True  # torch's default, torchtitan's choice
+
+
+def test_torch_ddp_refuses_buckets_the_ddp_optimizer_cannot_cut():
+    """Dynamo's DDPOptimizer asserts at the first compiled step when DDP's buckets are under its 1 MiB first
+    bucket: the suite refuses the case up front, naming both ways out."""
+    with pytest.raises(SuiteError, match=r"bucket_mb >= 1 .* not 0\.5: raise bucket_mb or set ddp_optimizer = false"):
+        validate_case(mk("torch.ddp", True, bucket_mb=0.5))
+    validate_case(mk("torch.ddp", True, bucket_mb=0.5, ddp_optimizer=False))
+    validate_case(mk("torch.ddp", False, bucket_mb=0.5))
+    validate_case(mk("torch.ddp", True, bucket_mb=1))

@@ -254,6 +254,15 @@ def validate_single(case, o, cfg) -> None:
         raise ValueError("strategy 'single' runs on world_size 1 only")
 
 
+def validate_torch_ddp(case, o, cfg) -> None:
+    # Dynamo's DDPOptimizer gives its first bucket DDP's 1 MiB and asserts that no other bucket is smaller
+    if case.options.get("compile") and o.ddp_optimizer and o.bucket_mb < 1:
+        raise ValueError(
+            f"torch.ddp with compile and ddp_optimizer needs bucket_mb >= 1 (Dynamo's DDPOptimizer makes its first "
+            f"bucket 1 MiB and no other may be smaller), not {o.bucket_mb}: raise bucket_mb or set ddp_optimizer = false"
+        )
+
+
 # Option compile: these builders compile the blocks (peers.common.compile_blocks); the others refuse it.
 COMPILES = ("single", "torch.ddp", "ref.ddp", "ref.ps")
 # Recipe fp8: these builders convert the linears (parabench.fp8.convert).
@@ -301,6 +310,7 @@ ROWS = (
         "PyTorch DistributedDataParallel (bucketed all-reduce overlapped with backward)",
         expect_torch_ddp,
         options=DDPPeerOptions,
+        validate=validate_torch_ddp,
     ),
     _row(
         "ref.ps",

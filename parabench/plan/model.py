@@ -1154,12 +1154,12 @@ def pipeline_stage_peaks(w: Workload) -> list[tuple[float, float, float]]:
 # DDP's first bucket cap, which Dynamo's DDPOptimizer also gives the first of its buckets (the last
 # ops of each compiled graph): torch.distributed._DEFAULT_FIRST_BUCKET_BYTES.
 DDP_FIRST_BUCKET_BYTES = 1 << 20
-# What a compiled block cut by Dynamo's DDPOptimizer saves for backward beyond the whole block's graph,
-# in bytes per token and unit of width. amp: one more fp32 tensor of the residual stream's width, in each
-# of the five cut structures of the CPU probe (results/ddp-optimizer-cpu), and 1.50 GiB at gpt-1.3b mb 4
-# on one H100 (results/ddp-optimizer-h100x1). fp8: that H100 record alone (3.75 GiB); a CPU's float8 path
-# saves other tensors. Other recipes: not measured.
-SPLIT_SAVED_BYTES = {"amp": 4, "fp8": 10}
+# The linears that read each 16-bit-cast input of a block, and the input's width in units of d.
+_CAST_READERS = {"ln1": (("q", "k", "v", "qkv"), 1), "ln2": (("fc",), 1), "attn": (("proj",), 1), "gelu": (("fc2",), 4)}
+# fp8: what a cut block saves beyond the whole block's graph, bytes per token and unit of width, as the
+# one H100 record measured it at gpt-1.3b's default cuts (3.75 GiB at mb 4); coarser cuts save less
+# (results/fp8-peers-gpu: 9 and 6 at 100 and 400 MiB buckets). A CPU's float8 path saves other tensors.
+SPLIT_SAVED_BYTES_FP8 = 10
 
 
 def _block_ops(w: "Workload") -> list:
@@ -1208,15 +1208,37 @@ def _blocks_cut(w: "Workload") -> bool:
 
 def split_unmodelled(w: "Workload") -> bool:
     """Whether DDPOptimizer cuts ``w``'s blocks where no measurement says what that saves."""
-    return _blocks_cut(w) and (w.checkpointing or w.pp > 1 or w.recipe not in SPLIT_SAVED_BYTES)
+    return _blocks_cut(w) and (w.checkpointing or w.pp > 1 or w.recipe not in AUTOCAST_RECIPES)
+
+
+def split_saved_bytes(w: "Workload") -> float:
+    """What one compiled block cut by Dynamo's DDPOptimizer saves for backward beyond its whole graph, in
+    bytes per token (torch.ddp, option compile, ``ddp_optimizer`` on).
+
+    amp: each graph that reads an input through a 16-bit cast saves a cast of its own, where the whole
+    block saves one (LayerNorm 1's output, read by q, k and v, is cast once per graph holding one of
+    them); and the residual stream between the two halves of the block, once it leaves its graph, is
+    saved in fp32 instead of being recomputed from the 16-bit attention output. Exact for the five cut
+    structures of the CPU probe (results/ddp-optimizer-cpu) and the three of the H100/H200 records
+    (results/ddp-optimizer-h100x1, results/fp8-peers-gpu: 2, 4 and 4 bytes per token and width).
+    fp8: ``SPLIT_SAVED_BYTES_FP8`` per token and width."""
+    d = w.d_model
+    if w.recipe == "fp8":
+        return SPLIT_SAVED_BYTES_FP8 * d
+    graph_of = {op: i for i, ops in enumerate(ddp_split_graphs(w, w.split_bucket_bytes)) for op in ops}
+    extra = 2 * d if graph_of["add1"] != graph_of["add2"] else 0
+    for readers, width in _CAST_READERS.values():
+        graphs = {graph_of[r] for r in readers if r in graph_of}
+        extra += (len(graphs) - 1) * 2 * width * d
+    return extra
 
 
 def split_graphs_bytes(w: "Workload") -> float:
-    """What DDPOptimizer's cuts add to a rank's saved activations (torch.ddp, option compile,
-    ``ddp_optimizer`` on): ``SPLIT_SAVED_BYTES`` per token, unit of width and cut block."""
+    """What DDPOptimizer's cuts add to a rank's saved activations: ``split_saved_bytes`` per token and
+    cut block."""
     if not _blocks_cut(w) or split_unmodelled(w):
         return 0.0
-    return SPLIT_SAVED_BYTES[w.recipe] * w.d_model * w.rows * w.seq_len * w.n_layers
+    return split_saved_bytes(w) * w.rows * w.seq_len * w.n_layers
 
 
 def memory_features(w: Workload) -> dict:
