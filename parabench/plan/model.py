@@ -1219,7 +1219,7 @@ def split_saved_bytes(w: "Workload") -> float:
     block saves one (LayerNorm 1's output, read by q, k and v, is cast once per graph holding one of
     them); and the residual stream between the two halves of the block, once it leaves its graph, is
     saved in fp32 instead of being recomputed from the 16-bit attention output. Exact for the five cut
-    structures of the CPU probe (results/ddp-optimizer-cpu) and the three of the H100/H200 records
+    structures of the CPU probe (results/ddp-optimizer-cpu) and the three of the H100 records
     (results/ddp-optimizer-h100x1, results/fp8-peers-gpu: 2, 4 and 4 bytes per token and width).
     fp8: ``SPLIT_SAVED_BYTES_FP8`` per token and width."""
     d = w.d_model
