@@ -280,17 +280,10 @@ class MemoryBreakdown(TorchDispatchMode):
             self._watch[key] = s
         return s
 
-    def _refresh_watched(self):
-        for s in list(self._watch.values()):
-            st = s.ref()
-            if st is not None and st.nbytes() != s.nbytes:
-                self.current += st.nbytes() - s.nbytes
-                s.nbytes = st.nbytes()
-
-    def _refresh_all(self):
-        """Re-read every live storage's size: a buffer freed with ``untyped_storage().resize_(0)`` while
-        something else (a collective's work handle) still refers to it holds no bytes."""
-        for s in self._live.values():
+    def _refresh(self, storages):
+        """Re-read the sizes of ``storages``: one resized behind the dispatcher (FSDP's reshard, or a buffer
+        freed with ``untyped_storage().resize_(0)`` while a collective's work handle still refers to it)."""
+        for s in list(storages):
             st = s.ref()
             if st is not None and st.nbytes() != s.nbytes:
                 self.current += st.nbytes() - s.nbytes
@@ -371,10 +364,10 @@ class MemoryBreakdown(TorchDispatchMode):
             s = self._track(t, "unseen", name)
             if s is not None and comm:
                 s.comm = True
-        self._refresh_watched()
+        self._refresh(self._watch.values())
         phase = self._phase
         if self.current > self._phase_peak.get(phase, self.baseline):
-            self._refresh_all()  # a candidate high-water mark: count storages freed by resize_ since
+            self._refresh(self._live.values())  # a candidate high-water mark: count what resize_ freed since
         if self.current > self._phase_peak.get(phase, self.baseline):
             self._phase_peak[phase] = self.current  # what the next snapshot of this phase must exceed
             info = self._snapshot(name, phase)
