@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from parabench.plan.model import Workload, family_of, unmodelled_reason
+from parabench.plan.model import BUCKET_BYTES, Workload, family_of, unmodelled_reason
 from parabench.record import byte_high
 
 # Options that change what is recorded, not what is timed or held (meters, traces): configurations
@@ -181,7 +181,9 @@ def build(
         zb_keeps_done_graphs=zb_keeps_done_graphs,
         strategy_version=strategy_version,
         unmodelled=unmodelled_reason(recipe, options),
-        split_bucket_bytes=float(options.get("bucket_mb", 25.0)) * 2**20
+        split_bucket_bytes=float(options["bucket_mb"]) * 2**20
+        if "bucket_mb" in options
+        else BUCKET_BYTES
         if strategy == "torch.ddp" and options.get("compile") and options.get("ddp_optimizer", True)
         else None,
         **_degrees(strategy, world_size, options, shape["n_layers"]),
