@@ -331,15 +331,11 @@ def _workload(recipe: str, model="tiny", strategy="single", world_size=1, micro_
     )
 
 
-def _tiny(recipe: str, **options):
-    return _workload(recipe, **options)
-
-
 def test_every_time_constant_is_priced_in_a_printed_part():
     """The step is the sum of the parts the planner prints: a constant outside every part would be
     fitted and then never charged."""
     assert {k for keys in M.TIME_PARTS.values() for k in keys} == set(M.TIME_CONSTANTS)
-    w = _tiny("fp8", compile=True)
+    w = _workload("fp8", compile=True)
     consts = {k: 1e-12 for k in M.TIME_CONSTANTS}
     feats = M.time_features(w, COLLECTIVES, M.time_constants(consts))
     assert feats["inv_rate_fp8"] > 0 and feats["fp8_cast_s"] > 0
@@ -351,7 +347,7 @@ def test_fp8_runs_the_block_linears_in_float8_and_pays_their_casts():
     """fp8 is amp with the blocks' linears (72 d^2 L FLOPs per token) at the float8 rate, each float8
     linear's input and output gradient cast per pass (18 d per token and layer, separate layout), and
     the linears' weights cast from fp32 instead of autocast's bf16 copies."""
-    fp8, amp = _tiny("fp8", compile=True), _tiny("amp", compile=True)
+    fp8, amp = _workload("fp8", compile=True), _workload("amp", compile=True)
     cfg = model_config("tiny")
     assert M.fp8_flops_share(amp) == 0 and M.fp8_cast_elems(amp) == 0
     assert M.fp8_flops_share(fp8) == pytest.approx(72 * cfg.d_model**2 * cfg.n_layers / fp8.flops_per_token)
@@ -367,7 +363,7 @@ def test_fp8_runs_the_block_linears_in_float8_and_pays_their_casts():
 
 
 def test_fp8_memory_has_its_own_activations_and_no_autocast_copy_of_the_float8_weights():
-    fp8, amp, eager_amp = _tiny("fp8", compile=True), _tiny("amp", compile=True), _tiny("amp")
+    fp8, amp, eager_amp = _workload("fp8", compile=True), _workload("amp", compile=True), _workload("amp")
     assert (M.act_constant(fp8), M.act_constant(amp), M.act_constant(eager_amp)) == (
         "act_fp8",
         "act_amp_compiled",
@@ -379,9 +375,9 @@ def test_fp8_memory_has_its_own_activations_and_no_autocast_copy_of_the_float8_w
 
 
 def test_fp8_variants_without_terms_are_unmodelled_with_their_reason():
-    assert _tiny("fp8", compile=True).unmodelled is None and _tiny("amp").unmodelled is None
-    assert _tiny("fp8").unmodelled == M.FP8_EAGER
-    assert _tiny("fp8", compile=True, fp8_filter="auto").unmodelled == M.FP8_FILTER_AUTO
+    assert _workload("fp8", compile=True).unmodelled is None and _workload("amp").unmodelled is None
+    assert _workload("fp8").unmodelled == M.FP8_EAGER
+    assert _workload("fp8", compile=True, fp8_filter="auto").unmodelled == M.FP8_FILTER_AUTO
     w = for_config(
         model="tiny",
         cfg=model_config("tiny"),
