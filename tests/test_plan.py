@@ -621,6 +621,30 @@ def test_preregistered_comparison_takes_a_repeated_case_once_at_its_median(tmp_p
         assert len(steps) == 3 and row["step_s"] == pytest.approx(steps[1])
 
 
+def test_preregistered_comparison_ranks_a_repeated_run_launch_against_launch(tmp_path):
+    """A run with repeats carries its own ranking ceiling: per group, its configurations ranked one
+    launch against another, beside the predictions' Spearman on the same configurations. Launches
+    that keep the order give 1, whatever the predictions say."""
+    from parabench.plan.validate import preregistered
+
+    run = ROOT / "results/plan-retest-pipelines-h100x4/20261127-161154"  # 23 configurations, 2-3 launches each
+    rep = preregistered(ROOT / "results/predictions/plan-retest-pipelines-h100x4.json", run)
+    (g,) = rep["launch_retest"]
+    assert g["group"] == "gpt-1.3b w4 master mb16" and g["configs"] == 23
+    assert 0.9 < g["retest_spearman"] < 1.0  # two configurations swing by 14 % and 40 % between launches
+    assert g["model_spearman"] == pytest.approx(rep["all_cases"]["spearman_median"])
+
+    # three configurations whose launches agree on the order, predicted in reverse
+    steps = {"a": (1.0, 1.01, 1.02), "b": (2.0, 2.02, 2.01), "c": (3.0, 3.03, 2.99)}
+    rows = [
+        {"key": k, "group": "g", "step_s": sorted(v)[1], "pred_step_s": 4.0 - sorted(v)[1], "tokens_per_step": 1}
+        for k, v in steps.items()
+    ]
+    (agree,) = V.launch_retest(rows, {k: list(v) for k, v in steps.items()})
+    assert agree["retest_spearman"] == pytest.approx(1.0) and agree["model_spearman"] == pytest.approx(-1.0)
+    assert V.launch_retest(rows, {"a": [1.0, 1.1]}) == []  # one configuration with repeats ranks nothing
+
+
 def test_one_gpu_sharding_and_ddp_copy_bytes_beyond_single():
     """At one GPU FSDP2 does single's work plus its copies (copy-in, copy-out, the one-rank
     reduce-scatter), the references their per-gather cast and out-of-place reduce-scatter, and an

@@ -176,15 +176,31 @@ def summarize(rows: list[dict]) -> dict:
 RETEST_DRAWS = 200
 
 
+def retest_spearman(launches: list[list[float]], draws: int = RETEST_DRAWS, rng=None) -> float | None:
+    """How well one group's measurements rank themselves: ``launches`` holds, per configuration, its
+    per-token step times from separate launches (at least two each). A draw takes two launches of
+    every configuration at random and ranks the configurations by the one against the other; the
+    median over draws (from ``rng``, else seed 0, so a file written from it is reproducible). None
+    under 3 configurations."""
+    if len(launches) < 3:
+        return None
+    rng = rng if rng is not None else np.random.default_rng(0)
+    rhos = []
+    for _ in range(draws):
+        picks = [rng.choice(len(x), size=2, replace=False) for x in launches]
+        rho = spearman([x[i] for x, (i, _) in zip(launches, picks)], [x[j] for x, (_, j) in zip(launches, picks)])
+        if rho is not None:
+            rhos.append(rho)
+    return float(np.median(rhos)) if rhos else None
+
+
 def retest(obs: list[C.Observation], rows: list[dict], draws: int = RETEST_DRAWS, seed: int = 0) -> dict:
     """How well the measurements rank themselves: the ceiling a model's Spearman is judged against.
 
     Within each group, the configurations measured in at least two runs (separate launches, often
-    on different hosts or days). A draw takes, for every such configuration, two of its runs at
-    random and ranks the configurations by the one against the other; the group's retest Spearman
-    is the median over draws (seeded, so the file is reproducible). Beside it, the Spearman of
-    ``rows``' predictions against the median over runs on the same configurations. A group needs
-    3 such configurations."""
+    on different hosts or days), ranked run against run (``retest_spearman``). Beside it, the
+    Spearman of ``rows``' predictions against the median over runs on the same configurations. A
+    group needs 3 such configurations."""
     rng = np.random.default_rng(seed)
     pred = {r["key"]: r["pred_step_s"] for r in rows}
     groups: dict[str, list] = {}
@@ -195,20 +211,12 @@ def retest(obs: list[C.Observation], rows: list[dict], draws: int = RETEST_DRAWS
     for g, os_ in sorted(groups.items()):
         if len(os_) < 3:
             continue
-        runs = [sorted(o.run_steps) for o in os_]
-        rhos = []
-        for _ in range(draws):
-            picks = [rng.choice(len(r), size=2, replace=False) for r in runs]
-            first = [o.run_steps[r[i]] / o.workload.tokens_per_step for o, r, (i, _) in zip(os_, runs, picks)]
-            second = [o.run_steps[r[j]] / o.workload.tokens_per_step for o, r, (_, j) in zip(os_, runs, picks)]
-            rho = spearman(first, second)
-            if rho is not None:
-                rhos.append(rho)
+        launches = [[o.run_steps[r] / o.workload.tokens_per_step for r in sorted(o.run_steps)] for o in os_]
         per_group.append(
             {
                 "group": g,
                 "configs": len(os_),
-                "retest_spearman": float(np.median(rhos)) if rhos else None,
+                "retest_spearman": retest_spearman(launches, draws, rng),
                 "model_spearman": spearman(
                     [o.step_s / o.workload.tokens_per_step for o in os_],
                     [pred[o.key] / o.workload.tokens_per_step for o in os_],
@@ -341,8 +349,14 @@ def preregistered(predictions_path, run_dir, worst: int = 8) -> dict:
 
     doc = json.loads(Path(predictions_path).read_text())
     by_hash = {p["case_hash"]: p for p in doc["predictions"]}
+    launch_records = load_run(Path(run_dir))[1]
+    launch_steps: dict[str, list[float]] = {}
+    for r in launch_records:
+        step = (r.get("metrics") or {}).get("step_time_s_median")
+        if r.get("status") == "ok" and step:
+            launch_steps.setdefault(r.get("case_hash"), []).append(step)
     # a case launched several times (repeats) is one configuration: its medians over launches
-    records = combine_launches(load_run(Path(run_dir))[1])
+    records = combine_launches(launch_records)
     rows, unmatched = [], []
     for r in records:
         p = by_hash.get(r.get("case_hash"))
@@ -381,6 +395,7 @@ def preregistered(predictions_path, run_dir, worst: int = 8) -> dict:
     return {
         "schema_version": C.SCHEMA_VERSION,
         "kind": "plan-preregistered",
+        "launch_retest": launch_retest(rows, launch_steps),
         "predictions": str(predictions_path),
         "predictions_commit": doc.get("commit"),
         "calibration_runs": doc.get("calibration_runs"),
@@ -395,6 +410,32 @@ def preregistered(predictions_path, run_dir, worst: int = 8) -> dict:
         "unmatched": unmatched,
         "cases": rows,
     }
+
+
+def launch_retest(rows: list[dict], launch_steps: dict[str, list[float]]) -> list[dict]:
+    """Per group of a run with repeats: how its configurations launched at least twice (3 or more of
+    them) rank themselves launch against launch (``retest_spearman``), beside the predictions'
+    Spearman against their medians on the same configurations."""
+    groups: dict[str, list] = {}
+    for r in rows:
+        if len(launch_steps.get(r["key"], ())) >= 2:
+            groups.setdefault(r["group"], []).append(r)
+    out = []
+    for g, rs in sorted(groups.items()):
+        if len(rs) < 3:
+            continue
+        launches = [[x / r["tokens_per_step"] for x in launch_steps[r["key"]]] for r in rs]
+        out.append(
+            {
+                "group": g,
+                "configs": len(rs),
+                "retest_spearman": retest_spearman(launches),
+                "model_spearman": spearman(
+                    [r["step_s"] / r["tokens_per_step"] for r in rs], [r["pred_step_s"] / r["tokens_per_step"] for r in rs]
+                ),
+            }
+        )
+    return out
 
 
 def preregistered_table(rep: dict) -> str:
@@ -491,6 +532,11 @@ def main(argv=None) -> int:
             print(
                 f"  {g['group']}: {g['configs']} configs, Spearman {g['spearman']}, fastest named {g['fastest_named']}"
                 f" ({g['fastest_measured']} measured, {g['fastest_predicted']} predicted)"
+            )
+        for g in rep["launch_retest"]:
+            print(
+                f"  {g['group']}: launches against each other, {g['configs']} configs: Spearman "
+                f"{_fmt(g['retest_spearman'])}; the predictions on the same {_fmt(g['model_spearman'])}"
             )
         print(f"written {a.out}")
         return 0
