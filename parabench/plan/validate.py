@@ -431,7 +431,8 @@ def launch_retest(rows: list[dict], launch_steps: dict[str, list[float]]) -> lis
                 "configs": len(rs),
                 "retest_spearman": retest_spearman(launches),
                 "model_spearman": spearman(
-                    [r["step_s"] / r["tokens_per_step"] for r in rs], [r["pred_step_s"] / r["tokens_per_step"] for r in rs]
+                    [r["step_s"] / r["tokens_per_step"] for r in rs],
+                    [r["pred_step_s"] / r["tokens_per_step"] for r in rs],
                 ),
             }
         )
