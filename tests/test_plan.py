@@ -46,7 +46,8 @@ def test_calibration_round_trips(tmp_path):
     cal = C.fit(obs, COLLECTIVES)
     path = C.save(cal, tmp_path / "h100.json")
     assert C.load(path) == cal
-    assert C.load_kind("h100", tmp_path) == cal and C.load_kind("h200", tmp_path) is None
+    assert C.load_kind("h100", tmp_path) == cal and C.load_kind("a100", tmp_path) is None
+    assert C.load_kind("h200", tmp_path)["derived_from"]["kind"] == "h100"  # no h200.json: derived
     (tmp_path / "bad.json").write_text('{"kind": "plan-calibration", "schema_version": 99}')
     with pytest.raises(C.CalibrationError, match="schema"):
         C.load(tmp_path / "bad.json")
@@ -414,6 +415,43 @@ def test_plan_fp8_compiles_every_candidate_and_needs_a_calibrated_float8_rate(tm
     argv = ["plan", "--model", "gpt-1.3b", "--gpus", "1", "--recipe", "fp8", "--calibration", str(tmp_path)]
     assert main(argv) == 2
     assert "holds no fp8 record" in capsys.readouterr().err
+
+
+def test_h200_is_the_h100_calibration_with_memory_bound_time_scaled_by_hbm_bandwidth(tmp_path, capsys):
+    """Without an H200 calibration of its own, the H100 one serves: the same SMs, clocks and NVLink,
+    so every constant carries over but the memory-bound time constants, which shrink by the HBM
+    bandwidth ratio (3.35 / 4.8 TB/s). A memory-bound configuration then runs faster on H200 by
+    up to that ratio, a compute-bound one by much less, and the peak is the same."""
+    h100 = C.load_kind("h100")
+    h200 = C.load_kind("h200")  # no h200.json is committed
+    assert not C.calibration_path("h200").exists() and h200["derived_from"]["kind"] == "h100"
+    ratio = 3.35 / 4.8
+    for k, v in h100["time"].items():
+        assert h200["time"][k] == pytest.approx(v * ratio if k in M.MEMORY_BOUND_TIME_CONSTANTS else v)
+    assert h200["memory"] == h100["memory"] and h200["collectives"] == h100["collectives"]
+    assert h200["device_kind"] == "h200" and set(h200["derived_from"]["scaled"]) == set(M.MEMORY_BOUND_TIME_CONSTANTS)
+
+    cfg = model_config("gpt-1.3b")
+    w = for_config(model="gpt-1.3b", cfg=cfg, strategy="ref.ddp", world_size=1, micro_batch=4)
+    on_h100, on_h200 = M.predict(w, h100), M.predict(w, h200)
+    assert ratio < on_h200.step_s / on_h100.step_s < 0.95
+    assert on_h200.peak_bytes == on_h100.peak_bytes
+
+    # an H200 calibration of its own takes precedence
+    (tmp_path / "h200.json").write_text(json.dumps({**h100, "device_kind": "h200"}))
+    assert "derived_from" not in C.load_kind("h200", tmp_path)
+    assert main(["plan", "--model", "gpt-1.3b", "--gpus", "2", "--gpu", "h200-141g", "--top", "2"]) == 0
+    assert "calibration h200 derived from h100" in capsys.readouterr().out
+
+
+def test_validation_scores_the_derived_h200_calibration_on_the_h200_records():
+    """The H200 records are in no calibration: the derived one predicts their steps, and taking the
+    HBM bandwidth into account removes the bias the H100 constants as fitted have there."""
+    part = V.derived_parts(ROOT / "results", "h100", C.load_kind("h100"))["h200"]
+    assert part["derived_from"] == "h100" and part["configurations"] >= 59
+    assert part["as_fitted_step_signed_median_pct"] > 5  # H200 runs faster than the H100 constants say
+    assert abs(part["step_signed_median_pct"]) < part["as_fitted_step_signed_median_pct"] / 3
+    assert len(part["predictions"]) == part["configurations"]
 
 
 def _equal_costs(w) -> list:

@@ -36,6 +36,14 @@ DEVICE_KINDS = {"h100": ("H100", 989.4e12), "h200": ("H200", 989.4e12), "a100": 
 # host term and lands above the vendor peak. bf16 8192^3 matmul on the 2x H100 machine
 # (docs/FACTS: about 790 TFLOP/s per GPU).
 MATMUL_CEILING = {"h100": 790e12, "h200": 790e12}
+# Parts predicted from another part's calibration until runs of their own calibrate them: the same
+# architecture (SMs, clocks, tensor cores: the same dense bf16 peak), NVLink generation, kernels and
+# allocator, with other HBM. Only the memory-bound time constants change, by the ratio of the parts'
+# HBM bandwidths (datasheets: H100 SXM 3.35 TB/s HBM3, H200 4.8 TB/s HBM3e); the host's, the
+# collectives' and every memory constant carry over (H100 and H200 records of one configuration
+# peak at the same byte count).
+DERIVED_FROM = {"h200": "h100"}
+HBM_BYTES_PER_S = {"h100": 3.35e12, "h200": 4.8e12}
 
 
 # Records that do not measure what their configuration says, each with the reason (docs/results.md).
@@ -485,10 +493,35 @@ def calibration_path(kind: str, directory=None) -> Path:
     return Path(directory or CALIBRATION_DIR) / f"{kind}.json"
 
 
+def derive(source: dict, kind: str) -> dict:
+    """``source`` (a calibration of another part of the same architecture) for ``kind``: its
+    memory-bound time constants times the HBM bandwidth ratio, all else as fitted there."""
+    ratio = HBM_BYTES_PER_S[source["device_kind"]] / HBM_BYTES_PER_S[kind]
+    scaled = [k for k in M.MEMORY_BOUND_TIME_CONSTANTS if k in source["time"]]
+    return {
+        **source,
+        "device_kind": kind,
+        "device_name": DEVICE_KINDS[kind][0],
+        "peak_flops": DEVICE_KINDS[kind][1],
+        "time": {k: v * ratio if k in scaled else v for k, v in source["time"].items()},
+        "derived_from": {
+            "kind": source["device_kind"],
+            "hbm_ratio": ratio,
+            "scaled": scaled,
+            "doc": f"{kind} has no calibration of its own: the {source['device_kind']} one, its memory-bound "
+            f"time constants x {ratio:.3f} ({source['device_kind']} / {kind} HBM bandwidth)",
+        },
+    }
+
+
 def load_kind(kind: str, directory=None) -> dict | None:
-    """The stored calibration of a device kind, or None where there is none."""
+    """The stored calibration of a device kind; else, for a kind in ``DERIVED_FROM``, the one it is
+    derived from (``derive``); else None."""
     path = calibration_path(kind, directory)
-    return load(path) if path.is_file() else None
+    if path.is_file():
+        return load(path)
+    source = load_kind(DERIVED_FROM[kind], directory) if kind in DERIVED_FROM else None
+    return derive(source, kind) if source else None
 
 
 def main(argv=None) -> int:

@@ -146,7 +146,10 @@ def plan_main(args) -> int:
         f"{model}: {cfg.n_layers} layers, d {cfg.d_model}, {cfg.n_heads} heads, vocab {cfg.vocab_size}, seq "
         f"{cfg.seq_len}; {args.gpus}x {args.gpu}, bf16-{args.recipe}"
         + (f", global batch {args.global_batch}" if args.global_batch else "")
-        + f"; calibration {kind} ({cal['configurations']} configurations)"
+        + f"; calibration {kind}"
+        + (f" derived from {cal['derived_from']['kind']}" if "derived_from" in cal else "")
+        + f" ({cal['configurations']} configurations)"
+        + (f"\n{cal['derived_from']['doc']}" if "derived_from" in cal else "")
     )
     print(f"{len(ok)} of {len(ok) + len(dropped)} configurations fit; predicted, ranked by tokens/s per GPU:\n")
     print(S.table(ok, args.top) if ok else "(none fits)")

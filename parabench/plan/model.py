@@ -82,6 +82,9 @@ TIME_CONSTANTS = (
     "inv_rate_fp8",
     "fp8_cast_s",
 )
+# Constants in seconds per byte of HBM traffic, or per element of memory-bound work: on another part
+# of one architecture they scale with its HBM bandwidth (``calibrate.derive``).
+MEMORY_BOUND_TIME_CONSTANTS = ("inv_mem_bw", "inv_act_bw", "inv_act_bw_compiled", "logit_s", "fp8_cast_s")
 # Constants the physics sets and no fit moves: exposed communication with nothing to hide behind.
 FIXED_TIME_CONSTANTS = ("comm_serial",)
 ACT_CONSTANTS = ("act_master", "act_amp", "act_amp_compiled", "act_fp8")

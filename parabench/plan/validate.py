@@ -304,6 +304,32 @@ def peaks_on_other_parts(results_dir, kind: str, cal: dict) -> dict:
     return out
 
 
+def derived_parts(results_dir, kind: str, cal: dict) -> dict:
+    """Per kind derived from ``kind`` (``calibrate.DERIVED_FROM``) that has records: ``cal`` derived
+    for it (``calibrate.derive``) against its configurations, none of which ``cal`` saw (step
+    times, peaks, rankings), with the step error of ``cal`` as fitted beside it."""
+    out = {}
+    for other, source in C.DERIVED_FROM.items():
+        obs = C.observations(results_dir, other) if source == kind else []
+        if not obs:
+            continue
+        derived = C.derive(cal, other)
+        rows = [_row(o, M.predict(o.workload, derived)) for o in obs]
+        as_fitted = [_signed_pct(M.predict(o.workload, cal).step_s, o.step_s) for o in obs]
+        out[other] = {
+            "derived_from": source,
+            "hbm_ratio": derived["derived_from"]["hbm_ratio"],
+            "scaled": derived["derived_from"]["scaled"],
+            **summarize(rows),
+            "step_signed_median_pct": float(np.median([_signed_pct(r["pred_step_s"], r["step_s"]) for r in rows])),
+            "as_fitted_step_median_pct": float(np.median(np.abs(as_fitted))),
+            "as_fitted_step_signed_median_pct": float(np.median(as_fitted)),
+            "runs": sorted({r for o in obs for r in o.runs}),
+            "predictions": rows,
+        }
+    return out
+
+
 def validate(results_dir="results", kind="h100") -> dict:
     obs = C.observations(results_dir, kind)
     coll = C.fit_collectives(results_dir, kind)
@@ -325,6 +351,7 @@ def validate(results_dir="results", kind="h100") -> dict:
         "out_of_scale_4": {"train": "1- and 2-GPU configurations", "test": "4-GPU configurations", **summarize(oos4)},
         "retest": retest(obs, loo),
         "peaks_on_other_parts": peaks_on_other_parts(results_dir, kind, full),
+        "derived_parts": derived_parts(results_dir, kind, full),
         "predictions": loo,
         "out_of_scale_predictions": oos,
         "out_of_scale_4_predictions": oos4,
@@ -462,6 +489,10 @@ def preregistered_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def _fmt_share(v):
+    return "-" if v is None else f"{v:.0%}"
+
+
 def _fmt(v, unit=""):
     return "-" if v is None else (f"{v:.1f}{unit}" if unit == "%" else f"{v:.2f}")
 
@@ -549,6 +580,15 @@ def main(argv=None) -> int:
         print(
             f"peaks of the {s['configurations']} {other} configurations, predicted by this calibration: "
             f"median {s['peak_median_pct']:.1f} %, p90 {s['peak_p90_pct']:.1f} %"
+        )
+    for other, s in rep["derived_parts"].items():
+        print(
+            f"steps of the {s['configurations']} {other} configurations, by this calibration derived for {other} "
+            f"(memory-bound constants x {s['hbm_ratio']:.3f}): median {s['step_median_pct']:.1f} %, p90 "
+            f"{s['step_p90_pct']:.1f} %, signed median {s['step_signed_median_pct']:+.1f} % (as fitted: median "
+            f"{s['as_fitted_step_median_pct']:.1f} %, signed {s['as_fitted_step_signed_median_pct']:+.1f} %); "
+            f"Spearman median {_fmt(s['spearman_median'])} ({s['spearman_groups']} groups); fastest named "
+            f"{_fmt_share(s['fastest_share'])} of {s['fastest_groups']} (exactly {_fmt_share(s['fastest_strict_share'])})"
         )
     if a.worst:
         rows = sorted(rep["predictions"], key=lambda r: -abs(r["pred_step_s"] / r["step_s"] - 1))[: a.worst]

@@ -195,6 +195,12 @@ def table_specs(runs, run_col: list, calibration_dir=None) -> list[dict]:
         note = f"No planner calibration for {', '.join(missing)}: no predictions (calibrated GPU kinds only)."
     elif missing:
         note += f" No calibration for {', '.join(missing)}: those cases are left out."
+    from parabench.plan import calibrate as C
+
+    for kind in sorted({r["kind"] for r in rows}):
+        derived = (C.load_kind(kind, calibration_dir) or {}).get("derived_from")
+        if derived:
+            note += f" {derived['doc'][0].upper()}{derived['doc'][1:]}; it includes no {kind} run."
     return [
         {
             "id_": "predicted",
