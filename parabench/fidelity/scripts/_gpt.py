@@ -11,6 +11,7 @@ as far as the library's arithmetic allows (tests/test_fidelity.py compares the p
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -306,7 +307,13 @@ def measure(args, device, step, batches, tokens_per_step: int, library: dict) ->
 
 
 def finish(args, result: dict | None) -> None:
-    """Rank 0 prints the result and writes it to ``--out``; every rank leaves the process group."""
+    """Rank 0 prints the result and writes it to ``--out``; every rank leaves the process group.
+
+    Called after ``main`` has returned, with the library's objects gone: DDP's reducer, an FSDP or
+    DeepSpeed engine or a device mesh each hold the process group, and one left alive keeps it past
+    ``destroy_process_group`` until the interpreter tears down, where gloo's threads end the process
+    with SIGABRT ("terminate called without an active exception"; pytorch/pytorch#179291)."""
+    gc.collect()  # the objects' reference cycles (modules and their hooks) hold the group too
     if result is not None:
         text = json.dumps(result, indent=1, default=str)
         print(text, flush=True)

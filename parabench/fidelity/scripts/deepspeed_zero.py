@@ -84,9 +84,8 @@ def main():
         "ds_config": config,
         "deepspeed": deepspeed.__version__,
     }
-    result = _gpt.measure(args, device, step, batches, args.micro_batch * world * args.seq_len, library)
-    _gpt.finish(args, result)
+    return args, _gpt.measure(args, device, step, batches, args.micro_batch * world * args.seq_len, library)
 
 
 if __name__ == "__main__":
-    main()
+    _gpt.finish(*main())

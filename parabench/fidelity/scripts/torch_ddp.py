@@ -72,9 +72,8 @@ def main():
         "optimizer": ("MasterWeightAdamW over " if master else "") + ("fused" if cuda else "foreach") + " AdamW",
         "ddp": {"gradient_as_bucket_view": True, "bucket_cap_mb": 25},
     }
-    result = _gpt.measure(args, device, step, batches, args.micro_batch * world * args.seq_len, library)
-    _gpt.finish(args, result)
+    return args, _gpt.measure(args, device, step, batches, args.micro_batch * world * args.seq_len, library)
 
 
 if __name__ == "__main__":
-    main()
+    _gpt.finish(*main())

@@ -74,9 +74,8 @@ def main():
             "reshard_after_forward": "every block but the last; root True",
         },
     }
-    result = _gpt.measure(args, device, step, batches, args.micro_batch * world * args.seq_len, library)
-    _gpt.finish(args, result)
+    return args, _gpt.measure(args, device, step, batches, args.micro_batch * world * args.seq_len, library)
 
 
 if __name__ == "__main__":
-    main()
+    _gpt.finish(*main())

@@ -107,9 +107,8 @@ def main():
         + ("fused" if cuda else "foreach")
         + " AdamW",
     }
-    result = _gpt.measure(args, device, step, batches, args.micro_batch * args.seq_len, library)
-    _gpt.finish(args, result)
+    return args, _gpt.measure(args, device, step, batches, args.micro_batch * args.seq_len, library)
 
 
 if __name__ == "__main__":
-    main()
+    _gpt.finish(*main())
