@@ -376,14 +376,14 @@ def preregistered(predictions_path, run_dir, worst: int = 8) -> dict:
 
     doc = json.loads(Path(predictions_path).read_text())
     by_hash = {p["case_hash"]: p for p in doc["predictions"]}
-    launch_records = load_run(Path(run_dir))[1]
-    launch_steps: dict[str, list[float]] = {}
-    for r in launch_records:
-        step = (r.get("metrics") or {}).get("step_time_s_median")
-        if r.get("status") == "ok" and step:
-            launch_steps.setdefault(r.get("case_hash"), []).append(step)
     # a case launched several times (repeats) is one configuration: its medians over launches
-    records = combine_launches(launch_records)
+    records = combine_launches(load_run(Path(run_dir))[1])
+    launch_steps = {
+        r.get("case_hash"): [
+            x["step_time_s_median"] for x in r.get("launches", ()) if x["status"] == "ok" and x["step_time_s_median"]
+        ]
+        for r in records
+    }
     rows, unmatched = [], []
     for r in records:
         p = by_hash.get(r.get("case_hash"))
