@@ -26,8 +26,9 @@ COLUMNS = [
 ]
 
 
-def prediction_rows(runs, calibration_dir=None) -> tuple[list[dict], list[str]]:
-    """(rows, device names without a calibration) for every ok record the model covers."""
+def prediction_rows(runs, calibration_dir=None) -> tuple[list[dict], list[str], list[tuple[str, str]]]:
+    """(rows, device names without a calibration, (kind, what it says of itself) of each calibration
+    derived from another part's) for every ok record the model covers."""
     from parabench.plan import calibrate as C
     from parabench.plan import model as M
     from parabench.plan.workload import from_record
@@ -72,7 +73,9 @@ def prediction_rows(runs, calibration_dir=None) -> tuple[list[dict], list[str]]:
                     "kind": kind,
                 }
             )
-    return rows, sorted(missing)
+    used = {r["kind"] for r in rows}
+    derived = [(k, cals[k]["derived_from"]["doc"]) for k in sorted(used) if "derived_from" in cals[k]]
+    return rows, sorted(missing), derived
 
 
 VALIDATION_COLUMNS = [
@@ -183,7 +186,7 @@ def validation_spec(kinds: list[str], calibration_dir=None) -> list[dict]:
 def table_specs(runs, run_col: list, calibration_dir=None) -> list[dict]:
     """The section as keyword arguments of ``parabench.report.html._table``: the table, or one line
     saying no calibration covers the run's device (CPU runs)."""
-    rows, missing = prediction_rows(runs, calibration_dir)
+    rows, missing, derived = prediction_rows(runs, calibration_dir)
     if not rows and not missing:
         return []
     note = (
@@ -195,12 +198,8 @@ def table_specs(runs, run_col: list, calibration_dir=None) -> list[dict]:
         note = f"No planner calibration for {', '.join(missing)}: no predictions (calibrated GPU kinds only)."
     elif missing:
         note += f" No calibration for {', '.join(missing)}: those cases are left out."
-    from parabench.plan import calibrate as C
-
-    for kind in sorted({r["kind"] for r in rows}):
-        derived = (C.load_kind(kind, calibration_dir) or {}).get("derived_from")
-        if derived:
-            note += f" {derived['doc'][0].upper()}{derived['doc'][1:]}; it includes no {kind} run."
+    for kind, doc in derived:
+        note += f" {doc[0].upper()}{doc[1:]}; it includes no {kind} run."
     return [
         {
             "id_": "predicted",
