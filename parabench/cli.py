@@ -164,6 +164,18 @@ def _run_suite(suite: Suite, args) -> int:
             print(f"\nparabench: interrupted; finished world sizes are kept in {run_dir}", file=sys.stderr)
             return 130
     else:
+        if args.no_skips:
+            from parabench.runner import skip_reason
+
+            launch = _launch_options(args)
+            skips = [(c.label, why) for c in suite.cases if (why := skip_reason(c, launch))]
+            if skips:
+                print(
+                    f"parabench: error: --no-skips: {len(skips)} of {len(suite.cases)} cases would be skipped "
+                    "here; nothing was run:\n" + "\n".join(f"  {label}: {why}" for label, why in skips),
+                    file=sys.stderr,
+                )
+                return 2
         print(f"parabench: suite {suite.name}: {len(suite.cases)} cases -> {run_dir}", flush=True)
         runner = Runner(suite, run_dir, _launch_options(args), resume=args.resume, retry_failed=args.retry_failed)
         try:
@@ -494,6 +506,12 @@ def build_parser() -> argparse.ArgumentParser:
             "--strict",
             action="store_true",
             help="exit 1 also when a case was skipped (e.g. more ranks than devices); a failed case always exits 1",
+        )
+        p.add_argument(
+            "--no-skips",
+            action="store_true",
+            help="before the first launch, check that no case would be skipped here (a missing package "
+            "such as torchao, too few GPUs); if one would, name each with its reason, run nothing, exit 2",
         )
         p.add_argument(
             "--repeats",

@@ -3,12 +3,13 @@
 #
 #   DEADLINE_S=560 bash scripts/device_run.sh OUT_DIR SUITE [SUITE ...]
 #
-# Installs the wheels in .whl/ (DeepSpeed and its pure-Python needs, made by
-# ../shared/tools/gpu-wheels.sh), keeps NVLink multicast off in NCCL, PyTorch and NVSHMEM (the
-# shared host requires it; torchrun passes the environment to every rank), runs the suites in
-# order within DEADLINE_S seconds in all, and after each one rewrites OUT_DIR/results.tgz
-# (records, manifests, reports; no logs) and OUT_DIR/logs.tgz, so a suite cut off by the
-# deadline still leaves everything finished before it. Console output goes to OUT_DIR/console.txt.
+# Installs the wheels in .whl/ (DeepSpeed and its pure-Python needs, torchao and libaio, made by
+# scripts/device_wheels.sh), refuses a suite with a case that would be skipped there (--no-skips;
+# DEVICE_ALLOW_SKIPS=1 lets such cases be recorded as skipped), keeps NVLink multicast off in
+# NCCL, PyTorch and NVSHMEM (the shared host requires it; torchrun passes the environment to every
+# rank), runs the suites in order within DEADLINE_S seconds in all, and after each one rewrites
+# OUT_DIR/results.tgz (records, manifests, reports; no logs) and OUT_DIR/logs.tgz, so a suite cut
+# off by the deadline still leaves everything finished before it. Console output goes to OUT_DIR/console.txt.
 # PARABENCH_ARGS pass to every `parabench run suite` (e.g. --repeats 3, or --filter 'ref.ddp gpt-1.3b':
 # shell quoting holds a filter with spaces together), PARABENCH_FIDELITY_ARGS to
 # the `parabench fidelity` that follows a peer-fidelity suite (e.g. --launches 3).
@@ -46,6 +47,8 @@ work=${DEVICE_WORK:-/tmp/parabench-device}
 mkdir -p "$work/res" "$out"
 [ -f "$work/run_id" ] || date -u +%Y%m%d-%H%M%S > "$work/run_id"
 run_args="--run-id $(cat "$work/run_id") --resume"
+# a case skipped for something this machine lacks (torchao, GPUs) wastes the lease: stop at once
+[ "${DEVICE_ALLOW_SKIPS:-0}" = 1 ] || run_args="$run_args --no-skips"
 eval "suite_args=(${PARABENCH_ARGS:-})"
 pack() {
   tar czf "$out/results.tgz" --exclude='logs' --exclude='.scratch' -C "$work/res" .

@@ -507,3 +507,29 @@ def test_a_custom_shape_trains_end_to_end_and_a_malformed_one_names_the_line(tmp
     )
     rc, _, err = cli(capsys, "run", "suite", bad, "--out", tmp_path / "res")
     assert rc == 2 and f"b.toml:{line_of(bad, 'custom-L1-d30-h4')}" in err and "custom-L<layers>" in err
+
+
+def test_no_skips_names_every_case_that_would_be_skipped_and_runs_nothing(tmp_path, capsys):
+    # On CPU an fp8 case is always skipped (float8 matmuls need an sm_89+ GPU), so it stands for the
+    # GPU machine that lacks torchao: the flag must stop the suite before its first launch.
+    suite = write_suite(
+        tmp_path,
+        """
+        [suite]
+        name = "needs-a-gpu"
+        device = "cpu"
+        steps = 1
+        warmup = 0
+
+        [[matrix]]
+        model = "tiny"
+        strategy = "single"
+        world_size = 1
+        precision = "bf16"
+        recipe = ["amp", "fp8"]
+        """,
+    )
+    rc, out, err = cli(capsys, "run", "suite", str(suite), "--out", str(tmp_path / "res"), "--no-skips")
+    assert rc == 2, out + err
+    assert "1 of 2 cases would be skipped" in err and "fp8" in err and "nothing was run" in err
+    assert not (tmp_path / "res").exists()
