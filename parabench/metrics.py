@@ -12,6 +12,9 @@ Names carry their units. Conventions:
   checkpointing (``parabench.models.HFU_CONVENTION``); equal to ``mfu`` without it.
 - ``first_step_s_max``: the first warm-up step (slowest rank), timed apart from the timed steps;
   ``compile_s`` (cases with option ``compile``): that step minus ``step_time_s_median``.
+- ``host_dispatch_us_max``: the slowest host of the launch, the largest of the ranks' probes
+  (``parabench.meters.host``: µs to issue one tiny op, before the warm-up and after the timed
+  steps); None in records made before it was measured.
 - Memory: the maximum over ranks of each rank's peak during the timed steps.
 - ``loss_scale`` (fp16 only, else None): see :func:`loss_scale_summary`; the fp16-vs-fp32 loss
   deviation of two records of the same case is :func:`loss_deviation` (for the report).
@@ -106,6 +109,7 @@ def summarize(case, raw: dict) -> dict:
         "final_loss": next((l for l in reversed(losses) if l is not None), None),
         "setup_s_max": max(r["setup_s"] for r in per_rank),
         **first_step_summary(case, per_rank, median),
+        "host_dispatch_us_max": host_dispatch_max(per_rank),
         "loss_scale": loss_scale_summary(raw.get("loss_scale")),
         **telemetry_summary(per_rank, tokens_per_step * len(steps)),
     }
@@ -119,6 +123,11 @@ def first_step_summary(case, per_rank: list[dict], median_step_s: float) -> dict
     first = max(firsts) if firsts and all(f is not None for f in firsts) else None
     compiled = bool(case.options.get("compile")) and first is not None
     return {"first_step_s_max": first, "compile_s": first - median_step_s if compiled else None}
+
+
+def host_dispatch_max(per_rank: list[dict]) -> float | None:
+    probes = [p["dispatch_us"] for r in per_rank for p in (r.get("host_probe") or {}).values()]
+    return max(probes) if probes else None
 
 
 def lowest_or_highest(rows: list[dict], key: str, pick) -> float | None:

@@ -46,7 +46,7 @@ from parabench.case import Case
 from parabench.distributed import init_process_group, pick_device, synchronize
 from parabench.fp8 import recorded_conversions
 from parabench.hardware import device_name, measured_matmul_flops, peak_flops
-from parabench.meters import flight_recorder, memory, telemetry
+from parabench.meters import flight_recorder, host, memory, telemetry
 from parabench.meters.comm import CommMeter
 from parabench.meters.traces import TraceFiles
 from parabench.models import global_batch
@@ -310,6 +310,7 @@ def run_case(
     # it may sync the host with the device (GradScaler keeps its scale on the GPU): a small cost on
     # the timed steps of fp16 cases, and none at all on other cases, which never call it.
     scales: list | None = [] if case.precision == "fp16" else None
+    host_before = host.probe(device)  # the host's speed around the timed steps, off the clock
     progress.phase("warm-up", case.warmup)
     # The first warm-up step alone, synchronised on both ends: it carries torch.compile's
     # compilation (option compile) and every other first-call cost, kept out of the timed steps.
@@ -353,6 +354,7 @@ def run_case(
     step_times = clock.durations_s()
     device_telemetry = sampler.stop() if sampler is not None else None
     peak = memory.read_peak(device)
+    host_probe = {"before": host_before, "after": host.probe(device)}
 
     # The instrumented step: communication meter on and state bytes sampled, off the clock.
     progress.phase("instrumented")
@@ -424,6 +426,7 @@ def run_case(
         "allocated_at_start_bytes": leftover,
         "loss_scale": scales,
         "telemetry": device_telemetry,
+        "host_probe": host_probe,
     }
     if breakdown is not None:
         # what the meter's step ran: compiled blocks run their eager code under it (eager_under_meter)
