@@ -45,6 +45,9 @@ TIMING_METRICS = (
 # Memory figures that move between launches of the same code (the allocator's reserved peak moved
 # 10-13 % between two H100 launches, 2026-11-26): the case-level value is their median too.
 NOISY_MEMORY = ("peak_reserved_bytes", "device_used_bytes", "peak_rss_bytes")
+# What a launch ran on rather than what it measured: kept per launch, so that a launch-to-launch
+# spread can be set beside it (the slowest rank's host probe, ``parabench.meters.host``).
+LAUNCH_CONDITIONS = ("host_dispatch_us_max",)
 # Summarised with an interval and a coefficient of variation in ``launch_stats``.
 SUMMARISED = ("step_time_s_median", "tokens_per_s", "tokens_per_s_per_device")
 CI_LEVEL = 0.95
@@ -240,7 +243,7 @@ def _combine(launches: list[dict]) -> dict:
                 "status": r.get("status"),
                 "started_at": r.get("started_at"),
                 "duration_s": r.get("duration_s"),
-                **{k: m.get(k) for k in TIMING_METRICS + NOISY_MEMORY},
+                **{k: m.get(k) for k in TIMING_METRICS + NOISY_MEMORY + LAUNCH_CONDITIONS},
             }
         )
     if ok:

@@ -134,6 +134,7 @@ def _launch(hash_: str, k: int, step_s: float, status: str = "ok") -> dict:
             "tokens_per_s_per_device": 50 / step_s,
             "peak_alloc_bytes": k,
             "peak_reserved_bytes": (50, 10, 90)[k],
+            "host_dispatch_us_max": 2.0 + k,
         }
         if status == "ok"
         else None,
@@ -148,6 +149,7 @@ def test_launches_combine_into_one_case_record():
     assert a["launch_stats"]["representative_repeat"] == 1 and a["metrics"]["peak_alloc_bytes"] == 1
     assert a["metrics"]["peak_reserved_bytes"] == 50  # noisy memory: median of 50, 10, 90 (not the representative's)
     assert [r["repeat"] for r in a["launches"]] == [0, 1, 2]
+    assert [r["host_dispatch_us_max"] for r in a["launches"]] == [2.0, 3.0, 4.0]  # each launch's host, kept
     assert a["launch_stats"]["tokens_per_s"]["samples"] == [100 / 1.0, 100 / 1.1, 100 / 1.2]
     assert a["launch_stats"]["tokens_per_s"]["ci_coverage"] == 0.75
     assert b["launch_stats"]["n"] == 1 and b["launch_stats"]["tokens_per_s"]["cv"] is None

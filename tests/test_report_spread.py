@@ -36,3 +36,18 @@ def test_same_case_in_two_runs_counts_as_a_repeat_and_single_cases_do_not():
 def test_report_shows_the_section():
     html = render_report([H100X2], with_figures=False)
     assert "Run-to-run spread of repeated cases" in html
+
+
+def test_spread_row_sets_the_launches_host_speed_beside_their_spread():
+    manifest, records = load_run(H100X2)
+    [one] = [r for r in records if r["label"] == "ref.ddp gpt-1.3b w2 bf16 mb4"]
+
+    def launch(host_us: float | None, tokens_per_s: float) -> dict:
+        return {**one, "metrics": {**one["metrics"], "host_dispatch_us_max": host_us, "tokens_per_s": tokens_per_s}}
+
+    fast, slow = launch(2.4, 100.0), launch(6.9, 80.0)
+    [row] = spread_rows([(manifest, [fast]), ({"suite": "again", "run_id": "2"}, [slow])])
+    assert row["host_dispatch_us_range"] == "2.4 – 6.9" and row["spread_pct"] > 20
+    # records made before the probe existed: no host column value, the rest as before
+    [old] = spread_rows([(manifest, [one]), ({"suite": "again", "run_id": "2"}, [one])])
+    assert old["host_dispatch_us_range"] is None and old["spread_pct"] == 0

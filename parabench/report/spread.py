@@ -36,6 +36,7 @@ COLUMNS = [
     ("spread_pct", "spread % (max-min)/mean", "f2"),
     ("cv_pct", "CV %", "f2"),
     ("peak_alloc_spread_pct", "peak memory spread %", "f2"),
+    ("host_dispatch_us_range", "host µs/op, min – max", "str"),
 ]
 NOTE = (
     "Cases measured more than once in these runs: separate launches of the same case (repeats), other "
@@ -43,7 +44,9 @@ NOTE = (
     "sample per launch. The interval is the order-statistic interval of the median with the probability "
     "it covers the true median (fewer than 6 samples cannot reach 95 %). Spread is (max - min) / mean of "
     "the tokens/s; CV the sample standard deviation over the mean. A difference between two strategies "
-    "smaller than these spreads is not a difference."
+    "smaller than these spreads is not a difference. Host µs/op: per launch, the slowest rank's time to "
+    "issue one tiny op (probed before the warm-up and after the timed steps); where the spread follows "
+    "it, the host moved, not the strategy (host-bound cases: small micro-batches, per-tensor hooks)."
 )
 _NOT_SHAPE = ("strategy", "seed", "repeats", "repeat", "timeout_s", "own_launch", "comm_meter")
 
@@ -54,13 +57,13 @@ def _key(case: dict) -> str:
     )
 
 
-def _tps_samples(r: dict) -> list[float]:
-    """One tokens/s per launch: the launches of a combined record, else its own figure."""
-    samples = launch_samples(r, "tokens_per_s")
+def _samples(r: dict, metric: str) -> list[float]:
+    """One value of ``metric`` per launch: the launches of a combined record, else its own figure."""
+    samples = launch_samples(r, metric)
     if samples:
         return samples
-    v = as_number(dig(r, "metrics", "tokens_per_s"))
-    return [v] if v else []
+    v = as_number(dig(r, "metrics", metric))
+    return [v] if v is not None else []
 
 
 def spread_rows(runs) -> list[dict]:
@@ -72,12 +75,13 @@ def spread_rows(runs) -> list[dict]:
                 groups.setdefault(_key(r["case"]), []).append((run, r))
     rows = []
     for members in groups.values():
-        tps = [t for _, r in members for t in _tps_samples(r) if t]
+        tps = [t for _, r in members for t in _samples(r, "tokens_per_s") if t]
         if len(tps) < 2:
             continue
         mean = statistics.fmean(tps)
         low, high, cover = median_ci(tps)
         peaks = [p for p in (as_number(dig(r, "metrics", "peak_alloc_bytes")) for _, r in members) if p]
+        hosts = [h for _, r in members for h in _samples(r, "host_dispatch_us_max")]
         rows.append(
             {
                 "label": members[0][1].get("label", ""),
@@ -96,6 +100,7 @@ def spread_rows(runs) -> list[dict]:
                 "peak_alloc_spread_pct": (max(peaks) - min(peaks)) / statistics.fmean(peaks) * 100
                 if len(peaks) >= 2
                 else None,
+                "host_dispatch_us_range": f"{min(hosts):.1f} – {max(hosts):.1f}" if hosts else None,
             }
         )
     return sorted(rows, key=lambda r: r["label"])
@@ -151,14 +156,14 @@ def ratio_rows(runs) -> list[dict]:
     for manifest, records in runs:
         by_shape: dict[str, list[dict]] = {}
         for r in records:
-            if r.get("status") == "ok" and len(_tps_samples(r)) >= 2:
+            if r.get("status") == "ok" and len(_samples(r, "tokens_per_s")) >= 2:
                 by_shape.setdefault(_shape(r["case"]), []).append(r)
         for members in by_shape.values():
             for ref in members:
                 for peer in members:
                     if not is_peer(ref["case"]["strategy"], peer["case"]["strategy"]):
                         continue
-                    a, b = _tps_samples(ref), _tps_samples(peer)
+                    a, b = _samples(ref, "tokens_per_s"), _samples(peer, "tokens_per_s")
                     est, low, high, cover = ratio_ci(a, b)
                     c = ref["case"]
                     rows.append(
