@@ -206,8 +206,8 @@ def ops_from_stats(stages: list[dict]) -> list[list[Op]]:
 def replay(stages: list[dict]) -> dict | None:
     """The bubble a pipeline case's own schedule implies, from its per-stage statistics (stage
     order): ``simulated`` with the measured op times and ``equal`` with each kind's mean, each
-    ``{bubble_mean, bubble, step_s}``. None where a stage recorded no timeline (a peer's schedule,
-    or a stage count that does not match ``stages``)."""
+    ``{bubble_mean, bubble, step_s}``. None where a stage recorded no timeline (DeepSpeed's
+    pipeline engine, or a stage count that does not match ``stages``)."""
     if not stages or any(not p.get("timeline") or not p.get("order") for p in stages):
         return None
     n = stages[0].get("stages")

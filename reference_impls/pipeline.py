@@ -176,8 +176,12 @@ class StageClock:
         """Blocking receive into ``buf``, its wait recorded (``detail``: extra fields of the event)."""
         t0 = self.mark()
         dist.recv(buf, src=src, group=group, tag=tag)
-        self._entries.append(("wait", -1, t0, self.mark(), *detail))
+        self.waited(t0, self.mark(), *detail)
         return buf
+
+    def waited(self, t0: int, t1: int, *detail) -> None:
+        """The stage waited for a neighbour from mark ``t0`` to mark ``t1``."""
+        self._entries.append(("wait", -1, t0, t1, *detail))
 
     def computed(self, kind: str, micro: int, t0: int, t1: int, *detail) -> None:
         """Micro-batch ``micro``'s op ``kind`` ran from mark ``t0`` to mark ``t1``."""

@@ -39,9 +39,18 @@ ZB-H1's (Qi et al. 2024, Sec. 3.1; the class calls it ZB1P), with the backward s
 ``stage_backward_input`` and ``stage_backward_weight``. It is the zero-bubble schedule of torch
 that takes the same one-stage-per-rank layout as ``ref.pp_zb``; ``ScheduleZBVZeroBubble`` and
 ``ScheduleDualPipeV`` need exactly two stages per rank in a V.
+
+Option ``record_timeline``: on the worker's untimed timeline step, every action the schedule runs
+(``forward_one_chunk`` F, ``backward_one_chunk`` B, ``backward_weight_one_chunk`` W) and every
+wait for its point-to-point transfers (``schedules._wait_batch_p2p``) is timed with the
+reference's ``StageClock`` (CUDA events on a GPU), so ``pipeline_stats`` gives the same timeline,
+order and bubble as the reference engines, and the report replays both alike. The timed steps
+run the schedule untouched.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -53,6 +62,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
 )
+from torch.distributed.pipelining import schedules as pp_schedules
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parabench.families.model_parallel import ModelParallelOptions
@@ -67,7 +77,11 @@ from parabench.peers.common import (
     tensor_bytes,
 )
 from parabench.strategies import Trainer, TrainSpec
-from reference_impls.pipeline import partition_layers
+from reference_impls import pipeline_interleaved, pipeline_zb
+from reference_impls.pipeline import StageClock, bubble_fraction_theory, partition_layers
+
+# The reference engines' schedule names, so a bubble row reads the same theory for both.
+SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b", "zb": "zb_h1"}
 
 
 class GPTStage(nn.Module):
@@ -131,6 +145,8 @@ class TorchPipelineTrainer(Trainer):
         self.optimizer = recipe_optimizer(self.params, spec)
         self.measure_state = False
         self._grad_bytes = 0
+        self.schedule_name = schedule
+        self._stats: dict | None = None
 
     def _wrap(self, module: GPTStage) -> DDP:
         # No find_unused_parameters: every parameter of a stage gets a gradient in every step.
@@ -153,15 +169,24 @@ class TorchPipelineTrainer(Trainer):
     def strategy_stats(self) -> dict:
         return {"dp_grad_sync": self.dp_grad_sync}
 
+    def pipeline_stats(self) -> dict | None:
+        return self._stats
+
     def train_step(self, inputs, targets):
         losses: list = []
         kwargs = {}
         if self.has_last:
             kwargs.update(target=targets, losses=losses)
-        if self.has_first:
-            self.schedule.step(inputs, **kwargs)
+        args = (inputs,) if self.has_first else ()
+        self._stats = None
+        if self.record_timeline:
+            clock = StageClock(self.spec.device, device_timed=True)
+            with timed_actions(self.stages, clock) as order:
+                self.schedule.step(*args, **kwargs)
+            clock.drain([])  # the schedule waited for its own sends before returning
+            self._stats = self._timeline_stats(clock, order)
         else:
-            self.schedule.step(**kwargs)
+            self.schedule.step(*args, **kwargs)
         dp = self.spec.topology.dp_group
         if self.dp_grad_sync == "bucketed_all_reduce_after_schedule":
             average_over_dp(self.params, dp)
@@ -170,6 +195,24 @@ class TorchPipelineTrainer(Trainer):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return torch.stack([l.detach().float() for l in losses]).mean() if self.has_last else None
+
+    def _timeline_stats(self, clock: StageClock, order: list[str]) -> dict:
+        p, m, v = self.spec.topology.pp, self.n_micro, len(self.stages)
+        theory = {
+            "gpipe": lambda: bubble_fraction_theory(p, m),
+            "1f1b": lambda: bubble_fraction_theory(p, m),
+            "interleaved": lambda: pipeline_interleaved.bubble_fraction_theory(p, v, m),
+            "zb": lambda: pipeline_zb.bubble_fraction_theory(p, m),
+        }[self.schedule_name]()
+        return {
+            "schedule": SCHEDULE_NAMES[self.schedule_name],
+            "stage": self.pp_rank,
+            "stages": p,
+            "microbatches": m,
+            "order": order,
+            **clock.finish(),
+            "bubble_fraction_theory": theory,
+        }
 
     def state_bytes(self):
         return {
@@ -192,6 +235,48 @@ class TorchPipelineTrainer(Trainer):
             if r["dp"] == 0:
                 full.update(r["params"])
         return full
+
+
+ACTIONS = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_one_chunk": "W"}
+
+
+@contextlib.contextmanager
+def timed_actions(stages: list[PipelineStage], clock: StageClock):
+    """While open, every action of ``stages`` and every wait for a point-to-point transfer is an
+    interval of ``clock`` (each entry's detail: the stage's global chunk index); yields the list
+    the actions are appended to, in the order they ran (labels as the reference's: ``F3c1``)."""
+    order: list[str] = []
+
+    def timed(stage: PipelineStage, method: str, kind: str):
+        run = getattr(stage, method)
+
+        def action(chunk_id, *args, **kwargs):
+            t0 = clock.mark()
+            out = run(chunk_id, *args, **kwargs)
+            clock.computed(kind, chunk_id, t0, clock.mark(), stage.stage_index)
+            order.append(f"{kind}{chunk_id}c{stage.stage_index}")
+            return out
+
+        return action
+
+    wait = pp_schedules._wait_batch_p2p
+
+    def timed_wait(work):
+        t0 = clock.mark()
+        wait(work)
+        clock.waited(t0, clock.mark())
+
+    try:
+        for stage in stages:
+            for method, kind in ACTIONS.items():
+                setattr(stage, method, timed(stage, method, kind))
+        pp_schedules._wait_batch_p2p = timed_wait  # the schedules call it by its module-level name
+        yield order
+    finally:
+        pp_schedules._wait_batch_p2p = wait
+        for stage in stages:
+            for method in ACTIONS:
+                stage.__dict__.pop(method, None)
 
 
 def dp_grad_sync(schedule: str, dp: int) -> str:

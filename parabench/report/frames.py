@@ -499,7 +499,8 @@ def bubble_rows(runs) -> list[dict]:
     range over stages) against its schedule's theory as the stage recorded it ((p−1)/(m+p−1) for
     GPipe and 1F1B with p stages and m micro-batches); ``agrees`` is
     False where the mean differs by more than ``BUBBLE_TOLERANCE`` and None without a measurement
-    (a peer's schedule, or a GPU case without record_timeline, whose host clock saw launches only).
+    (DeepSpeed's pipeline engine, or a GPU case without record_timeline, whose host clock saw launches
+    only).
 
     Beside it, the decomposition ``measured = theory + op ratio + imbalance + residual`` from
     replaying the case's own schedule (``_bubble_replay``): op ratio = equal-stage simulation −
