@@ -493,6 +493,23 @@ def test_predicted_bubble_is_the_stretch_of_the_per_micro_batch_work():
     assert p.time_s["bubble"] == pytest.approx(per_mb * (1 - 1 / stretch))
 
 
+def test_a_pipeline_at_its_host_floor_says_so():
+    """One-row micro-batches whose actions last the host's time per block, not their device work,
+    carry the note that their time follows the host's speed; data parallelism never does."""
+    cfg = model_config("gpt-350m")
+    consts = M.time_constants({"inv_rate": 1 / 790e12, "pp_host_block_s": 0.8e-3})
+
+    def notes(strategy, micro_batch, **options):
+        w = for_config(
+            model="gpt-350m", cfg=cfg, strategy=strategy, world_size=2, micro_batch=micro_batch, options=options
+        )
+        return M.predict(w, _cal(**consts)).notes
+
+    assert M.HOST_FLOOR_NOTE in notes("ref.pp_1f1b", 8, pp=2, microbatches=8)  # one row: 0.2 ms a block's F
+    assert M.HOST_FLOOR_NOTE not in notes("ref.pp_1f1b", 64, pp=2, microbatches=2)  # 32 rows: device-bound
+    assert M.HOST_FLOOR_NOTE not in notes("ref.ddp", 8)
+
+
 def test_zero_bubble_and_interleaved_bubbles_follow_their_papers():
     """ZB-H1: (p-1) max(T_F, T_B, T_F+T_B-T_W) of idle against m (T_F+T_B+T_W) of compute, (p-1)/(3m+p-1)
     of the step at equal times; interleaved 1F1B divides 1F1B's (p-1)/m by the v chunks per rank."""

@@ -320,6 +320,11 @@ def ddp_stages(w: "Workload") -> bool:
     return _runs_ddp_stages(w.strategy, w.strategy_version)
 
 
+HOST_FLOOR_NOTE = (
+    "pipeline actions at the host floor (the host time per block outlasts their device work): they follow "
+    "the host's speed, which changed up to 3x between launches on the GPU hosts measured, and one- and "
+    "two-row micro-batches moved up to 29 % (docs/planner.md)"
+)
 SPLIT_GRAPHS_NOTE = (
     "peak may be low: Dynamo's DDPOptimizer cuts the compiled blocks at DDP's buckets, and nothing measured "
     "says what that saves with this recipe or checkpointing (ddp_optimizer = false compiles whole blocks)"
@@ -722,6 +727,14 @@ def pipeline_host_floors(w: Workload, consts: dict) -> list[float]:
     which shows where one action's device work is short (few rows, few blocks per chunk)."""
     per_block = (consts or {}).get("pp_host_block_s", 0.0)
     return [per_block * n for n in _chunk_layers(w)]
+
+
+def host_floor_binds(w: Workload, consts: dict) -> bool:
+    """Whether some pipeline action of ``w`` lasts its host floor rather than its device work."""
+    if w.pp <= 1:
+        return False
+    floors = pipeline_host_floors(w, consts)
+    return any(0 < cost < floor for costs, floor in zip(pipeline_op_costs(w, consts), floors) for cost in costs)
 
 
 def time_features(w: Workload, collectives: dict, consts: dict | None = None) -> dict:
@@ -1326,7 +1339,7 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
         per_mb = sum(tc[k] * feats[k] for k in TIME_PARTS[part] if k in PER_MICROBATCH)
         parts["bubble"] += per_mb * (1 - 1 / stretch)
         parts[part] -= per_mb * (1 - 1 / stretch)
-    notes = []
+    notes = [HOST_FLOOR_NOTE] if host_floor_binds(w, tc) else []
     factor = 1.0
     if impl:
         factor, source = impl_factor(w, cal.get("impl_time") or {})
