@@ -4,8 +4,8 @@ alike in a step time, and this tells them apart.
 Micro-batches of one row make a pipeline host-bound: a stage's forward then lasts as long as
 Python, the dispatcher and the kernel launches take to issue it. On the virtual machines the
 committed GPU results come from, one launch of a gpt-350m one-row pipeline issued a block's forward
-in 0.19 ms and the next launch in 0.69 ms, on the same GPUs at the same clocks (docs/planner.md,
-"the host floor"). The probe times ``ops`` tiny in-place adds on the rank's device with no
+in 0.19 ms and the next launch in 0.69 ms, on the same GPUs at the same clocks (docs/results.md,
+"2026-11-27, late evening"). The probe times ``ops`` tiny in-place adds on the rank's device with no
 synchronisation between them (on CUDA: dispatch plus kernel launch, the queue never fills), takes
 the median of ``repeats`` rounds, and notes the CPU the rank's main thread was on. The worker
 probes before the warm-up and after the timed steps, so the record carries the host's speed over
