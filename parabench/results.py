@@ -242,12 +242,13 @@ def library_versions() -> dict:
         v["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
     except Exception:
         v["nccl"] = None
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-        v["deepspeed"] = version("deepspeed")
-    except Exception:
-        v["deepspeed"] = None
+    for package in ("deepspeed", "torchao"):  # the peers' library; the fp8 recipe's float8 training
+        try:
+            v[package] = version(package)
+        except PackageNotFoundError:
+            v[package] = None
     from parabench import __version__
 
     v["parabench"] = __version__

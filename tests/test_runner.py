@@ -301,3 +301,20 @@ def test_manifest_names_the_cpu_the_host_bound_libraries_ran_on():
     assert host["cpu_model"]
     assert 1 <= host["cpus_usable"] <= host["cpu_count"]
     assert host["memory_bytes"] > 1 << 30
+
+
+def test_manifest_names_the_libraries_a_result_depends_on():
+    """The peers' library and the fp8 recipe's float8 training are versions of their own: a result
+    made with other ones is another result."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from parabench.results import make_manifest
+    from parabench.suite import load_suite
+
+    versions = make_manifest(load_suite("smoke"), "r")["versions"]
+    for package in ("deepspeed", "torchao"):
+        try:
+            installed = version(package)
+        except PackageNotFoundError:
+            installed = None
+        assert versions[package] == installed, package
