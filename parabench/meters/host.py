@@ -3,9 +3,9 @@ alike in a step time, and this tells them apart.
 
 Micro-batches of one row make a pipeline host-bound: a stage's forward then lasts as long as
 Python, the dispatcher and the kernel launches take to issue it. On the virtual machines the
-committed GPU results come from, one launch of a gpt-350m one-row pipeline issued a block's forward
-in 0.19 ms and the next launch in 0.69 ms, on the same GPUs at the same clocks (docs/results.md,
-"2026-11-27, late evening"). The probe times ``ops`` tiny in-place adds on the rank's device with no
+committed GPU results come from, a gpt-350m one-row GPipe stage issued its forwards at 0.49-0.63 ms
+per block in one launch and 0.32-0.42 ms in the next, on the same GPUs at the same clocks, where the
+device needs 0.19 ms (docs/results.md, "2026-11-27, late evening"). The probe times ``ops`` tiny in-place adds on the rank's device with no
 synchronisation between them (on CUDA: dispatch plus kernel launch, the queue never fills), takes
 the median of ``repeats`` rounds, and notes the CPU the rank's main thread was on. The worker
 probes before the warm-up and after the timed steps, so the record carries the host's speed over

@@ -322,8 +322,8 @@ def ddp_stages(w: "Workload") -> bool:
 
 HOST_FLOOR_NOTE = (
     "pipeline actions at the host floor (the host time per block outlasts their device work): they follow "
-    "the host's speed, which changed up to 3x between launches on the GPU hosts measured, and one- and "
-    "two-row micro-batches moved up to 29 % (docs/planner.md)"
+    "the host's speed, which changed between launches on the GPU hosts measured (0.3-0.9 ms to issue a "
+    "one-row block forward); one- and two-row micro-batches moved up to 29 % (docs/planner.md)"
 )
 SPLIT_GRAPHS_NOTE = (
     "peak may be low: Dynamo's DDPOptimizer cuts the compiled blocks at DDP's buckets, and nothing measured "
