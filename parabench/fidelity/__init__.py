@@ -44,7 +44,7 @@ class PeerScript:
 
 PEER_SCRIPTS: dict[str, PeerScript] = {
     "torch.ddp": PeerScript("torch_ddp.py", ("amp", "master")),
-    "torch.fsdp2": PeerScript("torch_fsdp2.py", ("amp", "master")),
+    "torch.fsdp2": PeerScript("torch_fsdp2.py", ("amp", "master"), options=("compile",)),
     "torch.tp": PeerScript("torch_tp.py", ("amp", "master")),
     "deepspeed.zero1": PeerScript("deepspeed_zero.py", ("master",), ("--stage", "1")),
     "deepspeed.zero2": PeerScript("deepspeed_zero.py", ("master",), ("--stage", "2")),
@@ -135,6 +135,8 @@ def plan(record: dict) -> tuple[list[str] | None, str | None]:
     ]
     if recipe is not None:
         args.append(f"--recipe={recipe}")
+    if options.get("compile"):  # a script that takes it (peer.options), or the case was refused above
+        args.append("--compile")
     args += pipeline_args
     if layout != "separate":
         args.append(f"--layout={layout}")

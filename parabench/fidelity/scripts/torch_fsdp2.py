@@ -12,6 +12,9 @@ Sources:
   reference for FSDP2 at scale: every block resharded after forward except the last, whose
   parameters backward would all-gather again at once.
 - ``torch.optim.AdamW`` with ``fused=True`` on CUDA (``foreach`` elsewhere).
+- ``--compile``: torchtitan's ``apply_compile``, before ``fully_shard``: each block replaced by
+  ``torch.compile(block, fullgraph=True)`` in the model's block list, so FSDP2's hooks sit on the
+  compiled module, outside its graph (PyTorch's FSDP2 + torch.compile guidance: compile per block).
 
 Recipes (``--recipe``, bf16 only): ``master`` (the default): the MixedPrecisionPolicy above.
 ``amp``: no policy, fp32 parameters all-gathered in fp32, bf16 compute under ``torch.autocast``.
@@ -35,6 +38,7 @@ import _gpt  # noqa: E402
 def main():
     ap = _gpt.parser(__doc__.splitlines()[0])
     ap.add_argument("--recipe", choices=("amp", "master"), default="master")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block (torchtitan's order)")
     args = ap.parse_args()
     device = _gpt.init(args)
     bf16 = args.precision == "bf16"
@@ -45,6 +49,9 @@ def main():
     model = _gpt.build_gpt(args, device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if master else None
     extra = {"mp_policy": mp} if mp is not None else {}
+    if args.compile:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, fullgraph=True)
     n = len(model.blocks)
     for i, block in enumerate(model.blocks):
         fully_shard(block, mesh=mesh, reshard_after_forward=i < n - 1, **extra)
@@ -72,6 +79,7 @@ def main():
         "fsdp2": {
             "mp_policy": "param bf16, reduce fp32" if master else None,
             "reshard_after_forward": "every block but the last; root True",
+            "compile": "torch.compile(block, fullgraph=True) per block, before fully_shard" if args.compile else None,
         },
     }
     return args, _gpt.measure(args, device, step, batches, args.micro_batch * world * args.seq_len, library)
