@@ -724,6 +724,21 @@ def _chunk_param_numels(cfg: GPTConfig, lo: int, hi: int, first: bool, last: boo
     return [*(emb if first else ()), *(n for i in range(lo, hi) for n in blocks[i]), *(head if last else ())]
 
 
+def torch_pipeline_schedule(schedule: str, p: int, v: int, n_micro: int) -> dict:
+    """The expectation's pipeline entry for torch.distributed.pipelining's ``schedule`` (the
+    adapters' names: gpipe, 1f1b, interleaved, zb) over ``p`` ranks of ``v`` chunks each, named as
+    the reference engines name theirs."""
+    if schedule == "zb":  # ScheduleInterleavedZeroBubble with one stage per rank runs ZB-H1's order (its ZB1P)
+        return zero_bubble_pipeline(p, n_micro)
+    return {
+        "schedule": "interleaved_1f1b" if v > 1 else ("gpipe" if schedule == "gpipe" else "1f1b"),
+        "microbatches": n_micro,
+        "virtual_stages": v,
+        # Narayanan et al. 2021, Sec. 2.2: v chunks per rank divide the bubble by v.
+        "bubble_fraction": (p - 1) / (v * n_micro + p - 1),
+    }
+
+
 def expect_torch_pipeline(cfg, case, o, dp):
     from reference_impls.pipeline import partition_layers
 
@@ -737,18 +752,9 @@ def expect_torch_pipeline(cfg, case, o, dp):
     for _, pp_rank in grid:
         n = sum(sum(_chunk_param_numels(cfg, *bounds[c], c == 0, c == chunks - 1)) for c in range(pp_rank, chunks, p))
         state.append(recipe_state_bytes(case, n))
-    n_micro = o.n_microbatches * case.grad_accum
-    if case.strategy == "torch.pp_zb":
-        # ScheduleInterleavedZeroBubble with one stage per rank runs ZB-H1's order (its ZB1P)
-        pipeline = zero_bubble_pipeline(p, n_micro)
-    else:
-        pipeline = {
-            "schedule": "interleaved_1f1b" if v > 1 else ("gpipe" if case.strategy == "torch.pp_gpipe" else "1f1b"),
-            "microbatches": n_micro,
-            "virtual_stages": v,
-            # Narayanan et al. 2021, Sec. 2.2: v chunks per rank divide the bubble by v.
-            "bubble_fraction": (p - 1) / (v * n_micro + p - 1),
-        }
+    pipeline = torch_pipeline_schedule(
+        case.strategy.removeprefix("torch.pp_"), p, v, o.n_microbatches * case.grad_accum
+    )
     return Expectation(
         state_bytes=state,
         comm_payload_bytes=per_rank[0],

@@ -65,7 +65,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining import schedules as pp_schedules
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from parabench.families.model_parallel import ModelParallelOptions
+from parabench.families.model_parallel import ModelParallelOptions, torch_pipeline_schedule
 from parabench.models import build_model, lm_loss
 from parabench.peers.common import (
     autocast,
@@ -77,11 +77,7 @@ from parabench.peers.common import (
     tensor_bytes,
 )
 from parabench.strategies import Trainer, TrainSpec
-from reference_impls import pipeline_interleaved, pipeline_zb
-from reference_impls.pipeline import StageClock, bubble_fraction_theory, partition_layers
-
-# The reference engines' schedule names, so a bubble row reads the same theory for both.
-SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b", "zb": "zb_h1"}
+from reference_impls.pipeline import StageClock, partition_layers
 
 
 class GPTStage(nn.Module):
@@ -197,21 +193,17 @@ class TorchPipelineTrainer(Trainer):
         return torch.stack([l.detach().float() for l in losses]).mean() if self.has_last else None
 
     def _timeline_stats(self, clock: StageClock, order: list[str]) -> dict:
-        p, m, v = self.spec.topology.pp, self.n_micro, len(self.stages)
-        theory = {
-            "gpipe": lambda: bubble_fraction_theory(p, m),
-            "1f1b": lambda: bubble_fraction_theory(p, m),
-            "interleaved": lambda: pipeline_interleaved.bubble_fraction_theory(p, v, m),
-            "zb": lambda: pipeline_zb.bubble_fraction_theory(p, m),
-        }[self.schedule_name]()
+        p = self.spec.topology.pp
+        # the expectation's schedule name and bubble, so a bubble row reads them as the reference's
+        theory = torch_pipeline_schedule(self.schedule_name, p, len(self.stages), self.n_micro)
         return {
-            "schedule": SCHEDULE_NAMES[self.schedule_name],
+            "schedule": theory["schedule"],
             "stage": self.pp_rank,
             "stages": p,
-            "microbatches": m,
+            "microbatches": self.n_micro,
             "order": order,
             **clock.finish(),
-            "bubble_fraction_theory": theory,
+            "bubble_fraction_theory": theory["bubble_fraction"],
         }
 
     def state_bytes(self):
