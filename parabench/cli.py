@@ -164,10 +164,10 @@ def _run_suite(suite: Suite, args) -> int:
             print(f"\nparabench: interrupted; finished world sizes are kept in {run_dir}", file=sys.stderr)
             return 130
     else:
+        launch = _launch_options(args)
         if args.no_skips:
             from parabench.runner import skip_reason
 
-            launch = _launch_options(args)
             skips = [(c.label, why) for c in suite.cases if (why := skip_reason(c, launch))]
             if skips:
                 print(
@@ -177,7 +177,7 @@ def _run_suite(suite: Suite, args) -> int:
                 )
                 return 2
         print(f"parabench: suite {suite.name}: {len(suite.cases)} cases -> {run_dir}", flush=True)
-        runner = Runner(suite, run_dir, _launch_options(args), resume=args.resume, retry_failed=args.retry_failed)
+        runner = Runner(suite, run_dir, launch, resume=args.resume, retry_failed=args.retry_failed)
         try:
             counts = runner.run()
         except OutputError as exc:
