@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from parabench.distributed import synchronize
+
 
 def current_cpu() -> int | None:
     """The CPU this thread last ran on (Linux: field 39 of /proc/thread-self/stat), or None."""
@@ -30,22 +32,17 @@ def current_cpu() -> int | None:
         return None
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def probe(device: torch.device, ops: int = 200, repeats: int = 5) -> dict:
     """``dispatch_us``: the host's median time to issue one tiny op on ``device``, in µs;
     ``cpu``: the CPU the calling thread ran on."""
     x = torch.zeros(1, device=device)
     x.add_(1.0)  # the first call's one-off costs (kernel load, dispatcher caches) stay out
-    _sync(device)
+    synchronize(device)
     rounds = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(ops):
             x.add_(1.0)
         rounds.append((time.perf_counter() - t0) / ops)
-        _sync(device)
+        synchronize(device)
     return {"dispatch_us": statistics.median(rounds) * 1e6, "cpu": current_cpu()}
