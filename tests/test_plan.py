@@ -1178,3 +1178,42 @@ def test_the_amp_split_term_is_what_the_cpu_probe_and_the_gpu_records_measured()
     for b in (25, 100):
         measured, modelled = peaks[b][0] - peaks[400][0], peaks[b][1] - peaks[400][1]
         assert abs(measured - modelled) < 0.01 * M.GIB, (b, measured / M.GIB, modelled / M.GIB)
+
+
+def _collectives_doc(n: int, alpha_s: float, busbw_Bps: float) -> dict:
+    rows = []
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        for size in (2**k for k in range(10, 31, 2)):
+            t = alpha_s + size * M.bus_factor(op, n) / busbw_Bps
+            rows.append({"op": op, "algorithm": "backend", "bytes": size, "time_s_median": t})
+        rows.append({"op": op, "algorithm": "ring", "bytes": 2**20, "time_s_median": 1.0})  # not the backend's
+    return {"ok": True, "world_size": n, "device": {"name": "NVIDIA H100 80GB HBM3"}, "rows": rows}
+
+
+def test_collectives_are_fitted_per_group_size_and_priced_by_the_nearest_below(tmp_path):
+    run = tmp_path / "collectives-x" / "r1"
+    run.mkdir(parents=True)
+    (run / "collectives-w2.json").write_text(json.dumps(_collectives_doc(2, 40e-6, 200e9)))
+    (run / "collectives-w4.json").write_text(json.dumps(_collectives_doc(4, 80e-6, 300e9)))
+    fit = C.fit_collectives(tmp_path)
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        by = fit[op]["by_group"]
+        assert sorted(by) == ["2", "4"]
+        assert by["2"]["alpha_s"] == pytest.approx(40e-6, rel=1e-6)
+        assert by["2"]["busbw_Bps"] == pytest.approx(200e9, rel=1e-6)
+        assert by["4"]["busbw_Bps"] == pytest.approx(300e9, rel=1e-6)
+        assert fit[op]["group_size"] == 4  # a group larger than any measured gets the largest's fit
+    nbytes = 1e9
+    for n, measured in ((2, 2), (3, 2), (4, 4), (8, 4)):
+        expect = 80e-6 if measured == 4 else 40e-6
+        expect += nbytes * M.bus_factor("all_gather", n) / (300e9 if measured == 4 else 200e9)
+        assert M.collective_s(fit, "all_gather", nbytes, n, 1) == pytest.approx(expect, rel=1e-6)
+    # a calibration written before group sizes were kept prices every group with its one fit
+    flat = {op: {k: v for k, v in f.items() if k != "by_group"} for op, f in fit.items()}
+    assert M.collective_s(flat, "all_gather", nbytes, 2, 1) == pytest.approx(
+        80e-6 + nbytes * M.bus_factor("all_gather", 2) / 300e9, rel=1e-6
+    )
+    w8 = for_config(model="tiny", cfg=model_config("tiny"), strategy="ref.zero3", world_size=8, micro_batch=1)
+    w4 = dataclasses.replace(w8, world_size=4, dp=4)
+    assert any("over 8 ranks priced with the 4-rank fit" in n for n in M.unmeasured_group_notes(w8, fit))
+    assert M.unmeasured_group_notes(w4, fit) == []

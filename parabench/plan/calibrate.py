@@ -212,34 +212,40 @@ def observations(results_dir="results", kind: str = "h100") -> list[Observation]
 
 
 def fit_collectives(results_dir="results", kind: str = "h100") -> dict:
-    """alpha (s) and bus bandwidth (B/s) per op from the backend rows of the collectives suite,
-    fitted on relative error so small and large messages both count; the largest group size wins."""
-    out: dict = {}
+    """alpha (s) and bus bandwidth (B/s) per op and group size from the backend rows of the
+    collectives suite, fitted on relative error so small and large messages both count. The rows of
+    every run at one group size are pooled. Each op's top level holds its largest group size's fit
+    (what a group larger than any measured gets) and ``by_group`` every measured size's:
+    NCCL's bus bandwidth grows with the group on one NVSwitch host (collectives-h100x4: all-gather of
+    128 MiB at 173 GB/s over 2 ranks, 242 over 4), so one size's constants would misprice the other."""
+    points: dict[tuple[str, int], list] = {}
+    sources: dict[tuple[str, int], list] = {}
     for path in sorted(Path(results_dir).glob("collectives*/*/collectives-w*.json")):
         doc = json.loads(path.read_text())
         if not doc.get("ok") or device_kind((doc.get("device") or {}).get("name")) != kind:
             continue
         n = int(doc["world_size"])
-        by_op: dict[str, list] = {}
         for row in doc.get("rows") or []:
             if row.get("algorithm") == "backend" and row.get("time_s_median"):
-                by_op.setdefault(row["op"], []).append((row["bytes"], row["time_s_median"]))
-        for op, pts in by_op.items():
-            if op in out and out[op]["group_size"] >= n:
-                continue
-            b = np.array([p[0] for p in pts], float)
-            t = np.array([p[1] for p in pts], float)
-            a = np.stack([np.ones_like(b), b], 1) / t[:, None]
-            (alpha, beta), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
-            alpha = max(float(alpha), 0.0)
-            beta = max(float(beta), 1e-15)
-            out[op] = {
-                "alpha_s": alpha,
-                "busbw_Bps": M.bus_factor(op, n) / beta,
-                "group_size": n,
-                "source": str(path.parent),
-                "points": len(pts),
-            }
+                key = (row["op"], n)
+                points.setdefault(key, []).append((row["bytes"], row["time_s_median"]))
+                if str(path.parent) not in sources.setdefault(key, []):
+                    sources[key].append(str(path.parent))
+    out: dict = {}
+    for (op, n), pts in sorted(points.items(), key=lambda kv: kv[0]):
+        b = np.array([p[0] for p in pts], float)
+        t = np.array([p[1] for p in pts], float)
+        a = np.stack([np.ones_like(b), b], 1) / t[:, None]
+        (alpha, beta), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+        fit = {
+            "alpha_s": max(float(alpha), 0.0),
+            "busbw_Bps": M.bus_factor(op, n) / max(float(beta), 1e-15),
+            "group_size": n,
+            "source": ", ".join(sources[(op, n)]),
+            "points": len(pts),
+        }
+        by_group = {**(out.get(op) or {}).get("by_group", {}), str(n): fit}
+        out[op] = {**fit, "by_group": by_group}  # sizes ascend: the largest ends on top
     if not out:
         raise CalibrationError(f"no collectives-suite result for {kind} under {results_dir}")
     return out

@@ -536,11 +536,35 @@ def group_size(w: Workload, kind: str) -> int:
     return w.dp
 
 
+def collective_fit(collectives: dict, kind: str, n: int) -> dict:
+    """The alpha-beta fit for ``kind`` in a group of n: the measured group size nearest n from
+    below (the smallest measured one for smaller groups), or the op's top-level fit where the
+    calibration has no sizes."""
+    c = collectives.get(BENCH_OP.get(kind, "all_reduce")) or collectives.get("all_reduce")
+    sizes = sorted(int(k) for k in (c.get("by_group") or {}))
+    if not sizes:
+        return c
+    below = [s for s in sizes if s <= n]
+    return c["by_group"][str(below[-1] if below else sizes[0])]
+
+
+def unmeasured_group_notes(w: Workload, collectives: dict) -> list[str]:
+    """A note per collective whose group is larger than every group size the calibration measured:
+    its bus bandwidth is the largest measured group's (NCCL's grows with the group on one host)."""
+    notes = []
+    for kind, nbytes in w.comm_bytes.items():
+        n = group_size(w, kind)
+        c = collective_fit(collectives, kind, n)
+        if nbytes > 0 and n > 1 and c.get("by_group") is None and c.get("group_size", n) < n:
+            notes.append(f"{kind} over {n} ranks priced with the {c['group_size']}-rank fit: no measurement of {n}")
+    return notes
+
+
 def collective_s(collectives: dict, kind: str, nbytes: float, n: int, calls: float) -> float:
     """alpha-beta time of ``calls`` collectives moving ``nbytes`` payload in a group of n."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    c = collectives.get(BENCH_OP.get(kind, "all_reduce")) or collectives.get("all_reduce")
+    c = collective_fit(collectives, kind, n)
     return calls * c["alpha_s"] + nbytes * bus_factor(kind, n) / c["busbw_Bps"]
 
 
@@ -1340,6 +1364,7 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
         parts["bubble"] += per_mb * (1 - 1 / stretch)
         parts[part] -= per_mb * (1 - 1 / stretch)
     notes = [HOST_FLOOR_NOTE] if host_floor_binds(w, tc) else []
+    notes += unmeasured_group_notes(w, cal["collectives"])
     factor = 1.0
     if impl:
         factor, source = impl_factor(w, cal.get("impl_time") or {})
