@@ -27,6 +27,10 @@ maps onto it key for key; unknown keys are an error)
 ``cell_budget_s``    time one (op, algorithm, size) cell may take (default 10 s): iterations are
                      cut to fit, and if even ``min_iters`` do not fit the cell is skipped with a
                      reason, as are the larger sizes of that algorithm
+``burst_calls``      0 (default: off), or n >= 2: for the backend, also time n calls enqueued back to
+                     back (async, one barrier before the burst, every wait after the last), the way
+                     bucketed code issues them; a row with algorithm "backend_burst" per size, its
+                     times per call (the burst's time / n) and ``burst_calls``
 ``device``           "auto" (default), "cpu" or "cuda"
 ``seed``             base of the input seeds (default 0)
 ``timeout_s``        process-group timeout (default 300)
@@ -116,6 +120,7 @@ DEFAULTS = {
     "min_iters": 3,
     "iters_full_bytes": 1 * MiB,
     "cell_budget_s": 10.0,
+    "burst_calls": 0,
     "device": "auto",
     "seed": 0,
     "timeout_s": 300.0,
@@ -157,6 +162,9 @@ def validate_config(raw: dict) -> dict:
         v = cfg[key]
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise ConfigError(f"'{key}' must be an integer >= {lo}, got {v!r}")
+    burst = cfg["burst_calls"]
+    if not isinstance(burst, int) or isinstance(burst, bool) or burst < 0 or burst == 1:
+        raise ConfigError(f"'burst_calls' must be 0 (off) or an integer >= 2, got {burst!r}")
     if cfg["max_bytes_gpu"] is not None and (not isinstance(cfg["max_bytes_gpu"], int) or cfg["max_bytes_gpu"] < 1):
         raise ConfigError(f"'max_bytes_gpu' must be a positive integer, got {cfg['max_bytes_gpu']!r}")
     for key in ("cell_budget_s", "timeout_s"):
@@ -308,6 +316,44 @@ def time_calls(cell: Cell, n: int, device: torch.device) -> list[float]:
     return times
 
 
+# enqueued without waiting: what a burst issues
+ASYNC_BACKEND = {
+    "all_reduce": lambda cell: dist.all_reduce(cell.out, async_op=True),
+    "all_gather": lambda cell: all_gather_into(cell.out, cell.inp, async_op=True),
+    "reduce_scatter": lambda cell: reduce_scatter_into(cell.out, cell.inp, async_op=True),
+}
+
+
+def time_bursts(cell: Cell, calls: int, n: int, device: torch.device) -> list[float]:
+    """Seconds per call of each of ``n`` bursts on this rank: ``calls`` backend collectives enqueued
+    back to back, then every wait (one barrier before the burst, reset untimed). An isolated call
+    (``time_calls``) pays the collective's whole latency; a burst shows what each call costs once
+    calls queue behind each other, as bucketed gradient and parameter traffic issues them."""
+    times = []
+    for _ in range(n):
+        cell.reset()
+        synchronize(device)
+        dist.barrier()
+        synchronize(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            works = [ASYNC_BACKEND[cell.op](cell) for _ in range(calls)]
+            for work in works:
+                work.wait()
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            works = [ASYNC_BACKEND[cell.op](cell) for _ in range(calls)]
+            for work in works:
+                work.wait()
+            seconds = time.perf_counter() - t0
+        times.append(seconds / calls)
+    return times
+
+
 # --------------------------------------------------------------------------- the benchmark
 
 
@@ -403,6 +449,8 @@ def run_bench(cfg: dict, device: torch.device) -> dict:
                         "skipped": None,
                     }
                 )
+                if algo == "backend" and cfg["burst_calls"]:
+                    rows.append(_burst_row(cfg, base, cell, med, correct, max_err, world, device))
                 del cell
             del backend_out, backend_cell
     return {
@@ -424,6 +472,44 @@ def run_bench(cfg: dict, device: torch.device) -> dict:
         "wall_s": time.perf_counter() - t_start,
         "rows": rows,
         "failures": failures,
+    }
+
+
+def _burst_row(cfg: dict, base: dict, cell: Cell, one_call_s: float, correct, max_err, world: int, device) -> dict:
+    """The "backend_burst" row of one size: bursts of ``burst_calls`` calls, as many as the cell
+    budget holds (one untimed burst first), never fewer than ``min_iters``."""
+    calls = cfg["burst_calls"]
+    _, iters = iterations_for(cfg, base["bytes"])
+    fit = int(cfg["cell_budget_s"] / max(calls * one_call_s, 1e-9)) - 1
+    if fit < cfg["min_iters"]:
+        row = _skipped_row(
+            base,
+            "backend_burst",
+            f"a burst of {calls} calls takes about {calls * one_call_s:.3g} s: 1 warmup + "
+            f"{cfg['min_iters']} bursts exceed cell_budget_s={cfg['cell_budget_s']}",
+        )
+        row.update(burst_calls=calls, correct=correct, max_abs_err=max_err)
+        return row
+    iters = min(iters, fit)
+    time_bursts(cell, calls, 1, device)
+    local = torch.tensor(time_bursts(cell, calls, iters, device), dtype=torch.float64, device=device)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    times = local.tolist()
+    med = statistics.median(times)
+    algbw = base["bytes"] / med / 1e9 if med > 0 else math.inf
+    return {
+        **base,
+        "algorithm": "backend_burst",
+        "burst_calls": calls,
+        "iters": iters,
+        "warmup": 1,
+        "time_s_median": med,
+        "time_s_all": times,
+        "algbw_GBps": algbw,
+        "busbw_GBps": algbw * BUSBW_FACTOR[base["op"]](world),
+        "correct": correct,
+        "max_abs_err": max_err,
+        "skipped": None,
     }
 
 

@@ -171,6 +171,9 @@ def test_config_validation_and_sizes():
         {"iters": 0},
         {"typo_key": 1},
         {"ops": ["all_gather"], "algorithms": ["tree"]},
+        {"burst_calls": 1},
+        {"burst_calls": -2},
+        {"burst_calls": True},
     ):
         with pytest.raises(bench.ConfigError):
             bench.validate_config(bad)
@@ -196,6 +199,7 @@ def test_bench_end_to_end_under_torchrun(tmp_path):
         max_bytes = 4096
         iters = 3
         warmup = 1
+        burst_calls = 4
         dtype = "fp32"
         device = "cpu"
     """)
@@ -208,7 +212,10 @@ def test_bench_end_to_end_under_torchrun(tmp_path):
     sizes = [64 << k for k in range(7)]
     want = {("all_reduce", a, b) for a in bench.ALGORITHMS for b in sizes}
     want |= {(op, a, b) for op in ("all_gather", "reduce_scatter") for a in ("backend", "ring") for b in sizes}
+    want |= {(op, "backend_burst", b) for op in bench.OPS for b in sizes}  # backend calls queued 4 at a time
     assert cells == want
+    assert {r["burst_calls"] for r in data["rows"] if r["algorithm"] == "backend_burst"} == {4}
+    assert all("burst_calls" not in r for r in data["rows"] if r["algorithm"] != "backend_burst")
     for r in data["rows"]:
         assert r["skipped"] is None and r["correct"] is True, r
         assert len(r["time_s_all"]) == r["iters"] == 3
