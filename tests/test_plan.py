@@ -784,6 +784,12 @@ def test_zero_bubble_version_2_is_the_schedule_replay_and_version_1_host_bound()
     slow = {**cal, "host_tensor_s": {"ref.pp_zb": 10 * device / M.host_units(v2)}}
     assert M.predict(v2, slow).step_s == pytest.approx(device)
     assert M.predict(v1, slow).step_s == pytest.approx(10 * device)
+    # torch.pp_zb without a record of its own waits on the host as ref.pp_zb version 1 did, and says so
+    borrowed = M.predict(torch_zb, slow)
+    assert borrowed.step_s == pytest.approx(10 * device * M.host_units(torch_zb) / M.host_units(v2), rel=0.01)
+    assert any("host cost of ref.pp_zb" in n for n in borrowed.notes)
+    own = {**cal, "host_tensor_s": {**slow["host_tensor_s"], "torch.pp_zb": 20 * device / M.host_units(v2)}}
+    assert M.predict(torch_zb, own).step_s == pytest.approx(2 * borrowed.step_s, rel=0.01)
     # records of the two versions are two configurations; other strategies' versions are not told apart
     case = {"model": "gpt-1.3b", "strategy": "ref.pp_zb", "world_size": 4, "precision": "bf16", "micro_batch": 16}
     keys = {C.config_key({"case": case, "strategy_version": v}) for v in (None, "1", "2")}

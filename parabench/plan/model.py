@@ -380,14 +380,25 @@ def host_key(w: "Workload") -> str:
     return f"{w.impl}|{w.recipe}"
 
 
+# Host-bound strategies whose host work is the same mechanism, for one without a calibrated record:
+# the zero-bubble engines' W runs one autograd call per parameter-owning module (or parameter group)
+# and micro-batch (ref.pp_zb version 1's backward_weight, torch's stage_backward_weight), and
+# torch.pp_zb's timelines show its W waiting on the host (docs/results.md, "2026-11-27, last").
+HOST_ANALOGUES = {"torch.pp_zb": "ref.pp_zb", "ref.pp_zb": "torch.pp_zb"}
+
+
 def host_cost(w: "Workload", host_cal: dict) -> tuple[float | None, str | None]:
     """(seconds per parameter tensor, the key it was calibrated under): the implementation's own
     (per recipe, then any recipe); else the same library under another profile, whose hooks or
     dispatch run once per parameter tensor all the same (DeepSpeed ZeRO-3's fetch/release hooks,
-    FSDP2's pre/post hooks: a profile changes buckets and prefetch, not the per-tensor Python)."""
+    FSDP2's pre/post hooks: a profile changes buckets and prefetch, not the per-tensor Python);
+    else its ``HOST_ANALOGUES`` strategy's."""
     keys = [host_key(w), w.impl, f"{w.strategy}|{w.recipe}", w.strategy]
     keys += sorted(k for k in host_cal if k.startswith(w.strategy + ":") and k.endswith(f"|{w.recipe}"))
     keys += sorted(k for k in host_cal if k.startswith(w.strategy + ":") and "|" not in k)
+    analogue = HOST_ANALOGUES.get(w.strategy)
+    if analogue:
+        keys += [f"{analogue}|{w.recipe}", analogue]
     for k in keys:
         if k in host_cal:
             return host_cal[k], k
