@@ -158,13 +158,13 @@ def validate_config(raw: dict) -> dict:
         ("min_iters", 1),
         ("iters_full_bytes", 1),
         ("seed", 0),
+        ("burst_calls", 0),
     ):
         v = cfg[key]
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise ConfigError(f"'{key}' must be an integer >= {lo}, got {v!r}")
-    burst = cfg["burst_calls"]
-    if not isinstance(burst, int) or isinstance(burst, bool) or burst < 0 or burst == 1:
-        raise ConfigError(f"'burst_calls' must be 0 (off) or an integer >= 2, got {burst!r}")
+    if cfg["burst_calls"] == 1:
+        raise ConfigError("'burst_calls' must be 0 (off) or an integer >= 2, got 1")
     if cfg["max_bytes_gpu"] is not None and (not isinstance(cfg["max_bytes_gpu"], int) or cfg["max_bytes_gpu"] < 1):
         raise ConfigError(f"'max_bytes_gpu' must be a positive integer, got {cfg['max_bytes_gpu']!r}")
     for key in ("cell_budget_s", "timeout_s"):
@@ -294,8 +294,9 @@ def check_algorithm(
     return flags[0].item() == 0.0, flags[1].item(), flags[2].item(), cell
 
 
-def time_calls(cell: Cell, n: int, device: torch.device) -> list[float]:
-    """Seconds of each of ``n`` calls on this rank (barrier before each, reset untimed)."""
+def _time_each(cell: Cell, n: int, device: torch.device, issue, calls: int = 1) -> list[float]:
+    """Seconds per call of each of ``n`` timed runs of ``issue`` (which makes ``calls`` calls) on
+    this rank: barrier before each run, reset untimed."""
     times = []
     for _ in range(n):
         cell.reset()
@@ -305,15 +306,21 @@ def time_calls(cell: Cell, n: int, device: torch.device) -> list[float]:
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            cell.call()
+            issue()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
+            seconds = start.elapsed_time(end) / 1e3
         else:
             t0 = time.perf_counter()
-            cell.call()
-            times.append(time.perf_counter() - t0)
+            issue()
+            seconds = time.perf_counter() - t0
+        times.append(seconds / calls)
     return times
+
+
+def time_calls(cell: Cell, n: int, device: torch.device) -> list[float]:
+    """Seconds of each of ``n`` calls on this rank (barrier before each, reset untimed)."""
+    return _time_each(cell, n, device, cell.call)
 
 
 # enqueued without waiting: what a burst issues
@@ -329,29 +336,12 @@ def time_bursts(cell: Cell, calls: int, n: int, device: torch.device) -> list[fl
     back to back, then every wait (one barrier before the burst, reset untimed). An isolated call
     (``time_calls``) pays the collective's whole latency; a burst shows what each call costs once
     calls queue behind each other, as bucketed gradient and parameter traffic issues them."""
-    times = []
-    for _ in range(n):
-        cell.reset()
-        synchronize(device)
-        dist.barrier()
-        synchronize(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            works = [ASYNC_BACKEND[cell.op](cell) for _ in range(calls)]
-            for work in works:
-                work.wait()
-            end.record()
-            end.synchronize()
-            seconds = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            works = [ASYNC_BACKEND[cell.op](cell) for _ in range(calls)]
-            for work in works:
-                work.wait()
-            seconds = time.perf_counter() - t0
-        times.append(seconds / calls)
-    return times
+
+    def burst():
+        for work in [ASYNC_BACKEND[cell.op](cell) for _ in range(calls)]:
+            work.wait()
+
+    return _time_each(cell, n, device, burst, calls)
 
 
 # --------------------------------------------------------------------------- the benchmark
@@ -429,28 +419,10 @@ def run_bench(cfg: dict, device: torch.device) -> dict:
                     continue
                 iters = min(iters, fit)
                 time_calls(cell, warmup, device)
-                local = torch.tensor(time_calls(cell, iters, device), dtype=torch.float64, device=device)
-                dist.all_reduce(local, op=dist.ReduceOp.MAX)
-                times = local.tolist()
-                med = statistics.median(times)
-                algbw = moved / med / 1e9 if med > 0 else math.inf
-                rows.append(
-                    {
-                        **base,
-                        "algorithm": algo,
-                        "iters": iters,
-                        "warmup": warmup,
-                        "time_s_median": med,
-                        "time_s_all": times,
-                        "algbw_GBps": algbw,
-                        "busbw_GBps": algbw * BUSBW_FACTOR[op](world),
-                        "correct": correct,
-                        "max_abs_err": max_err,
-                        "skipped": None,
-                    }
-                )
+                row = _timed_row(base, algo, warmup, time_calls(cell, iters, device), correct, max_err, world, device)
+                rows.append(row)
                 if algo == "backend" and cfg["burst_calls"]:
-                    rows.append(_burst_row(cfg, base, cell, med, correct, max_err, world, device))
+                    rows.append(_burst_row(cfg, base, cell, row["time_s_median"], correct, max_err, world, device))
                 del cell
             del backend_out, backend_cell
     return {
@@ -490,19 +462,23 @@ def _burst_row(cfg: dict, base: dict, cell: Cell, one_call_s: float, correct, ma
         )
         row.update(burst_calls=calls, correct=correct, max_abs_err=max_err)
         return row
-    iters = min(iters, fit)
     time_bursts(cell, calls, 1, device)
-    local = torch.tensor(time_bursts(cell, calls, iters, device), dtype=torch.float64, device=device)
+    times = time_bursts(cell, calls, min(iters, fit), device)
+    return {**_timed_row(base, "backend_burst", 1, times, correct, max_err, world, device), "burst_calls": calls}
+
+
+def _timed_row(base: dict, algo: str, warmup: int, local_times: list, correct, max_err, world: int, device) -> dict:
+    """A timed cell's row: each iteration's time is the slowest rank's (collective: every rank)."""
+    local = torch.tensor(local_times, dtype=torch.float64, device=device)
     dist.all_reduce(local, op=dist.ReduceOp.MAX)
     times = local.tolist()
     med = statistics.median(times)
     algbw = base["bytes"] / med / 1e9 if med > 0 else math.inf
     return {
         **base,
-        "algorithm": "backend_burst",
-        "burst_calls": calls,
-        "iters": iters,
-        "warmup": 1,
+        "algorithm": algo,
+        "iters": len(times),
+        "warmup": warmup,
         "time_s_median": med,
         "time_s_all": times,
         "algbw_GBps": algbw,

@@ -560,13 +560,13 @@ def collective_fit(collectives: dict, kind: str, n: int) -> dict:
 
 
 def unmeasured_group_notes(w: Workload, collectives: dict) -> list[str]:
-    """A note per collective whose group is larger than every group size the calibration measured:
-    its bus bandwidth is the largest measured group's (NCCL's grows with the group on one host)."""
+    """A note per collective whose group size the calibration did not measure: it is priced with
+    the nearest measured size below (NCCL's bus bandwidth grows with the group on one host)."""
     notes = []
     for kind, nbytes in w.comm_bytes.items():
         n = group_size(w, kind)
         c = collective_fit(collectives, kind, n)
-        if nbytes > 0 and n > 1 and c.get("by_group") is None and c.get("group_size", n) < n:
+        if nbytes > 0 and n > 1 and c.get("group_size", n) < n:
             notes.append(f"{kind} over {n} ranks priced with the {c['group_size']}-rank fit: no measurement of {n}")
     return notes
 
