@@ -1186,14 +1186,19 @@ def test_the_amp_split_term_is_what_the_cpu_probe_and_the_gpu_records_measured()
         assert abs(measured - modelled) < 0.01 * M.GIB, (b, measured / M.GIB, modelled / M.GIB)
 
 
-def _collectives_doc(n: int, alpha_s: float, busbw_Bps: float) -> dict:
+def _collectives_doc(n: int, alpha_s: float, busbw_Bps: float, device="NVIDIA H100 80GB HBM3", burst=None) -> dict:
+    """A collectives-suite result whose backend rows follow alpha + bytes * bus / busbw exactly, and
+    with ``burst`` = (alpha, busbw) also the per-call rows of bursts of queued calls."""
     rows = []
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
-        for size in (2**k for k in range(10, 31, 2)):
-            t = alpha_s + size * M.bus_factor(op, n) / busbw_Bps
-            rows.append({"op": op, "algorithm": "backend", "bytes": size, "time_s_median": t})
+        for algorithm, (a, bw) in (("backend", (alpha_s, busbw_Bps)), ("backend_burst", burst or (None, None))):
+            if a is None:
+                continue
+            for size in (2**k for k in range(10, 31, 2)):
+                t = a + size * M.bus_factor(op, n) / bw
+                rows.append({"op": op, "algorithm": algorithm, "bytes": size, "time_s_median": t})
         rows.append({"op": op, "algorithm": "ring", "bytes": 2**20, "time_s_median": 1.0})  # not the backend's
-    return {"ok": True, "world_size": n, "device": {"name": "NVIDIA H100 80GB HBM3"}, "rows": rows}
+    return {"ok": True, "world_size": n, "device": {"name": device}, "rows": rows}
 
 
 def test_collectives_are_fitted_per_group_size_and_priced_by_the_nearest_below(tmp_path):
@@ -1223,3 +1228,56 @@ def test_collectives_are_fitted_per_group_size_and_priced_by_the_nearest_below(t
     w4 = dataclasses.replace(w8, world_size=4, dp=4)
     assert any("over 8 ranks priced with the 4-rank fit" in n for n in M.unmeasured_group_notes(w8, fit))
     assert M.unmeasured_group_notes(w4, fit) == []
+
+
+def test_queued_collectives_are_fitted_from_bursts_or_borrow_another_parts_ratios(tmp_path):
+    run = tmp_path / "collectives-x" / "r1"
+    run.mkdir(parents=True)
+    (run / "collectives-w4.json").write_text(json.dumps(_collectives_doc(4, 80e-6, 300e9, burst=(50e-6, 330e9))))
+    other = tmp_path / "collectives-burst" / "r2"
+    other.mkdir(parents=True)
+    # a run of another part with isolated and queued calls at 2 ranks: alpha x0.5, busbw x1.2
+    (other / "collectives-w2.json").write_text(
+        json.dumps(_collectives_doc(2, 60e-6, 250e9, device="NVIDIA H200", burst=(30e-6, 300e9)))
+    )
+    (run / "collectives-w2.json").write_text(json.dumps(_collectives_doc(2, 40e-6, 200e9)))
+    fit = C.fit_collectives(tmp_path)
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        own, borrowed = fit[op]["by_group"]["4"], fit[op]["by_group"]["2"]
+        assert own["alpha_queued_s"] == pytest.approx(50e-6, rel=1e-6)
+        assert own["busbw_queued_Bps"] == pytest.approx(330e9, rel=1e-6)
+        assert borrowed["alpha_queued_s"] == pytest.approx(20e-6, rel=1e-6)
+        assert borrowed["busbw_queued_Bps"] == pytest.approx(240e9, rel=1e-6)
+        assert "(h200)" in borrowed["queued_source"] and "r2" in borrowed["queued_source"]
+        assert own["alpha_s"] == pytest.approx(80e-6, rel=1e-6)  # the isolated fit ignores bursts and other parts
+    nbytes, calls = 100 * 2**20, 4
+    bus = M.bus_factor("all_gather", 4)
+    iso = calls * 80e-6 + nbytes * bus / 300e9
+    queued = 80e-6 + nbytes / calls * bus / 300e9 + (calls - 1) * 50e-6 + nbytes * (calls - 1) / calls * bus / 330e9
+    assert M.collective_s(fit, "all_gather", nbytes, 4, calls) == pytest.approx(iso, rel=1e-9)
+    assert M.collective_s(fit, "all_gather", nbytes, 4, calls, queued=True) == pytest.approx(queued, rel=1e-9)
+    assert M.collective_s(fit, "all_gather", nbytes, 4, 1, queued=True) == pytest.approx(80e-6 + nbytes * bus / 300e9)
+    # ZeRO-1's all-gather after the update is a bucket loop with nothing beside it: queued calls
+    w = for_config(model="gpt-1.3b", cfg=model_config("gpt-1.3b"), strategy="ref.zero1", world_size=4, micro_batch=4)
+    isolated_only = {
+        op: {**f, "by_group": {g: {k: v for k, v in b.items() if "queued" not in k} for g, b in f["by_group"].items()}}
+        for op, f in fit.items()
+    }
+    ag = w.comm_bytes["all_gather"]
+    calls_ag = M.comm_calls(w, "all_gather", ag)
+    assert calls_ag > 1
+    saved = M.collective_s(fit, "all_gather", ag, 4, calls_ag) - M.collective_s(
+        fit, "all_gather", ag, 4, calls_ag, True
+    )
+    serial = M.time_features(w, fit)["comm_serial"]
+    assert M.time_features(w, isolated_only)["comm_serial"] - serial == pytest.approx(saved, rel=1e-9)
+    assert saved > 0
+    # without bursts at a size, queued calls cost what isolated ones do
+    plain = tmp_path / "plain" / "collectives-x" / "r1"
+    plain.mkdir(parents=True)
+    (plain / "collectives-w2.json").write_text(json.dumps(_collectives_doc(2, 40e-6, 200e9)))
+    flat = C.fit_collectives(tmp_path / "plain")
+    assert "alpha_queued_s" not in flat["all_gather"]
+    assert M.collective_s(flat, "all_gather", nbytes, 2, calls, queued=True) == pytest.approx(
+        M.collective_s(flat, "all_gather", nbytes, 2, calls)
+    )

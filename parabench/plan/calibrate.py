@@ -211,44 +211,95 @@ def observations(results_dir="results", kind: str = "h100") -> list[Observation]
 # --- collectives ----------------------------------------------------------------------------------
 
 
+def _alpha_beta(pts: list) -> tuple[float, float]:
+    """alpha (s) and beta (s/B) of t = alpha + beta * bytes, least squares on relative error."""
+    b = np.array([p[0] for p in pts], float)
+    t = np.array([p[1] for p in pts], float)
+    a = np.stack([np.ones_like(b), b], 1) / t[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+    return max(float(alpha), 0.0), max(float(beta), 1e-15)
+
+
 def fit_collectives(results_dir="results", kind: str = "h100") -> dict:
     """alpha (s) and bus bandwidth (B/s) per op and group size from the backend rows of the
     collectives suite, fitted on relative error so small and large messages both count. The rows of
     every run at one group size are pooled. Each op's top level holds its largest group size's fit
     (what a group larger than any measured gets) and ``by_group`` every measured size's:
     NCCL's bus bandwidth grows with the group on one NVSwitch host (collectives-h100x4: all-gather of
-    128 MiB at 173 GB/s over 2 ranks, 242 over 4), so one size's constants would misprice the other."""
-    points: dict[tuple[str, int], list] = {}
-    sources: dict[tuple[str, int], list] = {}
+    128 MiB at 173 GB/s over 2 ranks, 242 over 4), so one size's constants would misprice the other.
+
+    A call queued behind others (rows "backend_burst": calls enqueued back to back, as a bucket loop
+    issues them) costs less than an isolated one: ``alpha_queued_s`` and ``busbw_queued_Bps`` are
+    fitted from those rows. Where ``kind`` has none at a group size, the queued-to-isolated ratios
+    measured on another kind at that size are applied to this kind's isolated fit (the same NVLink
+    generation and NCCL; ``queued_source`` says which run)."""
+    # (kind, algorithm, op, group size) -> {run: [(bytes, seconds)]}
+    points: dict[tuple[str, str, str, int], dict[str, list]] = {}
     for path in sorted(Path(results_dir).glob("collectives*/*/collectives-w*.json")):
         doc = json.loads(path.read_text())
-        if not doc.get("ok") or device_kind((doc.get("device") or {}).get("name")) != kind:
+        device = doc.get("device")
+        row_kind = device_kind(device.get("name") if isinstance(device, dict) else None)
+        if not doc.get("ok") or row_kind is None:
             continue
         n = int(doc["world_size"])
         for row in doc.get("rows") or []:
-            if row.get("algorithm") == "backend" and row.get("time_s_median"):
-                key = (row["op"], n)
-                points.setdefault(key, []).append((row["bytes"], row["time_s_median"]))
-                if str(path.parent) not in sources.setdefault(key, []):
-                    sources[key].append(str(path.parent))
+            if row.get("algorithm") in ("backend", QUEUED_ALGORITHM) and row.get("time_s_median"):
+                runs = points.setdefault((row_kind, row["algorithm"], row["op"], n), {})
+                runs.setdefault(str(path.parent), []).append((row["bytes"], row["time_s_median"]))
     out: dict = {}
-    for (op, n), pts in sorted(points.items(), key=lambda kv: kv[0]):
-        b = np.array([p[0] for p in pts], float)
-        t = np.array([p[1] for p in pts], float)
-        a = np.stack([np.ones_like(b), b], 1) / t[:, None]
-        (alpha, beta), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+    for (k, alg, op, n), runs in sorted(points.items(), key=lambda kv: kv[0]):
+        if k != kind or alg != "backend":
+            continue
+        pts = [p for run in runs.values() for p in run]
+        alpha, beta = _alpha_beta(pts)
         fit = {
-            "alpha_s": max(float(alpha), 0.0),
-            "busbw_Bps": M.bus_factor(op, n) / max(float(beta), 1e-15),
+            "alpha_s": alpha,
+            "busbw_Bps": M.bus_factor(op, n) / beta,
             "group_size": n,
-            "source": ", ".join(sources[(op, n)]),
+            "source": ", ".join(runs),
             "points": len(pts),
         }
+        fit.update(_queued_fit(points, kind, op, n, alpha, beta))
         by_group = {**(out.get(op) or {}).get("by_group", {}), str(n): fit}
         out[op] = {**fit, "by_group": by_group}  # sizes ascend: the largest ends on top
     if not out:
         raise CalibrationError(f"no collectives-suite result for {kind} under {results_dir}")
     return out
+
+
+QUEUED_ALGORITHM = "backend_burst"
+
+
+def _queued_fit(points: dict, kind: str, op: str, n: int, alpha: float, beta: float) -> dict:
+    """The queued call's alpha and bus bandwidth for (op, n) on ``kind``: from its own burst rows,
+    else by another kind's queued-to-isolated ratios, each run's bursts set against the same run's
+    isolated calls; {} where no run has bursts at that size."""
+    own = points.get((kind, QUEUED_ALGORITHM, op, n))
+    if own:
+        q_alpha, q_beta = _alpha_beta([p for run in own.values() for p in run])
+        return {
+            "alpha_queued_s": q_alpha,
+            "busbw_queued_Bps": M.bus_factor(op, n) / q_beta,
+            "queued_source": ", ".join(own),
+        }
+    paired = [
+        (other, run, pts, points.get((other, "backend", op, n), {}).get(run))
+        for (other, alg, o, m), runs in sorted(points.items())
+        if alg == QUEUED_ALGORITHM and o == op and m == n
+        for run, pts in runs.items()
+    ]
+    paired = [p for p in paired if p[3]]
+    if not paired:
+        return {}
+    other, run, burst, isolated = paired[0]
+    iso_alpha, iso_beta = _alpha_beta(isolated)
+    bur_alpha, bur_beta = _alpha_beta(burst)
+    alpha_ratio = bur_alpha / max(iso_alpha, 1e-12)
+    return {
+        "alpha_queued_s": alpha * alpha_ratio,
+        "busbw_queued_Bps": M.bus_factor(op, n) / (beta * bur_beta / iso_beta),
+        "queued_source": f"{run} ({other}): alpha x{alpha_ratio:.2f}, busbw x{iso_beta / bur_beta:.2f} of its isolated calls",
+    }
 
 
 # --- fitting ---------------------------------------------------------------------------------------

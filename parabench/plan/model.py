@@ -571,11 +571,21 @@ def unmeasured_group_notes(w: Workload, collectives: dict) -> list[str]:
     return notes
 
 
-def collective_s(collectives: dict, kind: str, nbytes: float, n: int, calls: float) -> float:
-    """alpha-beta time of ``calls`` collectives moving ``nbytes`` payload in a group of n."""
+def collective_s(collectives: dict, kind: str, nbytes: float, n: int, calls: float, queued: bool = False) -> float:
+    """alpha-beta time of ``calls`` collectives moving ``nbytes`` payload in a group of n. ``queued``:
+    the calls are issued back to back (a bucket loop with nothing between), so every call after the
+    first costs a queued call's alpha and bandwidth (the collectives suite's bursts), where measured."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     c = collective_fit(collectives, kind, n)
+    if queued and calls > 1 and "alpha_queued_s" in c:
+        first = nbytes / calls
+        return (
+            c["alpha_s"]
+            + first * bus_factor(kind, n) / c["busbw_Bps"]
+            + (calls - 1) * c["alpha_queued_s"]
+            + (nbytes - first) * bus_factor(kind, n) / c["busbw_queued_Bps"]
+        )
     return calls * c["alpha_s"] + nbytes * bus_factor(kind, n) / c["busbw_Bps"]
 
 
@@ -825,7 +835,8 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
         if n <= 1:  # an out-of-place collective of one rank is a device copy (read and write every byte)
             f["inv_mem_bw"] += 2 * nbytes if kind in OUT_OF_PLACE else 0.0
             continue
-        t = collective_s(collectives, kind, nbytes, n, comm_calls(w, kind, nbytes))
+        calls = comm_calls(w, kind, nbytes)
+        t = collective_s(collectives, kind, nbytes, n, calls)
         overlap = comm_overlap(w, kind, nbytes)
         if overlap is None:
             cls = exposure_class(w, kind)
@@ -834,8 +845,8 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
                 # mb4: 162.9 / 162.3 / 160.5 ms at 1 / 2 / 4 GPUs), so its traffic keeps the fitted share
                 f[cls] += t
                 continue
-            if cls in ("exp_dp", "exp_shard"):  # issued where nothing runs beside it
-                f["comm_serial"] += t
+            if cls in ("exp_dp", "exp_shard"):  # issued where nothing runs beside it, bucket after bucket
+                f["comm_serial"] += collective_s(collectives, kind, nbytes, n, calls, queued=True)
             else:
                 f[cls] += t
             continue
