@@ -21,8 +21,9 @@ Step time (per optimizer step, per rank), every term a rate times an amount:
 - host         launch overhead per layer and micro-batch pass
 - offload      bytes of the CPU optimizer states / host bandwidth
 - comm         sum over collective kinds of exposure_class * (calls*alpha + bytes*bus/busbw),
-               alpha-beta from the collectives suite, exposure (the part not hidden behind
-               compute) fitted per strategy family
+               alpha-beta from the collectives suite (a serial collective's calls after the first
+               at a queued call's alpha and bandwidth, from its bursts), exposure (the part not
+               hidden behind compute) fitted per strategy family
 - x impl       one factor per implementation with a named cause the terms miss (IMPL_TIME_CAUSES:
                DeepSpeed's engine passes, CPU Adam), fitted from the other configurations of the
                same implementation only, within IMPL_TIME_BOUNDS; 1 for every other one
