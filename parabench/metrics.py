@@ -15,6 +15,10 @@ Names carry their units. Conventions:
 - ``host_dispatch_us_max``: the slowest host of the launch, the largest of the ranks' probes
   (``parabench.meters.host``: µs to issue one tiny op, before the warm-up and after the timed
   steps); None in records made before it was measured.
+- ``host_involuntary_switches_per_step_max`` and ``host_thread_cpu_share_max``: over the timed steps,
+  the ranks' main threads' context switches forced by other threads or processes, per step, and their
+  CPU seconds over the wall seconds (``parabench.meters.host.cpu_use``), the largest rank's; None
+  in records made before they were measured, and on platforms without per-thread accounting.
 - Memory: the maximum over ranks of each rank's peak during the timed steps.
 - ``loss_scale`` (fp16 only, else None): see :func:`loss_scale_summary`; the fp16-vs-fp32 loss
   deviation of two records of the same case is :func:`loss_deviation` (for the report).
@@ -110,6 +114,8 @@ def summarize(case, raw: dict) -> dict:
         "setup_s_max": max(r["setup_s"] for r in per_rank),
         **first_step_summary(case, per_rank, median),
         "host_dispatch_us_max": host_dispatch_max(per_rank),
+        "host_involuntary_switches_per_step_max": host_cpu_max(per_rank, "involuntary_switches_per_step"),
+        "host_thread_cpu_share_max": host_cpu_max(per_rank, "thread_cpu_share"),
         "loss_scale": loss_scale_summary(raw.get("loss_scale")),
         **telemetry_summary(per_rank, tokens_per_step * len(steps)),
     }
@@ -128,6 +134,12 @@ def first_step_summary(case, per_rank: list[dict], median_step_s: float) -> dict
 def host_dispatch_max(per_rank: list[dict]) -> float | None:
     probes = [p["dispatch_us"] for r in per_rank for p in (r.get("host_probe") or {}).values()]
     return max(probes) if probes else None
+
+
+def host_cpu_max(per_rank: list[dict], key: str) -> float | None:
+    """The largest rank's ``key`` of ``host_cpu`` (the main thread over the timed steps)."""
+    vals = [r["host_cpu"][key] for r in per_rank if r.get("host_cpu")]
+    return max(vals) if vals and len(vals) == len(per_rank) else None
 
 
 def lowest_or_highest(rows: list[dict], key: str, pick) -> float | None:

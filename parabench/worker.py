@@ -334,6 +334,7 @@ def run_case(
     clock = StepClock(device)
     sampler = telemetry.sampler_for(device) if case.options.get("telemetry", True) else None
     sampler is not None and sampler.start()
+    cpu_start = host.cpu_times()
     clock.mark()
     slowdown = debug_slowdown()
     step_sync = bool(case.options.get("step_sync"))
@@ -351,6 +352,7 @@ def run_case(
         # After the mark, host only, at most twice a second: see parabench.progress for why this
         # does not distort the step times.
         progress.step(step - case.warmup + 1)
+    host_cpu = host.cpu_use(cpu_start, host.cpu_times(), case.steps)
     step_times = clock.durations_s()
     device_telemetry = sampler.stop() if sampler is not None else None
     peak = memory.read_peak(device)
@@ -427,6 +429,7 @@ def run_case(
         "loss_scale": scales,
         "telemetry": device_telemetry,
         "host_probe": host_probe,
+        "host_cpu": host_cpu,
     }
     if breakdown is not None:
         # what the meter's step ran: compiled blocks run their eager code under it (eager_under_meter)

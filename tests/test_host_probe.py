@@ -39,6 +39,22 @@ def test_probe_sees_a_slower_host():
     assert isinstance(quick["cpu"], int) and quick["cpu"] >= 0
 
 
+def test_cpu_use_tells_a_busy_thread_from_a_blocked_one():
+    start = host.cpu_times()
+    end = time.perf_counter() + 0.2
+    while time.perf_counter() < end:
+        pass
+    busy = host.cpu_use(start, host.cpu_times(), steps=2)
+    start = host.cpu_times()
+    time.sleep(0.2)
+    blocked = host.cpu_use(start, host.cpu_times(), steps=2)
+    # a busy loop owns its CPU unless the machine is contended (CI shares two cores): a margin, not 1
+    assert busy["thread_cpu_share"] > 0.3 and blocked["thread_cpu_share"] < 0.1
+    assert busy["wall_s"] >= 0.2 and blocked["voluntary_switches_per_step"] >= 0.5  # the sleep blocked once
+    assert all(isinstance(c, int) for c in busy["cpus"])
+    assert host.cpu_use(None, host.cpu_times(), steps=2) is None
+
+
 def _run(case: dict) -> dict | None:
     return run_case(Case.from_dict(case), torch.device("cpu"))
 
@@ -61,3 +77,38 @@ def test_every_rank_records_its_host_before_and_after_the_timed_steps():
     values = [p[when]["dispatch_us"] for p in probes for when in ("before", "after")]
     assert all(v > 0 for v in values)
     assert record["metrics"]["host_dispatch_us_max"] == max(values)
+    cpu = [r["host_cpu"] for r in record["per_rank"]]
+    assert all(c["wall_s"] > 0 and 0 <= c["thread_cpu_share"] <= 1.5 for c in cpu)
+    assert record["metrics"]["host_thread_cpu_share_max"] == max(c["thread_cpu_share"] for c in cpu)
+    assert record["metrics"]["host_involuntary_switches_per_step_max"] == max(
+        c["involuntary_switches_per_step"] for c in cpu
+    )
+
+
+def test_launch_pairs_counts_what_the_slower_launch_had(tmp_path):
+    """scripts/launch_pairs.py: per pair of launches more than 5 % apart, which figures sided with the slower."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "launch_pairs.py"
+    spec = importlib.util.spec_from_file_location("launch_pairs", script)
+    pairs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pairs)
+
+    def record(run: str, step_s: float, busy: float, clock: float, copy: str | None = None):
+        d = tmp_path / (copy or run) / "r" / "cases"
+        d.mkdir(parents=True, exist_ok=True)
+        metrics = {"step_time_s_median": step_s, "gpu_util_pct_mean_min": busy, "sm_clock_mhz_median_min": clock}
+        rec = {"status": "ok", "case_hash": "abc", "device": {"name": "NVIDIA H100 80GB HBM3"}, "metrics": metrics}
+        (d / "abc.json").write_text(json.dumps(rec))
+
+    record("a", 0.100, 98.0, 1980)
+    record("b", 0.120, 80.0, 1980)  # slower, less busy, same clock
+    record("c", 0.102, 97.0, 1965)  # within 5 % of a
+    record("a", 0.100, 98.0, 1980, copy="baselines")  # a copy of a counts once
+    out = pairs.compare(pairs.launches(tmp_path), 0.05)
+    assert out["pairs"] == 2 and out["configurations"] == 1  # b against a, b against c
+    assert out["tally"]["busy_pct"] == [2, 2]
+    assert out["tally"]["sm_clock_mhz"] == [2, 0]
+    assert out["tally"]["host_us"] == [0, 0]

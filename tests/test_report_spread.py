@@ -51,3 +51,19 @@ def test_spread_row_sets_the_launches_host_speed_beside_their_spread():
     # records made before the probe existed: no host column value, the rest as before
     [old] = spread_rows([(manifest, [one]), ({"suite": "again", "run_id": "2"}, [one])])
     assert old["host_dispatch_us_range"] is None and old["spread_pct"] == 0
+
+
+def test_spread_row_sets_the_launches_gpu_busy_share_and_cpu_contention_beside_their_spread():
+    manifest, records = load_run(H100X2)
+    [one] = [r for r in records if r["label"] == "ref.ddp gpt-1.3b w2 bf16 mb4"]
+
+    def launch(busy_pct: float, switches: float, tokens_per_s: float) -> dict:
+        extra = {"gpu_util_pct_mean_min": busy_pct, "host_involuntary_switches_per_step_max": switches}
+        return {**one, "metrics": {**one["metrics"], **extra, "tokens_per_s": tokens_per_s}}
+
+    fast, slow = launch(98.7, 0.5, 100.0), launch(75.8, 12.25, 80.0)
+    [row] = spread_rows([(manifest, [fast]), ({"suite": "again", "run_id": "2"}, [slow])])
+    assert row["gpu_busy_pct_range"] == "76 – 99"
+    assert row["host_switches_range"] == "0.5 – 12.2"
+    html = render_report([H100X2], with_figures=False)
+    assert "GPU busy %, min – max" in html and "forced switches/step" in html

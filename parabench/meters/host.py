@@ -10,12 +10,26 @@ synchronisation between them (on CUDA: dispatch plus kernel launch, the queue ne
 the median of ``repeats`` rounds, and notes the CPU the rank's main thread was on. The worker
 probes before the warm-up and after the timed steps, so the record carries the host's speed over
 the very launch whose steps it times.
+
+The probe reads the host's speed, not what the host did during the timed steps. ``cpu_times`` is
+read just before the first and just after the last timed step (two getrusage calls, off the
+clock), and ``cpu_use`` turns the difference into what the rank's main thread did meanwhile: its
+CPU time as a share of the wall time, and its context switches per step. Involuntary switches are
+other threads or processes taking the thread's CPU: contention, whatever the thread was doing. The
+CPU share reads 1 both for a thread that issues work all along and for one that spin-waits on the
+device (CUDA's default wait spins while the process has a CPU to itself), so it tells a host that
+blocked (well below 1) from one that did not, and no more.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+
+try:
+    import resource
+except ImportError:  # not on Windows: no CPU accounting there
+    resource = None
 
 import torch
 
@@ -46,3 +60,41 @@ def probe(device: torch.device, ops: int = 200, repeats: int = 5) -> dict:
         rounds.append((time.perf_counter() - t0) / ops)
         synchronize(device)
     return {"dispatch_us": statistics.median(rounds) * 1e6, "cpu": current_cpu()}
+
+
+def cpu_times() -> dict | None:
+    """The calling thread's and its process's CPU use so far (getrusage), with the wall clock and
+    the CPU the thread is on; None where the platform has no per-thread accounting."""
+    if resource is None or not hasattr(resource, "RUSAGE_THREAD"):
+        return None
+    wall = time.perf_counter()
+    thread = resource.getrusage(resource.RUSAGE_THREAD)
+    process = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "wall_s": wall,
+        "thread_cpu_s": thread.ru_utime + thread.ru_stime,
+        "process_cpu_s": process.ru_utime + process.ru_stime,
+        "involuntary_switches": thread.ru_nivcsw,
+        "voluntary_switches": thread.ru_nvcsw,
+        "cpu": current_cpu(),
+    }
+
+
+def cpu_use(before: dict | None, after: dict | None, steps: int) -> dict | None:
+    """What the thread did between two ``cpu_times``: ``thread_cpu_share`` (its CPU seconds over the
+    wall seconds), ``process_cpu_share`` (every thread of the process: compile workers, NCCL's
+    proxy, the telemetry sampler; above 1 when several ran at once), context switches per step, and
+    the CPUs the thread was on at both ends."""
+    if before is None or after is None or steps <= 0:
+        return None
+    wall = after["wall_s"] - before["wall_s"]
+    if wall <= 0:
+        return None
+    return {
+        "wall_s": wall,
+        "thread_cpu_share": (after["thread_cpu_s"] - before["thread_cpu_s"]) / wall,
+        "process_cpu_share": (after["process_cpu_s"] - before["process_cpu_s"]) / wall,
+        "involuntary_switches_per_step": (after["involuntary_switches"] - before["involuntary_switches"]) / steps,
+        "voluntary_switches_per_step": (after["voluntary_switches"] - before["voluntary_switches"]) / steps,
+        "cpus": [before["cpu"], after["cpu"]],
+    }

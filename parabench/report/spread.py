@@ -37,6 +37,8 @@ COLUMNS = [
     ("cv_pct", "CV %", "f2"),
     ("peak_alloc_spread_pct", "peak memory spread %", "f2"),
     ("host_dispatch_us_range", "host µs/op, min – max", "str"),
+    ("gpu_busy_pct_range", "GPU busy %, min – max", "str"),
+    ("host_switches_range", "forced switches/step, min – max", "str"),
 ]
 NOTE = (
     "Cases measured more than once in these runs: separate launches of the same case (repeats), other "
@@ -46,7 +48,11 @@ NOTE = (
     "the tokens/s; CV the sample standard deviation over the mean. A difference between two strategies "
     "smaller than these spreads is not a difference. Host µs/op: per launch, the slowest rank's time to "
     "issue one tiny op (probed before the warm-up and after the timed steps); where the spread follows "
-    "it, the host moved, not the strategy (host-bound cases: small micro-batches, per-tensor hooks)."
+    "it, the host moved, not the strategy (host-bound cases: small micro-batches, per-tensor hooks). GPU "
+    "busy %: per launch, the least busy GPU's share of the timed steps with a kernel running (NVML); a "
+    "slow launch whose GPU idled more waited on its host or a synchronisation, not on a slower GPU. "
+    "Forced switches: per launch, the most the ranks' main threads were preempted per timed step by other "
+    "threads or processes (CPU contention)."
 )
 _NOT_SHAPE = ("strategy", "seed", "repeats", "repeat", "timeout_s", "own_launch", "comm_meter")
 
@@ -82,6 +88,8 @@ def spread_rows(runs) -> list[dict]:
         low, high, cover = median_ci(tps)
         peaks = [p for p in (as_number(dig(r, "metrics", "peak_alloc_bytes")) for _, r in members) if p]
         hosts = [h for _, r in members for h in _samples(r, "host_dispatch_us_max")]
+        busy = [u for _, r in members for u in _samples(r, "gpu_util_pct_mean_min")]
+        switches = [x for _, r in members for x in _samples(r, "host_involuntary_switches_per_step_max")]
         rows.append(
             {
                 "label": members[0][1].get("label", ""),
@@ -101,6 +109,8 @@ def spread_rows(runs) -> list[dict]:
                 if len(peaks) >= 2
                 else None,
                 "host_dispatch_us_range": f"{min(hosts):.1f} – {max(hosts):.1f}" if hosts else None,
+                "gpu_busy_pct_range": f"{min(busy):.0f} – {max(busy):.0f}" if busy else None,
+                "host_switches_range": f"{min(switches):.1f} – {max(switches):.1f}" if switches else None,
             }
         )
     return sorted(rows, key=lambda r: r["label"])
