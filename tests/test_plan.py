@@ -121,6 +121,35 @@ def test_a_group_is_ranked_by_throughput_not_by_step_time():
     assert V.summarize(flipped)["fastest_strict_share"] == 0.0  # per token, ga is fastest, tp predicted so
 
 
+def test_the_issues_grouping_ranks_every_recipe_and_micro_batch_of_a_model_on_a_gpu_count():
+    def row(group, step, pred, tokens=8):
+        return {
+            "key": f"{group}{step}",
+            "label": group,
+            "group": group,
+            "step_s": step,
+            "pred_step_s": pred,
+            "tokens_per_step": tokens,
+            "peak_bytes": None,
+            "pred_peak_bytes": None,
+        }
+
+    rows = [
+        row("gpt-1.3b w2 amp mb4", 1.0, 1.0),
+        row("gpt-1.3b w2 master mb8", 1.6, 1.5, 16),  # 0.100 s per token: the fastest
+        row("gpt-1.3b fused w2 master mb4", 1.3, 1.2),  # another layout: its own model
+        row("gpt-1.3b w2 fp8 mb4", 0.9, 1.1),  # measured second, predicted slowest
+        row("gpt-1.3b w4 amp mb4", 1.0, 1.0),  # another GPU count
+    ]
+    assert V.scale_group("gpt-1.3b fused w2 master mb4") == "gpt-1.3b fused w2"
+    sc = V.summarize(rows)["by_model_and_gpus"]
+    [g] = sc["per_group"]  # one (model, GPU count) of 3 or more
+    assert g["group"] == "gpt-1.3b w2" and g["configs"] == 3
+    assert g["spearman"] == pytest.approx(0.5)  # measured order master, fp8, amp; predicted master, amp, fp8
+    assert sc["groups"] == 1 and sc["below_0.9"] == 1
+    assert g["spearman_noise_tied"] == pytest.approx(0.5)  # 0.1125 and 0.125 s per token: more than 5 % apart
+
+
 def test_cli_rejects_unknown_names(capsys):
     assert main(["plan", "--model", "gpt-99b", "--gpus", "2"]) == 2
     assert "valid models" in capsys.readouterr().err
@@ -899,6 +928,8 @@ def test_report_shows_each_prediction_and_the_planners_validation():
     assert loo["test"] == "leave one configuration out"
     assert loo["configs"] == report["leave_one_out"]["configurations"]
     assert loo["step_median"] == report["leave_one_out"]["step_median_pct"]
+    sc = report["leave_one_out"]["by_model_and_gpus"]
+    assert loo["spearman_scale"].startswith(f"{sc['spearman_median']:.2f}, {sc['below_0.9']} of {sc['groups']}")
     assert rows[-2]["spearman"].startswith(f"{report['retest']['retest_median']:.2f}")
     assert rows[-1]["test"] == "target" and rows[-1]["spearman"] == ">= 0.9 in every group"
     cpu = render_report([ROOT / "results/meter-overhead/cpu"], with_figures=False)
