@@ -783,6 +783,23 @@ def host_floor_binds(w: Workload, consts: dict) -> bool:
     return any(0 < cost < floor for costs, floor in zip(pipeline_op_costs(w, consts), floors) for cost in costs)
 
 
+# Trainers whose layout holds the whole gradient, in the parameters' dtype, beside the sharded fp32
+# gradient the optimizer steps on (reference_impls/zero1.py: backward fills it, the reduce-scatter
+# reads it); ZeRO-2 streams the same bytes through buckets instead. Backward writes it and the
+# reduction reads it in both; the optimizer step touches neither (measured: ref.zero1 and ref.zero2
+# within 0.4 % in all 9 configurations run side by side, docs/planner.md).
+WHOLE_GRADIENT_BESIDE_SHARD = ("ref.zero1",)
+
+
+def optimizer_step_state_bytes(w: Workload) -> float:
+    """The model-state bytes the optimizer step and its casts read and write: the rank's state less
+    a whole gradient held only for the reduction (``WHOLE_GRADIENT_BESIDE_SHARD``)."""
+    state = w.state_bytes or 0.0
+    if w.strategy in WHOLE_GRADIENT_BESIDE_SHARD and w.state_parts:
+        state -= w.state_parts["params"]
+    return state
+
+
 def time_features(w: Workload, collectives: dict, consts: dict | None = None) -> dict:
     """The amounts each fitted constant multiplies: step_s = sum(constant * feature).
 
@@ -792,7 +809,7 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
     flops = w.tokens_per_step * w.hw_flops_per_token / w.world_size
     stretch = pipeline_factor(w, consts)
     params_rank = w.params / (w.tp * w.pp)
-    mem_bytes = 2 * (w.state_bytes or 0)
+    mem_bytes = 2 * optimizer_step_state_bytes(w)
     if w.recipe in AUTOCAST_RECIPES:
         fp8_params = block_linear_params(w) if w.recipe == "fp8" else 0.0
         mem_bytes += (AMP_CAST_BYTES * (params_rank - fp8_params) + FP8_WEIGHT_BYTES * fp8_params) * w.passes
