@@ -211,6 +211,10 @@ def observations(results_dir="results", kind: str = "h100") -> list[Observation]
 # --- collectives ----------------------------------------------------------------------------------
 
 
+# The collectives bench's rows of calls enqueued back to back (``burst_calls``), one row per call's share.
+QUEUED_ALGORITHM = "backend_burst"
+
+
 def _alpha_beta(pts: list) -> tuple[float, float]:
     """alpha (s) and beta (s/B) of t = alpha + beta * bytes, least squares on relative error."""
     b = np.array([p[0] for p in pts], float)
@@ -267,13 +271,10 @@ def fit_collectives(results_dir="results", kind: str = "h100") -> dict:
     return out
 
 
-QUEUED_ALGORITHM = "backend_burst"
-
-
 def _queued_fit(points: dict, kind: str, op: str, n: int, alpha: float, beta: float) -> dict:
     """The queued call's alpha and bus bandwidth for (op, n) on ``kind``: from its own burst rows,
-    else by another kind's queued-to-isolated ratios, each run's bursts set against the same run's
-    isolated calls; {} where no run has bursts at that size."""
+    else by other kinds' queued-to-isolated ratios (each run's bursts set against the same run's
+    isolated calls, the median over runs); {} where no run has bursts at that size."""
     own = points.get((kind, QUEUED_ALGORITHM, op, n))
     if own:
         q_alpha, q_beta = _alpha_beta([p for run in own.values() for p in run])
@@ -288,17 +289,19 @@ def _queued_fit(points: dict, kind: str, op: str, n: int, alpha: float, beta: fl
         if alg == QUEUED_ALGORITHM and o == op and m == n
         for run, pts in runs.items()
     ]
-    paired = [p for p in paired if p[3]]
-    if not paired:
+    ratios = []  # (alpha ratio, busbw ratio) per run with both kinds of rows
+    for _, _, burst, isolated in (p for p in paired if p[3]):
+        (iso_alpha, iso_beta), (bur_alpha, bur_beta) = _alpha_beta(isolated), _alpha_beta(burst)
+        ratios.append((bur_alpha / max(iso_alpha, 1e-12), iso_beta / bur_beta))
+    if not ratios:
         return {}
-    other, run, burst, isolated = paired[0]
-    iso_alpha, iso_beta = _alpha_beta(isolated)
-    bur_alpha, bur_beta = _alpha_beta(burst)
-    alpha_ratio = bur_alpha / max(iso_alpha, 1e-12)
+    alpha_ratio = statistics.median(r[0] for r in ratios)
+    bw_ratio = statistics.median(r[1] for r in ratios)
+    runs = ", ".join(f"{run} ({other})" for other, run, _, isolated in paired if isolated)
     return {
         "alpha_queued_s": alpha * alpha_ratio,
-        "busbw_queued_Bps": M.bus_factor(op, n) / (beta * bur_beta / iso_beta),
-        "queued_source": f"{run} ({other}): alpha x{alpha_ratio:.2f}, busbw x{iso_beta / bur_beta:.2f} of its isolated calls",
+        "busbw_queued_Bps": M.bus_factor(op, n) / beta * bw_ratio,
+        "queued_source": f"{runs}: alpha x{alpha_ratio:.2f}, busbw x{bw_ratio:.2f} of the same runs' isolated calls",
     }
 
 
