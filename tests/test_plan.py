@@ -1328,3 +1328,19 @@ def test_zero1_and_zero2_step_their_optimizer_over_the_same_bytes():
             assert z1.state_bytes > z2.state_bytes  # the layouts differ in what they hold
             assert M.optimizer_step_state_bytes(z1) == pytest.approx(M.optimizer_step_state_bytes(z2))
             assert M.optimizer_step_state_bytes(ddp) == ddp.state_bytes
+
+
+def test_borrowed_queued_ratios_are_the_median_over_runs_with_bursts(tmp_path):
+    for run, (burst_alpha, burst_bw) in (("r2", (30e-6, 300e9)), ("r3", (42e-6, 350e9))):
+        d = tmp_path / "collectives-burst" / run
+        d.mkdir(parents=True)
+        doc = _collectives_doc(2, 60e-6, 250e9, device="NVIDIA H200", burst=(burst_alpha, burst_bw))
+        (d / "collectives-w2.json").write_text(json.dumps(doc))
+    own = tmp_path / "collectives-x" / "r1"
+    own.mkdir(parents=True)
+    (own / "collectives-w2.json").write_text(json.dumps(_collectives_doc(2, 40e-6, 200e9)))
+    fit = C.fit_collectives(tmp_path)["all_gather"]["by_group"]["2"]
+    # alpha ratios 0.5 and 0.7, bus bandwidth ratios 1.2 and 1.4: medians 0.6 and 1.3
+    assert fit["alpha_queued_s"] == pytest.approx(0.6 * 40e-6, rel=1e-6)
+    assert fit["busbw_queued_Bps"] == pytest.approx(1.3 * 200e9, rel=1e-6)
+    assert "r2" in fit["queued_source"] and "r3" in fit["queued_source"]
