@@ -105,6 +105,15 @@ def group_of(w: M.Workload) -> str:
     return f"{w.model}{layout} w{w.world_size} {w.recipe} mb{w.micro_batch}"
 
 
+def seconds_per_token(rows: list[dict]) -> tuple[list[float], list[float]]:
+    """Measured and predicted step time per token of ``rows``: groups are ranked as the planner ranks,
+    by throughput, since their configurations need not share a step's tokens (data-parallel degree,
+    accumulation and, across a (model, GPU count), micro-batch differ)."""
+    meas = [r["step_s"] / r.get("tokens_per_step", 1) for r in rows]
+    pred = [r["pred_step_s"] / r.get("tokens_per_step", 1) for r in rows]
+    return meas, pred
+
+
 def scale_group(group: str) -> str:
     """The (model, GPU count) a ``group_of`` name belongs to: the name without recipe and micro-batch."""
     return group.rsplit(" ", 2)[0]
@@ -120,8 +129,7 @@ def scale_ranking(rows: list[dict]) -> dict:
     for g, rs in sorted(groups.items()):
         if len(rs) < 3:
             continue
-        meas = [r["step_s"] / r.get("tokens_per_step", 1) for r in rs]
-        pred = [r["pred_step_s"] / r.get("tokens_per_step", 1) for r in rs]
+        meas, pred = seconds_per_token(rs)
         per_group.append(
             {
                 "group": g,
@@ -160,10 +168,7 @@ def summarize(rows: list[dict]) -> dict:
     for g, rs in sorted(groups.items()):
         if len(rs) < 2:
             continue
-        # ranked as the planner ranks, by throughput: a group's configurations share a micro-batch,
-        # not a step's tokens (data-parallel degree and accumulation differ)
-        meas = [r["step_s"] / r.get("tokens_per_step", 1) for r in rs]
-        pred = [r["pred_step_s"] / r.get("tokens_per_step", 1) for r in rs]
+        meas, pred = seconds_per_token(rs)
         strict = int(np.argmin(meas)) == int(np.argmin(pred))
         ok = meas[int(np.argmin(pred))] <= min(meas) * (1 + FASTEST_NOISE)
         fastest.append(ok)
@@ -499,10 +504,7 @@ def launch_retest(rows: list[dict], launch_steps: dict[str, list[float]]) -> lis
                 "group": g,
                 "configs": len(rs),
                 "retest_spearman": retest_spearman(launches),
-                "model_spearman": spearman(
-                    [r["step_s"] / r["tokens_per_step"] for r in rs],
-                    [r["pred_step_s"] / r["tokens_per_step"] for r in rs],
-                ),
+                "model_spearman": spearman(*seconds_per_token(rs)),
             }
         )
     return out
