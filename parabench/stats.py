@@ -46,11 +46,13 @@ TIMING_METRICS = (
 # 10-13 % between two H100 launches, 2026-11-26): the case-level value is their median too.
 NOISY_MEMORY = ("peak_reserved_bytes", "device_used_bytes", "peak_rss_bytes")
 # What a launch ran on rather than what it measured: kept per launch, so that a launch-to-launch
-# spread can be set beside it (the slowest rank's host probe and its main thread's context switches,
-# ``parabench.meters.host``; the least busy GPU of the timed steps, ``parabench.meters.telemetry``).
+# spread can be set beside it (the slowest rank's host probe, its main thread's context switches and
+# its Python garbage collections, ``parabench.meters.host``; the least busy GPU of the timed steps,
+# ``parabench.meters.telemetry``).
 LAUNCH_CONDITIONS = (
     "host_dispatch_us_max",
     "host_involuntary_switches_per_step_max",
+    "host_gc_pause_s_per_step_max",
     "gpu_util_pct_mean_min",
 )
 # Summarised with an interval and a coefficient of variation in ``launch_stats``.

@@ -212,6 +212,12 @@ class CommonOptions:
     # Synchronise the device after every step, as a loop that reads its loss each step does
     # (DeepSpeed's throughput timer does too); off, the host may run ahead into the next step.
     step_sync: bool = False
+    # Python's garbage collector. "auto": Python's own thresholds, so a collection may land in any
+    # rank's step at any time and the other ranks wait for it in the next collective. "scheduled":
+    # torchtitan's policy against such stragglers (torchtitan.tools.utils.GarbageCollection, its
+    # training.gc_freq = 50): automatic collection off, a generation-1 collection after the warm-up,
+    # off the clock, and one every 50 timed steps, on it.
+    python_gc: Literal["auto", "scheduled"] = "auto"
     compile: bool = False  # torch.compile every transformer block (torchtitan's order); see peers.common.compile_blocks
 
     # Options that every case of the strategy carries explicitly, default or not (``Case`` fills

@@ -58,6 +58,7 @@ from parabench.topology import build_topology
 # What the CUDA caching allocator holds between cases of one launch, from cuBLAS workspaces and the
 # like, is ~65 MiB on H100; a library that keeps a model or its buffers alive leaves gigabytes.
 LEFTOVER_LIMIT_BYTES = 256 << 20
+GC_EVERY_STEPS = 50  # python_gc scheduled: torchtitan's training.gc_freq default
 
 # Tensors kept alive on purpose by the "leak" fault: what a library holding its engine does.
 _INJECTED_LEAKS: list[torch.Tensor] = []
@@ -311,6 +312,9 @@ def run_case(
     # the timed steps of fp16 cases, and none at all on other cases, which never call it.
     scales: list | None = [] if case.precision == "fp16" else None
     host_before = host.probe(device)  # the host's speed around the timed steps, off the clock
+    gc_scheduled = case.options.get("python_gc", "auto") == "scheduled"
+    if gc_scheduled:  # torchtitan's policy (CommonOptions.python_gc)
+        gc.disable()
     progress.phase("warm-up", case.warmup)
     # The first warm-up step alone, synchronised on both ends: it carries torch.compile's
     # compilation (option compile) and every other first-call cost, kept out of the timed steps.
@@ -328,6 +332,8 @@ def run_case(
         progress.step(step + 1)
 
     synchronize(device)
+    if gc_scheduled:
+        gc.collect(1)
     dist.barrier()
     memory.reset_peak(device)
     progress.phase("timed", case.steps)
@@ -335,12 +341,16 @@ def run_case(
     sampler = telemetry.sampler_for(device) if case.options.get("telemetry", True) else None
     sampler is not None and sampler.start()
     cpu_start = host.cpu_times()
+    gc_pauses = host.GcPauses()
+    gc_pauses.start()
     clock.mark()
     slowdown = debug_slowdown()
     step_sync = bool(case.options.get("step_sync"))
     for step in range(case.warmup, case.warmup + case.steps):
         _inject_fault(case, step)
         t_step = time.perf_counter()
+        if gc_scheduled and (step - case.warmup + 1) % GC_EVERY_STEPS == 0:
+            gc.collect(1)
         losses.append(trainer.train_step(*batches[step]))
         scales is not None and scales.append(trainer.loss_scale())
         if step_sync:
@@ -353,6 +363,10 @@ def run_case(
         # does not distort the step times.
         progress.step(step - case.warmup + 1)
     host_cpu = host.cpu_use(cpu_start, host.cpu_times(), case.steps)
+    gc_pauses.stop()
+    host_gc = gc_pauses.summary(case.steps)
+    if gc_scheduled:
+        gc.enable()
     step_times = clock.durations_s()
     device_telemetry = sampler.stop() if sampler is not None else None
     peak = memory.read_peak(device)
@@ -430,6 +444,7 @@ def run_case(
         "telemetry": device_telemetry,
         "host_probe": host_probe,
         "host_cpu": host_cpu,
+        "host_gc": host_gc,
     }
     if breakdown is not None:
         # what the meter's step ran: compiled blocks run their eager code under it (eager_under_meter)

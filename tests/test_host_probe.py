@@ -3,6 +3,7 @@ off the clock before the warm-up and after the timed steps, and the probe sees a
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -83,6 +84,51 @@ def test_every_rank_records_its_host_before_and_after_the_timed_steps():
     assert record["metrics"]["host_involuntary_switches_per_step_max"] == max(
         c["involuntary_switches_per_step"] for c in cpu
     )
+
+
+def test_gc_pauses_count_collections_by_generation():
+    pauses = host.GcPauses()
+    pauses.start()
+    gc.collect(0)
+    gc.collect(2)
+    pauses.stop()
+    gc.collect(1)  # after stop: not counted
+    summary = pauses.summary(steps=2)
+    assert summary["collections_by_generation"][0] >= 1 and summary["collections_by_generation"][2] == 1
+    assert summary["collections_by_generation"][1] == 0
+    assert 0 < summary["max_pause_s"] <= summary["pause_s"] == 2 * summary["pause_s_per_step"]
+
+
+def _run_collecting_often(case: dict) -> tuple[dict | None, bool]:
+    gc.set_threshold(1)  # a collection at nearly every allocation, so the timed steps see some
+    try:
+        return run_case(Case.from_dict(case), torch.device("cpu")), gc.isenabled()
+    finally:
+        gc.set_threshold(700, 10, 10)
+
+
+def test_scheduled_gc_keeps_collections_out_of_the_timed_steps():
+    def case(policy: str) -> Case:
+        return Case(
+            model="tiny",
+            strategy="ref.ddp",
+            world_size=2,
+            micro_batch=2,
+            steps=2,
+            warmup=1,
+            device="cpu",
+            options={"roofline": False, "telemetry": False, "python_gc": policy},
+        )
+
+    ranks = {p: run_on_gloo(_run_collecting_often, 2, case(p).to_dict()) for p in ("auto", "scheduled")}
+    assert all(enabled for results in ranks.values() for _, enabled in results)  # the policy ends with the timed steps
+    auto, scheduled = (build_record(case(p), "ok", ranks[p][0][0]) for p in ("auto", "scheduled"))
+    assert all(sum(r["host_gc"]["collections_by_generation"]) > 0 for r in auto["per_rank"])
+    assert all(r["host_gc"]["collections_by_generation"] == [0, 0, 0] for r in scheduled["per_rank"])
+    assert auto["metrics"]["host_gc_pause_s_per_step_max"] == max(
+        r["host_gc"]["pause_s_per_step"] for r in auto["per_rank"]
+    )
+    assert scheduled["metrics"]["host_gc_pause_s_per_step_max"] == 0
 
 
 def test_launch_pairs_counts_what_the_slower_launch_had(tmp_path):

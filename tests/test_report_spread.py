@@ -57,13 +57,18 @@ def test_spread_row_sets_the_launches_gpu_busy_share_and_cpu_contention_beside_t
     manifest, records = load_run(H100X2)
     [one] = [r for r in records if r["label"] == "ref.ddp gpt-1.3b w2 bf16 mb4"]
 
-    def launch(busy_pct: float, switches: float, tokens_per_s: float) -> dict:
-        extra = {"gpu_util_pct_mean_min": busy_pct, "host_involuntary_switches_per_step_max": switches}
+    def launch(busy_pct: float, switches: float, gc_s: float, tokens_per_s: float) -> dict:
+        extra = {
+            "gpu_util_pct_mean_min": busy_pct,
+            "host_involuntary_switches_per_step_max": switches,
+            "host_gc_pause_s_per_step_max": gc_s,
+        }
         return {**one, "metrics": {**one["metrics"], **extra, "tokens_per_s": tokens_per_s}}
 
-    fast, slow = launch(98.7, 0.5, 100.0), launch(75.8, 12.25, 80.0)
+    fast, slow = launch(98.7, 0.5, 0.0, 100.0), launch(75.8, 12.25, 0.0314, 80.0)
     [row] = spread_rows([(manifest, [fast]), ({"suite": "again", "run_id": "2"}, [slow])])
     assert row["gpu_busy_pct_range"] == "76 – 99"
     assert row["host_switches_range"] == "0.5 – 12.2"
+    assert row["host_gc_ms_range"] == "0.0 – 31.4"
     html = render_report([H100X2], with_figures=False)
-    assert "GPU busy %, min – max" in html and "forced switches/step" in html
+    assert "GPU busy %, min – max" in html and "forced switches/step" in html and "Python GC ms/step" in html

@@ -70,6 +70,7 @@ NEUTRAL_OPTIONS = {
     "memory_breakdown",
     "record_timeline",
     "step_sync",
+    "python_gc",
     "optimizer_in_config",
     "trace",
     "memory_snapshot",

@@ -19,10 +19,16 @@ other threads or processes taking the thread's CPU: contention, whatever the thr
 CPU share reads 1 both for a thread that issues work all along and for one that spin-waits on the
 device (CUDA's default wait spins while the process has a CPU to itself), so it tells a host that
 blocked (well below 1) from one that did not, and no more.
+
+``GcPauses`` counts Python's garbage collections over the timed steps, by generation, with the time
+each took (a ``gc.callbacks`` hook: two clock reads per collection, none otherwise). A full
+collection walks every live Python object, compiled graphs' included, and the other ranks wait for
+it in their next collective: a rank's pause becomes everyone's slow step.
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
@@ -98,3 +104,40 @@ def cpu_use(before: dict | None, after: dict | None, steps: int) -> dict | None:
         "voluntary_switches_per_step": (after["voluntary_switches"] - before["voluntary_switches"]) / steps,
         "cpus": [before["cpu"], after["cpu"]],
     }
+
+
+class GcPauses:
+    """Python's garbage collections between ``start`` and ``stop``: how many of each generation, and their pauses."""
+
+    def __init__(self):
+        self.collections = [0, 0, 0]
+        self.pause_s = 0.0
+        self.max_pause_s = 0.0
+        self._started: float | None = None
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        if self._started is None:
+            return
+        pause = time.perf_counter() - self._started
+        self._started = None
+        self.collections[min(info.get("generation", 0), 2)] += 1
+        self.pause_s += pause
+        self.max_pause_s = max(self.max_pause_s, pause)
+
+    def start(self) -> None:
+        gc.callbacks.append(self._on_gc)
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def summary(self, steps: int) -> dict:
+        return {
+            "collections_by_generation": list(self.collections),
+            "pause_s": self.pause_s,
+            "pause_s_per_step": self.pause_s / steps if steps > 0 else None,
+            "max_pause_s": self.max_pause_s,
+            "automatic": gc.isenabled(),
+        }

@@ -20,6 +20,7 @@ INSTRUMENT_OPTIONS = frozenset(
         "telemetry",
         "record_timeline",
         "step_sync",
+        "python_gc",
     }
 )
 

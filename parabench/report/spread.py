@@ -39,6 +39,7 @@ COLUMNS = [
     ("host_dispatch_us_range", "host µs/op, min – max", "str"),
     ("gpu_busy_pct_range", "GPU busy %, min – max", "str"),
     ("host_switches_range", "forced switches/step, min – max", "str"),
+    ("host_gc_ms_range", "Python GC ms/step, min – max", "str"),
 ]
 NOTE = (
     "Cases measured more than once in these runs: separate launches of the same case (repeats), other "
@@ -90,6 +91,7 @@ def spread_rows(runs) -> list[dict]:
         hosts = [h for _, r in members for h in _samples(r, "host_dispatch_us_max")]
         busy = [u for _, r in members for u in _samples(r, "gpu_util_pct_mean_min")]
         switches = [x for _, r in members for x in _samples(r, "host_involuntary_switches_per_step_max")]
+        gc_ms = [x * 1e3 for _, r in members for x in _samples(r, "host_gc_pause_s_per_step_max")]
         rows.append(
             {
                 "label": members[0][1].get("label", ""),
@@ -111,6 +113,7 @@ def spread_rows(runs) -> list[dict]:
                 "host_dispatch_us_range": f"{min(hosts):.1f} – {max(hosts):.1f}" if hosts else None,
                 "gpu_busy_pct_range": f"{min(busy):.0f} – {max(busy):.0f}" if busy else None,
                 "host_switches_range": f"{min(switches):.1f} – {max(switches):.1f}" if switches else None,
+                "host_gc_ms_range": f"{min(gc_ms):.1f} – {max(gc_ms):.1f}" if gc_ms else None,
             }
         )
     return sorted(rows, key=lambda r: r["label"])
