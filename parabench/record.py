@@ -197,11 +197,34 @@ def build_record(
                 + ", ".join(rec["metrics"]["clocks_event_reasons"])
                 + "): its tokens/s describe a throttled card, not only the strategy"
             )
+        gc_note = gc_caveat(rec["metrics"], raw["per_rank"])
+        if gc_note:
+            rec["caveats"].append(gc_note)
         rec["per_rank"] = raw["per_rank"]
         if "loss_scale" in raw:
             rec["loss_scale"] = raw["loss_scale"]
         rec["checks"] = checks_for(rec["theory"], rec["per_rank"], rec.get("loss_scale"))
     return rec
+
+
+# Python's collections over the timed steps that a reader must see: at least this share of the step.
+GC_CAVEAT_SHARE = 0.02
+
+
+def gc_caveat(metrics: dict, per_rank: list[dict]) -> str | None:
+    """A sentence when Python's garbage collections took GC_CAVEAT_SHARE of a rank's timed steps or
+    more: in a synchronous job the other ranks wait for the pause in their next collective."""
+    per_step, step = metrics.get("host_gc_pause_s_per_step_max"), metrics.get("step_time_s_median")
+    if not per_step or not step or per_step < GC_CAVEAT_SHARE * step:
+        return None
+    longest = max((r.get("host_gc") or {}).get("max_pause_s", 0.0) for r in per_rank)
+    full = metrics.get("host_gc_full_collections_max") or 0
+    return (
+        f"Python's garbage collector took {per_step * 1e3:.1f} ms per timed step on the slowest rank "
+        f"({full} full collection{'s' if full != 1 else ''}, the longest pause {longest * 1e3:.0f} ms), and the "
+        'other ranks wait for a pause in their next collective; option python_gc = "scheduled" keeps '
+        "collections out of the timed steps"
+    )
 
 
 # --- reading ----------------------------------------------------------------------------------

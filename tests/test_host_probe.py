@@ -158,3 +158,15 @@ def test_launch_pairs_counts_what_the_slower_launch_had(tmp_path):
     assert out["tally"]["busy_pct"] == [2, 2]
     assert out["tally"]["sm_clock_mhz"] == [2, 0]
     assert out["tally"]["host_us"] == [0, 0]
+
+
+def test_a_record_warns_when_garbage_collection_took_a_share_of_the_steps():
+    from parabench.record import gc_caveat
+
+    ranks = [{"host_gc": {"max_pause_s": 0.346}}, {"host_gc": {"max_pause_s": 0.265}}]
+    metrics = {"step_time_s_median": 0.2158, "host_gc_pause_s_per_step_max": 0.0187, "host_gc_full_collections_max": 1}
+    note = gc_caveat(metrics, ranks)
+    assert "18.7 ms per timed step" in note and "346 ms" in note and "1 full collection," in note
+    assert "python_gc" in note
+    assert gc_caveat({**metrics, "host_gc_pause_s_per_step_max": 0.0004}, ranks) is None  # 0.2 % of the step
+    assert gc_caveat({"step_time_s_median": 0.2}, ranks) is None  # records made before the meter
