@@ -1344,3 +1344,27 @@ def test_borrowed_queued_ratios_are_the_median_over_runs_with_bursts(tmp_path):
     assert fit["alpha_queued_s"] == pytest.approx(0.6 * 40e-6, rel=1e-6)
     assert fit["busbw_queued_Bps"] == pytest.approx(1.3 * 200e9, rel=1e-6)
     assert "r2" in fit["queued_source"] and "r3" in fit["queued_source"]
+
+
+def test_launch_spread_names_the_trainers_whose_launches_disagree():
+    from dataclasses import replace
+
+    from parabench.plan.cli import erratic_note
+    from parabench.plan.search import Candidate
+
+    steady = [replace(_obs("ref.ddp", mb, 0.1), launch_steps=[0.100, 0.101]) for mb in (1, 2)]
+    erratic = [
+        replace(_obs("ref.zero3", 1, 0.2), launch_steps=[0.18, 0.30, 0.19]),
+        replace(_obs("ref.zero3", 2, 0.2), launch_steps=[0.20, 0.21]),
+        replace(_obs("ref.zero3", 4, 0.2), launch_steps=[0.20]),  # one launch: no spread
+    ]
+    spread = C.launch_spread(steady + erratic)
+    assert spread["ref.ddp"]["configurations"] == 2 and spread["ref.ddp"]["max"] < 0.01
+    assert spread["ref.zero3"]["configurations"] == 2
+    assert spread["ref.zero3"]["max"] == pytest.approx(0.12 / (0.67 / 3))
+    assert spread["ref.zero3"]["median"] == pytest.approx((0.12 / (0.67 / 3) + 0.01 / 0.205) / 2)
+    rows = [Candidate(o.workload.strategy, 2, 1, 1, {}, None, workload=o.workload) for o in (steady[0], erratic[0])]
+    note = erratic_note(rows, spread)
+    assert "ref.zero3" in note and "ref.ddp" not in note and "2 configurations" in note
+    assert erratic_note(rows[:1], spread) is None
+    assert C.fit(steady + erratic, COLLECTIVES)["launch_spread"] == spread

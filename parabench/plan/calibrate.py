@@ -100,6 +100,7 @@ class Observation:
     runs: list = field(default_factory=list)
     n_records: int = 0
     run_steps: dict = field(default_factory=dict)  # run -> median step of its records (one launch each)
+    launch_steps: list = field(default_factory=list)  # every record's median step (one launch each)
 
 
 def config_key(record: dict) -> str:
@@ -203,9 +204,29 @@ def observations(results_dir="results", kind: str = "h100") -> list[Observation]
                 sorted(steps_by_run),
                 len(items),
                 {run: statistics.median(steps) for run, steps in steps_by_run.items()},
+                [s for steps in steps_by_run.values() for s in steps],
             )
         )
     return out
+
+
+# A trainer whose launches of one configuration differ by more than this is named beside a plan.
+ERRATIC_LAUNCH_SPREAD = 0.05
+
+
+def launch_spread(obs: list[Observation]) -> dict:
+    """Per implementation, how far its launches of one configuration lie apart ((slowest - fastest) /
+    mean step), over the configurations it ran twice or more: the median, the largest and how many.
+    The model predicts one step time per configuration; this says how far a launch may land from it."""
+    spreads: dict[str, list[float]] = {}
+    for o in obs:
+        if len(o.launch_steps) >= 2:
+            steps = o.launch_steps
+            spreads.setdefault(o.workload.impl, []).append((max(steps) - min(steps)) / statistics.fmean(steps))
+    return {
+        impl: {"configurations": len(v), "median": statistics.median(v), "max": max(v)}
+        for impl, v in sorted(spreads.items())
+    }
 
 
 # --- collectives ----------------------------------------------------------------------------------
@@ -512,6 +533,9 @@ def fit(obs: list[Observation], collectives: dict, kind: str = "h100", device_na
         "host_tensor_doc": "s of host (Python hook / DTensor dispatch) time per parameter tensor per pass; "
         "step = max(device, this x tensors x passes)",
         "impl_memory": dict(sorted(impl_m.items())),
+        "launch_spread": launch_spread(obs),
+        "launch_spread_doc": "per implementation, over its configurations launched twice or more: "
+        "(slowest - fastest launch's median step) / their mean",
         "configurations": len(obs),
         "records": sum(o.n_records for o in obs),
         "runs": sorted({r for o in obs for r in o.runs} | {c["source"] for c in collectives.values() if "source" in c}),

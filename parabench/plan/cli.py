@@ -108,6 +108,25 @@ def tie_note(validation_path: Path) -> str | None:
     )
 
 
+def erratic_note(shown: list, spread: dict) -> str | None:
+    """The shown rows' implementations whose measured launches of one configuration lay more than
+    ERRATIC_LAUNCH_SPREAD apart (the calibration's ``launch_spread``), or None."""
+    from parabench.plan.calibrate import ERRATIC_LAUNCH_SPREAD
+
+    impls = sorted({c.workload.impl for c in shown if c.workload is not None})
+    erratic = [(i, spread[i]) for i in impls if spread.get(i, {}).get("median", 0.0) > ERRATIC_LAUNCH_SPREAD]
+    if not erratic:
+        return None
+    parts = [
+        f"{impl} {s['median']:.0%} (up to {s['max']:.0%}, {s['configurations']} configurations)" for impl, s in erratic
+    ]
+    return (
+        "Measured launches of one configuration lay apart, slowest to fastest, by a median of: "
+        + "; ".join(parts)
+        + ". The prediction is one step time; a launch of these may land that far from it (docs/results.md)."
+    )
+
+
 def plan_main(args) -> int:
     from parabench.plan import calibrate as C
     from parabench.plan import search as S
@@ -156,6 +175,9 @@ def plan_main(args) -> int:
     tie = tie_note(Path(args.calibration or C.CALIBRATION_DIR) / f"validation-{kind}.json")
     if ok and tie:
         print(f"\n{tie}")
+    erratic = erratic_note(ok[: args.top], cal.get("launch_spread") or {})
+    if erratic:
+        print(f"\n{erratic}")
     shown = [c for c in dropped if not c.dropped.startswith("invalid")][: args.dropped]
     if shown:
         print("\ndropped (first of each kind):")
