@@ -19,6 +19,10 @@ Names carry their units. Conventions:
   the ranks' main threads' context switches forced by other threads or processes, per step, and their
   CPU seconds over the wall seconds (``parabench.meters.host.cpu_use``), the largest rank's; None
   in records made before they were measured, and on platforms without per-thread accounting.
+- ``host_gc_pause_s_per_step_max`` and ``host_gc_full_collections_max``: over the timed steps, the
+  seconds per step a rank's process spent in Python's garbage collector and its full (generation 2)
+  collections (``parabench.meters.host.GcPauses``), the largest rank's; None in records made before
+  they were measured.
 - Memory: the maximum over ranks of each rank's peak during the timed steps.
 - ``loss_scale`` (fp16 only, else None): see :func:`loss_scale_summary`; the fp16-vs-fp32 loss
   deviation of two records of the same case is :func:`loss_deviation` (for the report).
