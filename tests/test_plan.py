@@ -1368,3 +1368,21 @@ def test_launch_spread_names_the_trainers_whose_launches_disagree():
     assert "ref.zero3" in note and "ref.ddp" not in note and "2 configurations" in note
     assert erratic_note(rows[:1], spread) is None
     assert C.fit(steady + erratic, COLLECTIVES)["launch_spread"] == spread
+
+
+def test_the_time_fit_runs_to_its_fixed_point():
+    """The constants and the implementation factors are refitted on each other until neither moves:
+    stopping after a fixed few rounds left this set's constants far from where they settle."""
+
+    def step(strategy: str, mb: int) -> float:
+        return (1.3 if strategy.startswith("deepspeed") else 1.0) * (0.01 * mb + 0.004 * (strategy == "ref.zero2"))
+
+    strategies = ("ref.ddp", "ref.zero2", "deepspeed.zero1", "deepspeed.zero2")
+    obs = [_obs(s, mb, step(s, mb), ws) for s in strategies for mb in (1, 2, 4, 8) for ws in (1, 2)]
+    consts, impl, _ = C.fit_time(obs, COLLECTIVES)
+    settled, settled_impl, _ = C.fit_time(obs, COLLECTIVES, rounds=10 * C.FIT_MAX_ROUNDS)
+    assert consts == pytest.approx(settled, rel=1e-5)
+    assert impl.pop("_fitted") == settled_impl.pop("_fitted") and impl == pytest.approx(settled_impl, rel=1e-5)
+    four, _, _ = C.fit_time(obs, COLLECTIVES, rounds=4)
+    assert four["exp_shard"] > 2 * consts["exp_shard"]  # four rounds had not settled
+    assert impl["deepspeed.zero1:tuned"] == pytest.approx(1.18, abs=0.01)
