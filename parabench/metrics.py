@@ -118,10 +118,12 @@ def summarize(case, raw: dict) -> dict:
         "setup_s_max": max(r["setup_s"] for r in per_rank),
         **first_step_summary(case, per_rank, median),
         "host_dispatch_us_max": host_dispatch_max(per_rank),
-        "host_involuntary_switches_per_step_max": host_cpu_max(per_rank, "involuntary_switches_per_step"),
-        "host_thread_cpu_share_max": host_cpu_max(per_rank, "thread_cpu_share"),
-        "host_gc_pause_s_per_step_max": host_gc_max(per_rank, lambda g: g["pause_s_per_step"]),
-        "host_gc_full_collections_max": host_gc_max(per_rank, lambda g: g["collections_by_generation"][2]),
+        "host_involuntary_switches_per_step_max": largest_rank(
+            per_rank, "host_cpu", lambda c: c["involuntary_switches_per_step"]
+        ),
+        "host_thread_cpu_share_max": largest_rank(per_rank, "host_cpu", lambda c: c["thread_cpu_share"]),
+        "host_gc_pause_s_per_step_max": largest_rank(per_rank, "host_gc", lambda g: g["pause_s_per_step"]),
+        "host_gc_full_collections_max": largest_rank(per_rank, "host_gc", lambda g: g["collections_by_generation"][2]),
         "loss_scale": loss_scale_summary(raw.get("loss_scale")),
         **telemetry_summary(per_rank, tokens_per_step * len(steps)),
     }
@@ -142,15 +144,10 @@ def host_dispatch_max(per_rank: list[dict]) -> float | None:
     return max(probes) if probes else None
 
 
-def host_cpu_max(per_rank: list[dict], key: str) -> float | None:
-    """The largest rank's ``key`` of ``host_cpu`` (the main thread over the timed steps)."""
-    vals = [r["host_cpu"][key] for r in per_rank if r.get("host_cpu")]
-    return max(vals) if vals and len(vals) == len(per_rank) else None
-
-
-def host_gc_max(per_rank: list[dict], read) -> float | None:
-    """The largest rank's ``read(host_gc)`` (Python's garbage collections over the timed steps)."""
-    vals = [read(r["host_gc"]) for r in per_rank if r.get("host_gc")]
+def largest_rank(per_rank: list[dict], section: str, read) -> float | None:
+    """The largest rank's ``read(rank[section])`` (a host meter's reading over the timed steps:
+    ``host_cpu``, ``host_gc``); None unless every rank has the section."""
+    vals = [read(r[section]) for r in per_rank if r.get(section)]
     return max(vals) if vals and len(vals) == len(per_rank) else None
 
 
