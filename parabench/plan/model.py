@@ -854,20 +854,19 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
             f["inv_mem_bw"] += 2 * nbytes if kind in OUT_OF_PLACE else 0.0
             continue
         calls = comm_calls(w, kind, nbytes)
-        t = collective_s(collectives, kind, nbytes, n, calls)
         overlap = comm_overlap(w, kind, nbytes)
         if overlap is None:
             cls = exposure_class(w, kind)
-            if w.strategy.startswith("deepspeed.") and cls == "exp_shard":
-                # DeepSpeed's stage 0-2 engine: its measured steps show no serial all-gather (gpt-1.3b
-                # mb4: 162.9 / 162.3 / 160.5 ms at 1 / 2 / 4 GPUs), so its traffic keeps the fitted share
-                f[cls] += t
-                continue
-            if cls in ("exp_dp", "exp_shard"):  # issued where nothing runs beside it, bucket after bucket
+            # DeepSpeed's stage 0-2 engine: its measured steps show no serial all-gather (gpt-1.3b
+            # mb4: 162.9 / 162.3 / 160.5 ms at 1 / 2 / 4 GPUs), so its traffic keeps the fitted share
+            deepspeed_shard = w.strategy.startswith("deepspeed.") and cls == "exp_shard"
+            if cls in ("exp_dp", "exp_shard") and not deepspeed_shard:
+                # issued where nothing runs beside it, bucket after bucket
                 f["comm_serial"] += collective_s(collectives, kind, nbytes, n, calls, queued=True)
             else:
-                f[cls] += t
+                f[cls] += collective_s(collectives, kind, nbytes, n, calls)
             continue
+        t = collective_s(collectives, kind, nbytes, n, calls)
         hide_share, units, last_bytes, comm_passes = overlap
         tail = overlap_tail_s(t, hide_share * pass_s * comm_passes, units, last_bytes / nbytes)
         f["comm_serial"] += tail
