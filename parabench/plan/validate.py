@@ -563,7 +563,7 @@ def table(report: dict) -> str:
             f"| {name.replace('_', ' ')} | {s['configurations']} | {_fmt(s['step_median_pct'], '%')} | "
             f"{_fmt(s['step_p90_pct'], '%')} | {_fmt(s['peak_median_pct'], '%')} | {_fmt(s['peak_p90_pct'], '%')} | "
             f"{_fmt(s['spearman_median'])} ({s['spearman_groups']}) | {_fmt(s['spearman_noise_tied_median'])} | "
-            f"{_scale_cell(s.get('by_model_and_gpus'))} | {pairs} | {fast} | {strict} |"
+            f"{scale_cell(s.get('by_model_and_gpus'))} | {pairs} | {fast} | {strict} |"
         )
     t = report["targets"]
     lines += retest_lines(report.get("retest"))
@@ -574,12 +574,14 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _scale_cell(sc: dict | None) -> str:
-    if not sc or not sc["groups"]:
-        return "-"
+def scale_cell(sc: dict | None, empty: str = "-") -> str:
+    """The ranking within each (model, GPU count) in one table cell: median and groups below 0.9, as
+    measured and with runs within 5 % merged; ``empty`` where a validation file predates it."""
+    if not sc or not sc.get("groups"):
+        return empty
     return (
-        f"{_fmt(sc['spearman_median'])}, {sc['below_0.9']} of {sc['groups']}; 5 % ties: "
-        f"{_fmt(sc['noise_tied_median'])}, {sc['noise_tied_below_0.9']} of {sc['noise_tied_groups']}"
+        f"{sc['spearman_median']:.2f}, {sc['below_0.9']} of {sc['groups']} "
+        f"(merged: {sc['noise_tied_median']:.2f}, {sc['noise_tied_below_0.9']} of {sc['noise_tied_groups']})"
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from parabench.plan.validate import scale_cell
 from parabench.report.frames import dig, run_name
 
 MISS = 0.25
@@ -102,17 +103,6 @@ def _pct(v):
     return v * 100 if v is not None else None
 
 
-def _scale_cell(sc: dict | None) -> str:
-    """The ranking within each (model, GPU count): median and groups below 0.9, as measured and with
-    runs within 5 % merged; "–" in validation files written before it was reported."""
-    if not sc or not sc.get("groups"):
-        return "–"
-    return (
-        f"{sc['spearman_median']:.2f}, {sc['below_0.9']} of {sc['groups']} "
-        f"(merged: {sc['noise_tied_median']:.2f}, {sc['noise_tied_below_0.9']} of {sc['noise_tied_groups']})"
-    )
-
-
 def validation_rows(report: dict) -> list[dict]:
     """The planner's own validation (``parabench.plan.validate``'s file) as table rows: each test,
     the measurements' retest (the ceiling of the Spearman column) and the issue's targets."""
@@ -134,7 +124,7 @@ def validation_rows(report: dict) -> list[dict]:
                 if s.get("spearman_median") is None
                 else f"{s['spearman_median']:.2f} ({s['spearman_groups']})",
                 "spearman_tied": s.get("spearman_noise_tied_median"),
-                "spearman_scale": _scale_cell(s.get("by_model_and_gpus")),
+                "spearman_scale": scale_cell(s.get("by_model_and_gpus"), empty="–"),
                 "pairs": "–"
                 if s.get("resolved_pairs_ordered_share") is None
                 else f"{_pct(s['resolved_pairs_ordered_share']):.0f} % of {s['resolved_pairs']}",
