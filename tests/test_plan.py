@@ -229,6 +229,35 @@ def test_overlapped_collective_exposes_its_tail_or_what_compute_cannot_hide():
     assert f["comm_serial"] == pytest.approx(total) and f["exp_shard"] == pytest.approx(0.0, abs=1e-15)
 
 
+def test_per_unit_sharding_issues_one_collective_per_unit_and_pass():
+    """ZeRO-3 / FSDP units gather once in forward and once in backward and reduce once, whatever their
+    size; bucketed gradient traffic (ZeRO-1/2, DDP) is priced per 25 MiB piece."""
+    cfg = model_config("gpt-1.3b")
+    units = cfg.n_layers + 1
+    for strategy in ("ref.zero3", "ref.fsdp", "torch.fsdp2"):
+        w = for_config(model="gpt-1.3b", cfg=cfg, strategy=strategy, world_size=4, micro_batch=2, grad_accum=3)
+        assert M.comm_calls(w, "all_gather", w.comm_bytes["all_gather"]) == 2 * units * 3
+        assert M.comm_calls(w, "reduce_scatter", w.comm_bytes["reduce_scatter"]) == units * 3
+    w = for_config(model="gpt-1.3b", cfg=cfg, strategy="ref.zero2", world_size=4, micro_batch=2)
+    nbytes = w.comm_bytes["reduce_scatter"]
+    assert M.comm_calls(w, "reduce_scatter", nbytes) == pytest.approx(nbytes / (25 << 20))
+
+
+def test_deepspeed_stage_0_to_2_traffic_has_its_own_fitted_share():
+    """DeepSpeed's stage 0-2 engine overlaps by its own means: its traffic costs exp_deepspeed, the
+    per-unit sharders' hidden traffic exp_shard, and a calibration without exp_deepspeed (one that
+    predates it, or with no DeepSpeed record) prices DeepSpeed with exp_shard as before."""
+    cfg = model_config("gpt-350m")
+    ds = for_config(model="gpt-350m", cfg=cfg, strategy="deepspeed.zero2", world_size=2, micro_batch=4)
+    fsdp = for_config(model="gpt-350m", cfg=cfg, strategy="ref.zero3", world_size=2, micro_batch=4)
+    f_ds = M.time_features(ds, COLLECTIVES, M.TIME_DEFAULTS)
+    f_fsdp = M.time_features(fsdp, COLLECTIVES, M.TIME_DEFAULTS)
+    assert f_ds["exp_deepspeed"] > 0 and f_ds["exp_shard"] == 0
+    assert f_fsdp["exp_shard"] > 0 and f_fsdp["exp_deepspeed"] == 0
+    assert M.time_constants({"exp_shard": 0.3})["exp_deepspeed"] == 0.3
+    assert M.time_constants({"exp_shard": 0.3, "exp_deepspeed": 0.5})["exp_deepspeed"] == 0.5
+
+
 def test_host_bound_step_is_the_larger_of_device_and_hook_time():
     """A hook-driven library waits for its Python: step = max(device, per-tensor cost x tensors x passes)."""
     w = for_config(model="tiny", cfg=model_config("tiny"), strategy="deepspeed.zero3", world_size=2, micro_batch=1)
@@ -1384,5 +1413,5 @@ def test_the_time_fit_runs_to_its_fixed_point():
     assert consts == pytest.approx(settled, rel=1e-5)
     assert impl.pop("_fitted") == settled_impl.pop("_fitted") and impl == pytest.approx(settled_impl, rel=1e-5)
     four, _, _ = C.fit_time(obs, COLLECTIVES, rounds=4)
-    assert four["exp_shard"] > 2 * consts["exp_shard"]  # four rounds had not settled
+    assert four["exp_deepspeed"] > 2 * consts["exp_deepspeed"]  # four rounds had not settled
     assert impl["deepspeed.zero1:tuned"] == pytest.approx(1.18, abs=0.01)

@@ -77,6 +77,7 @@ TIME_CONSTANTS = (
     "inv_host_bw",
     "exp_dp",
     "exp_shard",
+    "exp_deepspeed",
     "exp_tp",
     "exp_p2p",
     "comm_serial",
@@ -109,6 +110,9 @@ TIME_DOC = {
     "(compute slowed beside it); the unhidden tail is in comm_serial",
     "exp_shard": "share of overlapped sharded (ZeRO/FSDP) traffic that still costs step time; the unhidden tail "
     "and the serial all-gathers are in comm_serial",
+    "exp_deepspeed": "share of DeepSpeed ZeRO stage 0-2 traffic that costs step time: its engine's gradient reduce "
+    "(beside backward with overlap_comm) and post-update all-gather, whose overlap the model does not read off "
+    "its code (exp_shard where no DeepSpeed record calibrates it)",
     "exp_tp": "exposed fraction of tensor-parallel traffic",
     "exp_p2p": "exposed fraction of pipeline send/recv",
     "comm_serial": "multiplier (1, not fitted) on the communication the code leaves nothing to hide behind: "
@@ -159,6 +163,7 @@ def time_constants(consts: dict | None) -> dict:
     c = {**TIME_DEFAULTS, **(consts or {})}
     c.setdefault("inv_act_bw_compiled", c["inv_act_bw"])
     c.setdefault("inv_rate_fp8", c["inv_rate"])
+    c.setdefault("exp_deepspeed", c["exp_shard"])
     return c
 
 
@@ -590,13 +595,23 @@ def collective_s(collectives: dict, kind: str, nbytes: float, n: int, calls: flo
     return calls * c["alpha_s"] + nbytes * bus_factor(kind, n) / c["busbw_Bps"]
 
 
+# Sharded trainers that issue one collective per unit (each block, and the root: embeddings, final
+# norm, head) and pass, whatever its size: reference_impls/fsdp.py's ``_gather`` and ``_grad_ready``,
+# FSDP2's ``foreach_all_gather`` and ``foreach_reduce`` per ``fully_shard`` module; HSDP adds one
+# all-reduce across replicas per unit.
+PER_UNIT_SHARDING = ("ref.zero3", "ref.fsdp", "torch.fsdp2", "ref.hsdp", "torch.hsdp")
+
+
 def comm_calls(w: Workload, kind: str, nbytes: float) -> float:
-    """Collective launches per step: per layer and pass for tensor parallelism and pipelines,
-    25 MiB buckets for gradient traffic (the default of DDP and the references)."""
+    """Collective launches per step: per layer and pass for tensor parallelism and pipelines, per
+    unit and pass for the per-unit sharded trainers (all-gathers in forward and again in backward),
+    25 MiB buckets for the other gradient traffic (the default of DDP and the references)."""
     if kind in ("send", "recv"):
         return 2 * w.passes
     if w.family == "model_parallel" and w.tp > 1:
         return 4 * w.n_layers / w.pp * w.passes
+    if w.strategy in PER_UNIT_SHARDING and kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        return (2 if kind == "all_gather" else 1) * (w.n_layers + 1) * w.passes
     if w.family == "sharded":
         return max(1.0, nbytes / (25 << 20), w.n_layers)
     return max(1.0, nbytes / (25 << 20))
@@ -858,9 +873,12 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
         if overlap is None:
             cls = exposure_class(w, kind)
             # DeepSpeed's stage 0-2 engine: its measured steps show no serial all-gather (gpt-1.3b
-            # mb4: 162.9 / 162.3 / 160.5 ms at 1 / 2 / 4 GPUs), so its traffic keeps the fitted share
+            # mb4: 162.9 / 162.3 / 160.5 ms at 1 / 2 / 4 GPUs), so its traffic costs a share of its
+            # own, fitted, not the per-unit sharders' (their hidden gathers slow compute otherwise)
             deepspeed_shard = w.strategy.startswith("deepspeed.") and cls == "exp_shard"
-            if cls in ("exp_dp", "exp_shard") and not deepspeed_shard:
+            if deepspeed_shard:
+                f["exp_deepspeed"] += collective_s(collectives, kind, nbytes, n, calls)
+            elif cls in ("exp_dp", "exp_shard"):
                 # issued where nothing runs beside it, bucket after bucket
                 f["comm_serial"] += collective_s(collectives, kind, nbytes, n, calls, queued=True)
             else:
@@ -1032,7 +1050,7 @@ TIME_PARTS = {
     "memory": ("inv_mem_bw", "inv_act_bw", "inv_act_bw_compiled", "logit_s", "fp8_cast_s"),
     "host": ("host_s",),
     "offload": ("inv_host_bw",),
-    "comm": ("exp_dp", "exp_shard", "exp_tp", "exp_p2p", "comm_serial"),
+    "comm": ("exp_dp", "exp_shard", "exp_deepspeed", "exp_tp", "exp_p2p", "comm_serial"),
 }
 
 
