@@ -1397,6 +1397,14 @@ def test_launch_spread_names_the_trainers_whose_launches_disagree():
     assert "ref.zero3" in note and "ref.ddp" not in note and "2 configurations" in note
     assert erratic_note(rows[:1], spread) is None
     assert C.fit(steady + erratic, COLLECTIVES)["launch_spread"] == spread
+    assert "python_gc" not in note
+    # compiled torch.fsdp2 gets the measured remedy; eager torch.fsdp2 does not
+    fsdp2 = _obs("torch.fsdp2", 1, 0.2).workload
+    fsdp2_spread = {fsdp2.impl: {"median": 0.1, "max": 0.2, "configurations": 3}}
+    for compiled in (True, False):
+        w = replace(fsdp2, compiled=compiled)
+        note = erratic_note([Candidate(w.strategy, 2, 1, 1, {}, None, workload=w)], fsdp2_spread)
+        assert ('python_gc = "scheduled"' in note) is compiled
 
 
 def test_the_time_fit_runs_to_its_fixed_point():

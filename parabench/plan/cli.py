@@ -108,9 +108,19 @@ def tie_note(validation_path: Path) -> str | None:
     )
 
 
+# The one measured remedy for a trainer's launch spread (docs/results.md, "2026-11-28 morning"):
+# compiled torch.fsdp2's ranks each pause for a full garbage collection at a different step.
+FSDP2_GC_REMEDY = (
+    "Where compiled torch.fsdp2 was measured both ways (gpt-1.3b, 4 GPUs), its spread was Python's garbage "
+    'collector: with option python_gc = "scheduled" three launches lay 0.7 % apart, against 9.3 % without '
+    "(docs/results.md)."
+)
+
+
 def erratic_note(shown: list, spread: dict) -> str | None:
     """The shown rows' implementations whose measured launches of one configuration lay more than
-    ERRATIC_LAUNCH_SPREAD apart (the calibration's ``launch_spread``), or None."""
+    ERRATIC_LAUNCH_SPREAD apart (the calibration's ``launch_spread``), or None; with the remedy
+    where one was measured."""
     from parabench.plan.calibrate import ERRATIC_LAUNCH_SPREAD
 
     impls = sorted({c.workload.impl for c in shown if c.workload is not None})
@@ -120,11 +130,20 @@ def erratic_note(shown: list, spread: dict) -> str | None:
     parts = [
         f"{impl} {s['median']:.0%} (up to {s['max']:.0%}, {s['configurations']} configurations)" for impl, s in erratic
     ]
-    return (
+    note = (
         "Measured launches of one configuration lay apart, slowest to fastest, by a median of: "
         + "; ".join(parts)
         + ". The prediction is one step time; a launch of these may land that far from it (docs/results.md)."
     )
+    erratic_impls = {impl for impl, _ in erratic}
+    compiled_fsdp2 = any(
+        c.workload is not None
+        and c.workload.strategy == "torch.fsdp2"
+        and c.workload.compiled
+        and c.workload.impl in erratic_impls
+        for c in shown
+    )
+    return note + (" " + FSDP2_GC_REMEDY if compiled_fsdp2 else "")
 
 
 def plan_main(args) -> int:
