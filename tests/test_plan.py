@@ -229,6 +229,14 @@ def test_overlapped_collective_exposes_its_tail_or_what_compute_cannot_hide():
     assert f["comm_serial"] == pytest.approx(total) and f["exp_shard"] == pytest.approx(0.0, abs=1e-15)
 
 
+def test_scale_cell_reads_a_ranking_whose_merged_groups_all_tied():
+    """Every group's runs within 5 % of each other leave no merged Spearman: the cell says so."""
+    sc = {"groups": 2, "spearman_median": 0.5, "below_0.9": 1}
+    sc |= {"noise_tied_groups": 0, "noise_tied_median": None, "noise_tied_below_0.9": 0}
+    assert V.scale_cell(sc) == "0.50, 1 of 2 (merged: -, 0 of 0)"
+    assert V.scale_cell(None, empty="–") == "–"
+
+
 def test_per_unit_sharding_issues_one_collective_per_unit_and_pass():
     """ZeRO-3 / FSDP units gather once in forward and once in backward and reduce once, whatever their
     size; bucketed gradient traffic (ZeRO-1/2, DDP) is priced per 25 MiB piece."""

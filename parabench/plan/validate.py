@@ -580,8 +580,8 @@ def scale_cell(sc: dict | None, empty: str = "-") -> str:
     if not sc or not sc.get("groups"):
         return empty
     return (
-        f"{sc['spearman_median']:.2f}, {sc['below_0.9']} of {sc['groups']} "
-        f"(merged: {sc['noise_tied_median']:.2f}, {sc['noise_tied_below_0.9']} of {sc['noise_tied_groups']})"
+        f"{_fmt(sc['spearman_median'])}, {sc['below_0.9']} of {sc['groups']} "
+        f"(merged: {_fmt(sc['noise_tied_median'])}, {sc['noise_tied_below_0.9']} of {sc['noise_tied_groups']})"
     )
 
 
