@@ -1,7 +1,7 @@
 """Time torch's scaled_dot_product_attention (causal, bf16, forward and backward) at the head widths
-of the model ladder, beside a block-sized GEMM, on one GPU. The planner prices attention FLOPs at
-the matmul rate; this says whether a head width runs attention slower per FLOP (docs/planner.md,
-"2026-11-28 morning": gpt-2.7b, the only 80-wide heads, runs 6-9 % over its prediction).
+of the model ladder, beside a block-sized GEMM, on one GPU. The planner's calibration fits
+attention's own rate from these files (results/sdpa-head-width-*/, parabench.plan.attention) and
+prices attention FLOPs with it, not at the matmul rate: run it on a device kind to calibrate there.
 
     python scripts/sdpa_head_width.py --batch 1 2 4 8 --seq 2048 4096 --tp 1 2 4 --out sdpa.json
 """

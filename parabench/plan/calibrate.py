@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from parabench.plan import attention
 from parabench.plan import model as M
 from parabench.plan.workload import config_options, from_record
 from parabench.results import host_shared
@@ -434,7 +435,11 @@ def _moved(before: dict, after: dict) -> float:
 
 
 def fit_time(
-    obs: list[Observation], collectives: dict, kind: str = "h100", rounds: int = FIT_MAX_ROUNDS
+    obs: list[Observation],
+    collectives: dict,
+    kind: str = "h100",
+    rounds: int = FIT_MAX_ROUNDS,
+    attention_rate: dict | None = None,
 ) -> tuple[dict, dict, dict]:
     """Device constants from the configurations not bound by host hooks (NNLS on relative error),
     implementation factors from their residuals, then the host cost of each hook-driven library.
@@ -444,7 +449,8 @@ def fit_time(
     any of them (factor 1), so a host-bound step never inflates the factor of its device work.
     The constants and the factors depend on each other, so the rounds repeat until neither moves
     (``FIT_TOLERANCE``: a dozen rounds on the committed runs, where the first four left the
-    constants up to 23 % from where they settle), at most ``rounds`` times."""
+    constants up to 23 % from where they settle), at most ``rounds`` times. ``attention_rate``
+    (``fit_attention``), where given, prices attention apart and rides along in the constants."""
     cols = M.TIME_CONSTANTS
     floor_obs = [o for o in obs if M.has_host_floor(o.workload)]
     held = {id(o) for o in floor_obs}
@@ -453,6 +459,8 @@ def fit_time(
     consts = dict(M.TIME_DEFAULTS)
     if kind in MATMUL_CEILING:
         consts["inv_rate"] = 1 / MATMUL_CEILING[kind]
+    if attention_rate:
+        consts["attention"] = attention_rate
     impl: dict[str, float] = {}
     used: list[int] = []
     for _ in range(rounds):
@@ -531,10 +539,16 @@ def fit_memory(obs: list[Observation]) -> tuple[dict, dict]:
     return consts, impl | {"_fitted": [cols[j] for j in used]}
 
 
-def fit(obs: list[Observation], collectives: dict, kind: str = "h100", device_name: str | None = None) -> dict:
+def fit(
+    obs: list[Observation],
+    collectives: dict,
+    kind: str = "h100",
+    device_name: str | None = None,
+    attention_rate: dict | None = None,
+) -> dict:
     if not obs:
         raise CalibrationError(f"no {kind} records to calibrate from")
-    time_c, impl_t, host = fit_time(obs, collectives, kind)
+    time_c, impl_t, host = fit_time(obs, collectives, kind, attention_rate=attention_rate)
     mem_c, impl_m = fit_memory(obs)
     return {
         "schema_version": SCHEMA_VERSION,
@@ -563,8 +577,20 @@ def fit(obs: list[Observation], collectives: dict, kind: str = "h100", device_na
     }
 
 
+def fit_attention(results_dir="results", kind: str = "h100") -> dict | None:
+    """Attention's rate on ``kind`` (parabench.plan.attention) from its sdpa-head-width timings, or
+    None where none was measured (attention FLOPs then cost the matmul rate)."""
+    return attention.fit_kind(results_dir, kind, lambda name: device_kind(name))
+
+
 def calibrate(results_dir="results", kind: str = "h100") -> dict:
-    cal = fit(observations(results_dir, kind), fit_collectives(results_dir, kind), kind, DEVICE_KINDS[kind][0])
+    cal = fit(
+        observations(results_dir, kind),
+        fit_collectives(results_dir, kind),
+        kind,
+        DEVICE_KINDS[kind][0],
+        fit_attention(results_dir, kind),
+    )
     cal["left_out_runs"] = left_out_runs(results_dir, kind)
     return cal
 
@@ -639,6 +665,10 @@ def main(argv=None) -> int:
     path = save(cal, a.out or calibration_path(a.kind, Path(a.results) / "calibration"))
     print(f"{path}: {cal['configurations']} configurations from {cal['records']} records")
     for k, v in cal["time"].items():
+        if isinstance(v, dict):
+            rates = ", ".join(f"{hd}: {r / 1e12:.0f}" for hd, r in v["rate_inf_flops"].items() if r)
+            print(f"  {k:12s} t0 {v['t0_s'] * 1e3:.3f} ms, s0 {v['seq_half']}, TFLOP/s by head width {rates}")
+            continue
         print(f"  {k:12s} {v:.4g}{'' if k in cal['time_fitted'] else '  (default)'}")
     for k, v in cal["memory"].items():
         print(f"  {k:18s} {v:.4g}{'' if k in cal['memory_fitted'] else '  (default)'}")

@@ -40,6 +40,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from parabench.plan import attention
+
 GIB = 1 << 30
 
 
@@ -83,12 +85,13 @@ TIME_CONSTANTS = (
     "comm_serial",
     "inv_rate_fp8",
     "fp8_cast_s",
+    "attn_s",
 )
 # Constants in seconds per byte of HBM traffic, or per element of memory-bound work: on another part
 # of one architecture they scale with its HBM bandwidth (``calibrate.derive``).
 MEMORY_BOUND_TIME_CONSTANTS = ("inv_mem_bw", "inv_act_bw", "inv_act_bw_compiled", "logit_s", "fp8_cast_s")
 # Constants the physics sets and no fit moves: exposed communication with nothing to hide behind.
-FIXED_TIME_CONSTANTS = ("comm_serial",)
+FIXED_TIME_CONSTANTS = ("comm_serial", "attn_s")
 ACT_CONSTANTS = ("act_master", "act_amp", "act_amp_compiled", "act_fp8")
 MEMORY_CONSTANTS = ACT_CONSTANTS + ("logit_bytes_master", "logit_bytes_amp", "cast", "const_bytes")
 TIME_DOC = {
@@ -122,6 +125,8 @@ TIME_DOC = {
     "scales; inv_rate where no fp8 record calibrates it)",
     "fp8_cast_s": "s per element of a float8 linear's input or output gradient per pass: the amax reduction, "
     "the scaled cast to float8 and the transposed copy torchao makes for the weight gradient",
+    "attn_s": "multiplier (1, not fitted) on attention's seconds at its own measured rate (time key 'attention', "
+    "parabench.plan.attention), which price the attention FLOPs in place of the matmul rate",
 }
 MEMORY_DOC = {
     "act_master": "multiplier on Korthikanti's activation bytes, bf16/fp16 parameters",
@@ -154,6 +159,7 @@ TIME_DEFAULTS = {
     "exp_p2p": 1.0,
     "comm_serial": 1.0,
     "fp8_cast_s": 0.0,
+    "attn_s": 1.0,
 }
 
 
@@ -666,12 +672,14 @@ def pipeline_op_costs(w: Workload, consts: dict) -> list[tuple[float, float, flo
     tokens = w.rows * w.seq_len
     tdiv = w.tp if w.family == "model_parallel" else 1
     head_flops = 6 * w.d_model * w.vocab_size
-    block_flops = (w.hw_flops_per_token - head_flops) / w.n_layers * tokens / w.tp
     recompute = 4 / 3 if w.checkpointing else 1.0
+    attn_flops, attn_s = (x / w.passes / (w.n_layers / w.pp) for x in attention_terms(w, c))
+    block_flops = (w.hw_flops_per_token - head_flops) / w.n_layers * tokens / w.tp - attn_flops
     sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
     tp_share = 1 / sp_div if sp_div > 1 else activation_layer_bytes(w) / (34 * w.seq_len * w.rows * w.d_model)
     per_block = (
         c["inv_rate"] * block_flops
+        + c["attn_s"] * attn_s
         + c["inv_rate_x"] * block_flops / w.gemm_size
         + c[act_column(w)] * tokens * w.d_model * tp_share * recompute * ACT_BYTES.get(w.recipe, 2)
         + c["host_s"]
@@ -815,6 +823,22 @@ def optimizer_step_state_bytes(w: Workload) -> float:
     return state
 
 
+def attention_terms(w: Workload, consts: dict | None) -> tuple[float, float]:
+    """(attention FLOPs, attention seconds) of one rank's step where the calibration holds
+    attention's own rate (``consts['attention']``, parabench.plan.attention), else (0, 0): its
+    FLOPs then stay priced at the matmul rate. The FLOPs are the convention's (12 s d per token and
+    layer, 4 s d more recomputed); the seconds are one causal call per block and micro-batch pass of
+    the rank's heads, a third more with recomputation (its forward runs again)."""
+    table = (consts or {}).get("attention")
+    if not table:
+        return 0.0, 0.0
+    recompute = 4 / 3 if w.checkpointing else 1.0
+    blocks = w.n_layers / w.pp * w.passes
+    flops = w.tokens_per_step / w.world_size * 12 * w.n_layers * w.seq_len * w.d_model * recompute
+    call = attention.flops_s(table, w.rows, w.n_heads / w.tp, w.seq_len, w.d_model // w.n_heads)
+    return flops, blocks * call * recompute
+
+
 def time_features(w: Workload, collectives: dict, consts: dict | None = None) -> dict:
     """The amounts each fitted constant multiplies: step_s = sum(constant * feature).
 
@@ -837,10 +861,12 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
     act_elems = w.rows * w.seq_len * w.d_model * tp_share * w.n_layers / w.pp * w.passes * recompute
     f = dict.fromkeys(TIME_CONSTANTS, 0.0)
     fp8_share, cast_elems = fp8_flops_share(w), fp8_cast_elems(w)
-    f["inv_rate"] = flops * (1 - fp8_share) * stretch
+    attn_flops, attn_s = attention_terms(w, consts)
+    f["inv_rate"] = (flops * (1 - fp8_share) - attn_flops) * stretch
     f["inv_rate_fp8"] = flops * fp8_share * stretch
     f["fp8_cast_s"] = cast_elems * stretch
-    f["inv_rate_x"] = flops * stretch / w.gemm_size
+    f["inv_rate_x"] = (flops - attn_flops) * stretch / w.gemm_size
+    f["attn_s"] = attn_s * stretch
     f["inv_mem_bw"] = mem_bytes
     act_col = act_column(w)
     f[act_col] = act_elems * ACT_BYTES.get(w.recipe, 2) * stretch
@@ -857,7 +883,8 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
     # stretch excluded: its gradient traffic runs after the schedule, or beside the last
     # micro-batch's backward only)
     pass_work = (
-        c["inv_rate"] * flops * (1 - fp8_share)
+        c["inv_rate"] * (flops * (1 - fp8_share) - attn_flops)
+        + c["attn_s"] * attn_s
         + c["inv_rate_fp8"] * flops * fp8_share
         + c["fp8_cast_s"] * cast_elems
         + c[act_col] * act_elems * ACT_BYTES.get(w.recipe, 2)
@@ -1044,9 +1071,10 @@ PER_MICROBATCH = (
     "inv_act_bw_compiled",
     "logit_s",
     "host_s",
+    "attn_s",
 )
 TIME_PARTS = {
-    "compute": ("inv_rate", "inv_rate_x", "inv_rate_fp8"),
+    "compute": ("inv_rate", "inv_rate_x", "inv_rate_fp8", "attn_s"),
     "memory": ("inv_mem_bw", "inv_act_bw", "inv_act_bw_compiled", "logit_s", "fp8_cast_s"),
     "host": ("host_s",),
     "offload": ("inv_host_bw",),

@@ -309,20 +309,22 @@ def _row(o: C.Observation, p: M.Prediction) -> dict:
     }
 
 
-def leave_one_out(obs: list[C.Observation], collectives: dict) -> list[dict]:
+def leave_one_out(obs: list[C.Observation], collectives: dict, attention_rate: dict | None = None) -> list[dict]:
     rows = []
     for i, o in enumerate(obs):
-        cal = C.fit(obs[:i] + obs[i + 1 :], collectives)
+        cal = C.fit(obs[:i] + obs[i + 1 :], collectives, attention_rate=attention_rate)
         rows.append(_row(o, M.predict(o.workload, cal)))
     return rows
 
 
-def out_of_scale(obs: list[C.Observation], collectives: dict, train_ws=(1,), test_ws=(2,)) -> list[dict]:
+def out_of_scale(
+    obs: list[C.Observation], collectives: dict, train_ws=(1,), test_ws=(2,), attention_rate: dict | None = None
+) -> list[dict]:
     train = [o for o in obs if o.workload.world_size in train_ws]
     test = [o for o in obs if o.workload.world_size in test_ws]
     if not train or not test:
         return []
-    cal = C.fit(train, collectives)
+    cal = C.fit(train, collectives, attention_rate=attention_rate)
     return [_row(o, M.predict(o.workload, cal)) for o in test]
 
 
@@ -380,13 +382,14 @@ def derived_parts(results_dir, kind: str, cal: dict) -> dict:
 def validate(results_dir="results", kind="h100") -> dict:
     obs = C.observations(results_dir, kind)
     coll = C.fit_collectives(results_dir, kind)
-    full = C.fit(obs, coll)
+    att = C.fit_attention(results_dir, kind)
+    full = C.fit(obs, coll, attention_rate=att)
     in_sample = [_row(o, M.predict(o.workload, full)) for o in obs]
-    loo = leave_one_out(obs, coll)
-    oos = out_of_scale(obs, coll)
+    loo = leave_one_out(obs, coll, att)
+    oos = out_of_scale(obs, coll, attention_rate=att)
     # after the fact (the pre-registered test is out-of-scale-h100x4.json): this model fitted on
     # the 1- and 2-GPU configurations, predicting the 4-GPU ones
-    oos4 = out_of_scale(obs, coll, train_ws=(1, 2), test_ws=(4,))
+    oos4 = out_of_scale(obs, coll, train_ws=(1, 2), test_ws=(4,), attention_rate=att)
     return {
         "schema_version": C.SCHEMA_VERSION,
         "kind": "plan-validation",
