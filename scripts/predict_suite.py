@@ -2,6 +2,9 @@
 predictions as JSON, so a later run of the suite can be set against what was predicted before it ran.
 
     python scripts/predict_suite.py suites/h100x8.toml --out results/predictions/h100x8.json
+
+``--calibration FILE`` predicts from another calibration file than the kind's committed one (a
+model's earlier calibration, say, to pre-register two models' predictions side by side).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 from parabench.models import model_config
 from parabench.plan import model as M
 from parabench.plan import workload as W
-from parabench.plan.calibrate import calibration_path, load_kind
+from parabench.plan.calibrate import calibration_path, load, load_kind
 from parabench.suite import load_suite
 
 
@@ -26,8 +29,8 @@ def _relative(path) -> str:
     return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
 
 
-def predict_suite(path: str, kind: str = "h100") -> dict:
-    cal = load_kind(kind)
+def predict_suite(path: str, kind: str = "h100", calibration: str | None = None) -> dict:
+    cal = load(calibration) if calibration else load_kind(kind)
     if cal is None:
         raise SystemExit(f"no calibration for {kind!r}: run python -m parabench.plan.calibrate results")
     suite = load_suite(path)
@@ -64,7 +67,7 @@ def predict_suite(path: str, kind: str = "h100") -> dict:
         "schema": 1,
         "suite": suite.name,
         "suite_file": path,
-        "calibration": _relative(calibration_path(cal.get("derived_from", {}).get("kind", kind))),
+        "calibration": _relative(calibration or calibration_path(cal.get("derived_from", {}).get("kind", kind))),
         "derived": cal["derived_from"]["doc"] if "derived_from" in cal else None,
         "calibration_schema": cal["schema_version"],
         "calibration_configurations": cal["configurations"],
@@ -78,9 +81,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("suite")
     ap.add_argument("--kind", default="h100")
+    ap.add_argument("--calibration", help="a calibration file in place of the kind's committed one")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    out = predict_suite(args.suite, args.kind)
+    out = predict_suite(args.suite, args.kind, args.calibration)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     for r in out["predictions"]:
