@@ -77,7 +77,7 @@ def resolved_pairs(meas, pred, band: float = RANK_NOISE) -> tuple[int, int]:
             lo, hi = sorted((meas[i], meas[j]))
             if hi > lo * (1 + band):
                 total += 1
-                good += (meas[i] - meas[j]) * (pred[i] - pred[j]) > 0
+                good += int((meas[i] - meas[j]) * (pred[i] - pred[j]) > 0)
     return good, total
 
 
