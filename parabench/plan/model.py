@@ -90,7 +90,8 @@ TIME_CONSTANTS = (
 # Constants in seconds per byte of HBM traffic, or per element of memory-bound work: on another part
 # of one architecture they scale with its HBM bandwidth (``calibrate.derive``).
 MEMORY_BOUND_TIME_CONSTANTS = ("inv_mem_bw", "inv_act_bw", "inv_act_bw_compiled", "logit_s", "fp8_cast_s")
-# Constants the physics sets and no fit moves: exposed communication with nothing to hide behind.
+# Constants the physics sets and no fit moves: exposed communication with nothing to hide behind, and
+# attention's seconds at its own measured rate.
 FIXED_TIME_CONSTANTS = ("comm_serial", "attn_s")
 ACT_CONSTANTS = ("act_master", "act_amp", "act_amp_compiled", "act_fp8")
 MEMORY_CONSTANTS = ACT_CONSTANTS + ("logit_bytes_master", "logit_bytes_amp", "cast", "const_bytes")
