@@ -580,7 +580,7 @@ def fit(
 def fit_attention(results_dir="results", kind: str = "h100") -> dict | None:
     """Attention's rate on ``kind`` (parabench.plan.attention) from its sdpa-head-width timings, or
     None where none was measured (attention FLOPs then cost the matmul rate)."""
-    return attention.fit_kind(results_dir, kind, lambda name: device_kind(name))
+    return attention.fit_kind(results_dir, kind, device_kind)
 
 
 def calibrate(results_dir="results", kind: str = "h100") -> dict:
