@@ -99,7 +99,6 @@ def test_a_pipeline_stage_prices_attention_as_the_step_does():
     consts = M.time_constants({"inv_rate": 1 / 790e12, "attention": TRUE})
     without = M.time_constants({"inv_rate": 1 / 790e12})
     moved = sum(map(sum, M.pipeline_op_costs(w, consts))) - sum(map(sum, M.pipeline_op_costs(w, without)))
-    _, attn_s = M.attention_terms(w, consts)
-    attn_flops, _ = M.attention_terms(w, consts)
-    per_microbatch_stage_sum = (attn_s - attn_flops / 790e12) / w.passes * w.pp
+    attn_flops, attn_s = M.attention_per_block(w, consts)
+    per_microbatch_stage_sum = (attn_s - attn_flops / 790e12) * w.n_layers
     assert moved == pytest.approx(per_microbatch_stage_sum, rel=1e-9)

@@ -674,7 +674,7 @@ def pipeline_op_costs(w: Workload, consts: dict) -> list[tuple[float, float, flo
     tdiv = w.tp if w.family == "model_parallel" else 1
     head_flops = 6 * w.d_model * w.vocab_size
     recompute = 4 / 3 if w.checkpointing else 1.0
-    attn_flops, attn_s = (x / w.passes / (w.n_layers / w.pp) for x in attention_terms(w, c))
+    attn_flops, attn_s = attention_per_block(w, c)
     block_flops = (w.hw_flops_per_token - head_flops) / w.n_layers * tokens / w.tp - attn_flops
     sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
     tp_share = 1 / sp_div if sp_div > 1 else activation_layer_bytes(w) / (34 * w.seq_len * w.rows * w.d_model)
@@ -824,20 +824,19 @@ def optimizer_step_state_bytes(w: Workload) -> float:
     return state
 
 
-def attention_terms(w: Workload, consts: dict | None) -> tuple[float, float]:
-    """(attention FLOPs, attention seconds) of one rank's step where the calibration holds
-    attention's own rate (``consts['attention']``, parabench.plan.attention), else (0, 0): its
-    FLOPs then stay priced at the matmul rate. The FLOPs are the convention's (12 s d per token and
-    layer, 4 s d more recomputed); the seconds are one causal call per block and micro-batch pass of
-    the rank's heads, a third more with recomputation (its forward runs again)."""
+def attention_per_block(w: Workload, consts: dict | None) -> tuple[float, float]:
+    """(attention FLOPs, attention seconds) of one block of one rank in one micro-batch pass where
+    the calibration holds attention's own rate (``consts['attention']``, parabench.plan.attention),
+    else (0, 0): its FLOPs then stay priced at the matmul rate. The FLOPs are the convention's (12 s d
+    per token, 4 s d more recomputed) over the pass's tokens and the rank's heads; the seconds are
+    one causal call of those heads, a third more with recomputation (its forward runs again)."""
     table = (consts or {}).get("attention")
     if not table:
         return 0.0, 0.0
     recompute = 4 / 3 if w.checkpointing else 1.0
-    blocks = w.n_layers / w.pp * w.passes
-    flops = w.tokens_per_step / w.world_size * 12 * w.n_layers * w.seq_len * w.d_model * recompute
+    flops = w.rows * w.seq_len * 12 * w.seq_len * w.d_model / w.tp * recompute
     call = attention.flops_s(table, w.rows, w.n_heads / w.tp, w.seq_len, w.d_model // w.n_heads)
-    return flops, blocks * call * recompute
+    return flops, call * recompute
 
 
 def time_features(w: Workload, collectives: dict, consts: dict | None = None) -> dict:
@@ -862,7 +861,8 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
     act_elems = w.rows * w.seq_len * w.d_model * tp_share * w.n_layers / w.pp * w.passes * recompute
     f = dict.fromkeys(TIME_CONSTANTS, 0.0)
     fp8_share, cast_elems = fp8_flops_share(w), fp8_cast_elems(w)
-    attn_flops, attn_s = attention_terms(w, consts)
+    blocks = w.n_layers / w.pp * w.passes
+    attn_flops, attn_s = (x * blocks for x in attention_per_block(w, consts))
     f["inv_rate"] = (flops * (1 - fp8_share) - attn_flops) * stretch
     f["inv_rate_fp8"] = flops * fp8_share * stretch
     f["fp8_cast_s"] = cast_elems * stretch
