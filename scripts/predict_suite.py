@@ -18,7 +18,7 @@ from pathlib import Path
 from parabench.models import model_config
 from parabench.plan import model as M
 from parabench.plan import workload as W
-from parabench.plan.calibrate import calibration_path, load, load_kind
+from parabench.plan.calibrate import DERIVED_FROM, calibration_path, load, load_kind
 from parabench.suite import load_suite
 
 
@@ -67,7 +67,7 @@ def predict_suite(path: str, kind: str = "h100", calibration: str | None = None)
         "schema": 1,
         "suite": suite.name,
         "suite_file": path,
-        "calibration": _relative(calibration or calibration_path(cal.get("derived_from", {}).get("kind", kind))),
+        "calibration": _relative(calibration or stored_path(kind)),
         "derived": cal["derived_from"]["doc"] if "derived_from" in cal else None,
         "calibration_schema": cal["schema_version"],
         "calibration_configurations": cal["configurations"],
@@ -75,6 +75,12 @@ def predict_suite(path: str, kind: str = "h100", calibration: str | None = None)
         "commit": commit,
         "predictions": rows,
     }
+
+
+def stored_path(kind: str) -> Path:
+    """The calibration file ``load_kind`` read for ``kind``: its own, else its source's."""
+    path = calibration_path(kind)
+    return path if path.is_file() or kind not in DERIVED_FROM else stored_path(DERIVED_FROM[kind])
 
 
 def main(argv=None) -> int:

@@ -485,12 +485,15 @@ def test_plan_fp8_compiles_every_candidate_and_needs_a_calibrated_float8_rate(tm
 
 def test_h200_is_the_h100_calibration_with_memory_bound_time_scaled_by_hbm_bandwidth(tmp_path, capsys):
     """Without an H200 calibration of its own, the H100 one serves: the same SMs, clocks and NVLink,
-    so every constant carries over but the memory-bound time constants, which shrink by the HBM
-    bandwidth ratio (3.35 / 4.8 TB/s). A memory-bound configuration then runs faster on H200 by
+    so every device constant carries over but the memory-bound time constants, which shrink by the
+    HBM bandwidth ratio (3.35 / 4.8 TB/s). A memory-bound configuration then runs faster on H200 by
     up to that ratio, a compute-bound one by much less, and the peak is the same."""
     h100 = C.load_kind("h100")
-    h200 = C.load_kind("h200")  # no h200.json is committed
-    assert not C.calibration_path("h200").exists() and h200["derived_from"]["kind"] == "h100"
+    h200 = C.derive(h100, "h200")
+    assert C.load_kind("h200", tmp_path / "none") is None
+    (tmp_path / "h100.json").write_text(json.dumps(h100))
+    assert C.load_kind("h200", tmp_path) == h200  # no h200.json there: derived on loading
+    assert h200["derived_from"]["kind"] == "h100" and h200["host_tensor_s"] == h100["host_tensor_s"]
     ratio = 3.35 / 4.8
     for k, v in h100["time"].items():
         if isinstance(v, dict):  # attention's measured rate: compute, the same SMs and clocks
@@ -506,21 +509,50 @@ def test_h200_is_the_h100_calibration_with_memory_bound_time_scaled_by_hbm_bandw
     assert ratio < on_h200.step_s / on_h100.step_s < 0.95
     assert on_h200.peak_bytes == on_h100.peak_bytes
 
-    # an H200 calibration of its own takes precedence
+    # a stored H200 calibration takes precedence
     (tmp_path / "h200.json").write_text(json.dumps({**h100, "device_kind": "h200"}))
     assert "derived_from" not in C.load_kind("h200", tmp_path)
     assert main(["plan", "--model", "gpt-1.3b", "--gpus", "2", "--gpu", "h200-141g", "--top", "2"]) == 0
     assert "calibration h200 derived from h100" in capsys.readouterr().out
 
 
+def test_a_derived_part_refits_its_host_costs_from_its_own_records():
+    """The host is the part's machine: where the part's own records of a library that waits on its
+    host show another host speed, the derived calibration takes that library's per-tensor cost from
+    them, on the derived device times, and keeps every other constant as the source's."""
+    fsdp = lambda mb, step: _obs("torch.fsdp2", mb, step)  # noqa: E731
+    source = C.fit([_obs("ref.zero3", mb, 0.02 * mb) for mb in (1, 2, 4)] + [fsdp(1, 0.5), fsdp(2, 0.5)], COLLECTIVES)
+    assert source["host_tensor_s"]["torch.fsdp2:tuned"] == pytest.approx(0.5 / M.host_units(fsdp(1, 0).workload))
+    derived = C.derive(source, "h200", [fsdp(1, 0.3), fsdp(4, 0.3), _obs("ref.zero3", 1, 0.01)])
+    assert derived["host_tensor_s"]["torch.fsdp2:tuned"] == pytest.approx(0.3 / M.host_units(fsdp(1, 0).workload))
+    assert derived["derived_from"]["host_refit"] == ["torch.fsdp2:tuned", "torch.fsdp2:tuned|master"]
+    assert derived["derived_from"]["host_refit_configurations"] == 2
+    assert M.predict(fsdp(2, 0).workload, derived).step_s == pytest.approx(0.3)
+    assert derived["time"] == C.derive(source, "h200")["time"] and derived["impl_time"] == source["impl_time"]
+
+
+def test_the_stored_h200_calibration_is_the_h100_one_derived_with_the_h200_records():
+    """``calibrate`` writes the parts derived from a kind beside it, so the stored H200 file follows
+    the stored H100 one and the committed H200 records; a stale one fails here."""
+    h100 = C.load_kind("h100")
+    stored = C.load(C.calibration_path("h200"))
+    assert stored == json.loads(json.dumps(C.derive(h100, "h200", C.observations(ROOT / "results", "h200"))))
+    assert stored["derived_from"]["host_refit_configurations"] >= 19
+
+
 def test_validation_scores_the_derived_h200_calibration_on_the_h200_records():
-    """The H200 records are in no calibration: the derived one predicts their steps, and taking the
-    HBM bandwidth into account removes the bias the H100 constants as fitted have there."""
+    """The H200 records are in no device fit: the derived calibration predicts their steps, and taking
+    the HBM bandwidth into account removes the bias the H100 constants as fitted have there."""
     part = V.derived_parts(ROOT / "results", "h100", C.load_kind("h100"))["h200"]
     assert part["derived_from"] == "h100" and part["configurations"] >= 59
     assert part["as_fitted_step_signed_median_pct"] > 5  # H200 runs faster than the H100 constants say
     assert abs(part["step_signed_median_pct"]) < part["as_fitted_step_signed_median_pct"] / 3
     assert len(part["predictions"]) == part["configurations"]
+    # the H200 hosts ran the hooks faster than the H100 ones: their own host costs, each
+    # configuration left out of its refit, remove that bias
+    plain = part["without_host_refit"]
+    assert plain["host_waiting_step_signed_median_pct"] > 5
+    assert abs(part["host_waiting_step_signed_median_pct"]) < plain["host_waiting_step_signed_median_pct"] / 3
 
 
 def _equal_costs(w) -> list:

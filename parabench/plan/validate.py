@@ -353,24 +353,49 @@ def peaks_on_other_parts(results_dir, kind: str, cal: dict) -> dict:
     return out
 
 
+def _signed_summary(rows: list[dict], obs: list[C.Observation]) -> dict:
+    """Step error of ``rows`` (predictions of ``obs``, in order): the signed median, and the median and
+    signed median over the configurations that wait on their host."""
+    signed = [_signed_pct(r["pred_step_s"], r["step_s"]) for r in rows]
+    waiting = [e for e, o in zip(signed, obs) if M.waits_on_host(o.workload)]
+    return {
+        "step_signed_median_pct": float(np.median(signed)),
+        "host_waiting_configurations": len(waiting),
+        "host_waiting_step_median_pct": float(np.median(np.abs(waiting))) if waiting else None,
+        "host_waiting_step_signed_median_pct": float(np.median(waiting)) if waiting else None,
+    }
+
+
 def derived_parts(results_dir, kind: str, cal: dict) -> dict:
     """Per kind derived from ``kind`` (``calibrate.DERIVED_FROM``) that has records: ``cal`` derived
     for it (``calibrate.derive``) against its configurations, none of which ``cal`` saw (step
-    times, peaks, rankings), with the step error of ``cal`` as fitted beside it."""
+    times, peaks, rankings). Each configuration is predicted with the host costs refitted from the
+    part's other configurations (left out of its own refit); beside it, the derivation without
+    any host refit, and ``cal`` as fitted."""
     out = {}
     for other, source in C.DERIVED_FROM.items():
         obs = C.observations(results_dir, other) if source == kind else []
         if not obs:
             continue
-        derived = C.derive(cal, other)
-        rows = [_row(o, M.predict(o.workload, derived)) for o in obs]
+        hbm_only = C.derive(cal, other)
+        rows = [_row(o, M.predict(o.workload, C.derive(cal, other, obs[:i] + obs[i + 1 :]))) for i, o in enumerate(obs)]
+        plain = [_row(o, M.predict(o.workload, hbm_only)) for o in obs]
+        plain_summary = summarize(plain)
         as_fitted = [_signed_pct(M.predict(o.workload, cal).step_s, o.step_s) for o in obs]
         out[other] = {
             "derived_from": source,
-            "hbm_ratio": derived["derived_from"]["hbm_ratio"],
-            "scaled": derived["derived_from"]["scaled"],
+            "hbm_ratio": hbm_only["derived_from"]["hbm_ratio"],
+            "scaled": hbm_only["derived_from"]["scaled"],
+            "host_refit": "each configuration predicted with the host costs refitted from the others",
             **summarize(rows),
-            "step_signed_median_pct": float(np.median([_signed_pct(r["pred_step_s"], r["step_s"]) for r in rows])),
+            **_signed_summary(rows, obs),
+            "without_host_refit": {
+                **{
+                    k: plain_summary[k] for k in ("step_median_pct", "step_p90_pct", "spearman_median", "fastest_share")
+                },
+                "below_0.9": plain_summary["by_model_and_gpus"]["below_0.9"],
+                **_signed_summary(plain, obs),
+            },
             "as_fitted_step_median_pct": float(np.median(np.abs(as_fitted))),
             "as_fitted_step_signed_median_pct": float(np.median(as_fitted)),
             "runs": sorted({r for o in obs for r in o.runs}),
@@ -601,6 +626,23 @@ def retest_lines(rt: dict | None) -> list[str]:
     ]
 
 
+def derived_lines(parts: dict) -> None:
+    for other, s in parts.items():
+        plain = s["without_host_refit"]
+        print(
+            f"steps of the {s['configurations']} {other} configurations, by this calibration derived for {other} "
+            f"(memory-bound constants x {s['hbm_ratio']:.3f}, host costs from the other {other} configurations): "
+            f"median {s['step_median_pct']:.1f} %, p90 {s['step_p90_pct']:.1f} %, signed median "
+            f"{s['step_signed_median_pct']:+.1f} %; the {s['host_waiting_configurations']} waiting on their host: "
+            f"median {_fmt(s['host_waiting_step_median_pct'], '%')}, signed {_fmt(s['host_waiting_step_signed_median_pct'], '%')} "
+            f"(without the host refit: {plain['step_median_pct']:.1f} / {plain['step_p90_pct']:.1f} %, host-waiting "
+            f"{_fmt(plain['host_waiting_step_median_pct'], '%')}, signed {_fmt(plain['host_waiting_step_signed_median_pct'], '%')}; "
+            f"as fitted: median {s['as_fitted_step_median_pct']:.1f} %, signed {s['as_fitted_step_signed_median_pct']:+.1f} %); "
+            f"Spearman median {_fmt(s['spearman_median'])} ({s['spearman_groups']} groups); fastest named "
+            f"{_fmt_share(s['fastest_share'])} of {s['fastest_groups']} (exactly {_fmt_share(s['fastest_strict_share'])})"
+        )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m parabench.plan.validate", description=__doc__.split("\n")[0])
     ap.add_argument("results", nargs="?", default="results")
@@ -609,7 +651,23 @@ def main(argv=None) -> int:
     ap.add_argument("--worst", type=int, default=0, help="also list the N worst leave-one-out step predictions")
     ap.add_argument("--predictions", help="a predictions file written before --run ran (pre-registered test)")
     ap.add_argument("--run", help="the run directory the predictions were written for")
+    ap.add_argument(
+        "--derived-only",
+        action="store_true",
+        help="recompute only the derived parts (seconds) into the stored validation file, with the "
+        "calibration of --kind as stored; the leave-one-out over its own configurations takes half an hour",
+    )
     a = ap.parse_args(argv)
+    if a.derived_only:
+        out = Path(a.out or Path(a.results) / "calibration" / f"validation-{a.kind}.json")
+        rep = json.loads(out.read_text()) if out.is_file() else None
+        if rep is None or rep.get("kind") != "plan-validation":
+            ap.error(f"--derived-only updates a stored validation: {out} does not exist")
+        rep["derived_parts"] = derived_parts(a.results, a.kind, C.load_kind(a.kind))
+        C.save(rep, out)
+        derived_lines(rep["derived_parts"])
+        print(f"written {out}")
+        return 0
     if a.predictions or a.run:
         if not (a.predictions and a.run and a.out):
             ap.error("--predictions, --run and --out go together")
@@ -640,15 +698,7 @@ def main(argv=None) -> int:
             f"peaks of the {s['configurations']} {other} configurations, predicted by this calibration: "
             f"median {s['peak_median_pct']:.1f} %, p90 {s['peak_p90_pct']:.1f} %"
         )
-    for other, s in rep["derived_parts"].items():
-        print(
-            f"steps of the {s['configurations']} {other} configurations, by this calibration derived for {other} "
-            f"(memory-bound constants x {s['hbm_ratio']:.3f}): median {s['step_median_pct']:.1f} %, p90 "
-            f"{s['step_p90_pct']:.1f} %, signed median {s['step_signed_median_pct']:+.1f} % (as fitted: median "
-            f"{s['as_fitted_step_median_pct']:.1f} %, signed {s['as_fitted_step_signed_median_pct']:+.1f} %); "
-            f"Spearman median {_fmt(s['spearman_median'])} ({s['spearman_groups']} groups); fastest named "
-            f"{_fmt_share(s['fastest_share'])} of {s['fastest_groups']} (exactly {_fmt_share(s['fastest_strict_share'])})"
-        )
+    derived_lines(rep["derived_parts"])
     if a.worst:
         rows = sorted(rep["predictions"], key=lambda r: -abs(r["pred_step_s"] / r["step_s"] - 1))[: a.worst]
         for r in rows:
