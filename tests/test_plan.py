@@ -529,6 +529,11 @@ def test_a_derived_part_refits_its_host_costs_from_its_own_records():
     assert derived["derived_from"]["host_refit_configurations"] == 2
     assert M.predict(fsdp(2, 0).workload, derived).step_s == pytest.approx(0.3)
     assert derived["time"] == C.derive(source, "h200")["time"] and derived["impl_time"] == source["impl_time"]
+    # a step within the device model's error of its device time shows no host: nothing is refitted
+    plain = C.derive(source, "h200")
+    device_s = C.device_time(fsdp(4, 0), COLLECTIVES, plain["time"], plain["impl_time"])
+    near = C.derive(source, "h200", [fsdp(4, device_s * (1 + C.HOST_EVIDENCE / 2))])
+    assert near["host_tensor_s"] == source["host_tensor_s"] and "host_refit" not in near["derived_from"]
 
 
 def test_the_stored_h200_calibration_is_the_h100_one_derived_with_the_h200_records():
