@@ -276,8 +276,12 @@ def test_host_bound_step_is_the_larger_of_device_and_hook_time():
     slow = {**cal, "host_tensor_s": {w.impl: 10 * device / M.host_units(w)}}
     assert M.predict(w, slow).step_s == pytest.approx(10 * device)
     assert M.predict(w, slow).bottleneck == "host_wait"
+    # a host only 10 % over the device work still sets the step, though its wait is the smallest part
+    barely = M.predict(w, {**cal, "host_tensor_s": {w.impl: 1.1 * device / M.host_units(w)}})
+    assert barely.time_s["host_wait"] < max(barely.time_s.values()) and barely.bottleneck == "host_wait"
     fast = {**cal, "host_tensor_s": {w.impl: 0.1 * device / M.host_units(w)}}
     assert M.predict(w, fast).step_s == pytest.approx(device)
+    assert M.predict(w, fast).bottleneck != "host_wait"
 
 
 def test_compile_removes_dtensor_dispatch_and_prices_fused_elementwise_traffic():

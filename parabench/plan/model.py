@@ -1512,7 +1512,8 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
             notes.append(SPLIT_GRAPHS_NOTE)
     else:
         notes.append("no model-state expectation: no memory prediction")
-    bottleneck = max((k for k in parts), key=lambda k: parts[k])
+    # a step that waits on its host lasts the host's time, however its device parts compare
+    bottleneck = "host_wait" if parts["host_wait"] > 0 else max((k for k in parts), key=lambda k: parts[k])
     del flops
     return Prediction(
         step, parts, tokens_per_gpu, mfu, mem, mem_parts, dict(w.comm_bytes), bottleneck, notes, mem_phase
