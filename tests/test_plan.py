@@ -540,6 +540,20 @@ def test_a_derived_part_refits_its_host_costs_from_its_own_records():
     assert near["host_tensor_s"] == source["host_tensor_s"] and "host_refit" not in near["derived_from"]
 
 
+def test_a_dense_step_on_a_derived_part_is_noted_as_power_capped():
+    """A derived part's constants hold the clocks of the source's steps: a configuration predicted
+    above POWER_CAP_MFU on it is noted (H200 steps that dense ran at the power cap, slower than
+    predicted); the same configuration on the source part is not."""
+    cfg = model_config("gpt-6.7b")
+    w = for_config(model="gpt-6.7b", cfg=cfg, strategy="ref.fsdp", world_size=4, micro_batch=8)
+    h100 = C.load_kind("h100")
+    on_h200 = M.predict(w, C.derive(h100, "h200"))
+    assert on_h200.mfu > M.POWER_CAP_MFU and any("power cap" in n for n in on_h200.notes)
+    assert not any("power cap" in n for n in M.predict(w, h100).notes)
+    small = for_config(model="gpt-350m", cfg=model_config("gpt-350m"), strategy="ref.ddp", world_size=1, micro_batch=4)
+    assert not any("power cap" in n for n in M.predict(small, C.derive(h100, "h200")).notes)
+
+
 def test_the_stored_h200_calibration_is_the_h100_one_derived_with_the_h200_records():
     """``calibrate`` writes the parts derived from a kind beside it, so the stored H200 file follows
     the stored H100 one and the committed H200 records; a stale one fails here."""

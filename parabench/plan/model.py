@@ -338,6 +338,14 @@ HOST_FLOOR_NOTE = (
     "the host's speed, which changed between launches on the GPU hosts measured (0.3-0.9 ms to issue a "
     "one-row block forward); one- and two-row micro-batches moved up to 29 % (docs/planner.md)"
 )
+# A derived part's steps above this MFU hold the 700 W power cap for most of the step: on 4x H200,
+# gpt-6.7b at 50-60 % MFU ran at SM clocks of 1470-1620 MHz and 6-16 % slower than the derived
+# calibration predicted, whose H100 constants hold the clocks of steps that did not (docs/planner.md).
+POWER_CAP_MFU = 0.55
+POWER_CAP_NOTE = (
+    "predicted MFU {mfu:.0%} on a part calibrated from another's records: on H200, steps this dense held the "
+    "700 W power cap (SM clocks 1470-1620 MHz) and ran 6-16 % slower than predicted (docs/planner.md)"
+)
 SPLIT_GRAPHS_NOTE = (
     "peak may be low: Dynamo's DDPOptimizer cuts the compiled blocks at DDP's buckets, and nothing measured "
     "says what that saves with this recipe or checkpointing (ddp_optimizer = false compiles whole blocks)"
@@ -1473,6 +1481,8 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
     tokens_per_gpu = w.tokens_per_step / step / w.world_size
     peak_flops = cal.get("peak_flops")
     mfu = w.tokens_per_step * w.flops_per_token / step / w.world_size / peak_flops if peak_flops else None
+    if mfu and mfu > POWER_CAP_MFU and "derived_from" in cal:
+        notes.append(POWER_CAP_NOTE.format(mfu=mfu))
     mem = None
     mem_parts: dict = {}
     mem_phase = None
