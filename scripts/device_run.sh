@@ -4,7 +4,7 @@
 #   DEADLINE_S=560 bash scripts/device_run.sh OUT_DIR SUITE [SUITE ...]
 #
 # Installs the wheels in .whl/ (DeepSpeed and its pure-Python needs, torchao and libaio, made by
-# scripts/device_wheels.sh), refuses a suite with a case that would be skipped there (--no-skips;
+# scripts/device_wheels.sh; or the xz-packed installs .whl/site-*.tar.xz it also makes), refuses a suite with a case that would be skipped there (--no-skips;
 # DEVICE_ALLOW_SKIPS=1 lets such cases be recorded as skipped), keeps NVLink multicast off in
 # NCCL, PyTorch and NVSHMEM (the shared host requires it; torchrun passes the environment to every
 # rank), runs the suites in order within DEADLINE_S seconds in all, and after each one rewrites
@@ -25,7 +25,13 @@ out=$1; shift
 start=$(date +%s)
 deadline=${DEADLINE_S:-560}
 cd "$(dirname "$0")/.."
-if ls .whl/*.whl >/dev/null 2>&1; then
+if ls .whl/site-*.tar.xz >/dev/null 2>&1; then
+  # installed trees packed by scripts/device_wheels.sh (the form that fits the 64 MiB carry): unpacked
+  # once per machine, under the same lock as the wheels
+  (flock 9 && { [ -f /tmp/site/.installed ] || { mkdir -p /tmp/site && for t in .whl/site-*.tar.xz; do
+    tar xJf "$t" -C /tmp/site || exit 1; done && touch /tmp/site/.installed; }; }) 9>/tmp/site.lock || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+elif ls .whl/*.whl >/dev/null 2>&1; then
   # once per machine, and under a lock: two streams on disjoint GPUs (CUDA_VISIBLE_DEVICES, their
   # own DEVICE_WORK) may start together
   (flock 9 && { [ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile \

@@ -18,4 +18,19 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .whl "$torchao"
 bash scripts/libaio_bundle.sh "$root/.whl/libaio" >/dev/null
-ls .whl
+# The same wheels installed for the device's Python and packed with xz: 3.2 MB for DeepSpeed and its
+# needs against 5.1 MB of wheels, which with the committed results no longer fit the device's 64 MiB
+# limit on what travels. device_run.sh unpacks whichever of these it is given (carry one of them).
+pack_site() {
+  local name=$1 t
+  shift
+  t=$(mktemp -d)
+  python3 -m pip install -q --no-deps --no-index --no-compile --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --target "$t" "$@"
+  tar cJf ".whl/$name.tar.xz" -C "$t" .
+  rm -rf "$t"
+}
+pack_site site-deepspeed $(ls .whl/*.whl | grep -v torchao)
+pack_site site-torchao .whl/torchao-*.whl
+ls -l .whl
