@@ -540,6 +540,25 @@ def test_a_derived_part_refits_its_host_costs_from_its_own_records():
     assert near["host_tensor_s"] == source["host_tensor_s"] and "host_refit" not in near["derived_from"]
 
 
+def test_a_derived_part_fits_its_hbm_ratio_from_enough_of_its_own_records():
+    """The memory-bound constants' factor comes from the part's own device-bound records where it
+    has HBM_RATIO_MIN_CONFIGURATIONS of them: records made at a known ratio give it back; fewer
+    records leave the datasheets' ratio."""
+    source = C.load_kind("h100")
+    truth = {**source, "time": C._scaled_time(source, 0.8)}
+    cfg = model_config("gpt-1.3b")
+    own = []
+    for strategy in ("ref.ddp", "ref.zero1", "ref.zero2", "ref.zero3", "ref.fsdp"):
+        for mb in (1, 2, 4, 8):
+            w = for_config(model="gpt-1.3b", cfg=cfg, strategy=strategy, world_size=2, micro_batch=mb)
+            own.append(C.Observation(f"{strategy}{mb}", w, M.predict(w, truth).step_s, None, ["r"], 1))
+    derived = C.derive(source, "h200", own)
+    assert derived["derived_from"]["hbm_ratio"] == pytest.approx(0.8)
+    assert derived["derived_from"]["hbm_ratio_datasheet"] == pytest.approx(3.35 / 4.8)
+    few = C.derive(source, "h200", own[: C.HBM_RATIO_MIN_CONFIGURATIONS - 1])
+    assert few["derived_from"]["hbm_ratio"] == pytest.approx(3.35 / 4.8)
+
+
 def test_a_dense_step_on_a_derived_part_is_noted_as_power_capped():
     """A derived part's constants hold the clocks of the source's steps: a configuration predicted
     above POWER_CAP_MFU on it is noted (H200 steps that dense ran at the power cap, slower than
@@ -573,7 +592,7 @@ def test_validation_scores_the_derived_h200_calibration_on_the_h200_records():
     assert len(part["predictions"]) == part["configurations"]
     # the H200 hosts ran the hooks faster than the H100 ones: their own host costs, each
     # configuration left out of its refit, remove that bias
-    plain = part["without_host_refit"]
+    plain = part["without_own_records"]
     assert plain["host_waiting_step_signed_median_pct"] > 5
     assert abs(part["host_waiting_step_signed_median_pct"]) < plain["host_waiting_step_signed_median_pct"] / 3
 

@@ -628,25 +628,68 @@ def calibration_path(kind: str, directory=None) -> Path:
     return Path(directory or CALIBRATION_DIR) / f"{kind}.json"
 
 
+# The ratio of the parts' HBM speeds their memory-bound kernels reach is fitted from the derived part's
+# own records that do not wait on their host, to 0.01 within this range, once it has this many of
+# them: the datasheets' ratio (H100 3.35, H200 4.8 TB/s: 0.698) is the peak's, and the kernels of
+# the H200 records reached less of that gain (fitted 0.75, docs/planner.md).
+HBM_RATIO_RANGE = (0.5, 1.0)
+HBM_RATIO_MIN_CONFIGURATIONS = 20
+
+
+def _scaled_time(source: dict, ratio: float) -> dict:
+    return {k: v * ratio if k in M.MEMORY_BOUND_TIME_CONSTANTS else v for k, v in source["time"].items()}
+
+
+def fit_hbm_ratio(source: dict, own: list[Observation]) -> float | None:
+    """The memory-bound time constants' factor (in ``HBM_RATIO_RANGE``, to 0.01: a 0.05 grid, then
+    0.01 steps around its best) with the least summed |log error| over ``own``'s configurations
+    that do not wait on their host, or None with fewer than ``HBM_RATIO_MIN_CONFIGURATIONS``."""
+    device_bound = [o for o in own if not M.waits_on_host(o.workload)]
+    if len(device_bound) < HBM_RATIO_MIN_CONFIGURATIONS:
+        return None
+
+    def loss(ratio: float) -> float:
+        cal = {**source, "time": _scaled_time(source, ratio)}
+        return sum(abs(math.log(M.predict(o.workload, cal).step_s / o.step_s)) for o in device_bound)
+
+    lo, hi = HBM_RATIO_RANGE
+    coarse = min((round(lo + 0.05 * i, 2) for i in range(int(round((hi - lo) / 0.05)) + 1)), key=loss)
+    fine = (round(coarse + 0.01 * i, 2) for i in range(-4, 5))
+    return min((r for r in fine if lo <= r <= hi), key=loss)
+
+
 def derive(source: dict, kind: str, own: list[Observation] | None = None) -> dict:
     """``source`` (a calibration of another part of the same architecture) for ``kind``: its
-    memory-bound time constants times the HBM bandwidth ratio, and, from ``own`` (the part's own
-    observations), the host costs of each library that waits on its host there (``refit_host``);
-    all else as fitted on ``source``."""
-    ratio = HBM_BYTES_PER_S[source["device_kind"]] / HBM_BYTES_PER_S[kind]
+    memory-bound time constants times the parts' HBM ratio, fitted from ``own`` (the part's own
+    observations, ``fit_hbm_ratio``) where it has enough, else the datasheets'; and from ``own``
+    the host costs of each library that waits on its host there (``refit_host``); all else as
+    fitted on ``source``."""
+    datasheet = HBM_BYTES_PER_S[source["device_kind"]] / HBM_BYTES_PER_S[kind]
+    fitted = fit_hbm_ratio(source, own or [])
+    ratio = datasheet if fitted is None else fitted
     scaled = [k for k in M.MEMORY_BOUND_TIME_CONSTANTS if k in source["time"]]
+    why = (
+        f"{source['device_kind']} / {kind} HBM bandwidth"
+        if fitted is None
+        else f"fitted on its own records; the datasheets' {datasheet:.3f}"
+    )
     doc = (
         f"{kind} has no calibration of its own: the {source['device_kind']} one, its memory-bound "
-        f"time constants x {ratio:.3f} ({source['device_kind']} / {kind} HBM bandwidth)"
+        f"time constants x {ratio:.3f} ({why})"
     )
     derived = {
         **source,
         "device_kind": kind,
         "device_name": DEVICE_KINDS[kind][0],
         "peak_flops": DEVICE_KINDS[kind][1],
-        "time": {k: v * ratio if k in scaled else v for k, v in source["time"].items()},
+        "time": _scaled_time(source, ratio),
         "derived_from": {"kind": source["device_kind"], "hbm_ratio": ratio, "scaled": scaled, "doc": doc},
     }
+    if fitted is not None:
+        derived["derived_from"] |= {
+            "hbm_ratio_datasheet": datasheet,
+            "hbm_ratio_configurations": sum(not M.waits_on_host(o.workload) for o in own),
+        }
     host = refit_host(derived, own or [])
     if host:
         derived["host_tensor_s"] = dict(sorted({**source["host_tensor_s"], **host}.items()))

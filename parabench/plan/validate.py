@@ -369,27 +369,30 @@ def _signed_summary(rows: list[dict], obs: list[C.Observation]) -> dict:
 def derived_parts(results_dir, kind: str, cal: dict) -> dict:
     """Per kind derived from ``kind`` (``calibrate.DERIVED_FROM``) that has records: ``cal`` derived
     for it (``calibrate.derive``) against its configurations, none of which ``cal`` saw (step
-    times, peaks, rankings). Each configuration is predicted with the host costs refitted from the
-    part's other configurations (left out of its own refit); beside it, the derivation without
-    any host refit, and ``cal`` as fitted."""
+    times, peaks, rankings). Each configuration is predicted with the HBM ratio and the host costs
+    refitted from the part's other configurations (left out of its own refit); beside it, the
+    derivation from the datasheets' HBM ratio without any of the part's records, and ``cal`` as
+    fitted."""
     out = {}
     for other, source in C.DERIVED_FROM.items():
         obs = C.observations(results_dir, other) if source == kind else []
         if not obs:
             continue
         hbm_only = C.derive(cal, other)
+        own = C.derive(cal, other, obs)["derived_from"]
         rows = [_row(o, M.predict(o.workload, C.derive(cal, other, obs[:i] + obs[i + 1 :]))) for i, o in enumerate(obs)]
         plain = [_row(o, M.predict(o.workload, hbm_only)) for o in obs]
         plain_summary = summarize(plain)
         as_fitted = [_signed_pct(M.predict(o.workload, cal).step_s, o.step_s) for o in obs]
         out[other] = {
             "derived_from": source,
-            "hbm_ratio": hbm_only["derived_from"]["hbm_ratio"],
-            "scaled": hbm_only["derived_from"]["scaled"],
-            "host_refit": "each configuration predicted with the host costs refitted from the others",
+            "hbm_ratio": own["hbm_ratio"],
+            "hbm_ratio_datasheet": hbm_only["derived_from"]["hbm_ratio"],
+            "scaled": own["scaled"],
+            "refit": "each configuration predicted with the HBM ratio and host costs refitted from the others",
             **summarize(rows),
             **_signed_summary(rows, obs),
-            "without_host_refit": {
+            "without_own_records": {
                 **{
                     k: plain_summary[k] for k in ("step_median_pct", "step_p90_pct", "spearman_median", "fastest_share")
                 },
@@ -628,14 +631,15 @@ def retest_lines(rt: dict | None) -> list[str]:
 
 def derived_lines(parts: dict) -> None:
     for other, s in parts.items():
-        plain = s["without_host_refit"]
+        plain = s["without_own_records"]
         print(
             f"steps of the {s['configurations']} {other} configurations, by this calibration derived for {other} "
-            f"(memory-bound constants x {s['hbm_ratio']:.3f}, host costs from the other {other} configurations): "
+            f"(memory-bound constants x {s['hbm_ratio']:.3f}, datasheets' {s['hbm_ratio_datasheet']:.3f}, and host "
+            f"costs from the other {other} configurations): "
             f"median {s['step_median_pct']:.1f} %, p90 {s['step_p90_pct']:.1f} %, signed median "
             f"{s['step_signed_median_pct']:+.1f} %; the {s['host_waiting_configurations']} waiting on their host: "
             f"median {_fmt(s['host_waiting_step_median_pct'], '%')}, signed {_fmt(s['host_waiting_step_signed_median_pct'], '%')} "
-            f"(without the host refit: {plain['step_median_pct']:.1f} / {plain['step_p90_pct']:.1f} %, host-waiting "
+            f"(from the datasheets, without its records: {plain['step_median_pct']:.1f} / {plain['step_p90_pct']:.1f} %, host-waiting "
             f"{_fmt(plain['host_waiting_step_median_pct'], '%')}, signed {_fmt(plain['host_waiting_step_signed_median_pct'], '%')}; "
             f"as fitted: median {s['as_fitted_step_median_pct']:.1f} %, signed {s['as_fitted_step_signed_median_pct']:+.1f} %); "
             f"Spearman median {_fmt(s['spearman_median'])} ({s['spearman_groups']} groups); fastest named "
