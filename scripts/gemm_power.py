@@ -68,6 +68,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 65536])
     ap.add_argument("--n-mult", type=int, nargs="+", default=[1, 4], help="n = d x this (1: projection, 4: fc)")
     ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument(
+        "--cooldown",
+        type=float,
+        default=0.0,
+        help="seconds idle before each shape, so a short one starts below the cap",
+    )
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -77,6 +83,8 @@ def main(argv=None) -> int:
             for k in a.n_mult:
                 x = torch.randn(m, d, device=device, dtype=torch.bfloat16)
                 w = torch.randn(d, k * d, device=device, dtype=torch.bfloat16)
+                torch.cuda.synchronize()
+                time.sleep(a.cooldown)
                 p = {"m": m, "k": d, "n": k * d, **sustain(x, w, a.seconds, device)}
                 t = p["telemetry"]
                 print(
@@ -92,6 +100,7 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "seconds": a.seconds,
+        "cooldown_s": a.cooldown,
         "points": points,
     }
     with open(a.out, "w") as f:
