@@ -4,7 +4,8 @@
 #   DEADLINE_S=560 bash scripts/device_run.sh OUT_DIR SUITE [SUITE ...]
 #
 # Installs the wheels in .whl/ (DeepSpeed and its pure-Python needs, torchao and libaio, made by
-# scripts/device_wheels.sh; or the xz-packed installs .whl/site-*.tar.xz it also makes), refuses a suite with a case that would be skipped there (--no-skips;
+# scripts/device_wheels.sh; or the xz-packed installs .whl/site-*.tar.xz it also makes, the form
+# that fits the device's limit), refuses a suite with a case that would be skipped there (--no-skips;
 # DEVICE_ALLOW_SKIPS=1 lets such cases be recorded as skipped), keeps NVLink multicast off in
 # NCCL, PyTorch and NVSHMEM (the shared host requires it; torchrun passes the environment to every
 # rank), runs the suites in order within DEADLINE_S seconds in all, and after each one rewrites

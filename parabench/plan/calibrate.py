@@ -39,12 +39,13 @@ DEVICE_KINDS = {"h100": ("H100", 989.4e12), "h200": ("H200", 989.4e12), "a100": 
 MATMUL_CEILING = {"h100": 790e12, "h200": 790e12}
 # Parts predicted from another part's calibration until runs of their own calibrate them: the same
 # architecture (SMs, clocks, tensor cores: the same dense bf16 peak), NVLink generation, kernels and
-# allocator, with other HBM. The memory-bound time constants change by the ratio of the parts'
-# HBM bandwidths (datasheets: H100 SXM 3.35 TB/s HBM3, H200 4.8 TB/s HBM3e); the collectives' and
-# every memory constant carry over (H100 and H200 records of one configuration peak at the same byte
-# count). The host is another machine: the per-tensor host costs of the libraries that wait on it
-# are refitted from the part's own records where it has them (``derive``, ``own``), on the derived
-# device times; the H200 hosts ran DeepSpeed's and FSDP2's hooks 12 % faster at the median.
+# allocator, with other HBM. The memory-bound time constants change by the ratio of the parts' HBM
+# speeds: the datasheets' (H100 SXM 3.35 TB/s HBM3, H200 4.8 TB/s HBM3e), or the one the part's own
+# records show where it has enough (``fit_hbm_ratio``); the collectives' and every memory constant
+# carry over (H100 and H200 records of one configuration peak at the same byte count). The host is
+# another machine: the per-tensor host costs of the libraries that wait on it are refitted from the
+# part's own records where they show it (``refit_host``), on the derived device times; the H200
+# hosts ran DeepSpeed's and FSDP2's hooks 12 % faster at the median.
 DERIVED_FROM = {"h200": "h100"}
 HBM_BYTES_PER_S = {"h100": 3.35e12, "h200": 4.8e12}
 
