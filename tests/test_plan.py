@@ -93,6 +93,14 @@ def test_leave_one_out_excludes_the_predicted_configuration(monkeypatch):
     assert zero2["pred_step_s"] < 1.0
 
 
+def test_leave_one_out_rows_do_not_depend_on_the_worker_processes():
+    """The fits are independent: two workers give the serial rows, in the configurations' order."""
+    obs = [
+        _obs(s, mb, 0.01 * mb * (1.2 if s == "ref.zero2" else 1)) for s in ("ref.ddp", "ref.zero2") for mb in (1, 2, 4)
+    ]
+    assert V.leave_one_out(obs, COLLECTIVES, jobs=2) == V.leave_one_out(obs, COLLECTIVES)
+
+
 def test_spearman_and_summary():
     assert V.spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
     assert V.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)

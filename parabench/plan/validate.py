@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -309,12 +311,31 @@ def _row(o: C.Observation, p: M.Prediction) -> dict:
     }
 
 
-def leave_one_out(obs: list[C.Observation], collectives: dict, attention_rate: dict | None = None) -> list[dict]:
-    rows = []
-    for i, o in enumerate(obs):
-        cal = C.fit(obs[:i] + obs[i + 1 :], collectives, attention_rate=attention_rate)
-        rows.append(_row(o, M.predict(o.workload, cal)))
-    return rows
+_LOO: tuple = ()
+
+
+def _loo_init(obs, collectives, attention_rate) -> None:
+    global _LOO
+    _LOO = (obs, collectives, attention_rate)
+
+
+def _loo_row(i: int) -> dict:
+    """Configuration ``i`` predicted from a calibration fitted without it (the worker's ``_LOO``)."""
+    obs, collectives, attention_rate = _LOO
+    cal = C.fit(obs[:i] + obs[i + 1 :], collectives, attention_rate=attention_rate)
+    return _row(obs[i], M.predict(obs[i].workload, cal))
+
+
+def leave_one_out(
+    obs: list[C.Observation], collectives: dict, attention_rate: dict | None = None, jobs: int = 1
+) -> list[dict]:
+    """Every configuration predicted from a calibration that excludes it, one fit each, over
+    ``jobs`` worker processes (the fits are independent, so the rows do not depend on ``jobs``)."""
+    if jobs <= 1:
+        _loo_init(obs, collectives, attention_rate)
+        return [_loo_row(i) for i in range(len(obs))]
+    with ProcessPoolExecutor(jobs, initializer=_loo_init, initargs=(obs, collectives, attention_rate)) as pool:
+        return list(pool.map(_loo_row, range(len(obs)), chunksize=4))
 
 
 def out_of_scale(
@@ -407,13 +428,13 @@ def derived_parts(results_dir, kind: str, cal: dict) -> dict:
     return out
 
 
-def validate(results_dir="results", kind="h100") -> dict:
+def validate(results_dir="results", kind="h100", jobs: int = 1) -> dict:
     obs = C.observations(results_dir, kind)
     coll = C.fit_collectives(results_dir, kind)
     att = C.fit_attention(results_dir, kind)
     full = C.fit(obs, coll, attention_rate=att)
     in_sample = [_row(o, M.predict(o.workload, full)) for o in obs]
-    loo = leave_one_out(obs, coll, att)
+    loo = leave_one_out(obs, coll, att, jobs)
     oos = out_of_scale(obs, coll, attention_rate=att)
     # after the fact (the pre-registered test is out-of-scale-h100x4.json): this model fitted on
     # the 1- and 2-GPU configurations, predicting the 4-GPU ones
@@ -653,6 +674,12 @@ def main(argv=None) -> int:
     ap.add_argument("--kind", default="h100", choices=sorted(C.DEVICE_KINDS))
     ap.add_argument("--out", default=None)
     ap.add_argument("--worst", type=int, default=0, help="also list the N worst leave-one-out step predictions")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="worker processes for the leave-one-out fits (default: one per CPU)",
+    )
     ap.add_argument("--predictions", help="a predictions file written before --run ran (pre-registered test)")
     ap.add_argument("--run", help="the run directory the predictions were written for")
     ap.add_argument(
@@ -693,7 +720,7 @@ def main(argv=None) -> int:
             )
         print(f"written {a.out}")
         return 0
-    rep = validate(a.results, a.kind)
+    rep = validate(a.results, a.kind, a.jobs)
     out = Path(a.out or Path(a.results) / "calibration" / f"validation-{a.kind}.json")
     C.save(rep, out)
     print(table(rep))
