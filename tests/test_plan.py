@@ -58,7 +58,39 @@ def test_model_states_are_the_zero_lines(strategy, stage):
     """Peers the state meter cannot read are held to the ZeRO paper's line, exactly."""
     w = for_config(model="gpt-350m", cfg=model_config("gpt-350m"), strategy=strategy, world_size=4, micro_batch=1)
     assert w.state_bytes == pytest.approx(zero_paper_state_bytes(stage, w.params, 4))
-    assert M.states_at(w, "step") == pytest.approx(w.state_bytes)
+    assert M.states_at(w, "step") == pytest.approx(w.state_bytes + M.step_copy_bytes(w))
+
+
+@pytest.mark.parametrize("strategy", ["deepspeed.zero1", "deepspeed.zero2"])
+@pytest.mark.parametrize("ranks,bytes_per_param", [(1, 22), (2, 12), (8, None)])
+def test_deepspeed_zero12_step_holds_its_gradient_copies(strategy, ranks, bytes_per_param):
+    """DeepSpeed ZeRO-1/2's step casts the flattened 16-bit gradient partition to fp32 beside every
+    state: 2 + 20/N bytes per parameter, as measured at N = 1 and 2 (ds-step-peak-*-h200x*); where
+    ZeRO-1's full 16-bit gradients outweigh that (N = 8), its paper line."""
+    w = for_config(model="gpt-350m", cfg=model_config("gpt-350m"), strategy=strategy, world_size=ranks, micro_batch=1)
+    at_cast = (2 + 20 / ranks) * w.params
+    assert M.states_at(w, "step") == pytest.approx(max(at_cast, w.state_bytes))
+    if bytes_per_param is not None:
+        assert M.states_at(w, "step") == pytest.approx(bytes_per_param * w.params)
+    fp32 = for_config(
+        model="gpt-350m",
+        cfg=model_config("gpt-350m"),
+        strategy=strategy,
+        world_size=ranks,
+        micro_batch=1,
+        precision="fp32",
+    )
+    assert M.step_copy_bytes(fp32) == 0  # the cast to fp32 copies nothing
+
+
+def test_deepspeed_zero3_keeps_its_gradient_buffer_and_bucket():
+    """DeepSpeed ZeRO-3 allocates its gradient partitions' flat buffer and its reduce bucket at start-up:
+    both are alive at the start of backward, where the other sharded trainers hold no gradients."""
+    kw = dict(model="gpt-350m", cfg=model_config("gpt-350m"), world_size=4, micro_batch=1)
+    ds, ref = for_config(strategy="deepspeed.zero3", **kw), for_config(strategy="ref.zero3", **kw)
+    grads = ds.state_parts["grads"]
+    assert M.persistent_grad_bytes(ds) == pytest.approx(grads + 2 * M.DS_REDUCE_BUCKET_ELEMENTS)
+    assert M.persistent_grad_bytes(ref) == 0
 
 
 @pytest.mark.parametrize("strategy", ["ref.zero1", "ref.zero2", "ref.zero3", "torch.ddp"])
@@ -598,11 +630,13 @@ def test_validation_scores_the_derived_h200_calibration_on_the_h200_records():
     assert part["as_fitted_step_signed_median_pct"] > 5  # H200 runs faster than the H100 constants say
     assert abs(part["step_signed_median_pct"]) < part["as_fitted_step_signed_median_pct"] / 3
     assert len(part["predictions"]) == part["configurations"]
-    # the H200 hosts ran the hooks faster than the H100 ones: their own host costs, each
-    # configuration left out of its refit, remove that bias
+    # the H200 hosts ran most hooks faster than the H100 ones: their own host costs, each
+    # configuration left out of its refit, shrink both the bias and the error of the steps that wait
+    # on their host
     plain = part["without_own_records"]
-    assert plain["host_waiting_step_signed_median_pct"] > 5
-    assert abs(part["host_waiting_step_signed_median_pct"]) < plain["host_waiting_step_signed_median_pct"] / 3
+    assert plain["host_waiting_step_signed_median_pct"] > 2
+    assert abs(part["host_waiting_step_signed_median_pct"]) < plain["host_waiting_step_signed_median_pct"] * 0.6
+    assert part["host_waiting_step_median_pct"] < plain["host_waiting_step_median_pct"]
 
 
 def _equal_costs(w) -> list:

@@ -1106,6 +1106,11 @@ TIME_PARTS = {
 #   (same run) peak late in backward with 12.0 of 12.8 GiB of fp32 gradient shards alive.
 # Gradients ramp up as activations are freed during backward, so the larger of the two ends bounds
 # the interior.
+# DeepSpeed's default reduce_bucket_size (runtime/zero/config.py, 0.19.8), which its ZeRO-3
+# contiguous-gradients bucket is sized by; parabench's DeepSpeed peers leave it at the default.
+DS_REDUCE_BUCKET_ELEMENTS = 500_000_000
+
+
 def persistent_grad_bytes(w: Workload) -> float:
     """Gradient bytes alive at the start of backward (kept from step to step). Everything else the
     theory counts as gradients is made during backward and released after the update: torch's
@@ -1122,6 +1127,12 @@ def persistent_grad_bytes(w: Workload) -> float:
         kept = min(grads, 2 * params)
     elif w.strategy == "torch.ddp":  # the reducer's buckets live as long as DDP (gradient_as_bucket_view)
         kept = grads
+    elif w.strategy == "deepspeed.zero3" and not w.offload:
+        # allocated once at start-up (runtime/zero/stage3.py): the gradient partitions' flat buffer,
+        # in the gradient-accumulation dtype, which is the parameters' unless grad_accum_dtype is set
+        # (grad_partitions_flat_buffer; engine.py get_data_types), and the contiguous-gradients
+        # reduce bucket (ipg bucket buffer, reduce_bucket_size elements in the parameters' dtype)
+        kept = grads + DS_REDUCE_BUCKET_ELEMENTS * (4 if w.precision == "fp32" else 2)
     return kept + (accumulated_grad_bytes(w) if w.grad_accum > 1 else 0.0)
 
 
@@ -1160,15 +1171,38 @@ def master_grad_buffer_bytes(w: Workload) -> float:
     return 2.0 * w.state_parts.get("params", 0.0)  # fp32 copy of the 16-bit parameters
 
 
+# DeepSpeed ZeRO-1/2 without offload (runtime/zero/stage_1_and_2.py, ``step``): the rank's 16-bit
+# gradient partition is flattened into a new buffer and cast to an fp32 copy for the optimizer, while
+# the 16-bit parameters, the fp32 master partition, the Adam moments and the partition's gradients
+# are alive. Measured (docs/results.md, "2026-11-28, evening"): 12 bytes per parameter at 2 ranks
+# (gpt-6.7b, 76.9 GiB) and 22 at one rank (gpt-2.7b, 57.0 GiB); ZeRO-1/2 at gpt-13b on 2x H200 ran
+# out of memory in that cast.
+STEP_COPY_STRATEGIES = ("deepspeed.zero1", "deepspeed.zero2")
+
+
+def step_copy_bytes(w: Workload) -> float:
+    """Bytes alive in the optimizer step beyond the states the theory counts: DeepSpeed ZeRO-1/2's
+    16-bit gradient partition, its flattened copy and its fp32 copy (2 + 2 + 4 bytes per local
+    parameter) beside the parameters and optimizer states; where the theory's gradients (ZeRO-1's
+    full 16-bit gradients on many ranks) outweigh those, nothing."""
+    parts = w.state_parts
+    if w.strategy not in STEP_COPY_STRATEGIES or w.offload or w.precision not in ("bf16", "fp16") or not parts:
+        return 0.0
+    partition_16bit = parts.get("params", 0.0) / max(1, w.dp)
+    at_cast = parts.get("params", 0.0) + parts.get("optimizer", 0.0) + 4 * partition_16bit
+    return max(0.0, at_cast - sum(parts.values()))
+
+
 def states_at(w: Workload, phase: str) -> float:
     """Model-state bytes alive in ``phase`` ("backward" or "step"), the persistent fp32 gradient
-    buffer of the master-weight optimizer included."""
+    buffer of the master-weight optimizer included, and in the step the copies the step makes
+    (``step_copy_bytes``)."""
     parts = w.state_parts
     if not parts:
         return w.state_bytes or 0.0
     buf = master_grad_buffer_bytes(w)
     if phase == "step":
-        return sum(parts.values()) + buf
+        return sum(parts.values()) + buf + step_copy_bytes(w)
     return parts.get("params", 0.0) + parts.get("optimizer", 0.0) + persistent_grad_bytes(w) + buf
 
 
@@ -1493,12 +1527,16 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
         extra_frac = (cal.get("impl_memory") or {}).get(w.impl, 0.0) if impl else 0.0
         extra_frac = min(max(0.0, extra_frac), IMPL_MEMORY_MAX)
         split = 0.0 if name == "step" else split_graphs_bytes(w)
+        step_copies = step_copy_bytes(w) if name == "step" else 0.0
         working_set = {"step": 0.0, "first": w.working_set_bytes - w.working_set_grad_bytes}.get(
             name, w.working_set_bytes
         )
         mem_parts = {
-            "model_states": states_at(w, "step" if name == "step" else "backward") - master_grad_buffer_bytes(w),
+            "model_states": states_at(w, "step" if name == "step" else "backward")
+            - master_grad_buffer_bytes(w)
+            - step_copies,
             "master_grad_buffer": master_grad_buffer_bytes(w),
+            "step_copies": step_copies,
             "activations": sum(mc[k] * stage[k] for k in ACT_CONSTANTS),
             "split_graphs": split,
             "logits": mc["logit_bytes_master"] * stage["logit_bytes_master"]

@@ -206,7 +206,7 @@ def evaluate(c: Candidate, model: str, cfg, cal: dict, capacity: float) -> Candi
 def peak_split(p: M.Prediction) -> dict:
     """The predicted peak in the parts ``plan`` prints; they sum to the peak exactly."""
     m = p.memory_bytes
-    states = m["model_states"] + m["master_grad_buffer"]
+    states = m["model_states"] + m["master_grad_buffer"] + m.get("step_copies", 0.0)
     acts = m["activations"] + m["logits"] + m.get("retained_logits", 0.0) + m.get("split_graphs", 0.0)
     overhead = m["implementation"]
     return {
@@ -221,7 +221,9 @@ def peak_parts(p: M.Prediction, w: M.Workload) -> str:
     s = peak_split(p)
     g = {k: v / M.GIB for k, v in s.items()}
     buf = p.memory_bytes["master_grad_buffer"] / M.GIB
+    copies = p.memory_bytes.get("step_copies", 0.0) / M.GIB
     of = f"of {w.state_bytes / M.GIB:.1f} at the update" + (f", + {buf:.1f} fp32 gradient buffer" if buf else "")
+    of += f", + {copies:.1f} gradient copies of the step" if copies else ""
     return (
         f"predicted peak {p.peak_bytes / M.GIB:.1f} GiB at the {p.peak_phase} = states at peak "
         f"{g['states at peak']:.1f} ({of}) + activations {g['activations']:.1f} + "
