@@ -1550,3 +1550,30 @@ def test_the_time_fit_runs_to_its_fixed_point():
     four, _, _ = C.fit_time(obs, COLLECTIVES, rounds=4)
     assert four["exp_deepspeed"] > 2 * consts["exp_deepspeed"]  # four rounds had not settled
     assert impl["deepspeed.zero1:tuned"] == pytest.approx(1.18, abs=0.01)
+
+
+def test_a_preregistered_check_scores_what_fit_and_what_ran_out_of_memory():
+    """A case the planner said fits but ran out of memory, and one it dropped that ran, are both
+    named; failures other than OOM say nothing about memory."""
+    gib = M.GIB
+    manifest = {"devices": [{"memory_bytes": 100 * gib}, {"memory_bytes": 80 * gib}]}  # the smaller card binds
+    usable = 80 * gib * 0.88
+    predicted = {
+        "a": {"peak_bytes": usable - gib},
+        "b": {"peak_bytes": usable - gib},
+        "c": {"peak_bytes": usable + gib},
+    }
+    predicted["d"] = {"peak_bytes": usable + gib}
+    records = [
+        {"case_hash": "a", "label": "fits, ran", "status": "ok"},
+        {"case_hash": "b", "label": "fits, oom", "status": "oom"},
+        {"case_hash": "c", "label": "dropped, ran", "status": "ok"},
+        {"case_hash": "d", "label": "dropped, hung", "status": "timeout"},
+    ]
+    out = V.fits_as_predicted(records, predicted, manifest)
+    assert out["cases"] == 3 and out["as_predicted"] == 1 and out["usable_bytes"] == pytest.approx(usable)
+    assert [(r["label"], r["predicted"]) for r in out["wrong"]] == [
+        ("fits, oom", "fits"),
+        ("dropped, ran", "does not fit"),
+    ]
+    assert V.fits_as_predicted(records, predicted, {})["cases"] == 0

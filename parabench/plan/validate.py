@@ -475,8 +475,9 @@ def preregistered(predictions_path, run_dir, worst: int = 8) -> dict:
 
     doc = json.loads(Path(predictions_path).read_text())
     by_hash = {p["case_hash"]: p for p in doc["predictions"]}
+    manifest, raw = load_run(Path(run_dir))
     # a case launched several times (repeats) is one configuration: its medians over launches
-    records = combine_launches(load_run(Path(run_dir))[1])
+    records = combine_launches(raw)
     launch_steps = {
         r.get("case_hash"): [
             x["step_time_s_median"] for x in r.get("launches", ()) if x["status"] == "ok" and x["step_time_s_median"]
@@ -534,8 +535,34 @@ def preregistered(predictions_path, run_dir, worst: int = 8) -> dict:
         "worst_step": worst_of("step_err_pct"),
         "worst_peak": worst_of("peak_err_pct"),
         "unmatched": unmatched,
+        "fits": fits_as_predicted(records, by_hash, manifest),
         "cases": rows,
     }
+
+
+def fits_as_predicted(records: list[dict], by_hash: dict, manifest: dict) -> dict:
+    """Whether each case ran where the planner said it fits and ran out of memory where it said it
+    does not: the predicted peak against ``search.USABLE`` of the run's smallest GPU memory, beside
+    the record's status (ok or oom; other failures say nothing about memory)."""
+    from parabench.plan.search import USABLE
+
+    sizes = [d.get("memory_bytes") for d in manifest.get("devices") or () if d.get("memory_bytes")]
+    if not sizes:
+        return {"cases": 0, "as_predicted": 0, "usable_bytes": None, "wrong": []}
+    usable = USABLE * min(sizes)
+    cases = []
+    for r in records:
+        p = by_hash.get(r.get("case_hash")) or {}
+        if r.get("status") not in ("ok", "oom") or p.get("peak_bytes") is None:
+            continue
+        fits = p["peak_bytes"] <= usable
+        cases.append((r.get("label"), fits, r["status"], p["peak_bytes"]))
+    wrong = [
+        {"label": label, "predicted": "fits" if fits else "does not fit", "status": status, "pred_peak_bytes": peak}
+        for label, fits, status, peak in cases
+        if fits != (status == "ok")
+    ]
+    return {"cases": len(cases), "as_predicted": len(cases) - len(wrong), "usable_bytes": usable, "wrong": wrong}
 
 
 def launch_retest(rows: list[dict], launch_steps: dict[str, list[float]]) -> list[dict]:
@@ -720,6 +747,12 @@ def main(argv=None) -> int:
             print(
                 f"  {g['group']}: launches against each other, {g['configs']} configs: Spearman "
                 f"{_fmt(g['retest_spearman'])}; the predictions on the same {_fmt(g['model_spearman'])}"
+            )
+        fits = rep["fits"]
+        print(f"  fits or not as predicted: {fits['as_predicted']} of {fits['cases']} cases")
+        for r in fits["wrong"]:
+            print(
+                f"    {r['label']}: predicted {r['predicted']} ({r['pred_peak_bytes'] / M.GIB:.1f} GiB), ran {r['status']}"
             )
         print(f"written {a.out}")
         return 0
