@@ -1577,3 +1577,17 @@ def test_a_preregistered_check_scores_what_fit_and_what_ran_out_of_memory():
         ("dropped, ran", "does not fit"),
     ]
     assert V.fits_as_predicted(records, predicted, {})["cases"] == 0
+
+
+def test_the_report_sets_out_of_memory_cases_beside_their_predicted_peaks():
+    """DeepSpeed ZeRO-1/2 ran out of memory at gpt-13b on 2x H200 (in the optimizer step's gradient
+    copies): the report shows both cases with their predicted peaks, beyond what the planner keeps."""
+    from parabench.report.predicted import prediction_rows
+    from parabench.results import load_run
+
+    run = next((ROOT / "results" / "plan-check-13b-h200x2").iterdir())
+    rows, missing, _ = prediction_rows([load_run(run)])
+    oom = [r for r in rows if r["flag"].startswith("OOM")]
+    assert {r["label"].split()[0] for r in oom} == {"deepspeed.zero1", "deepspeed.zero2"} and not missing
+    assert all(r["flag"] == "OOM, as predicted" and not r["miss"] and r["step_ms"] is None for r in oom)
+    assert all(r["pred_peak_gib"] > 0.88 * 139.8 for r in oom)

@@ -1,6 +1,9 @@
 """Report section: predicted vs measured. Each case of a GPU run beside what the planner's
 calibrated model (``parabench.plan``) predicts for it from the record's own theory, with the error;
-misses beyond ``MISS`` are flagged, so each run shows where the model must improve. The calibration
+misses beyond ``MISS`` are flagged, so each run shows where the model must improve. A case that ran
+out of memory is shown beside its predicted peak, flagged where the planner would have kept it (its
+peak within ``search.USABLE`` of the run's GPU memory); a case that ran where the planner would have
+dropped it is flagged too. The calibration
 is the committed one of the run's device kind (``results/calibration/<kind>.json``), which may have
 been fitted on this very run: the honest out-of-sample figures are in
 ``results/calibration/validation-<kind>.json``. Imports no torch.
@@ -23,25 +26,32 @@ COLUMNS = [
     ("pred_peak_gib", "predicted GiB", "f2"),
     ("peak_err_pct", "peak error %", "f1"),
     ("bottleneck", "predicted bottleneck", "str"),
-    ("flag", "miss > 25 %", "str"),
+    ("flag", "flag (miss > 25 %, fit)", "str"),
 ]
 
 
 def prediction_rows(runs, calibration_dir=None) -> tuple[list[dict], list[str], list[tuple[str, str]]]:
     """(rows, device names without a calibration, (kind, what it says of itself) of each calibration
-    derived from another part's) for every ok record the model covers."""
+    derived from another part's) for every ok or out-of-memory record the model covers."""
     from parabench.plan import calibrate as C
     from parabench.plan import model as M
+    from parabench.plan.search import USABLE
     from parabench.plan.workload import from_record
 
     cals: dict = {}
     missing: set[str] = set()
     rows = []
     for manifest, records in runs:
+        sizes = [d.get("memory_bytes") for d in manifest.get("devices") or () if d.get("memory_bytes")]
+        usable = USABLE * min(sizes) if sizes else None
         for r in records:
-            if r.get("status") != "ok":
+            status = r.get("status")
+            if status not in ("ok", "oom"):
                 continue
-            name = dig(r, "device", "name") or "unknown device"
+            # a failed case's record has no device section: the run's GPUs
+            name = dig(r, "device", "name") or next(
+                (d["name"] for d in manifest.get("devices") or () if d.get("name")), "unknown device"
+            )
             kind = C.device_kind(name)
             if kind not in cals:
                 cals[kind] = C.load_kind(kind, calibration_dir) if kind else None
@@ -50,26 +60,34 @@ def prediction_rows(runs, calibration_dir=None) -> tuple[list[dict], list[str], 
                 missing.add(name)
                 continue
             w = from_record(r)
-            step = dig(r, "metrics", "step_time_s_median")
-            if w is None or w.unmodelled or not step:
+            step = dig(r, "metrics", "step_time_s_median") if status == "ok" else None
+            if w is None or w.unmodelled or (status == "ok" and not step):
                 continue
             p = M.predict(w, cal)
-            peak = dig(r, "metrics", "peak_alloc_bytes")
-            step_err = (p.step_s - step) / step
+            fits = None if usable is None or p.peak_bytes is None else p.peak_bytes <= usable
+            peak = dig(r, "metrics", "peak_alloc_bytes") if step else None
+            step_err = (p.step_s - step) / step if step else None
             peak_err = (p.peak_bytes - peak) / peak if peak and p.peak_bytes else None
-            miss = abs(step_err) > MISS or (peak_err is not None and abs(peak_err) > MISS)
+            if status == "oom":
+                miss = fits is not False
+                flag = "OOM, predicted to fit" if fits else "OOM, as predicted" if fits is False else "OOM"
+            else:
+                miss = abs(step_err) > MISS or (peak_err is not None and abs(peak_err) > MISS) or fits is False
+                flag = ("MISS " if abs(step_err) > MISS or (peak_err is not None and abs(peak_err) > MISS) else "") + (
+                    "ran, predicted not to fit" if fits is False else ""
+                )
             rows.append(
                 {
                     "run": run_name(manifest),
                     "label": r.get("label"),
-                    "step_ms": step * 1e3,
+                    "step_ms": step * 1e3 if step else None,
                     "pred_step_ms": p.step_s * 1e3,
-                    "step_err_pct": step_err * 100,
+                    "step_err_pct": step_err * 100 if step_err is not None else None,
                     "peak_gib": peak / M.GIB if peak else None,
                     "pred_peak_gib": p.peak_bytes / M.GIB if p.peak_bytes else None,
                     "peak_err_pct": peak_err * 100 if peak_err is not None else None,
                     "bottleneck": p.bottleneck,
-                    "flag": "MISS" if miss else "",
+                    "flag": flag.strip(),
                     "miss": miss,
                     "kind": kind,
                 }
@@ -195,7 +213,9 @@ def table_specs(runs, run_col: list, calibration_dir=None) -> list[dict]:
         return []
     note = (
         "Each case beside the calibrated planner's prediction (parabench plan), from the record's own theory. "
-        f"Rows flagged MISS are off by more than {MISS:.0%} in step time or peak memory. The calibration may "
+        f"Rows flagged MISS are off by more than {MISS:.0%} in step time or peak memory; a case that ran out of "
+        "memory, or ran where the planner would drop it, is flagged by whether the planner said it fits. "
+        "The calibration may "
         "include this run: the validation table below gives the out-of-sample errors."
     )
     if not rows:
