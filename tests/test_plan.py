@@ -1591,3 +1591,12 @@ def test_the_report_sets_out_of_memory_cases_beside_their_predicted_peaks():
     assert {r["label"].split()[0] for r in oom} == {"deepspeed.zero1", "deepspeed.zero2"} and not missing
     assert all(r["flag"] == "OOM, as predicted" and not r["miss"] and r["step_ms"] is None for r in oom)
     assert all(r["pred_peak_gib"] > 0.88 * 139.8 for r in oom)
+
+
+def test_deepspeed_keys_set_by_hand_are_outside_the_model():
+    """The host and memory terms were fitted on DeepSpeed's defaults: a run that sets its own
+    zero_optimization keys is predicted by no term, and says why."""
+    kw = dict(model="gpt-350m", cfg=model_config("gpt-350m"), strategy="deepspeed.zero3", world_size=2)
+    assert for_config(**kw).unmodelled is None
+    hand = for_config(**kw, options={"zero": {"stage3_prefetch_bucket_size": 500_000_000}})
+    assert hand.unmodelled == M.DS_ZERO_KEYS

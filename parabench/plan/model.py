@@ -190,6 +190,10 @@ FP8_ALL_GATHER = (
 FP8_FILTER_AUTO = (
     "fp8_filter auto converts the linears by shape (parabench/fp8.py); the float8 terms assume every block linear"
 )
+DS_ZERO_KEYS = (
+    "DeepSpeed zero_optimization keys set by hand (option zero): the model prices DeepSpeed's defaults (buckets, "
+    "prefetch, persistence), which the host and memory terms were fitted on"
+)
 
 
 MEMORY_DEFAULTS = {
@@ -354,6 +358,8 @@ SPLIT_GRAPHS_NOTE = (
 
 def unmodelled_reason(recipe: str | None, options: dict) -> str | None:
     """Why a configuration of ``recipe`` with ``options`` falls outside the model's terms, or None."""
+    if options.get("zero"):
+        return DS_ZERO_KEYS
     if recipe != "fp8":
         return None
     if not options.get("compile"):
