@@ -1112,11 +1112,6 @@ TIME_PARTS = {
 #   (same run) peak late in backward with 12.0 of 12.8 GiB of fp32 gradient shards alive.
 # Gradients ramp up as activations are freed during backward, so the larger of the two ends bounds
 # the interior.
-# DeepSpeed's default reduce_bucket_size (runtime/zero/config.py, 0.19.8), which its ZeRO-3
-# contiguous-gradients bucket is sized by; parabench's DeepSpeed peers leave it at the default.
-DS_REDUCE_BUCKET_ELEMENTS = 500_000_000
-
-
 def persistent_grad_bytes(w: Workload) -> float:
     """Gradient bytes alive at the start of backward (kept from step to step). Everything else the
     theory counts as gradients is made during backward and released after the update: torch's
@@ -1145,8 +1140,8 @@ def persistent_grad_bytes(w: Workload) -> float:
 def accumulated_grad_bytes(w: Workload) -> float:
     """Gradient bytes that gradient accumulation keeps alive through the backward of every
     micro-batch after the first, beyond those kept from step to step: what the earlier micro-batches
-    accumulated into. The references' DDP and parameter server accumulate into the buffer they keep
-    anyway. ZeRO-1 (the reference) keeps its full gradient buckets, in the parameters' dtype, and
+    accumulated into. The references' DDP and parameter server, and DeepSpeed ZeRO-3 (its flat
+    gradient-partition buffer), accumulate into the buffer they keep anyway. ZeRO-1 (the reference) keeps its full gradient buckets, in the parameters' dtype, and
     reduces on the last micro-batch only (reference_impls/zero.py: its fp32 main gradient is made at
     the update); torch DDP keeps a second copy beside its buckets. The others accumulate into what
     the theory counts as gradients: the references' fp32 main-gradient shards (ZeRO-2/3, FSDP:
@@ -1154,7 +1149,7 @@ def accumulated_grad_bytes(w: Workload) -> float:
     model-parallel trainers' ``p.grad``."""
     parts = w.state_parts or {}
     grads, params = parts.get("grads", 0.0), parts.get("params", 0.0)
-    if w.strategy in ("ref.ddp", "ref.ps"):
+    if w.strategy in ("ref.ddp", "ref.ps") or (w.strategy == "deepspeed.zero3" and not w.offload):
         return 0.0
     if w.strategy in ("ref.zero1", "torch.ddp"):
         # torch DDP: under no_sync the reducer's hooks do not run, so autograd accumulates into a
@@ -1184,6 +1179,9 @@ def master_grad_buffer_bytes(w: Workload) -> float:
 # (gpt-6.7b, 76.9 GiB) and 22 at one rank (gpt-2.7b, 57.0 GiB); ZeRO-1/2 at gpt-13b on 2x H200 ran
 # out of memory in that cast.
 STEP_COPY_STRATEGIES = ("deepspeed.zero1", "deepspeed.zero2")
+# DeepSpeed's default reduce_bucket_size (runtime/zero/config.py, 0.19.8), which sizes ZeRO-3's
+# contiguous-gradients bucket (``persistent_grad_bytes``); parabench's DeepSpeed peers keep the default.
+DS_REDUCE_BUCKET_ELEMENTS = 500_000_000
 
 
 def step_copy_bytes(w: Workload) -> float:
