@@ -1600,3 +1600,16 @@ def test_deepspeed_keys_set_by_hand_are_outside_the_model():
     assert for_config(**kw).unmodelled is None
     hand = for_config(**kw, options={"zero": {"stage3_prefetch_bucket_size": 500_000_000}})
     assert hand.unmodelled == M.DS_ZERO_KEYS
+
+
+def test_a_width_outside_the_calibration_is_noted_as_extrapolated():
+    """The stored calibration knows the widths it was fitted on; a wider model's prediction says so."""
+    cal = C.load_kind("h100")
+    lo, hi = cal["widths"]
+    assert lo <= 1024 and hi < 5120
+    wide = for_config(model="gpt-13b", cfg=model_config("gpt-13b"), strategy="ref.zero3", world_size=8, micro_batch=1)
+    inside = for_config(
+        model="gpt-1.3b", cfg=model_config("gpt-1.3b"), strategy="ref.zero3", world_size=8, micro_batch=1
+    )
+    assert any("outside the widths" in n for n in M.predict(wide, cal).notes)
+    assert not any("outside the widths" in n for n in M.predict(inside, cal).notes)

@@ -575,6 +575,7 @@ def fit(
         "launch_spread_doc": "per implementation, over its configurations launched twice or more: "
         "(slowest - fastest launch's median step) / their mean",
         "configurations": len(obs),
+        "widths": [min(o.workload.d_model for o in obs), max(o.workload.d_model for o in obs)],
         "records": sum(o.n_records for o in obs),
         "runs": sorted({r for o in obs for r in o.runs} | {c["source"] for c in collectives.values() if "source" in c}),
     }

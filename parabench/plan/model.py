@@ -350,6 +350,10 @@ POWER_CAP_NOTE = (
     "predicted MFU {mfu:.0%} on a part calibrated from another's records: on H200, steps this dense held the "
     "700 W power cap (SM clocks 1470-1620 MHz) and ran 6-16 % slower than predicted (docs/planner.md)"
 )
+WIDTH_NOTE = (
+    "width {width} outside the widths the calibration was fitted on ({lo}-{hi}): every term is extrapolated "
+    "(at width 5120 on H200, DeepSpeed ZeRO-3 ran 24 % slower than predicted; docs/planner.md)"
+)
 SPLIT_GRAPHS_NOTE = (
     "peak may be low: Dynamo's DDPOptimizer cuts the compiled blocks at DDP's buckets, and nothing measured "
     "says what that saves with this recipe or checkpointing (ddp_optimizer = false compiles whole blocks)"
@@ -1497,6 +1501,9 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
         parts[part] -= per_mb * (1 - 1 / stretch)
     notes = [HOST_FLOOR_NOTE] if host_floor_binds(w, tc) else []
     notes += unmeasured_group_notes(w, cal["collectives"])
+    widths = cal.get("widths")
+    if widths and not widths[0] <= w.d_model <= widths[1]:
+        notes.append(WIDTH_NOTE.format(width=w.d_model, lo=widths[0], hi=widths[1]))
     factor = 1.0
     if impl:
         factor, source = impl_factor(w, cal.get("impl_time") or {})
