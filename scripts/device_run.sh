@@ -15,6 +15,10 @@
 # shell quoting holds a filter with spaces together), PARABENCH_FIDELITY_ARGS to
 # the `parabench fidelity` that follows a peer-fidelity suite (e.g. --launches 3).
 #
+# The device takes at most 64 MiB of working tree (on-disk sizes), carried paths included; the
+# committed results come near that alone. When a call is refused for size, move results/ aside
+# for the call, keeping only the runs the command reads, and put it back after.
+#
 # One device call may run 10 minutes, so a suite may need several calls. The runs live in
 # DEVICE_WORK (default /tmp/parabench-device, outside the repository copy, which is re-synced at
 # every call) under one run id per machine, and every call resumes them: the next call on the
