@@ -16,8 +16,8 @@
 # the `parabench fidelity` that follows a peer-fidelity suite (e.g. --launches 3).
 #
 # The device takes at most 64 MiB of working tree (on-disk sizes), carried paths included; the
-# committed results come near that alone. When a call is refused for size, move results/ aside
-# for the call, keeping only the runs the command reads, and put it back after.
+# committed results come near that alone. When a call is refused for size, `scripts/device_slim.sh
+# aside [RUN_DIR ...]` before it and `scripts/device_slim.sh restore` after it.
 #
 # One device call may run 10 minutes, so a suite may need several calls. The runs live in
 # DEVICE_WORK (default /tmp/parabench-device, outside the repository copy, which is re-synced at
