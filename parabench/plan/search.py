@@ -24,6 +24,14 @@ GPUS = {
 # above allocated, the context about 0.5 GiB).
 USABLE = 0.88
 
+
+def usable_bytes(manifest: dict) -> float | None:
+    """The bytes a run's configurations may allocate: ``USABLE`` of its smallest GPU's memory (its
+    manifest's devices); None where the manifest names no GPU memory."""
+    sizes = [d.get("memory_bytes") for d in manifest.get("devices") or () if d.get("memory_bytes")]
+    return USABLE * min(sizes) if sizes else None
+
+
 DATA_PARALLEL = (
     "ref.ddp",
     "torch.ddp",

@@ -544,12 +544,11 @@ def fits_as_predicted(records: list[dict], by_hash: dict, manifest: dict) -> dic
     """Whether each case ran where the planner said it fits and ran out of memory where it said it
     does not: the predicted peak against ``search.USABLE`` of the run's smallest GPU memory, beside
     the record's status (ok or oom; other failures say nothing about memory)."""
-    from parabench.plan.search import USABLE
+    from parabench.plan.search import usable_bytes
 
-    sizes = [d.get("memory_bytes") for d in manifest.get("devices") or () if d.get("memory_bytes")]
-    if not sizes:
+    usable = usable_bytes(manifest)
+    if usable is None:
         return {"cases": 0, "as_predicted": 0, "usable_bytes": None, "wrong": []}
-    usable = USABLE * min(sizes)
     cases = []
     for r in records:
         p = by_hash.get(r.get("case_hash")) or {}

@@ -2,11 +2,10 @@
 calibrated model (``parabench.plan``) predicts for it from the record's own theory, with the error;
 misses beyond ``MISS`` are flagged, so each run shows where the model must improve. A case that ran
 out of memory is shown beside its predicted peak, flagged where the planner would have kept it (its
-peak within ``search.USABLE`` of the run's GPU memory); a case that ran where the planner would have
-dropped it is flagged too. The calibration
-is the committed one of the run's device kind (``results/calibration/<kind>.json``), which may have
-been fitted on this very run: the honest out-of-sample figures are in
-``results/calibration/validation-<kind>.json``. Imports no torch.
+peak within ``search.usable_bytes`` of the run's GPU memory); a case that ran where the planner would
+have dropped it is flagged too. The calibration is the committed one of the run's device kind
+(``results/calibration/<kind>.json``), which may have been fitted on this very run: the honest
+out-of-sample figures are in ``results/calibration/validation-<kind>.json``. Imports no torch.
 """
 
 from __future__ import annotations
@@ -35,15 +34,14 @@ def prediction_rows(runs, calibration_dir=None) -> tuple[list[dict], list[str], 
     derived from another part's) for every ok or out-of-memory record the model covers."""
     from parabench.plan import calibrate as C
     from parabench.plan import model as M
-    from parabench.plan.search import USABLE
+    from parabench.plan.search import usable_bytes
     from parabench.plan.workload import from_record
 
     cals: dict = {}
     missing: set[str] = set()
     rows = []
     for manifest, records in runs:
-        sizes = [d.get("memory_bytes") for d in manifest.get("devices") or () if d.get("memory_bytes")]
-        usable = USABLE * min(sizes) if sizes else None
+        usable = usable_bytes(manifest)
         for r in records:
             status = r.get("status")
             if status not in ("ok", "oom"):
@@ -72,9 +70,10 @@ def prediction_rows(runs, calibration_dir=None) -> tuple[list[dict], list[str], 
                 miss = fits is not False
                 flag = "OOM, predicted to fit" if fits else "OOM, as predicted" if fits is False else "OOM"
             else:
-                miss = abs(step_err) > MISS or (peak_err is not None and abs(peak_err) > MISS) or fits is False
-                flag = ("MISS " if abs(step_err) > MISS or (peak_err is not None and abs(peak_err) > MISS) else "") + (
-                    "ran, predicted not to fit" if fits is False else ""
+                off = abs(step_err) > MISS or (peak_err is not None and abs(peak_err) > MISS)
+                miss = off or fits is False
+                flag = " ".join(
+                    f for f in ("MISS" if off else "", "ran, predicted not to fit" if fits is False else "") if f
                 )
             rows.append(
                 {
@@ -87,7 +86,7 @@ def prediction_rows(runs, calibration_dir=None) -> tuple[list[dict], list[str], 
                     "pred_peak_gib": p.peak_bytes / M.GIB if p.peak_bytes else None,
                     "peak_err_pct": peak_err * 100 if peak_err is not None else None,
                     "bottleneck": p.bottleneck,
-                    "flag": flag.strip(),
+                    "flag": flag,
                     "miss": miss,
                     "kind": kind,
                 }
