@@ -1116,6 +1116,11 @@ TIME_PARTS = {
 #   (same run) peak late in backward with 12.0 of 12.8 GiB of fp32 gradient shards alive.
 # Gradients ramp up as activations are freed during backward, so the larger of the two ends bounds
 # the interior.
+def keeps_flat_grad_buffer(w: Workload) -> bool:
+    """DeepSpeed ZeRO-3 without offload: its gradient partitions live in one flat buffer from start-up."""
+    return w.strategy == "deepspeed.zero3" and not w.offload
+
+
 def persistent_grad_bytes(w: Workload) -> float:
     """Gradient bytes alive at the start of backward (kept from step to step). Everything else the
     theory counts as gradients is made during backward and released after the update: torch's
@@ -1132,7 +1137,7 @@ def persistent_grad_bytes(w: Workload) -> float:
         kept = min(grads, 2 * params)
     elif w.strategy == "torch.ddp":  # the reducer's buckets live as long as DDP (gradient_as_bucket_view)
         kept = grads
-    elif w.strategy == "deepspeed.zero3" and not w.offload:
+    elif keeps_flat_grad_buffer(w):
         # allocated once at start-up (runtime/zero/stage3.py): the gradient partitions' flat buffer,
         # in the gradient-accumulation dtype, which is the parameters' unless grad_accum_dtype is set
         # (grad_partitions_flat_buffer; engine.py get_data_types), and the contiguous-gradients
@@ -1145,15 +1150,15 @@ def accumulated_grad_bytes(w: Workload) -> float:
     """Gradient bytes that gradient accumulation keeps alive through the backward of every
     micro-batch after the first, beyond those kept from step to step: what the earlier micro-batches
     accumulated into. The references' DDP and parameter server, and DeepSpeed ZeRO-3 (its flat
-    gradient-partition buffer), accumulate into the buffer they keep anyway. ZeRO-1 (the reference) keeps its full gradient buckets, in the parameters' dtype, and
-    reduces on the last micro-batch only (reference_impls/zero.py: its fp32 main gradient is made at
-    the update); torch DDP keeps a second copy beside its buckets. The others accumulate into what
-    the theory counts as gradients: the references' fp32 main-gradient shards (ZeRO-2/3, FSDP:
+    gradient-partition buffer), accumulate into the buffer they keep anyway. ZeRO-1 (the reference)
+    keeps its full gradient buckets, in the parameters' dtype, and reduces on the last micro-batch
+    only (reference_impls/zero.py: its fp32 main gradient is made at the update); torch DDP keeps a
+    second copy beside its buckets. The others accumulate into what the theory counts as gradients: the references' fp32 main-gradient shards (ZeRO-2/3, FSDP:
     reduce-scattered every micro-batch), FSDP2's and DeepSpeed's sharded gradients, the
     model-parallel trainers' ``p.grad``."""
     parts = w.state_parts or {}
     grads, params = parts.get("grads", 0.0), parts.get("params", 0.0)
-    if w.strategy in ("ref.ddp", "ref.ps") or (w.strategy == "deepspeed.zero3" and not w.offload):
+    if w.strategy in ("ref.ddp", "ref.ps") or keeps_flat_grad_buffer(w):
         return 0.0
     if w.strategy in ("ref.zero1", "torch.ddp"):
         # torch DDP: under no_sync the reducer's hooks do not run, so autograd accumulates into a
