@@ -1153,9 +1153,9 @@ def accumulated_grad_bytes(w: Workload) -> float:
     gradient-partition buffer), accumulate into the buffer they keep anyway. ZeRO-1 (the reference)
     keeps its full gradient buckets, in the parameters' dtype, and reduces on the last micro-batch
     only (reference_impls/zero.py: its fp32 main gradient is made at the update); torch DDP keeps a
-    second copy beside its buckets. The others accumulate into what the theory counts as gradients: the references' fp32 main-gradient shards (ZeRO-2/3, FSDP:
-    reduce-scattered every micro-batch), FSDP2's and DeepSpeed's sharded gradients, the
-    model-parallel trainers' ``p.grad``."""
+    second copy beside its buckets. The others accumulate into what the theory counts as gradients:
+    the references' fp32 main-gradient shards (ZeRO-2/3, FSDP: reduce-scattered every micro-batch),
+    FSDP2's and DeepSpeed's sharded gradients, the model-parallel trainers' ``p.grad``."""
     parts = w.state_parts or {}
     grads, params = parts.get("grads", 0.0), parts.get("params", 0.0)
     if w.strategy in ("ref.ddp", "ref.ps") or keeps_flat_grad_buffer(w):
