@@ -76,8 +76,10 @@ def main(argv=None) -> int:
         s = summarize_trace(t)
         s["case"] = labels.get(t.name.split(".")[0])
         out.append(s)
-        print(f"{t.name}: {s.get('span_s', 0) * 1e3:.1f} ms span, {s.get('busy_s', 0) * 1e3:.1f} ms busy; "
-              + ", ".join(f"{k} {v['s'] * 1e3:.1f} ms ({v['calls']})" for k, v in s.get("by_class", {}).items()))
+        print(
+            f"{t.name}: {s.get('span_s', 0) * 1e3:.1f} ms span, {s.get('busy_s', 0) * 1e3:.1f} ms busy; "
+            + ", ".join(f"{k} {v['s'] * 1e3:.1f} ms ({v['calls']})" for k, v in s.get("by_class", {}).items())
+        )
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
     return 0
