@@ -17,6 +17,8 @@ import json
 import re
 from pathlib import Path
 
+from parabench.meters.step_breakdown import length, merge
+
 CLASSES = (
     ("nccl", re.compile(r"nccl", re.I)),
     ("attention", re.compile(r"flash|fmha|attention", re.I)),
@@ -53,7 +55,9 @@ def summarize_trace(path: Path) -> dict:
         "trace": path.name,
         "kernels": len(kernels),
         "span_s": (last - first) / 1e6,
-        "busy_s": sum(e["dur"] for e in kernels) / 1e6,
+        # kernels on different streams overlap (NCCL beside compute): their sum is not the busy time
+        "kernel_s": sum(e["dur"] for e in kernels) / 1e6,
+        "busy_s": length(merge((e["ts"], e["ts"] + e["dur"]) for e in kernels)) / 1e6,
         "by_class": {k: {"calls": n, "s": s} for k, (n, s) in sorted(by_class.items())},
         "adds_by_grid_x": [{"grid_x": g, "calls": n, "s": s} for g, (n, s) in sorted(adds.items())],
     }
