@@ -1228,6 +1228,60 @@ def states_at(w: Workload, phase: str) -> float:
     return parts.get("params", 0.0) + parts.get("optimizer", 0.0) + persistent_grad_bytes(w) + buf
 
 
+def is_ref_sharded(w: Workload) -> bool:
+    """The references' ZeRO-3, FSDP and HSDP (reference_impls/fsdp.py): one flat unit per block and a
+    root unit of the rest (embeddings, final LayerNorm, head)."""
+    return w.strategy.startswith("ref.") and any(k in w.strategy for k in ("zero3", "fsdp", "hsdp"))
+
+
+def ref_root_params(w: Workload) -> tuple[float, float]:
+    """(root unit, the part of it whose gradients arrive first: head and final LayerNorm) in
+    parameters; the head is untied in every parabench model (parabench.models)."""
+    return w.params - w.n_layers * block_params(w), w.vocab_size * w.d_model + 2 * w.d_model
+
+
+def _gathered_bytes_per_param(w: Workload) -> int:
+    """Bytes per element of what the references gather and reduce-scatter: the parameters' dtype
+    (fp32 under autocast's fp32 parameters)."""
+    return 4 if w.recipe in AUTOCAST_RECIPES or w.precision == "fp32" else 2
+
+
+def states_in(w: Workload, phase: str) -> float:
+    """Model-state bytes alive in a peak ``phase`` of ``memory_features``. At the end of the
+    references' ZeRO-3/FSDP backward ("end") every fp32 gradient shard is made but the root's: it is
+    allocated when the root's reduce-scatter lands, after the root's flat buffer is made."""
+    if phase == "end":
+        root, _ = ref_root_params(w)
+        root_shard = (w.state_parts or {}).get("grads", 0.0) * root / w.params
+        return states_at(w, "step") - step_copy_bytes(w) - root_shard
+    return states_at(w, "step" if phase == "step" else "backward")
+
+
+def working_set_at(w: Workload, phase: str) -> float:
+    """The theory's transient bytes (``working_set_bytes``: gathered units, gradient buffers) alive in
+    ``phase``. The theory counts the most the references' ZeRO-3/FSDP hold at any point of backward,
+    the root's gradients twice among them (autograd's own tensors and the flat buffer they are copied
+    into, reference_impls/fsdp.py ``_grad_ready``); those coexist only at the end of backward, when the
+    embeddings' gradients, the last, arrive. At the start of backward the root holds the head's and
+    final LayerNorm's gradients only; at the end the units are freed (no gathered parameters, no
+    activations) and ``in_flight`` blocks' buffers are still being reduce-scattered, one fewer than
+    the theory's in-flight + 1. At the loss, before backward, no block is gathered (the last block's
+    forward prefetches nothing), and the root is only where it is not resharded after forward
+    (``reshard_root``: False for ref.fsdp and ref.hsdp, True for ref.zero3)."""
+    if phase == "step":
+        return 0.0
+    if not is_ref_sharded(w):
+        # the loss: gradient buffers are made after it
+        return w.working_set_bytes - (w.working_set_grad_bytes if phase == "first" else 0.0)
+    b = _gathered_bytes_per_param(w)
+    root, head = ref_root_params(w)
+    if phase == "first":
+        return 0.0 if "zero3" in w.strategy else b * root
+    if phase == "end":
+        return max(0.0, w.working_set_grad_bytes - b * block_params(w))
+    return w.working_set_bytes - b * (2 * root - head)
+
+
 def activation_layer_bytes(w: Workload) -> float:
     """Korthikanti et al. Table 2 bytes per layer per micro-batch (16-bit, flash attention)."""
     sbh = w.seq_len * w.rows * w.d_model
@@ -1437,33 +1491,36 @@ def memory_features(w: Workload) -> dict:
     peak: ``pipeline_stage_peaks``), and ``step``, the optimizer update with every state. The
     phase of the largest total is the peak."""
     vocab_div = w.tp if w.family == "model_parallel" else 1
-    # Autocast's 16-bit copies of the weights, under amp. FSDP2 gathers fp32 parameters under amp and
-    # shows them (torch.fsdp2 amp peaks, -3.5 to -6.5 % without); the references' ZeRO-3 and FSDP
-    # peaks under amp do not (+4 to +5.5 % with them), which the model follows without a mechanism.
-    # Under fp8 the float8 linears read the fp32 parameter (no autocast copy); the rest stays autocast's.
-    ref_sharded = w.strategy.startswith("ref.") and any(k in w.strategy for k in ("zero3", "fsdp", "hsdp"))
+    # Autocast's 16-bit copies of the weights, under amp: each linear saves its cast weight for
+    # backward, so the copies outlive the fp32 parameters they came from, the sharded trainers' freed
+    # gathered units included (torch.fsdp2 amp peaks, -3.5 to -6.5 % without them). Under fp8 the
+    # float8 linears read the fp32 parameter (no autocast copy); the rest stays autocast's.
     amp = w.recipe in AUTOCAST_RECIPES
     cast_params = w.params / (w.tp * w.pp) - (block_linear_params(w) if w.recipe == "fp8" else 0.0)
-    cast = 2 * cast_params if amp and not ref_sharded else 0.0
+    cast = 2 * cast_params if amp else 0.0
     act_key = act_constant(w)
     logit_key = "logit_bytes_amp" if amp else "logit_bytes_master"
     base = dict.fromkeys(MEMORY_CONSTANTS, 0.0)
     base["const_bytes"] = 1.0
     step = dict(base)
     base["cast"] = cast
-    during = states_at(w, "backward") + w.working_set_bytes
+    during = states_in(w, "backward") + working_set_at(w, "backward")
+    # the references' ZeRO-3/FSDP at the end of backward: every state but the root's fp32 gradient
+    # shard, the root's gradients twice, blocks still reduce-scattering; nothing gathered, no activation
+    end = {"end": (states_in(w, "end") + working_set_at(w, "end"), step)} if is_ref_sharded(w) else {}
     if w.pp <= 1:
         per_layer = activation_layer_bytes(w)
         logits = w.rows * w.seq_len * w.vocab_size / vocab_div
         # The loss's backward (the logits' buffers) is over before the first gradient buffer is made
         # and before the last block is recomputed: those are alive in a later phase of their own.
-        at_loss = during - w.working_set_grad_bytes
+        at_loss = states_in(w, "first") + working_set_at(w, "first")
         if not w.checkpointing:
             acts = {**base, act_key: per_layer * w.n_layers}
             split = split_graphs_bytes(w)
             return {
                 "first": (at_loss + split, {**acts, logit_key: logits}),
                 "backward": (during + split, acts),
+                **end,
                 "step": (states_at(w, "step"), step),
             }
         sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
@@ -1471,6 +1528,7 @@ def memory_features(w: Workload) -> dict:
         return {
             "first": (at_loss, {**base, act_key: inputs, logit_key: logits}),
             "recompute": (during, {**base, act_key: inputs + per_layer}),
+            **end,
             "step": (states_at(w, "step"), step),
         }
     phases = {}
@@ -1553,15 +1611,13 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
         stage = phases[name][1]
         extra_frac = (cal.get("impl_memory") or {}).get(w.impl, 0.0) if impl else 0.0
         extra_frac = min(max(0.0, extra_frac), IMPL_MEMORY_MAX)
-        split = 0.0 if name == "step" else split_graphs_bytes(w)
+        after_backward = name in ("step", "end")
+        split = 0.0 if after_backward else split_graphs_bytes(w)
         step_copies = step_copy_bytes(w) if name == "step" else 0.0
-        working_set = {"step": 0.0, "first": w.working_set_bytes - w.working_set_grad_bytes}.get(
-            name, w.working_set_bytes
-        )
+        working_set = working_set_at(w, name)
+        states = states_in(w, name)
         mem_parts = {
-            "model_states": states_at(w, "step" if name == "step" else "backward")
-            - master_grad_buffer_bytes(w)
-            - step_copies,
+            "model_states": states - master_grad_buffer_bytes(w) - step_copies,
             "master_grad_buffer": master_grad_buffer_bytes(w),
             "step_copies": step_copies,
             "activations": sum(mc[k] * stage[k] for k in ACT_CONSTANTS),
@@ -1571,9 +1627,7 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
             "cast_copies": mc["cast"] * stage["cast"],
             "working_set": working_set,
             # other micro-batches' loss graphs and outputs a pipeline stage still holds
-            "retained_logits": 0.0
-            if name == "step"
-            else phases[name][0] - states_at(w, "backward") - working_set - split,
+            "retained_logits": 0.0 if after_backward else phases[name][0] - states - working_set - split,
             "fixed": mc["const_bytes"],
             "implementation": extra_frac * memory_unit(w),
         }
@@ -1582,6 +1636,7 @@ def predict(w: Workload, cal: dict, *, impl: bool = True) -> Prediction:
             "step": "optimizer step",
             "recompute": "first block recomputation",
             "backward": "first gradient buffers",
+            "end": "end of backward",
         }.get(name, "start of backward" + (f", {name}" if w.pp > 1 else ""))
         if split_unmodelled(w):
             notes.append(SPLIT_GRAPHS_NOTE)
