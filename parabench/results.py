@@ -178,11 +178,17 @@ def file_mode() -> int:
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Write to a temporary file in the same folder, then rename: never half a file on disk, and
-    no temporary file left behind when the write fails (a full disk, a folder in the way)."""
+    no temporary file left behind when the write fails (a full disk, a folder in the way). A device
+    or a pipe (``--out /dev/null``, ``/dev/stdout``) is written in place: a rename would replace it
+    with a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, "is a folder; name a file to write", str(path))
+    if path.exists() and not path.is_file():
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, file_mode())

@@ -248,6 +248,24 @@ def test_report_into_an_existing_folder(tmp_path, capsys):
     assert not any(target.iterdir()) and sorted(p.name for p in tmp_path.iterdir()) == ["reports"]
 
 
+def test_writing_to_a_pipe_or_device_writes_through_it_and_leaves_it_there(tmp_path):
+    """``--out /dev/null`` must not rename a file over the device (as root it would replace it)."""
+    import os
+    import threading
+
+    from parabench.results import write_json_atomic
+
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(pipe.read_text()), daemon=True)
+    reader.start()
+    write_json_atomic(pipe, {"a": 1})
+    reader.join(timeout=10)
+    assert got == ['{\n "a": 1\n}'] and pipe.is_fifo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
+
+
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
     mnt = tmp_path / "full"
