@@ -1218,6 +1218,8 @@ def test_the_references_sharded_working_set_follows_their_units_through_the_step
     assert end == pytest.approx(zero3.working_set_grad_bytes - 2 * M.block_params(zero3))
     grads = zero3.state_parts["grads"]
     assert M.states_in(zero3, "end") == pytest.approx(sum(zero3.state_parts.values()) - grads * root / zero3.params)
+    accumulating = dataclasses.replace(zero3, grad_accum=2)  # the root's shard is made in the first micro-batch
+    assert M.states_in(accumulating, "end") == pytest.approx(sum(zero3.state_parts.values()))
     assert "end" in M.memory_features(zero3) and "end" not in M.memory_features(at("deepspeed.zero3"))
     # one row of gpt-6.7b over 2 ranks: the fp32 shards of the end of backward outweigh the activations
     # of its start (measured: results/h100x2/20261126-180901, 53.1 GiB at the end of backward)

@@ -1249,10 +1249,12 @@ def _gathered_bytes_per_param(w: Workload) -> int:
 def states_in(w: Workload, phase: str) -> float:
     """Model-state bytes alive in a peak ``phase`` of ``memory_features``. At the end of the
     references' ZeRO-3/FSDP backward ("end") every fp32 gradient shard is made but the root's: it is
-    allocated when the root's reduce-scatter lands, after the root's flat buffer is made."""
+    allocated when the root's first reduce-scatter lands, after the root's flat buffer is made (with
+    gradient accumulation, in the step's first micro-batch: alive at the end of the last)."""
     if phase == "end":
         root, _ = ref_root_params(w)
-        root_shard = (w.state_parts or {}).get("grads", 0.0) * root / w.params
+        first_pass = w.grad_accum == 1
+        root_shard = (w.state_parts or {}).get("grads", 0.0) * root / w.params if first_pass else 0.0
         return states_at(w, "step") - step_copy_bytes(w) - root_shard
     return states_at(w, "step" if phase == "step" else "backward")
 
