@@ -350,16 +350,32 @@ def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     return x / norms
 
 
+def _shrinkage(samples: dict[str, list[float]]) -> dict[str, float]:
+    """Per implementation, the share of its median residual to keep: empirical Bayes (James and
+    Stein), m_j x tau^2 / (tau^2 + s^2 / n_j). s^2 is the residuals' variance within an
+    implementation, pooled over those with two or more configurations; tau^2 the spread of the
+    implementations' medians about none, less what s^2 / n_j alone would spread them. Without two
+    configurations of any implementation, ``M.SHRINK`` pseudo-configurations of no difference."""
+    within = [(len(v) - 1, statistics.variance(v)) for v in samples.values() if len(v) > 1]
+    dof = sum(d for d, _ in within)
+    if not dof:
+        return {k: len(v) / (len(v) + M.SHRINK) for k, v in samples.items()}
+    s2 = sum(d * var for d, var in within) / dof
+    medians = {k: statistics.median(v) for k, v in samples.items()}
+    tau2 = max(0.0, statistics.fmean(m * m - s2 / len(samples[k]) for k, m in medians.items()))
+    return {k: tau2 / (tau2 + s2 / len(v)) if tau2 > 0 else 0.0 for k, v in samples.items()}
+
+
 def _impl_factors(ratios: dict[str, list[float]], log: bool) -> dict[str, float]:
     """Per implementation, the median residual (a log ratio for time, a fraction for memory), shrunk
-    toward none: the median because one launch that stalled must not set a library's factor."""
+    toward none: time by ``_shrinkage``, memory by ``M.SHRINK`` pseudo-configurations. The median
+    because one launch that stalled must not set a library's factor."""
+    samples = {k: [math.log(r) for r in rs] if log else list(rs) for k, rs in ratios.items()}
+    keep = _shrinkage(samples) if log else {k: len(v) / (len(v) + M.SHRINK) for k, v in samples.items()}
     out = {}
-    for impl, rs in ratios.items():
-        shrink = len(rs) / (len(rs) + M.SHRINK)
-        if log:
-            out[impl] = math.exp(statistics.median(math.log(r) for r in rs) * shrink)
-        else:
-            out[impl] = statistics.median(rs) * shrink
+    for impl, v in samples.items():
+        m = statistics.median(v) * keep[impl]
+        out[impl] = math.exp(m) if log else m
     return out
 
 
@@ -492,7 +508,8 @@ def fit_time(
             pred = sum(tc[c] * f[c] for c in cols)
             ratios.setdefault(o.workload.impl, []).append(o.step_s / pred)
         lo, hi = M.IMPL_TIME_BOUNDS
-        impl = {k: min(max(v, lo), hi) for k, v in _impl_factors(ratios, log=True).items() if M.time_factor_cause(k)}
+        caused = {k: v for k, v in ratios.items() if M.time_factor_cause(k)}
+        impl = {k: min(max(v, lo), hi) for k, v in _impl_factors(caused, log=True).items()}
         consts["pp_host_block_s"] = fit_pipeline_host(device_obs, collectives, consts, impl)
         if floor_obs:
             dev = [device_time(o, collectives, consts, impl) for o in floor_obs]
