@@ -26,7 +26,9 @@ Step time (per optimizer step, per rank), every term a rate times an amount:
                hidden behind compute) fitted per strategy family
 - x impl       one factor per implementation with a named cause the terms miss (IMPL_TIME_CAUSES:
                DeepSpeed's engine passes, CPU Adam), fitted from the other configurations of the
-               same implementation only, within IMPL_TIME_BOUNDS; 1 for every other one
+               same implementation only, shrunk toward 1 by empirical Bayes (the spread between
+               implementations against the spread within one), within IMPL_TIME_BOUNDS; 1 for
+               every other one
 
 Peak memory per rank: model states (theory) + activations after Korthikanti et al. 2022
 ("Reducing Activation Recomputation in Large Transformer Models", Sec. 4, flash attention so no
@@ -230,8 +232,9 @@ def time_factor_cause(impl: str) -> str | None:
     return IMPL_TIME_CAUSES.get(impl.split(":", 1)[0])
 
 
-# Implementation factors are shrunk toward 1 (time) and 0 (memory) as if this many configurations
-# had shown no difference: one configuration of an implementation does not define it.
+# Memory factors are shrunk toward 0 as if this many configurations had shown no difference: one
+# configuration of an implementation does not define it. Time factors are shrunk by what the records
+# say instead (calibrate._shrinkage), with this as the fallback where no implementation has two.
 SHRINK = 1.0
 
 
