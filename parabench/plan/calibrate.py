@@ -350,6 +350,12 @@ def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     return x / norms
 
 
+def _pseudo_count_shrinkage(samples: dict[str, list[float]]) -> dict[str, float]:
+    """Per implementation, n / (n + ``M.SHRINK``): as if ``M.SHRINK`` more configurations had shown
+    no difference."""
+    return {k: len(v) / (len(v) + M.SHRINK) for k, v in samples.items()}
+
+
 def _shrinkage(samples: dict[str, list[float]]) -> dict[str, float]:
     """Per implementation, the share of its median residual to keep: empirical Bayes (James and
     Stein), m_j x tau^2 / (tau^2 + s^2 / n_j). s^2 is the residuals' variance within an
@@ -359,7 +365,7 @@ def _shrinkage(samples: dict[str, list[float]]) -> dict[str, float]:
     within = [(len(v) - 1, statistics.variance(v)) for v in samples.values() if len(v) > 1]
     dof = sum(d for d, _ in within)
     if not dof:
-        return {k: len(v) / (len(v) + M.SHRINK) for k, v in samples.items()}
+        return _pseudo_count_shrinkage(samples)
     s2 = sum(d * var for d, var in within) / dof
     medians = {k: statistics.median(v) for k, v in samples.items()}
     tau2 = max(0.0, statistics.fmean(m * m - s2 / len(samples[k]) for k, m in medians.items()))
@@ -371,7 +377,7 @@ def _impl_factors(ratios: dict[str, list[float]], log: bool) -> dict[str, float]
     toward none: time by ``_shrinkage``, memory by ``M.SHRINK`` pseudo-configurations. The median
     because one launch that stalled must not set a library's factor."""
     samples = {k: [math.log(r) for r in rs] if log else list(rs) for k, rs in ratios.items()}
-    keep = _shrinkage(samples) if log else {k: len(v) / (len(v) + M.SHRINK) for k, v in samples.items()}
+    keep = _shrinkage(samples) if log else _pseudo_count_shrinkage(samples)
     out = {}
     for impl, v in samples.items():
         m = statistics.median(v) * keep[impl]
