@@ -78,6 +78,7 @@ TIME_CONSTANTS = (
     "inv_act_bw_compiled",
     "logit_s",
     "host_s",
+    "ds_stage0_tensor_s",
     "inv_host_bw",
     "exp_dp",
     "exp_shard",
@@ -108,6 +109,9 @@ TIME_DOC = {
     "calibrates it)",
     "logit_s": "s per logit element (b*s*V) per pass: softmax/cross-entropy, memory-bound",
     "host_s": "s of host/launch overhead per layer per micro-batch pass",
+    "ds_stage0_tensor_s": "s per parameter tensor per step of DeepSpeed's 16-bit stage 0 (FP16_Optimizer, under "
+    "bf16 too): its overflow check reduces each gradient and reads the result on the host, one tensor after "
+    "another, with nothing beside it (``ds_stage0_tensors``)",
     "pp_host_block_s": "s of host time per block per pipeline action (one F, B or W of a chunk): the least an "
     "action lasts, so an action whose device work is shorter waits on its host (fitted over every pipeline "
     "record by a 1-D search, not by the least squares)",
@@ -151,6 +155,7 @@ TIME_DEFAULTS = {
     "inv_act_bw": 0.0,
     "logit_s": 0.0,
     "host_s": 0.0,
+    "ds_stage0_tensor_s": 0.0,
     "inv_host_bw": 1 / 20e9,
     "pp_host_block_s": 0.0,
     # overlapped traffic: the tail its compute cannot hide is charged in comm_serial; what the
@@ -212,11 +217,13 @@ MEMORY_DEFAULTS = {
 # model; every other implementation runs at factor 1 (the physics alone). Factors are bounded to
 # IMPL_TIME_BOUNDS.
 IMPL_TIME_CAUSES = {
-    "deepspeed.zero0": "DeepSpeed engine's per-step passes over the gradients beyond the model's work (copies into "
+    "deepspeed.zero0": "DeepSpeed engine's per-step work beyond the stage-0 terms (``uses_fp16_optimizer``): in the "
+    "matched profile the per-tensor FP16_UnfusedOptimizer (a norm, a cast, an unscale and a copy per tensor) and "
+    "the throughput timer's host sync",
+    "deepspeed.zero1": "DeepSpeed engine's per-step passes over the gradients beyond the model's work (copies into "
     "its contiguous reduce buckets; in the matched profile also the gradient-norm pass, the bf16 overflow check "
     "and the throughput timer, each with a host sync: docs/results.md, the tuned profile turns them off)",
-    "deepspeed.zero1": "as deepspeed.zero0",
-    "deepspeed.zero2": "as deepspeed.zero0",
+    "deepspeed.zero2": "as deepspeed.zero1",
     "deepspeed.zero2_offload": "CPU Adam is host compute, not the host bandwidth the offload term charges",
     "deepspeed.zero3_offload": "as deepspeed.zero2_offload",
     "ref.zero2_offload": "as deepspeed.zero2_offload",
@@ -451,7 +458,7 @@ def host_cost(w: "Workload", host_cal: dict) -> tuple[float | None, str | None]:
 def impl_factor(w: "Workload", impl_time: dict) -> tuple[float, str | None]:
     """(step-time factor, the implementation it was calibrated on): ``w``'s own; else the same
     library under another profile, whose engine runs the same per-step passes but for the ones a
-    profile switches (DeepSpeed bf16 stage 0's BF16_Optimizer: 1.35-1.45x stage 1's step in both
+    profile switches (DeepSpeed bf16 stage 0's FP16_Optimizer: 1.35-1.45x stage 1's step in both
     profiles, gpu-spine/20261126-020214 and plan-data-h100x1); else 1 (None)."""
     if w.impl in impl_time:
         return impl_time[w.impl], w.impl
@@ -462,6 +469,24 @@ def impl_factor(w: "Workload", impl_time: dict) -> tuple[float, str | None]:
 def host_units(w: "Workload") -> float:
     """Parameter tensors one rank's hooks visit per step: tensors of its stage x passes."""
     return (TENSORS_PER_LAYER[w.layout] * w.n_layers / w.pp + TENSORS_OUTSIDE) * w.passes
+
+
+def uses_fp16_optimizer(w: "Workload") -> bool:
+    """DeepSpeed 0.19.8's stage 0 with 16-bit parameters wraps the optimizer in its FP16_Optimizer, under
+    bf16 too: without ZeRO and with the gradient accumulation dtype at its default (the model's),
+    ``engine._do_optimizer_sanity_check`` returns DDP_BFLOAT16, not BF16_Optimizer. FusedAdam (profile
+    ``tuned``) gets the flat FP16_Optimizer, a client optimizer (``matched``) the per-tensor
+    FP16_UnfusedOptimizer (the records' ``optimizer_wrapper``)."""
+    return w.strategy == "deepspeed.zero0" and w.precision in ("bf16", "fp16") and w.recipe == "master"
+
+
+def ds_stage0_tensors(w: "Workload") -> float:
+    """Parameter tensors whose overflow check waits on the host per step (``uses_fp16_optimizer``):
+    ``CheckOverflow.has_overflow_serial`` takes each gradient's amax and amin and tests the result's
+    truth on the host, a synchronisation per tensor, before anything else of the step is issued."""
+    if not uses_fp16_optimizer(w):
+        return 0.0
+    return host_units(w) / w.passes
 
 
 def family_of(strategy: str) -> str | None:
@@ -647,6 +672,8 @@ def comm_calls(w: Workload, kind: str, nbytes: float) -> float:
         return 2 * w.passes
     if w.family == "model_parallel" and w.tp > 1:
         return 4 * w.n_layers / w.pp * w.passes
+    if uses_fp16_optimizer(w) and kind == "all_reduce":  # buffered_allreduce_fallback's 16-bit buckets
+        return max(1.0, math.ceil(nbytes / 2 / DEEPSPEED_REDUCE_BUCKET_ELEMS))
     if w.strategy in PER_UNIT_SHARDING and kind in ("all_gather", "reduce_scatter", "all_reduce"):
         return (2 if kind == "all_gather" else 1) * (w.n_layers + 1) * w.passes
     if w.family == "sharded":
@@ -905,6 +932,7 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
     f["logit_s"] = w.rows * w.seq_len * w.vocab_size / (w.tp if w.family == "model_parallel" else 1) * w.passes
     f["logit_s"] *= stretch / w.pp
     f["host_s"] = w.n_layers / w.pp * w.passes * stretch
+    f["ds_stage0_tensor_s"] = ds_stage0_tensors(w)
     f["inv_host_bw"] = 2 * w.cpu_state_bytes if w.offload else 0.0
     f["inv_mem_bw"] += device_copy_bytes(w)
     c = time_constants(consts)
@@ -933,7 +961,7 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
             # DeepSpeed's stage 0-2 engine: its measured steps show no serial all-gather (gpt-1.3b
             # mb4: 162.9 / 162.3 / 160.5 ms at 1 / 2 / 4 GPUs), so its traffic costs a share of its
             # own, fitted, not the per-unit sharders' (their hidden gathers slow compute otherwise)
-            deepspeed_shard = w.strategy.startswith("deepspeed.") and cls == "exp_shard"
+            deepspeed_shard = w.strategy.startswith("deepspeed.") and cls == "exp_shard" and not uses_fp16_optimizer(w)
             if deepspeed_shard:
                 f["exp_deepspeed"] += collective_s(collectives, kind, nbytes, n, calls)
             elif cls in ("exp_dp", "exp_shard"):
@@ -952,7 +980,8 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
 
 # Gradient buckets of the references (reference_impls/dp_common.plan_buckets, ``bucket_mb`` 25) and
 # torch DDP (``bucket_cap_mb`` 25), and DeepSpeed ZeRO-1/2's reduce bucket (``reduce_bucket_size``
-# 5e8 elements, its default; the tuned profile writes none).
+# 5e8 elements, its default; the tuned profile writes none); the stage-0 engine's all-reduce buckets
+# (``buffered_allreduce_fallback``, MEMORY_OPT_ALLREDUCE_SIZE) hold as many.
 BUCKET_BYTES = 25 * 2**20
 DEEPSPEED_REDUCE_BUCKET_ELEMS = 5e8
 # Which share of a pass's compute a collective issued during it can hide behind: gradient traffic
@@ -1063,6 +1092,12 @@ def device_copy_bytes(w: Workload) -> float:
         return 2 * parts.get("grads", 0.0)  # once per step: no_sync during accumulation
     if w.strategy == "ref.ddp":
         return min(parts.get("grads", 0.0), parts.get("params", 0.0))
+    if uses_fp16_optimizer(w):
+        # per step (FP16_Optimizer.step, engine.allreduce_bucket): the overflow check's amax and amin
+        # (2 + 2), the gradients cast to fp32 (2 + 4) and flattened (4 + 4), the norm (4), the unscale
+        # (4 + 4); the all-reduce's flatten, averaging and copy back in bf16 (3 x (2 + 2)); less the
+        # gradient cast every master trainer makes (6)
+        return (4 + 14 + 4 + 8 + 12 - 6) * psi
     b = 2 if master else 4
     master_cast = 6 * psi / n if master else 0.0
     if w.strategy in ("ref.zero3", "ref.fsdp"):
@@ -1107,7 +1142,7 @@ PER_MICROBATCH = (
 TIME_PARTS = {
     "compute": ("inv_rate", "inv_rate_x", "inv_rate_fp8", "attn_s"),
     "memory": ("inv_mem_bw", "inv_act_bw", "inv_act_bw_compiled", "logit_s", "fp8_cast_s"),
-    "host": ("host_s",),
+    "host": ("host_s", "ds_stage0_tensor_s"),
     "offload": ("inv_host_bw",),
     "comm": ("exp_dp", "exp_shard", "exp_deepspeed", "exp_tp", "exp_p2p", "comm_serial"),
 }
