@@ -715,6 +715,14 @@ def derive(source: dict, kind: str, own: list[Observation] | None = None) -> dic
             "hbm_ratio_datasheet": datasheet,
             "hbm_ratio_configurations": sum(not M.waits_on_host(o.workload) for o in own),
         }
+    stage0 = refit_stage0_tensor(derived, own or [])
+    if stage0 is not None:
+        derived["time"] = {**derived["time"], "ds_stage0_tensor_s": stage0}
+        derived["derived_from"] |= {
+            "stage0_refit_configurations": sum(M.uses_fp16_optimizer(o.workload) for o in own),
+            "doc": derived["derived_from"]["doc"] + "; DeepSpeed stage 0's per-tensor wait from its own records",
+        }
+        doc = derived["derived_from"]["doc"]
     host = refit_host(derived, own or [])
     if host:
         derived["host_tensor_s"] = dict(sorted({**source["host_tensor_s"], **host}.items()))
@@ -746,6 +754,33 @@ def refit_host(derived: dict, own: list[Observation]) -> dict[str, float]:
     shown = {o.workload.impl for o, d in zip(waiting, dev) if o.step_s > d * (1 + HOST_EVIDENCE)}
     pairs = [(o, d) for o, d in zip(waiting, dev) if o.workload.impl in shown]
     return fit_host([o for o, _ in pairs], [d for _, d in pairs])
+
+
+# Stage-0 configurations a derived part needs of its own before its per-tensor wait is refitted.
+STAGE0_MIN_CONFIGURATIONS = 3
+
+
+def refit_stage0_tensor(derived: dict, own: list[Observation]) -> float | None:
+    """``ds_stage0_tensor_s`` from ``own``'s DeepSpeed stage-0 configurations (at least
+    ``STAGE0_MIN_CONFIGURATIONS``), or None: each waits on its host once per parameter tensor
+    (``M.ds_stage0_tensors``), so the wait is the part's machine's, as the per-tensor host costs of
+    ``refit_host`` are. The value minimising the summed |log error| among those each configuration
+    alone would imply (robust to one stalled launch); the step is linear in it."""
+    obs = [o for o in own if M.uses_fp16_optimizer(o.workload)]
+    if len(obs) < STAGE0_MIN_CONFIGURATIONS:
+        return None
+    c0 = derived["time"].get("ds_stage0_tensor_s", 0.0)
+    rows = []
+    for o in obs:
+        p = M.predict(o.workload, derived)
+        factor, _ = M.impl_factor(o.workload, derived.get("impl_time") or {})
+        rows.append((o.step_s, p.step_s, factor * M.ds_stage0_tensors(o.workload)))
+    candidates = [max(0.0, c0 + (y - pred) / slope) for y, pred, slope in rows]
+
+    def loss(c: float) -> float:
+        return sum(abs(math.log((pred + (c - c0) * slope) / y)) for y, pred, slope in rows)
+
+    return min(candidates, key=loss)
 
 
 def load_kind(kind: str, directory=None) -> dict | None:

@@ -375,14 +375,15 @@ def peaks_on_other_parts(results_dir, kind: str, cal: dict) -> dict:
 
 
 def _signed_summary(rows: list[dict], obs: list[C.Observation]) -> dict:
-    """Step error of ``rows`` (predictions of ``obs``, in order): the signed median, and the median and
-    signed median over the configurations that wait on their host."""
+    """Step error of ``rows`` (predictions of ``obs``, in order): the signed median, and the median, p90
+    and signed median over the configurations that wait on their host."""
     signed = [_signed_pct(r["pred_step_s"], r["step_s"]) for r in rows]
     waiting = [e for e, o in zip(signed, obs) if M.waits_on_host(o.workload)]
     return {
         "step_signed_median_pct": float(np.median(signed)),
         "host_waiting_configurations": len(waiting),
         "host_waiting_step_median_pct": float(np.median(np.abs(waiting))) if waiting else None,
+        "host_waiting_step_p90_pct": float(np.percentile(np.abs(waiting), 90)) if waiting else None,
         "host_waiting_step_signed_median_pct": float(np.median(waiting)) if waiting else None,
     }
 
