@@ -189,6 +189,16 @@ def test_the_issues_grouping_ranks_every_recipe_and_micro_batch_of_a_model_on_a_
     assert g["spearman"] == pytest.approx(0.5)  # measured order master, fp8, amp; predicted master, amp, fp8
     assert sc["groups"] == 1 and sc["below_0.9"] == 1
     assert g["spearman_noise_tied"] == pytest.approx(0.5)  # 0.1125 and 0.125 s per token: more than 5 % apart
+    # the one pair ordered wrong (amp 0.125, fp8 0.1125 s per token: 11.1 % apart) against the larger of
+    # its two implementations' launch spreads
+    for i, impl in enumerate(("a", "b", "c", "d", "e")):
+        rows[i]["impl"] = impl
+    [pair] = V.summarize(rows, {"a": 0.12, "d": 0.02})["by_model_and_gpus"]["per_group"][0]["misordered_pairs"]
+    assert set(pair["pair"]) == {"gpt-1.3b w2 amp mb4", "gpt-1.3b w2 fp8 mb4"}
+    assert pair["gap_pct"] == pytest.approx(100 / 9) and pair["launch_spread_pct"] == pytest.approx(12)
+    assert V.summarize(rows, {"a": 0.12})["by_model_and_gpus"]["misordered_within_launch_spread"] == 1
+    assert V.summarize(rows, {"a": 0.10, "d": 0.02})["by_model_and_gpus"]["misordered_within_launch_spread"] == 0
+    assert V.summarize(rows)["by_model_and_gpus"]["misordered_within_launch_spread"] is None
 
 
 def test_cli_rejects_unknown_names(capsys):
