@@ -687,8 +687,8 @@ def derive(source: dict, kind: str, own: list[Observation] | None = None) -> dic
     """``source`` (a calibration of another part of the same architecture) for ``kind``: its
     memory-bound time constants times the parts' HBM ratio, fitted from ``own`` (the part's own
     observations, ``fit_hbm_ratio``) where it has enough, else the datasheets'; and from ``own``
-    the host costs of each library that waits on its host there (``refit_host``); all else as
-    fitted on ``source``."""
+    the host costs of each library that waits on its host there (``refit_host``) and DeepSpeed stage
+    0's per-tensor wait (``refit_stage0_tensor``); all else as fitted on ``source``."""
     datasheet = HBM_BYTES_PER_S[source["device_kind"]] / HBM_BYTES_PER_S[kind]
     fitted = fit_hbm_ratio(source, own or [])
     ratio = datasheet if fitted is None else fitted

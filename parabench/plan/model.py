@@ -458,8 +458,7 @@ def host_cost(w: "Workload", host_cal: dict) -> tuple[float | None, str | None]:
 def impl_factor(w: "Workload", impl_time: dict) -> tuple[float, str | None]:
     """(step-time factor, the implementation it was calibrated on): ``w``'s own; else the same
     library under another profile, whose engine runs the same per-step passes but for the ones a
-    profile switches (DeepSpeed bf16 stage 0's FP16_Optimizer: 1.35-1.45x stage 1's step in both
-    profiles, gpu-spine/20261126-020214 and plan-data-h100x1); else 1 (None)."""
+    profile switches; else 1 (None)."""
     if w.impl in impl_time:
         return impl_time[w.impl], w.impl
     others = sorted(k for k in impl_time if k.split(":", 1)[0] == w.strategy)
