@@ -1738,8 +1738,6 @@ def test_time_factors_keep_what_the_spread_between_libraries_supports():
     """Empirical Bayes: a library measured once keeps most of its factor when libraries differ far
     more than one library's configurations do, little of it when they do not, and the pseudo-count
     of ``M.SHRINK`` where no library has two configurations to show the spread within one."""
-    import math
-
     tight = {"a": [1.46, 1.45, 1.47], "b": [1.04, 1.05, 1.03], "c": [1.54], "d": [0.85]}
     factors = C._impl_factors(tight, log=True)
     assert factors["a"] == pytest.approx(1.46, rel=0.01)

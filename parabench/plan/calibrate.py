@@ -722,7 +722,6 @@ def derive(source: dict, kind: str, own: list[Observation] | None = None) -> dic
             "stage0_refit_configurations": sum(M.uses_fp16_optimizer(o.workload) for o in own),
             "doc": derived["derived_from"]["doc"] + "; DeepSpeed stage 0's per-tensor wait from its own records",
         }
-        doc = derived["derived_from"]["doc"]
     host = refit_host(derived, own or [])
     if host:
         derived["host_tensor_s"] = dict(sorted({**source["host_tensor_s"], **host}.items()))
@@ -731,7 +730,8 @@ def derive(source: dict, kind: str, own: list[Observation] | None = None) -> dic
             "host_refit": sorted(host),
             "host_refit_configurations": sum(M.waits_on_host(o.workload) for o in own),
             "host_refit_runs": runs,
-            "doc": doc + f"; host costs of {', '.join(sorted(k for k in host if '|' not in k))} "
+            "doc": derived["derived_from"]["doc"]
+            + f"; host costs of {', '.join(sorted(k for k in host if '|' not in k))} "
             f"from its own {len(runs)} runs",
         }
     return derived

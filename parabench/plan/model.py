@@ -467,7 +467,12 @@ def impl_factor(w: "Workload", impl_time: dict) -> tuple[float, str | None]:
 
 def host_units(w: "Workload") -> float:
     """Parameter tensors one rank's hooks visit per step: tensors of its stage x passes."""
-    return (TENSORS_PER_LAYER[w.layout] * w.n_layers / w.pp + TENSORS_OUTSIDE) * w.passes
+    return parameter_tensors(w) * w.passes
+
+
+def parameter_tensors(w: "Workload") -> float:
+    """Parameter tensors of one rank's stage."""
+    return TENSORS_PER_LAYER[w.layout] * w.n_layers / w.pp + TENSORS_OUTSIDE
 
 
 def uses_fp16_optimizer(w: "Workload") -> bool:
@@ -483,9 +488,7 @@ def ds_stage0_tensors(w: "Workload") -> float:
     """Parameter tensors whose overflow check waits on the host per step (``uses_fp16_optimizer``):
     ``CheckOverflow.has_overflow_serial`` takes each gradient's amax and amin and tests the result's
     truth on the host, a synchronisation per tensor, before anything else of the step is issued."""
-    if not uses_fp16_optimizer(w):
-        return 0.0
-    return host_units(w) / w.passes
+    return parameter_tensors(w) if uses_fp16_optimizer(w) else 0.0
 
 
 def family_of(strategy: str) -> str | None:
