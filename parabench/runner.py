@@ -817,6 +817,9 @@ class Runner(LaunchOwner):
         self.resume, self.retry_failed = resume, retry_failed
         self.logs = self.run_dir / "logs"
         self.n_launches = 0
+        # Case -> why the launch it led died in start-up, before any case began: such a launch is
+        # run again once (gloo's TCP transport may abort a rank while connecting, pytorch/pytorch#188266).
+        self.startup_crashes: dict[str, str] = {}
         self.done = 0
         self.counts = {**{s: 0 for s in STATUSES}, "kept": 0}  # kept: recorded by an earlier launch (--resume)
 
@@ -949,7 +952,8 @@ class Runner(LaunchOwner):
                 f"cannot write the launch's cases to {cases_file}: {exc}; the run stopped, "
                 "finished records are kept (continue with --resume)"
             ) from None
-        log_path = self.logs / f"{tag}.log"
+        relaunch_of = self.startup_crashes.get(tag)
+        log_path = self.logs / (f"{tag}.relaunch.log" if relaunch_of else f"{tag}.log")
         retired_file = folder / "retired.json"
         cmd = [
             sys.executable,
@@ -971,6 +975,7 @@ class Runner(LaunchOwner):
             "nnodes": self.launch.nnodes,
             "device": device,
             "log": str(log_path.relative_to(self.run_dir)),
+            **({"relaunched_after_startup_crash": relaunch_of} if relaunch_of else {}),
         }
         oom_kills = kernel_oom_kills()
         started = time.time()
@@ -1027,8 +1032,8 @@ class Runner(LaunchOwner):
         if rc == 0 and not timed_out and launch.retired_file.exists():
             self._note_leftover(json.loads(launch.retired_file.read_text()), len(unfinished))
             return unfinished
-        culprit = next((c for c in unfinished if self._started_at(c, launch) is not None), unfinished[0])
-        started = self._started_at(culprit, launch) or launch.started
+        culprit = next((c for c in unfinished if self._started_at(c, launch) is not None), None)
+        started = (culprit and self._started_at(culprit, launch)) or launch.started
         elapsed = time.time() - started
         log_tail = _tail(launch.log_path, 20000)
         oom_kills = _delta(launch.oom_kills_at_start, kernel_oom_kills())
@@ -1038,7 +1043,22 @@ class Runner(LaunchOwner):
                 f"no space left on the disk of {self.run_dir} (a launch failed and {full}); the run "
                 "stopped, finished records are kept (continue with --resume once there is room)"
             )
+        if (
+            culprit is None
+            and not finished
+            and rc
+            and not timed_out
+            and batch[0].record_key not in self.startup_crashes
+        ):
+            _, error = _classify(batch[0], launch.folder, rc, timed_out, log_tail, elapsed, oom_kills)
+            why = f"{error['message']}, {elapsed:.0f} s after the launch began and before its first case"
+            self.startup_crashes[batch[0].record_key] = why
+            self.echo(f"parabench: a launch died in start-up ({why}); launching it again once")
+            return batch
+        culprit = culprit or unfinished[0]
         status, error = _classify(culprit, launch.folder, rc, timed_out, log_tail, elapsed, oom_kills)
+        if culprit.record_key in self.startup_crashes:
+            error["earlier_startup_crash"] = self.startup_crashes[culprit.record_key]
         self._write(
             culprit,
             build_record(culprit, status, error=error, started_at=started, duration_s=elapsed, launch=launch.info),

@@ -207,7 +207,8 @@ class CommonOptions:
     memory_snapshot: bool = False
     roofline: bool | None = None  # measure a matmul roofline; None: on every device but CUDA ones
     optim: dict = field(default_factory=dict)  # AdamW overrides: lr, beta1, beta2, eps, weight_decay
-    inject_fault: dict | None = None  # test hook {kind: oom|cpu_oom|memory_error|crash|abort|hang|leak, rank, step}
+    # test hook {kind: oom|cpu_oom|memory_error|crash|abort|hang|leak|startup_abort, rank, step}
+    inject_fault: dict | None = None
     telemetry: bool = True  # NVML power, energy, clocks and throttle reasons sampled during the timed steps (GPU)
     # Synchronise the device after every step, as a loop that reads its loss each step does
     # (DeepSpeed's throughput timer does too); off, the host may run ahead into the next step.

@@ -83,6 +83,8 @@ def _inject_fault(case: Case, step: int) -> None:
     if not fault or fault.get("step", 0) != step or fault.get("rank", 0) != dist.get_rank():
         return
     kind = fault["kind"]
+    if kind == "startup_abort":  # fired before the process group forms: _inject_startup_fault
+        return
     if kind == "leak":
         _INJECTED_LEAKS.append(
             torch.empty(int(fault.get("bytes", 512 << 20)), dtype=torch.uint8, device=pick_device(case.device))
@@ -101,6 +103,22 @@ def _inject_fault(case: Case, step: int) -> None:
     if kind == "hang":
         time.sleep(10**6)
     raise ValueError(f"unknown injected fault kind {kind!r}")
+
+
+def _inject_startup_fault(cases: list[Case], keys: list[str], scratch: str) -> None:
+    """Test hook: options.inject_fault = {kind: "startup_abort", rank: r, launches: n} aborts rank
+    r before the process group forms, in the first n launches of the case (counted in a file
+    beside the launches' folders), as gloo's transport sometimes does while connecting."""
+    for case, key in zip(cases, keys):
+        fault = case.options.get("inject_fault") or {}
+        if fault.get("kind") != "startup_abort" or fault.get("rank", 0) != int(os.environ.get("RANK", "0")):
+            continue
+        count_path = os.path.join(os.path.dirname(os.path.abspath(scratch)), f"{key}.startup-aborts")
+        aborted = os.path.getsize(count_path) if os.path.exists(count_path) else 0
+        if aborted < fault.get("launches", 1):
+            with open(count_path, "a") as f:
+                f.write("x")
+            os.abort()
 
 
 def debug_slowdown() -> float:
@@ -499,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     # The collective timeout fires before the runner's case timeout, so a hang ends in the
     # watchdog's error naming the stuck collective (op, sequence number, sizes) in the case's log
     # rather than in a bare kill.
+    _inject_startup_fault(cases, keys, args.scratch)
     init_process_group(device, timeout_s=max(30.0, 0.8 * min(c.timeout_s for c in cases)))
     rank = dist.get_rank()
     for i, (case, key) in enumerate(zip(cases, keys)):

@@ -16,6 +16,7 @@ import pytest
 from helpers import parabench
 
 from parabench.case import Case
+from parabench.results import load_run
 from parabench.runner import (
     _classify,
     clear_stale_extension_locks,
@@ -320,3 +321,42 @@ def test_cpu_out_of_memory_is_recorded_as_oom(tmp_path):
     assert _classify(case, tmp_path, 1, False, killed, 3.0, oom_kills=None)[0] == "oom"
     aborted = killed.replace("exitcode  : -9", "exitcode  : -6")
     assert _classify(case, tmp_path, 1, False, aborted, 3.0, oom_kills=1)[0] == "crashed"
+
+
+def test_a_launch_that_dies_in_start_up_is_launched_again_once(tmp_path):
+    """A rank that aborts before the process group forms (as gloo's transport sometimes does while
+    connecting) is no case's fault: its launch is run again once, and the record says so; a second
+    start-up death records the case as crashed, naming both."""
+    suite = tmp_path / "s.toml"
+    suite.write_text(
+        textwrap.dedent(
+            """
+            [suite]
+            name = "startup"
+            device = "cpu"
+            steps = 2
+            warmup = 1
+            [[matrix]]
+            model = "tiny"
+            strategy = "torch.ddp"
+            world_size = 2
+            options = [
+              {inject_fault = {kind = "startup_abort", rank = 1, launches = 1}},
+              {inject_fault = {kind = "startup_abort", rank = 1, launches = 2}},
+            ]
+            """
+        )
+    )
+    proc = parabench("run", "suite", str(suite), "--out", str(tmp_path / "res"), "--run-id", "r", "--no-report")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.count("died in start-up") == 2
+    _, records = load_run(tmp_path / "res" / "startup" / "r")
+    by_launches = {r["case"]["options"]["inject_fault"]["launches"]: r for r in records}
+    once, twice = by_launches[1], by_launches[2]
+    assert once["status"] == "ok"
+    assert "SIGABRT" in once["launch"]["relaunched_after_startup_crash"]
+    assert once["launch"]["log"].endswith(".relaunch.log")
+    assert twice["status"] == "crashed"
+    assert "SIGABRT" in twice["error"]["message"] and "SIGABRT" in twice["error"]["earlier_startup_crash"]
+    logs = sorted(p.name for p in (tmp_path / "res" / "startup" / "r" / "logs").iterdir())
+    assert len(logs) == 4  # each case's first launch log is kept beside its relaunch's
