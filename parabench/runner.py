@@ -818,7 +818,7 @@ class Runner(LaunchOwner):
         self.logs = self.run_dir / "logs"
         self.n_launches = 0
         # Case -> why the launch it led died in start-up, before any case began: such a launch is
-        # run again once (gloo's TCP transport may abort a rank while connecting, pytorch/pytorch#188266).
+        # run again once, as that death is no case's doing (seen as one gloo rank's SIGABRT, cause unknown).
         self.startup_crashes: dict[str, str] = {}
         self.done = 0
         self.counts = {**{s: 0 for s in STATUSES}, "kept": 0}  # kept: recorded by an earlier launch (--resume)

@@ -108,7 +108,7 @@ def _inject_fault(case: Case, step: int) -> None:
 def _inject_startup_fault(cases: list[Case], keys: list[str], scratch: str) -> None:
     """Test hook: options.inject_fault = {kind: "startup_abort", rank: r, launches: n} aborts rank
     r before the process group forms, in the first n launches of the case (counted in a file
-    beside the launches' folders), as gloo's transport sometimes does while connecting."""
+    beside the launches' folders), the death ``Runner._settle`` launches again once."""
     for case, key in zip(cases, keys):
         fault = case.options.get("inject_fault") or {}
         if fault.get("kind") != "startup_abort" or fault.get("rank", 0) != int(os.environ.get("RANK", "0")):
@@ -514,10 +514,10 @@ def main(argv: list[str] | None = None) -> int:
     device = pick_device(cases[0].device)
     if device.type == "cpu":
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    _inject_startup_fault(cases, keys, args.scratch)
     # The collective timeout fires before the runner's case timeout, so a hang ends in the
     # watchdog's error naming the stuck collective (op, sequence number, sizes) in the case's log
     # rather than in a bare kill.
-    _inject_startup_fault(cases, keys, args.scratch)
     init_process_group(device, timeout_s=max(30.0, 0.8 * min(c.timeout_s for c in cases)))
     rank = dist.get_rank()
     for i, (case, key) in enumerate(zip(cases, keys)):
