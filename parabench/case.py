@@ -8,9 +8,9 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-from parabench.models import LAYOUTS
 from parabench.recipes import RECIPES, recipe_name
-from parabench.strategies import STRATEGIES, get_strategy
+from parabench.registry import STRATEGIES, get_strategy
+from parabench.shapes import LAYOUTS
 from parabench.topology import Topology
 
 SCALING_MODES = ("strong", "weak")
@@ -132,7 +132,7 @@ class Case:
 
     def model_config(self):
         """The GPT this case trains (``parabench.models.model_config`` with its seq_len and layout)."""
-        from parabench.models import model_config
+        from parabench.shapes import model_config
 
         return model_config(self.model, self.seq_len, layout=self.layout)
 

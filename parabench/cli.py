@@ -200,8 +200,15 @@ def _run_suite(suite: Suite, args) -> int:
         if path is None:
             return 2
         print(f"parabench: report: {path}")
-    failed = sum(v for k, v in counts.items() if k not in ("ok", "skipped", "kept"))
-    return 1 if failed or (args.strict and counts.get("skipped")) else 0
+    return run_exit_status(counts, args.strict)
+
+
+def run_exit_status(counts: dict, strict: bool) -> int:
+    """1 when a case failed; with ``strict`` also when one was skipped or measured off its theory."""
+    from parabench.runner import OFF_THEORY
+
+    failed = sum(v for k, v in counts.items() if k not in ("ok", "skipped", "kept", OFF_THEORY))
+    return 1 if failed or (strict and (counts.get("skipped") or counts.get(OFF_THEORY))) else 0
 
 
 def _run_collectives(suite: Suite, run_dir: Path) -> dict:
@@ -258,7 +265,7 @@ def _cpu_proxy(suite: Suite, model: str) -> Suite:
     stages than layers...) are dropped with a note. Results go to ``<suite>-cpu-proxy``."""
     from dataclasses import replace
 
-    from parabench.models import model_config
+    from parabench.shapes import model_config
 
     model_config(model)
     seen, dropped = {}, []
@@ -315,8 +322,8 @@ def cmd_run_case(args) -> int:
     try:
         fields["options"] = args.options or {}
         case = Case(**fields)
-        from parabench.models import model_config
-        from parabench.strategies import get_strategy
+        from parabench.registry import get_strategy
+        from parabench.shapes import model_config
 
         get_strategy(case.strategy)
         model_config(case.model)
@@ -329,8 +336,8 @@ def cmd_run_case(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from parabench.models import CUSTOM_MODEL_FORM, MODEL_LADDER, parameter_count
-    from parabench.strategies import STRATEGIES
+    from parabench.registry import STRATEGIES
+    from parabench.shapes import CUSTOM_MODEL_FORM, MODEL_LADDER, parameter_count
 
     print("strategies:")
     for name, info in sorted(STRATEGIES.items(), key=lambda kv: (kv[1].kind, kv[0])):
@@ -416,7 +423,7 @@ def cmd_fidelity(args) -> int:
     run_dir = Path(args.run)
     try:
         counts = run_fidelity(run_dir, filters=args.filter, redo=args.redo, launches=args.launches)
-    except (OutputError, SchemaError, FileNotFoundError) as exc:
+    except (OutputError, SchemaError, FileNotFoundError, UnsafeNameError) as exc:
         print(f"parabench: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -505,7 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--strict",
             action="store_true",
-            help="exit 1 also when a case was skipped (e.g. more ranks than devices); a failed case always exits 1",
+            help="exit 1 also when a case was skipped (e.g. more ranks than devices) or measured off its theory "
+            "(a communication, state or NVMe check failed); a failed case always exits 1",
         )
         p.add_argument(
             "--no-skips",
@@ -559,6 +567,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     _compare_arguments(p)  # baseline, candidate, --threshold, --mem-threshold, --alpha, --json, --markdown, --all
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser(
+        "noise-model",
+        help="rebuild results/baselines/noise-model.json (launch-to-launch spread per implementation and regime, "
+        "which compare uses to judge single launches) from the committed runs, cross-validated",
+    )
+    from parabench.noise import add_arguments as _noise_arguments
+    from parabench.noise import main as _noise_main
+
+    _noise_arguments(p)
+    p.set_defaults(func=_noise_main)
 
     p = sub.add_parser(
         "fidelity",

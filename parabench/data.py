@@ -22,13 +22,14 @@ import functools
 import json
 import os
 import statistics
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from parabench.recipes import recipe_of
 from parabench.record import byte_high, rank0_comm, theory_state_total
-from parabench.results import load_run
+from parabench.results import file_mode, load_run
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -108,7 +109,7 @@ def _registry_facts() -> dict[str, tuple[str, str]]:
     """strategy -> (kind, family) from the strategy registry; {} where it cannot be imported (a
     machine that reads results without torch)."""
     try:
-        from parabench.strategies import STRATEGIES
+        from parabench.registry import STRATEGIES
     except ImportError:
         return {}
     return {name: (spec.kind, spec.family) for name, spec in STRATEGIES.items()}
@@ -276,26 +277,59 @@ def flat(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 class ExportError(RuntimeError):
-    """An export that cannot be written as asked (a format whose library is missing)."""
+    """An export that cannot be written as asked (a format whose library is missing, a target that
+    is a folder or cannot be written); the message names the file."""
+
+
+EXPORT_FORMATS = ("csv", "parquet")
 
 
 def export(frame: pd.DataFrame, path: str | os.PathLike, fmt: str) -> Path:
-    """Write ``frame`` as ``fmt`` ("csv" or "parquet") to ``path``; Parquet needs pyarrow."""
+    """Write ``frame`` as ``fmt`` ("csv" or "parquet") to ``path``; Parquet needs pyarrow.
+
+    The table goes to a temporary file beside ``path`` and is renamed over it only once complete:
+    a full disk or an interrupted export leaves the earlier file as it was and no partial one."""
     path = Path(path)
+    if fmt not in EXPORT_FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}: csv or parquet")
     if fmt == "parquet":
         try:
             import pyarrow  # noqa: F401
         except ImportError:
             raise ExportError(
-                "writing Parquet needs pyarrow, which parabench does not install: pip install pyarrow "
-                "(or export with --csv)"
+                f"cannot write {path}: writing Parquet needs pyarrow, which parabench does not install by "
+                "default: pip install 'parabench[parquet]' (or pip install pyarrow), or export with --csv"
             ) from None
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise ExportError(f"cannot write {path}: it is a folder; name a file to write")
     table = flat(frame)
-    if fmt == "csv":
-        table.to_csv(path, index=False)
-    elif fmt == "parquet":
-        table.to_parquet(path, index=False, engine="pyarrow")
-    else:
-        raise ValueError(f"unknown export format {fmt!r}: csv or parquet")
+    if path.exists() and not path.is_file():  # /dev/stdout, a pipe: a rename would replace it with a file
+        with open(path, "wb") as f:
+            _write_table(table, f, fmt)
+        return path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from None
+    try:
+        os.fchmod(fd, file_mode())
+        with os.fdopen(fd, "wb") as f:
+            _write_table(table, f, fmt)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
+
+
+def _write_table(table: pd.DataFrame, f, fmt: str) -> None:
+    if fmt == "csv":
+        table.to_csv(f, index=False, encoding="utf-8")
+    else:
+        table.to_parquet(f, index=False, engine="pyarrow")

@@ -59,9 +59,12 @@ import contextvars
 import functools
 import importlib.util
 import typing
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
-import torch
+# Cases, suites and the registry read the option types below without torch; the functions that
+# touch modules import it.
+if TYPE_CHECKING:
+    import torch
 
 # The torchao release the optional extra pins (pyproject.toml ``[project.optional-dependencies] fp8``).
 TORCHAO_VERSION = "0.17.0"
@@ -99,7 +102,11 @@ def skip_reason(device: str, capability: tuple[int, int] | None = None) -> str |
             "the fp8 recipe needs float8 matmuls (torch._scaled_mm), which need an NVIDIA GPU of compute "
             f"capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Ada, Hopper); this case runs on {device}"
         )
-    cap = tuple(capability) if capability is not None else torch.cuda.get_device_capability()
+    if capability is None:
+        import torch
+
+        capability = torch.cuda.get_device_capability()
+    cap = tuple(capability)
     if cap < MIN_CAPABILITY:
         return (
             f"the fp8 recipe needs float8 matmuls on a GPU of compute capability >= "
@@ -111,6 +118,8 @@ def skip_reason(device: str, capability: tuple[int, int] | None = None) -> str |
 def converts(module: torch.nn.Module, fqn: str) -> bool:
     """``module_filter_fn`` of ``fp8_filter = "all"``: a linear outside the head and routers whose
     dimensions are multiples of 16."""
+    import torch
+
     if not isinstance(module, torch.nn.Linear) or fqn.split(".")[-1] in SKIPPED_MODULES:
         return False
     out_features, in_features = module.weight.shape
@@ -152,6 +161,8 @@ def block_float8_weights(cfg, fp8_filter: str = "all") -> dict[str, int]:
 
 @functools.cache  # the theory asks once per expectation; a gpt-13b block takes ~10 ms to build on meta
 def _block_float8_weights(cfg, fp8_filter: str) -> tuple[tuple[str, int], ...]:
+    import torch
+
     from parabench.models import Block
 
     with torch.device("meta"):

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import statistics
 
-from parabench.models import (
+from parabench.shapes import (
     FLOPS_CONVENTION,
     HFU_CONVENTION,
     MOE_FLOPS_CONVENTION,

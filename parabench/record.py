@@ -16,6 +16,9 @@ report and ``parabench compare`` read records through this module without torch.
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from parabench.results import SCHEMA_VERSION
@@ -119,21 +122,21 @@ def _base_record(case: Case, strategy_version: str) -> CaseRecord:
 
 
 def theory_for(case: Case, per_rank: list[dict] | None = None) -> dict | None:
-    """The analytic expectation of a case (``parabench.theory``), as the record stores it. Given
+    """The analytic expectation of a case (``parabench.registry.expected``), as the record stores it. Given
     the measured per-rank records, traffic that depends on a data-dependent decision (expert
     routing) is made exact per rank from what the ranks recorded of that decision."""
-    from parabench import theory
     from parabench.fp8 import TorchaoMissing
+    from parabench.registry import expected, routed_comm_per_rank
 
     cfg = case.model_config()
     try:
-        expect = theory.expected(case, cfg, case.dp)
+        expect = expected(case, cfg, case.dp)
     except TorchaoMissing:  # which linears "auto" converts is torchao's answer: none here, no theory
         return None
     if expect is None:
         return None
     out = dict(expect)
-    routed = theory.routed_comm_per_rank(case, cfg, per_rank) if per_rank else None
+    routed = routed_comm_per_rank(case, cfg, per_rank) if per_rank else None
     if routed:
         out["comm_payload_bytes_range"] = out.get("comm_payload_bytes")
         out["comm_payload_bytes"], out["comm_payload_bytes_per_rank"] = routed[0], routed
@@ -170,7 +173,7 @@ def build_record(
     """The record of one case launch: ``raw`` is what the worker returned (rank 0), None when the
     case did not finish (then ``error`` says why)."""
     from parabench.metrics import model_section, summarize
-    from parabench.strategies import get_strategy
+    from parabench.registry import get_strategy
 
     strategy = get_strategy(case.strategy)
     rec = _base_record(case, strategy.version)
@@ -275,3 +278,241 @@ def pipeline_stages(rec: CaseRecord) -> list[tuple[int, dict]]:
             p = {**p, "bubble_fraction_measured": None}
         out.append((pr.get("rank"), p))
     return out
+
+
+# --- validation: a record read from a run folder is untrusted input ------------------------------
+
+# runner.STATUSES, repeated here so that readers need not import the runner (and torch)
+STATUSES = ("ok", "oom", "crashed", "timeout", "skipped", "error")
+# A case hash names files (cases/<hash>.json, fidelity/<hash>.json): hex digits only, so it can never
+# be a path. Case.case_hash writes 16; the range leaves room for a longer hash without allowing a path.
+CASE_HASH_PATTERN = re.compile(r"[0-9a-f]{8,64}")
+# Metrics the gate (compare.METRICS) and the launch statistics (stats.TIMING_METRICS, ...) read as
+# numbers: each must be a number or None. A non-finite or negative one is kept, with a notice.
+GATED_METRICS = (
+    "tokens_per_s",
+    "tokens_per_s_per_device",
+    "step_time_s_median",
+    "mfu",
+    "hfu",
+    "model_flops_per_s_per_device",
+    "hardware_flops_per_s_per_device",
+    "roofline_fraction",
+    "model_state_bytes_max",
+    "peak_alloc_bytes",
+    "peak_requested_bytes",
+    "comm_payload_bytes",
+    "peak_reserved_bytes",
+    "device_used_bytes",
+    "peak_rss_bytes",
+    "final_loss",
+)
+_NUM = "number"
+_INT = "int"
+_STR = "str"
+_BOOL = "bool"
+_DICT = "dict"
+_LIST = "list"
+# key -> (accepted kinds, may be None): only keys present are checked (older records lack newer ones)
+CASE_FIELDS = {
+    "model": ((_STR,), False),
+    "strategy": ((_STR,), False),
+    "world_size": ((_INT,), False),
+    "precision": ((_STR,), False),
+    "recipe": ((_STR,), True),
+    "layout": ((_STR,), False),
+    "micro_batch": ((_INT,), False),
+    "grad_accum": ((_INT,), False),
+    "seq_len": ((_INT,), True),
+    "steps": ((_INT,), False),
+    "warmup": ((_INT,), False),
+    "seed": ((_INT,), False),
+    "lr": ((_NUM,), False),
+    "device": ((_STR,), False),
+    "options": ((_DICT,), False),
+    "timeout_s": ((_NUM,), False),
+    "comm_meter": ((_BOOL,), False),
+    "own_launch": ((_BOOL,), False),
+    "repeats": ((_INT,), False),
+    "repeat": ((_INT,), False),
+    "scaling": ((_LIST, _STR), False),
+}
+CASE_REQUIRED = ("model", "strategy", "world_size")
+TOP_FIELDS = {
+    "label": ((_STR,), False),
+    "strategy_version": ((_STR,), True),
+    "error": ((_DICT,), True),
+    "started_at": ((_NUM,), True),
+    "duration_s": ((_NUM,), True),
+    "launch": ((_DICT,), True),
+    "model": ((_DICT,), True),
+    "caveats": ((_LIST,), True),
+    "debug_slowdown": ((_NUM,), True),
+    "theory": ((_DICT,), True),
+    "device": ((_DICT,), True),
+    "topology": ((_DICT,), True),
+    "metrics": ((_DICT,), True),
+    "per_rank": ((_LIST,), True),
+    "loss_scale": ((_LIST,), True),
+    "checks": ((_DICT,), True),
+    "theory_recheck": ((_DICT,), True),
+    "leftover_after_case": ((_DICT,), True),
+}
+# metrics that are not plain numbers; every other known metric is a number or None
+METRIC_FIELDS = {
+    "step_times_s": ((_LIST,), True),
+    "losses": ((_LIST,), True),
+    "hfu_convention": ((_STR,), True),
+    "clocks_event_reasons": ((_LIST,), True),
+    "throttled": ((_BOOL,), True),
+    "loss_scale": ((_DICT,), True),
+}
+# per-rank entries: the parts readers index into
+PER_RANK_FIELDS = {
+    "rank": ((_INT,), True),
+    "coords": ((_DICT,), True),
+    "comm": ((_DICT,), True),
+    "memory": ((_DICT,), True),
+    "state_bytes": ((_DICT,), True),
+    "step_times_s": ((_LIST,), True),
+    "telemetry": ((_DICT,), True),
+    "pipeline": ((_DICT,), True),
+    "setup_s": ((_NUM,), True),
+    "strategy_stats": ((_DICT,), True),
+    "step_breakdown": ((_DICT,), True),
+    "trace": ((_DICT,), True),
+    "memory_snapshot": ((_DICT,), True),
+}
+# Sub-fields of dict sections that readers format or index, by the section's path.
+NESTED_FIELDS = {
+    "error": {"message": ((_STR,), True), "type": ((_STR,), True), "diagnosis": ((_STR,), True)},
+    "device": {"name": ((_STR,), True), "type": ((_STR,), True)},
+    "model": {"name": ((_STR,), True), "params": ((_DICT,), True), "config": ((_DICT,), True)},
+    "checks": {
+        "ok": ((_BOOL,), True),
+        "comm_ok": ((_BOOL,), True),
+        "state_ok": ((_BOOL,), True),
+        "comm": ((_DICT, _LIST), True),
+        "state": ((_DICT, _LIST), True),
+    },
+    "theory": {
+        "state_bytes": ((_DICT, _LIST), True),
+        "comm_payload_bytes": ((_DICT,), True),
+        "comm_payload_bytes_per_rank": ((_LIST,), True),
+        "pipeline": ((_DICT,), True),
+        "notes": ((_STR, _LIST), True),
+    },
+}
+
+
+def launch_file_name(rec: dict) -> str:
+    """The file name a valid record has in ``cases/``: ``case.launch_key`` of its hash and repeat
+    (here too, so that readers need not import the case module and torch)."""
+    repeat = rec["case"].get("repeat") or 0
+    return f"{rec['case_hash']}{f'.r{repeat}' if repeat else ''}.json"
+
+
+class RecordProblem(ValueError):
+    """One thing wrong in a record: the field (a dotted path) and why."""
+
+    def __init__(self, field: str, why: str):
+        super().__init__(f"field {field!r}: {why}")
+        self.field, self.why = field, why
+
+
+def is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _kind_ok(v, kind: str) -> bool:
+    if kind == _NUM:
+        return is_number(v)
+    if kind == _INT:
+        return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, {_STR: str, _BOOL: bool, _DICT: dict, _LIST: list}[kind])
+
+
+def _check_fields(d: dict, spec: dict, prefix: str) -> None:
+    for key, (kinds, nullable) in spec.items():
+        if key not in d:
+            continue
+        v = d[key]
+        if v is None and nullable:
+            continue
+        if not any(_kind_ok(v, k) for k in kinds):
+            wanted = " or ".join(kinds) + (" or null" if nullable else "")
+            raise RecordProblem(f"{prefix}{key}", f"expected {wanted}, found {_show(v)}")
+        if is_number(v) and not math.isfinite(v):
+            raise RecordProblem(f"{prefix}{key}", f"not a finite number ({v})")
+
+
+def _show(v) -> str:
+    text = json.dumps(v, default=str) if not isinstance(v, float) else repr(v)
+    return f"{type(v).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
+
+
+def _finite_or_none(v, field: str) -> None:
+    if v is not None and not is_number(v):
+        raise RecordProblem(field, f"expected a number or null, found {_show(v)}")
+
+
+def validate_record(rec) -> list[str]:
+    """Check a record read from disk; raise ``RecordProblem`` naming the first bad field. Returns
+    notices about values it keeps: non-finite or negative gated metrics (NaN tokens/s, a loss that
+    became inf), which are the measurement's outcome and for the gate to judge, not a broken file."""
+    if not isinstance(rec, dict):
+        raise RecordProblem("(record)", f"expected a JSON object, found {type(rec).__name__}")
+    if rec.get("kind") != "case":
+        raise RecordProblem("kind", f'expected "case", found {_show(rec.get("kind"))}')
+    h = rec.get("case_hash")
+    if not isinstance(h, str) or not CASE_HASH_PATTERN.fullmatch(h):
+        raise RecordProblem("case_hash", f"expected 8 to 64 lower-case hex digits, found {_show(h)}")
+    if rec.get("status") not in STATUSES:
+        raise RecordProblem("status", f"expected one of {', '.join(STATUSES)}, found {_show(rec.get('status'))}")
+    if "label" not in rec:
+        raise RecordProblem("label", "missing")
+    _check_fields(rec, TOP_FIELDS, "")
+    case = rec.get("case")
+    if not isinstance(case, dict):
+        raise RecordProblem("case", f"expected the case as an object, found {_show(case)}")
+    for key in CASE_REQUIRED:
+        if key not in case:
+            raise RecordProblem(f"case.{key}", "missing")
+    _check_fields(case, CASE_FIELDS, "case.")
+    for key in ("world_size", "micro_batch", "grad_accum", "steps", "repeats"):
+        if key in case and case[key] < 1:
+            raise RecordProblem(f"case.{key}", f"must be at least 1, found {case[key]}")
+    for key in ("repeat", "warmup"):
+        if key in case and case[key] < 0:
+            raise RecordProblem(f"case.{key}", f"must not be negative, found {case[key]}")
+    for section, spec in NESTED_FIELDS.items():
+        if isinstance(rec.get(section), dict):
+            _check_fields(rec[section], spec, f"{section}.")
+    notices = []
+    metrics = rec.get("metrics")
+    if isinstance(metrics, dict):
+        for key, v in metrics.items():
+            if key in METRIC_FIELDS:
+                _check_fields(metrics, {key: METRIC_FIELDS[key]}, "metrics.")
+            elif key in GATED_METRICS:
+                _finite_or_none(v, f"metrics.{key}")
+                if v is not None and (not math.isfinite(v) or v < 0):
+                    notices.append(f"field 'metrics.{key}': {v!r} is not a possible measurement")
+            # any other metric is carried as it is: no reader takes it for a number it is not
+        for key in ("step_times_s", "losses"):
+            for i, v in enumerate(metrics.get(key) or []):
+                _finite_or_none(v, f"metrics.{key}[{i}]")
+        if rec["status"] == "ok" and not is_number(metrics.get("step_time_s_median")):
+            # every reader of an ok launch starts from its median step time (the launch's sample)
+            raise RecordProblem(
+                "metrics.step_time_s_median",
+                f"status ok needs a number, found {_show(metrics.get('step_time_s_median'))}",
+            )
+    for i, pr in enumerate(rec.get("per_rank") or []):
+        if not isinstance(pr, dict):
+            raise RecordProblem(f"per_rank[{i}]", f"expected an object, found {_show(pr)}")
+        _check_fields(pr, PER_RANK_FIELDS, f"per_rank[{i}].")
+    for i, c in enumerate(rec.get("caveats") or []):
+        if not isinstance(c, str):
+            raise RecordProblem(f"caveats[{i}]", f"expected a sentence, found {_show(c)}")
+    return notices

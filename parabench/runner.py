@@ -67,8 +67,8 @@ from pathlib import Path
 from parabench.case import Case
 from parabench.progress import LiveLine, read_status, status_path
 from parabench.record import build_record
+from parabench.registry import get_strategy
 from parabench.results import case_record_path, load_json, make_manifest, new_run_id, write_json_atomic
-from parabench.strategies import get_strategy
 from parabench.suite import Suite
 
 STATUSES = ("ok", "oom", "crashed", "timeout", "skipped", "error")
@@ -145,7 +145,7 @@ def skip_reason(case: Case, launch: LaunchOptions) -> str | None:
         reason = fp8_skip_reason(device)
         if reason:
             return reason
-    from parabench.strategies import get_strategy
+    from parabench.registry import get_strategy
 
     unsupported = get_strategy(case.strategy).unsupported
     return unsupported(case, device) if unsupported else None
@@ -1115,6 +1115,8 @@ class Runner(LaunchOwner):
         self._save(case_record_path(self.run_dir, case.record_key), record, f"the record of {case.label}")
         self.done += 1
         self.counts[record["status"]] += 1
+        if off_theory(record):
+            self.counts[OFF_THEORY] = self.counts.get(OFF_THEORY, 0) + 1
         launch = f"  [launch {case.repeat + 1}/{case.repeats}]" if case.repeats > 1 else ""
         self.echo(self._progress(_row(record, self.label_width) + launch))
 
@@ -1132,6 +1134,17 @@ def _fmt_bytes(b) -> str:
         if abs(b) < 1024 or unit == "TiB":
             return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
         b /= 1024
+
+
+# Checks against the theory beside communication, as the console row names them when they fail.
+OTHER_CHECKS = (("state", "state_ok"), ("nvme", "nvme_io_ok"))
+# The count of finished cases whose measurements disagree with their theory (``--strict`` fails on it).
+OFF_THEORY = "off theory"
+
+
+def off_theory(record: dict) -> bool:
+    """A finished case whose communication, state or NVMe check failed."""
+    return record.get("status") == "ok" and record.get("checks", {}).get("ok") is False
 
 
 LABEL_WIDTH_MAX = 72  # ok rows cut longer labels with an ellipsis, so their figures stay in line
@@ -1156,8 +1169,11 @@ def _row(record: dict, label_width: int = 44) -> str:
         if m.get("mfu") is not None
         else (f"roofline {m['roofline_fraction'] * 100:.1f}%" if m.get("roofline_fraction") is not None else "")
     )
-    comm = record.get("checks", {}).get("comm_ok")
+    checks = record.get("checks", {})
+    comm = checks.get("comm_ok")
     comm_txt = "" if comm is None else ("comm=theory" if comm else "comm!=theory")
+    # a state or NVMe check that fails names itself beside the communication verdict
+    comm_txt += "".join(f" {name}!=theory" for name, key in OTHER_CHECKS if checks.get(key) is False)
     return (
         f"ok      {_fit(record['label'], label_width)} {m['tokens_per_s_per_device']:>10,.0f} tok/s/dev  "
         f"step {m['step_time_s_median'] * 1e3:8.1f} ms  peak {_fmt_bytes(mem):>10}  {eff:<15}  "
@@ -1166,7 +1182,7 @@ def _row(record: dict, label_width: int = 44) -> str:
 
 
 def default_run_dir(out_root: Path, suite: Suite, run_id: str | None, resume: bool) -> Path:
-    base = Path(out_root) / suite.name
+    base = Path(out_root) / suite.results_folder
     if run_id:
         return base / run_id
     if resume:

@@ -1,26 +1,26 @@
-"""The Strategy interface shared by reference implementations and peer adapters, and the registry.
+"""A strategy's registry row (``StrategySpec``) and the typed options every row's options extend.
 
-A strategy is a builder ``build(spec: TrainSpec) -> Trainer``. The runner never special-cases
-a library: it builds a trainer, feeds it this rank's slice of every global batch, and asks it
-for the memory it holds. Builders are named by import path and imported only when used, so a
-case with ``torch.ddp`` never imports DeepSpeed.
+A strategy is a builder ``build(spec: TrainSpec) -> Trainer`` (``parabench.trainer``). The runner never
+special-cases a library: it builds a trainer, feeds it this rank's slice of every global batch, and
+asks it for the memory it holds. Builders are named by import path and imported only when used, so
+a case with ``torch.ddp`` never imports DeepSpeed, and reading the rows imports no torch. The rows
+live in ``parabench.families``; ``parabench.registry`` looks them up by name.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import math
 import types
 import typing
-from abc import ABC, abstractmethod
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Callable, ClassVar, Literal
+from typing import TYPE_CHECKING, Callable, ClassVar, Literal
 
-import torch
-
-from parabench.models import GPTConfig
 from parabench.recipes import RECIPE_PRECISIONS, RECIPES, recipe_name  # noqa: F401 (re-exported)
-from parabench.topology import Topology
+
+if TYPE_CHECKING:
+    from parabench.trainer import Trainer, TrainSpec
 
 # Every precision a case may name; data-parallel strategies train in all three (fp16: fp32 master
 # weights + dynamic loss scaling), the others in fp32 and bf16.
@@ -44,113 +44,6 @@ def with_fp8(declared: dict) -> dict:
     """A row's recipe keywords plus ``fp8`` (bf16 only, ``parabench.fp8``): for the strategies
     whose builder converts the model's linears (``fp8.convert``)."""
     return {**declared, "recipes": declared.get("recipes", ("master", "amp")) + ("fp8",)}
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """AdamW, every hyperparameter explicit: library defaults differ (weight decay above all)."""
-
-    lr: float = 3e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-
-    @property
-    def betas(self) -> tuple[float, float]:
-        return (self.beta1, self.beta2)
-
-
-@dataclass
-class TrainSpec:
-    """Everything a strategy needs to build its trainer on this rank."""
-
-    model: GPTConfig
-    seed: int
-    device: torch.device
-    precision: str
-    topology: Topology
-    micro_batch: int
-    grad_accum: int = 1
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    options: dict = field(default_factory=dict)
-    recipe: str | None = None  # "master" | "amp" | "fp8" (RECIPES) for bf16/fp16, None for fp32
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.precision]
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        """The dtype parameters and gradients are kept (and communicated) in: the compute dtype
-        under "master", fp32 under "amp" and "fp8" (autocast casts the matmul inputs)."""
-        return torch.float32 if self.recipe in ("amp", "fp8") else self.compute_dtype  # None: as before recipes
-
-    @property
-    def autocast_on(self) -> bool:
-        """Forward under torch.autocast: the "amp" and "fp8" recipes (and a spec made without a recipe)."""
-        return self.recipe != "master" and self.precision != "fp32"
-
-
-class Trainer(ABC):
-    """One rank's view of a training run under some strategy.
-
-    Every hook the worker calls is declared here; a strategy overrides what it has."""
-
-    # Set by the worker for the instrumented (untimed) step: sample the state bytes then.
-    measure_state: bool = False
-    # Set by the worker for the timeline step (option record_timeline): pipelines time every op then.
-    record_timeline: bool = False
-
-    @abstractmethod
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """One optimizer step over this rank's data-parallel slice, ``[grad_accum * micro_batch, s]``.
-
-        Returns the mean loss over the slice as a detached 0-d tensor (not synchronised to the
-        host, so the step does not stall), or None on ranks that never see the loss (pipeline
-        stages before the last).
-        """
-
-    @abstractmethod
-    def state_bytes(self) -> dict[str, int]:
-        """Bytes of model state this rank holds: keys ``params``, ``grads``, ``optimizer``
-        (master weights count under optimizer)."""
-
-    def full_parameters(self) -> dict[str, torch.Tensor] | None:
-        """Every parameter of the full model as fp32 CPU tensors keyed by the GPT's own names.
-
-        A collective: call it on every rank. Used by equivalence tests; None if unsupported.
-        """
-        return None
-
-    def loss_scale(self) -> dict | None:
-        """For fp16 runs: ``{"scale": float, "skipped": bool}`` for the last step, else None."""
-        return None
-
-    def pipeline_stats(self) -> dict | None:
-        """This stage's schedule record of the last step (pipelines), else None."""
-        return None
-
-    def strategy_stats(self) -> dict | None:
-        """Strategy-specific measurements of the last step (attention work, expert routing), else None."""
-        return None
-
-    def close(self) -> None:
-        """Release what the strategy holds (called between cases that share a launch)."""
-
-
-def as_trainer(cls: type) -> type:
-    """A plain-torch reference class (``reference_impls``, which imports nothing from parabench) as a
-    Trainer subclass, so it inherits the hooks it does not define."""
-    if issubclass(cls, Trainer):
-        return cls
-    cached = _TRAINER_CLASSES.get(cls)
-    if cached is None:
-        cached = _TRAINER_CLASSES[cls] = type(cls.__name__, (cls, Trainer), {"__module__": cls.__module__})
-    return cached
-
-
-_TRAINER_CLASSES: dict[type, type] = {}
 
 
 # --- typed options ------------------------------------------------------------------------------
@@ -193,6 +86,53 @@ def _option_fields(cls) -> tuple[dict, frozenset]:
     return typing.get_type_hints(cls), frozenset(f.name for f in fields(cls))
 
 
+# Closed ranges of numeric options, by name. A number an option does not list must be finite and
+# within DEFAULT_OPTION_RANGE: a degree, a count or a size, never negative, never big enough to
+# exhaust the machine before the case starts. Numbers inside table options (optim, inject_fault)
+# must be finite.
+DEFAULT_OPTION_RANGE = (0, 2**31)
+OPTION_RANGES: dict[str, tuple[float, float]] = {
+    "tp": (1, 4096),
+    "pp": (1, 4096),
+    "ep": (1, 4096),
+    "cp": (1, 4096),
+    "microbatches": (1, 65536),
+    "virtual_stages": (1, 1024),
+    "shard_size": (1, 4096),
+    "hpz_partition_size": (1, 4096),
+    "in_flight": (1, 1024),
+    "powersgd_rank": (1, 65536),
+    "sync_every": (1, 2**20),
+    "growth_interval": (1, 2**31),
+    "quant_block": (1, 2**31),
+    "bucket_mb": (0.001, 1048576),
+    "disk_probe_mb": (0, 1048576),
+    "topk_ratio": (1e-9, 1.0),
+    "init_scale": (2.0**-24, 2.0**64),
+}
+
+
+def check_option_range(key: str, value) -> None:
+    """ValueError, with the valid range, for an option number that is not finite or out of range."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            check_option_range(f"{key}.{k}", v)
+        return
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            check_option_range(f"{key}[{i}]", v)
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    if "." in key or "[" in key:  # inside a table: any finite number
+        if not math.isfinite(value):
+            raise ValueError(f"option {key} must be a finite number, got {value!r}")
+        return
+    low, high = OPTION_RANGES.get(key, DEFAULT_OPTION_RANGE)
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ValueError(f"option {key} must be a finite number from {low} to {high}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class CommonOptions:
     """Options every strategy accepts: the worker and the meters read them, whatever the strategy."""
@@ -210,6 +150,10 @@ class CommonOptions:
     # test hook {kind: oom|cpu_oom|memory_error|crash|abort|hang|leak|startup_abort, rank, step}
     inject_fault: dict | None = None
     telemetry: bool = True  # NVML power, energy, clocks and throttle reasons sampled during the timed steps (GPU)
+    # The garbage-collection pause meter and the live progress counter on the timed steps; false
+    # leaves the timed loop bare (with telemetry = false, nothing of parabench's runs beside it),
+    # the A/B that tells the harness's cost on a host-bound step from the library's.
+    timed_meters: bool = True
     # Synchronise the device after every step, as a loop that reads its loss each step does
     # (DeepSpeed's throughput timer does too); off, the host may run ahead into the next step.
     step_sync: bool = False
@@ -238,6 +182,7 @@ class CommonOptions:
                 )
             if not _fits(value, hints[key]):
                 raise ValueError(f"option {key} must be {_type_name(hints[key])}, got {value!r}")
+            check_option_range(key, value)
         return cls(**options)
 
     @classmethod
@@ -269,6 +214,53 @@ def option_defaults(cls: type) -> dict:
 
 
 # --- the registry -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanFacts:
+    """How the planner (``parabench.plan``) models a strategy: the family whose terms price it and
+    the mechanisms of its implementation that those terms read. The default is a strategy the
+    planner does not model (``family`` None)."""
+
+    # "data_parallel" | "sharded" | "model_parallel": whose terms price it; None: not modelled
+    family: str | None = None
+    # The planner's search proposes it in these groups ("data_parallel", "offload", "tensor",
+    # "pipeline", "tensor_pipeline"), in ``search_order`` within a group.
+    search: tuple[str, ...] = ()
+    search_order: int = 0
+    # Gradient synchronisation as it overlaps backward: "all_reduce" (bucketed, from the gradient
+    # hooks), "reduce_scatter" (bucketed), "per_unit" (a gather and a reduce-scatter per block and
+    # pass, prefetched); None: issued after backward, serial.
+    grad_sync: str | None = None
+    grad_sync_once_per_step: bool = False  # reduces on the last micro-batch only (no_sync before it)
+    per_unit_launches: bool = False  # one collective launch per unit and pass, whatever its size
+    own_exposure: bool = False  # its sharded traffic costs a fitted exposure of its own (DeepSpeed's engine)
+    zero_stage: int = 0  # what the ZeRO paper's split shards (the theory's fallback)
+    fp32_sharded_params: bool = False  # sharded parameters kept in fp32 in every recipe (FSDP2)
+    offload: str | None = None  # "cpu" | "nvme": where optimizer states live
+    sequence_parallel: bool = False
+    pipeline_schedule: str | None = None  # "gpipe" | "1f1b" | "interleaved" | "zb_h1"
+    pipeline_engine: str | None = None  # "ref" | "torch": whose stage bookkeeping is priced
+    ddp_stages_from_version: int | None = None  # DDP-wrapped pipeline stages from this version on
+    # host: step = max(device, host) where its Python runs per parameter tensor on the critical path
+    host_bound: bool = False
+    host_bound_versions: tuple[str, ...] | None = None  # host-bound in these versions only
+    host_bound_eager_only: bool = False  # torch.compile traces the per-op dispatch away
+    host_floor_profiles: tuple[str, ...] = ()  # profiles whose step waits on the host where device work is short
+    host_analogue: str | None = None  # a strategy whose host cost stands in where it has none calibrated
+    time_factor_cause: str | None = None  # why its step time keeps a fitted factor (None: physics alone)
+    # memory and device copies, read off its code
+    stage0_fp16_optimizer: bool = False  # DeepSpeed stage 0's FP16_Optimizer under master recipes
+    persistent_grads: str | None = None  # "flat" | "server" | "buckets" | "flat_partitions": kept between steps
+    accumulates_into_copy: bool = False  # gradient accumulation keeps a param-sized copy beside its buffers
+    whole_grad_beside_shard: bool = False
+    master_grad_buffer: bool = False  # "master": MasterWeightOptimizer's persistent fp32 gradient copy
+    step_grad_copies: bool = False  # DeepSpeed ZeRO-1/2's 16-bit partition, flat and fp32 copies in the step
+    sharded_units: str | None = None  # the references' flat units: "reshard_root" | "keep_root"
+    device_copies: str | None = None  # "bucket_div" | "flat_grad_zero" | "slot_cast" | "fsdp2" | "torch_pipeline"
+    compiled_bucket_split: bool = False  # compiled, Dynamo's DDPOptimizer splits graphs at DDP's buckets
+    done_graphs_kept_versions: tuple[str, ...] = ()  # ZB-H1: finished graphs kept to the step's end
+    compiled_gc_remedy: bool = False  # compiled launches erratic where Python's GC runs unscheduled
 
 
 @dataclass(frozen=True)
@@ -316,6 +308,11 @@ class StrategySpec:
     # ``unsupported(case, device) -> str | None``: why the case cannot run on that device ("cpu" or
     # "cuda"); the runner records it as skipped with that reason instead of launching it.
     unsupported: Callable | None = None
+    # How the planner models it (parabench.plan).
+    plan: PlanFacts = PlanFacts()
+    # A reference's production peers: the library strategies doing the same work, which the report
+    # pairs it with (parabench.report.spread).
+    peers: tuple[str, ...] = ()
 
     def recipes_for(self, precision: str) -> tuple[str, ...]:
         """The recipes a case of ``precision`` may name; the first is its default (none for fp32)."""
@@ -336,62 +333,3 @@ class StrategySpec:
     def build(self, spec: TrainSpec) -> Trainer:
         module, func = self.builder.split(":")
         return getattr(importlib.import_module(module), func)(spec)
-
-
-class _Registry(dict):
-    """name -> StrategySpec, filled from the family modules on first use (they import this module,
-    and the adapters they name import it too, so the rows cannot be collected at import time)."""
-
-    _loaded = False
-
-    def _load(self) -> None:
-        if not self._loaded:
-            self._loaded = True
-            from parabench.families import ROWS
-
-            for row in ROWS:
-                if dict.__contains__(self, row.name):
-                    raise ValueError(f"strategy {row.name!r} registered twice")
-                dict.__setitem__(self, row.name, row)
-
-    def __getitem__(self, key):
-        self._load()
-        return dict.__getitem__(self, key)
-
-    def __contains__(self, key):
-        self._load()
-        return dict.__contains__(self, key)
-
-    def __iter__(self):
-        self._load()
-        return dict.__iter__(self)
-
-    def __len__(self):
-        self._load()
-        return dict.__len__(self)
-
-    def get(self, key, default=None):
-        self._load()
-        return dict.get(self, key, default)
-
-    def keys(self):
-        self._load()
-        return dict.keys(self)
-
-    def values(self):
-        self._load()
-        return dict.values(self)
-
-    def items(self):
-        self._load()
-        return dict.items(self)
-
-
-# Each family module (parabench/families/) lists its strategies' rows; adding a strategy is a row there.
-STRATEGIES: dict[str, StrategySpec] = _Registry()
-
-
-def get_strategy(name: str) -> StrategySpec:
-    if name not in STRATEGIES:
-        raise KeyError(f"unknown strategy {name!r}; valid strategies: {', '.join(sorted(STRATEGIES))}")
-    return STRATEGIES[name]

@@ -61,13 +61,18 @@ import tomllib
 
 from parabench.case import SCALING_MODES, Case
 from parabench.fp8 import filter_option_error
-from parabench.models import LAYOUTS, is_model_name, model_config, unknown_model_message
 from parabench.recipes import RECIPES
+from parabench.registry import STRATEGIES, get_strategy
 from parabench.results import UnsafeNameError, check_path_component
-from parabench.strategies import DP_PRECISIONS, STRATEGIES, get_strategy
+from parabench.shapes import LAYOUTS, is_model_name, model_config, unknown_model_message
+from parabench.strategies import DP_PRECISIONS
 from parabench.topology import Topology, TopologyError
 
 SUITES_DIR = Path(__file__).resolve().parent.parent / "suites"
+# One-off studies (a planner check, a profile, an A/B) sit one folder down, so that suites/ holds what
+# a user runs; a study loads by its bare name too, and its runs go to <out>/studies/<name>.
+STUDIES = "studies"
+STUDIES_DIR = SUITES_DIR / STUDIES
 
 
 class SuiteError(ValueError):
@@ -116,6 +121,16 @@ class Suite:
     def file_hash(self) -> str:
         return hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
 
+    @property
+    def is_study(self) -> bool:
+        """Whether the suite file lies in suites/studies/ (of any checkout: device runs use a copy)."""
+        return self.path.parent.name == STUDIES and self.path.parent.parent.name == SUITES_DIR.name
+
+    @property
+    def results_folder(self) -> str:
+        """Its runs' folder below an output root: its name, under studies/ for a study."""
+        return f"{STUDIES}/{self.name}" if self.is_study else self.name
+
 
 def _line_of(text: str, key: str, table: str | None, index: int = 0) -> int | None:
     """Line (1-based) of ``key = ...`` inside the ``index``-th ``[table]``/``[[table]]``; best effort."""
@@ -155,11 +170,15 @@ def _read_suite_text(path: Path) -> str:
         ) from None
 
 
-def list_suites() -> list[str]:
+def list_suites(studies: bool = False) -> list[str]:
+    """The user suites' names (suites/*.toml); with ``studies``, the studies' as ``studies/<name>``."""
+    if studies:
+        return sorted(f"{STUDIES}/{p.stem}" for p in STUDIES_DIR.glob("*.toml"))
     return sorted(p.stem for p in SUITES_DIR.glob("*.toml"))
 
 
 def resolve_suite_path(name_or_path: str) -> Path:
+    """A suite file from a path, a name in suites/, ``studies/<name>``, or a study's bare name."""
     p = Path(name_or_path)
     if p.suffix == ".toml" or p.exists():
         if not p.exists():
@@ -169,10 +188,13 @@ def resolve_suite_path(name_or_path: str) -> Path:
                 f"suite path {p} is a folder (or not a regular file); give a .toml suite file or a suite name"
             )
         return p
-    candidate = SUITES_DIR / f"{name_or_path}.toml"
-    if not candidate.exists():
-        raise SuiteError(f"unknown suite {name_or_path!r}; valid suites: {', '.join(list_suites())}")
-    return candidate
+    for candidate in (SUITES_DIR / f"{name_or_path}.toml", STUDIES_DIR / f"{name_or_path}.toml"):
+        if candidate.is_file():
+            return candidate
+    raise SuiteError(
+        f"unknown suite {name_or_path!r}; valid suites: {', '.join(list_suites())} "
+        f"(and {len(list_suites(studies=True))} studies: parabench list --all)"
+    )
 
 
 def load_suite(name_or_path: str) -> Suite:

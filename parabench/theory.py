@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from parabench.models import GPTConfig, parameter_count
+from parabench.shapes import GPTConfig, parameter_count
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -109,20 +109,3 @@ def ref_bucket_sizes(cfg: GPTConfig, elem: int, bucket_mb: float, pad_to: int) -
         -(-n // pad_to) * pad_to
         for n in (sum(math.prod(s) for s in shapes) for shapes in ref_bucket_shapes(cfg, elem, bucket_mb))
     ]
-
-
-def expected(case, cfg: GPTConfig, dp: int) -> Expectation | None:
-    """The analytic expectation of a case, from its strategy's family (None where there is none)."""
-    from parabench.strategies import get_strategy
-
-    spec = get_strategy(case.strategy)
-    return spec.expect(cfg, case, spec.options.read(case.options), dp) if spec.expect else None
-
-
-def routed_comm_per_rank(case, cfg: GPTConfig, per_rank: list[dict]) -> list[dict] | None:
-    """Per-rank traffic made exact from a data-dependent decision the ranks recorded (expert
-    routing); None for strategies without one."""
-    from parabench.strategies import get_strategy
-
-    spec = get_strategy(case.strategy)
-    return spec.routed_comm(case, cfg, per_rank) if spec.routed_comm else None

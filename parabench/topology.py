@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch.distributed as dist
-
 
 class TopologyError(ValueError):
     pass
@@ -60,6 +58,8 @@ class Topology:
     def group(self, dim: str):
         """The process group of this rank along ``dim`` ('dp', 'pp' or 'tp')."""
         if self.mesh is None:
+            import torch.distributed as dist
+
             return dist.group.WORLD
         return self.mesh[dim].get_group()
 
@@ -77,11 +77,14 @@ class Topology:
 
     def group_ranks(self, dim: str) -> list[int]:
         """Global ranks of this rank's group along ``dim``, in group-rank order."""
+        import torch.distributed as dist
+
         return dist.get_process_group_ranks(self.group(dim)) if self.mesh is not None else [self.rank]
 
 
 def build_topology(device_type: str, pp: int = 1, tp: int = 1) -> Topology:
     """Create the grid for the current process group (which must already be initialised)."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     world, rank = dist.get_world_size(), dist.get_rank()

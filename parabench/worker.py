@@ -51,9 +51,10 @@ from parabench.meters.comm import CommMeter
 from parabench.meters.traces import TraceFiles
 from parabench.models import global_batch
 from parabench.progress import PhaseReporter, status_path
+from parabench.registry import get_strategy
 from parabench.results import write_json_atomic
-from parabench.strategies import OptimConfig, TrainSpec, get_strategy
 from parabench.topology import build_topology
+from parabench.trainer import OptimConfig, TrainSpec
 
 # What the CUDA caching allocator holds between cases of one launch, from cuBLAS workspaces and the
 # like, is ~65 MiB on H100; a library that keeps a model or its buffers alive leaves gigabytes.
@@ -358,9 +359,10 @@ def run_case(
     clock = StepClock(device)
     sampler = telemetry.sampler_for(device) if case.options.get("telemetry", True) else None
     sampler is not None and sampler.start()
+    timed_meters = bool(case.options.get("timed_meters", True))
     cpu_start = host.cpu_times()
     gc_pauses = host.GcPauses()
-    gc_pauses.start()
+    timed_meters and gc_pauses.start()
     clock.mark()
     slowdown = debug_slowdown()
     step_sync = bool(case.options.get("step_sync"))
@@ -379,10 +381,12 @@ def run_case(
         clock.mark()
         # After the mark, host only, at most twice a second: see parabench.progress for why this
         # does not distort the step times.
-        progress.step(step - case.warmup + 1)
+        timed_meters and progress.step(step - case.warmup + 1)
     host_cpu = host.cpu_use(cpu_start, host.cpu_times(), case.steps)
-    gc_pauses.stop()
-    host_gc = gc_pauses.summary(case.steps)
+    host_gc = None
+    if timed_meters:
+        gc_pauses.stop()
+        host_gc = gc_pauses.summary(case.steps)
     if gc_scheduled:
         gc.enable()
     step_times = clock.durations_s()
@@ -463,6 +467,7 @@ def run_case(
         "host_probe": host_probe,
         "host_cpu": host_cpu,
         "host_gc": host_gc,
+        "host_process": host.process_facts(),
     }
     if breakdown is not None:
         # what the meter's step ran: compiled blocks run their eager code under it (eager_under_meter)

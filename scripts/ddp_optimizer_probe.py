@@ -31,7 +31,7 @@ def _compiles():
 def _measure(case_dicts):
     import torch._dynamo
 
-    from parabench.strategies import get_strategy
+    from parabench.registry import get_strategy
     from parabench.worker import local_batches, make_spec
 
     out = []

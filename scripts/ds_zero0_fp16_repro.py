@@ -24,8 +24,9 @@ from parabench.case import Case
 from parabench.distributed import run_on_gloo
 from parabench.meters.comm import CommMeter
 from parabench.models import global_batch, model_config
-from parabench.strategies import OptimConfig, TrainSpec, get_strategy
+from parabench.registry import get_strategy
 from parabench.topology import Topology, build_topology
+from parabench.trainer import OptimConfig, TrainSpec
 from parabench.worker import local_batches
 
 N_STEPS, LR, OPTIM = 5, 1e-3, {"eps": 1e-6}

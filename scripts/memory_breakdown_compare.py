@@ -37,7 +37,7 @@ MODEL_LADDER.setdefault("proxy-1.3b", GPTConfig(n_layers=24, d_model=256, n_head
 def _measure(case_dict):
     from parabench.meters import memory
     from parabench.meters.memory_breakdown import measure_step
-    from parabench.strategies import get_strategy
+    from parabench.registry import get_strategy
     from parabench.worker import local_batches, make_spec
 
     case = Case.from_dict(case_dict)

@@ -122,7 +122,7 @@ def _rank(opts: dict) -> dict:
     from parabench import models
     from parabench.case import Case
     from parabench.meters.comm import CommMeter
-    from parabench.strategies import get_strategy
+    from parabench.registry import get_strategy
     from parabench.worker import local_batches, make_spec
 
     cfg = models.GPTConfig(

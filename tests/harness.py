@@ -20,8 +20,9 @@ from parabench.case import Case
 from parabench.distributed import run_on_gloo
 from parabench.meters.comm import CommMeter
 from parabench.models import global_batch
-from parabench.strategies import OptimConfig, TrainSpec, get_strategy
+from parabench.registry import get_strategy
 from parabench.topology import Topology
+from parabench.trainer import OptimConfig, TrainSpec
 from parabench.worker import local_batches, make_spec
 
 

@@ -19,9 +19,10 @@ from parabench.case import Case
 from parabench.distributed import run_on_gloo
 from parabench.models import global_batch, model_config
 from parabench.record import build_record
-from parabench.strategies import OptimConfig, TrainSpec, get_strategy
+from parabench.registry import get_strategy
 from parabench.suite import SuiteError, validate_case
 from parabench.topology import Topology
+from parabench.trainer import OptimConfig, TrainSpec
 from parabench.worker import compile_failure, run_case
 
 # No matmul roofline and no telemetry: both would only add seconds to a CPU test.

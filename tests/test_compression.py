@@ -30,7 +30,7 @@ from harness import payload_by_kind, replica_mean_losses, run_cases
 from parabench.case import Case
 from parabench.distributed import run_on_gloo
 from parabench.models import model_config
-from parabench.theory import expected
+from parabench.registry import expected
 
 N_STEPS = 20
 OPTIM = {"eps": 1e-6}
@@ -278,7 +278,7 @@ def test_deepspeed_without_onebit_adam_has_no_peer_for_it():
     the peer back."""
     from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
 
-    from parabench.strategies import STRATEGIES
+    from parabench.registry import STRATEGIES
 
     assert "onebitadam" not in [o.lower() for o in DEEPSPEED_OPTIMIZERS]
     assert "deepspeed.onebit_adam" not in STRATEGIES

@@ -19,9 +19,10 @@ from parabench.case import Case
 from parabench.families.context import cp_ops
 from parabench.metrics import check_against_theory
 from parabench.models import model_config
+from parabench.registry import expected
 from parabench.report.cp_balance import analytic_flops_per_rank
 from parabench.suite import SuiteError, validate_case
-from parabench.theory import expected, sum_ops
+from parabench.theory import sum_ops
 from reference_impls.context_parallel import chunks_of
 from reference_impls.cp_allgather import local_calls, to_rank_order, to_sequence_order
 

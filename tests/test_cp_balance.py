@@ -16,10 +16,10 @@ from helpers import run_suite_cli
 from parabench.case import Case
 from parabench.distributed import run_on_gloo
 from parabench.models import model_config
+from parabench.registry import get_strategy
 from parabench.report import cp_balance
 from parabench.report.html import render_report
 from parabench.results import load_run
-from parabench.strategies import get_strategy
 from parabench.worker import local_batches, make_spec
 from reference_impls.context_parallel import RingStats, chunks_of
 

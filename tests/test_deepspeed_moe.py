@@ -22,9 +22,9 @@ from parabench.distributed import run_on_gloo
 from parabench.families.expert import deepspeed_moe_capacity, deepspeed_moe_ops
 from parabench.meters.comm import CommMeter
 from parabench.models import model_config, parameter_count
-from parabench.strategies import get_strategy
+from parabench.registry import expected, get_strategy
 from parabench.suite import SuiteError, validate_case
-from parabench.theory import BYTES, expected, sum_ops
+from parabench.theory import BYTES, sum_ops
 from parabench.worker import local_batches, make_spec
 
 N_STEPS = 5

@@ -15,8 +15,8 @@ from harness import assert_matches_single, max_rel_diff, payload_by_kind, run_ca
 
 from parabench.case import Case
 from parabench.models import model_config
+from parabench.registry import expected
 from parabench.suite import SuiteError, validate_case
-from parabench.theory import expected
 
 N_STEPS = 5
 TOL = 1e-5

@@ -11,11 +11,11 @@ import parabench.fp8 as fp8
 from parabench.case import Case
 from parabench.models import MODEL_LADDER, build_model
 from parabench.recipes import recipe_name, recipe_of
+from parabench.registry import STRATEGIES, expected
 from parabench.runner import LaunchOptions, skip_reason
-from parabench.strategies import STRATEGIES, TrainSpec
 from parabench.suite import SuiteError, load_suite, validate_case
-from parabench.theory import expected
 from parabench.topology import Topology
+from parabench.trainer import TrainSpec
 
 BLOCK_LINEARS = ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc", "mlp.proj")
 
@@ -117,7 +117,8 @@ def _float8_names(model) -> set[str]:
 @pytest.mark.parametrize("builder", ["peer", "reference"])
 def test_conversion_swaps_exactly_the_block_linears(builder):
     pytest.importorskip("torchao.float8", reason="parabench[fp8] not installed")
-    from parabench.families.data_parallel import DataParallelOptions, reference_model
+    from parabench.builders.data_parallel import reference_model
+    from parabench.families.data_parallel import DataParallelOptions
     from parabench.peers.common import recipe_module
 
     cfg = MODEL_LADDER["tiny"]
@@ -276,7 +277,7 @@ def test_fp8_filter_option_is_validated_hashed_and_labelled():
 
 
 def test_fp8_peers_suite_runs_auto_beside_all_and_amp_at_350m():
-    cases = [c for c in load_suite("suites/fp8-peers-gpu.toml").cases if c.model == "gpt-350m"]
+    cases = [c for c in load_suite("suites/studies/fp8-peers-gpu.toml").cases if c.model == "gpt-350m"]
     got = {(c.strategy, c.recipe, c.options.get("fp8_filter", "all")) for c in cases}
     assert got == {
         (s, r, f) for s in ("ref.zero2", "torch.fsdp2") for r, f in (("amp", "all"), ("fp8", "all"), ("fp8", "auto"))

@@ -21,8 +21,8 @@ import torch
 import parabench.fp8 as fp8
 from parabench.models import MODEL_LADDER, build_model, global_batch
 from parabench.peers.common import compile_blocks
-from parabench.strategies import TrainSpec
 from parabench.topology import Topology
+from parabench.trainer import TrainSpec
 
 
 def test_compile_blocks_drops_an_earlier_cases_graphs():
@@ -54,7 +54,7 @@ def _fsdp2_fp8_scales():
     from torchao.float8.float8_utils import amax_to_scale
 
     from parabench.case import Case
-    from parabench.strategies import get_strategy
+    from parabench.registry import get_strategy
     from parabench.worker import make_spec
 
     fp8.EMULATE = True

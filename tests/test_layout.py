@@ -15,8 +15,8 @@ from harness import assert_matches_single, payload_by_kind, run_cases, single_tr
 from parabench.case import Case
 from parabench.metrics import model_section
 from parabench.models import build_model, model_config, parameter_count
+from parabench.registry import expected
 from parabench.suite import SuiteError, load_suite, validate_case
-from parabench.theory import expected
 
 ROOT = Path(__file__).resolve().parent.parent
 N_STEPS = 4

@@ -35,7 +35,7 @@ def _case(strategy):
 
 def _measure(case_dicts):
     from parabench.meters.memory_breakdown import measure_step
-    from parabench.strategies import get_strategy
+    from parabench.registry import get_strategy
     from parabench.worker import local_batches, make_spec
 
     out = {}
@@ -120,7 +120,7 @@ def _fsdp_case(strategy, shape):
 def _measure_plain(named_cases):
     """Per case: one warm-up step, then one step under the meter; the reference's unit sizes beside it."""
     from parabench.meters.memory_breakdown import measure_step
-    from parabench.strategies import get_strategy
+    from parabench.registry import get_strategy
     from parabench.worker import local_batches, make_spec
 
     out = {}
@@ -152,7 +152,7 @@ def test_memory_breakdown_zero3_not_above_fsdp2():
 
     torch.fsdp2 runs in processes of its own (FSDP2 patches torch functions)."""
     from parabench.models import model_config
-    from parabench.theory import expected
+    from parabench.registry import expected
 
     refs = run_on_gloo(
         _measure_plain,

@@ -17,8 +17,8 @@ from parabench.case import Case
 from parabench.cli import main
 from parabench.metrics import check_against_theory
 from parabench.models import model_config
+from parabench.registry import expected
 from parabench.suite import SuiteError, validate_case
-from parabench.theory import expected
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 N_STEPS = 4

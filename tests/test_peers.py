@@ -8,7 +8,7 @@ from harness import max_rel_diff, params_close, payload_by_kind, replica_mean_lo
 
 from parabench.case import Case
 from parabench.models import model_config, parameter_count
-from parabench.theory import expected
+from parabench.registry import expected
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 PEERS = ["torch.ddp", "torch.fsdp2", "deepspeed.zero0", "deepspeed.zero1", "deepspeed.zero2", "deepspeed.zero3"]

@@ -97,12 +97,12 @@ def test_deepspeed_zero3_keeps_its_gradient_buffer_and_bucket():
 @pytest.mark.parametrize("strategy", ["ref.zero1", "ref.zero2", "ref.zero3", "torch.ddp"])
 def test_model_states_are_the_theory_layout(strategy):
     """References are held to the theory's layout of what they actually keep, summed exactly."""
-    from parabench import theory
     from parabench.case import Case
+    from parabench.registry import expected
 
     cfg = model_config("gpt-350m")
     w = for_config(model="gpt-350m", cfg=cfg, strategy=strategy, world_size=4, micro_batch=1)
-    exp = theory.expected(
+    exp = expected(
         Case(model="gpt-350m", strategy=strategy, world_size=4, precision="bf16", micro_batch=1), cfg, 4
     )
     assert w.state_bytes == sum(exp["state_bytes"].values())
@@ -912,7 +912,7 @@ def test_preregistered_comparison_takes_a_repeated_case_once_at_its_median(tmp_p
     from parabench.plan.validate import preregistered
     from parabench.results import load_run
 
-    run = ROOT / "results/peer-fidelity-350m-gpu/20261127-064048"  # 2 cases, 3 launches each
+    run = ROOT / "results/studies/peer-fidelity-350m-gpu/20261127-064048"  # 2 cases, 3 launches each
     records = load_run(run)[1]
     hashes = sorted({r["case_hash"] for r in records})
     preds = {"predictions": [{"case_hash": h, "step_time_s": 0.3, "peak_bytes": 1e10} for h in hashes]}
@@ -930,7 +930,7 @@ def test_preregistered_comparison_ranks_a_repeated_run_launch_against_launch(tmp
     that keep the order give 1, whatever the predictions say."""
     from parabench.plan.validate import preregistered
 
-    run = ROOT / "results/plan-retest-pipelines-h100x4/20261127-161154"  # 23 configurations, 2-3 launches each
+    run = ROOT / "results/studies/plan-retest-pipelines-h100x4/20261127-161154"  # 23 configurations, 2-3 launches each
     rep = preregistered(ROOT / "results/predictions/plan-retest-pipelines-h100x4.json", run)
     (g,) = rep["launch_retest"]
     assert g["group"] == "gpt-1.3b w4 master mb16" and g["configs"] == 23
@@ -1139,7 +1139,7 @@ def test_report_shows_each_prediction_and_the_planners_validation():
     from parabench.report.html import render_report
     from parabench.report.predicted import validation_rows
 
-    html = render_report([ROOT / "results/ds-host-gpu/20261127-043817"], with_figures=False)
+    html = render_report([ROOT / "results/studies/ds-host-gpu/20261127-043817"], with_figures=False)
     assert 'id="tbl-predicted"' in html and 'id="tbl-plan-validation-h100"' in html
     report = json.loads((ROOT / "results/calibration/validation-h100.json").read_text())
     rows = validation_rows(report)
@@ -1421,7 +1421,7 @@ def test_ddp_split_graphs_are_the_ones_dynamo_cuts(model, bucket_mb, recipe):
 
 
 def test_ddp_split_graphs_add_what_the_h100_record_measured():
-    """gpt-1.3b mb 4 on one H100 (results/ddp-optimizer-h100x1): torch.ddp compiled held 1.50 GiB (amp) and
+    """gpt-1.3b mb 4 on one H100 (results/studies/ddp-optimizer-h100x1): torch.ddp compiled held 1.50 GiB (amp) and
     3.75 GiB (fp8) more with the DDPOptimizer on than off."""
     ws = {r: _workload(r, "gpt-1.3b", "torch.ddp", micro_batch=4, compile=True) for r in ("amp", "fp8", "master")}
     assert M.split_graphs_bytes(ws["amp"]) == 1.5 * M.GIB
@@ -1435,10 +1435,10 @@ def test_ddp_split_graphs_add_what_the_h100_record_measured():
 
 
 def test_the_amp_split_term_is_what_the_cpu_probe_and_the_gpu_records_measured():
-    """results/ddp-optimizer-cpu/probe.json: five cut structures at width 512, saved bytes with the DDPOptimizer
-    on less off; results/fp8-peers-gpu: gpt-1.3b on 2 GPUs at 25, 100 and 400 MiB buckets (three structures),
+    """results/studies/ddp-optimizer-cpu/probe.json: five cut structures at width 512, saved bytes with the DDPOptimizer
+    on less off; results/studies/fp8-peers-gpu: gpt-1.3b on 2 GPUs at 25, 100 and 400 MiB buckets (three structures),
     the peaks' differences. The amp term reproduces both to the byte and to 0.01 GiB."""
-    probe = json.loads((Path(C.CALIBRATION_DIR).parent / "ddp-optimizer-cpu" / "probe.json").read_text())
+    probe = json.loads((Path(C.CALIBRATION_DIR).parent / "studies" / "ddp-optimizer-cpu" / "probe.json").read_text())
     rows = [r for r in probe["rows"] if r["recipe"] == "amp"]
     assert len({len(r["graphs"]) for r in rows}) == 5
     for r in rows:
@@ -1454,7 +1454,7 @@ def test_the_amp_split_term_is_what_the_cpu_probe_and_the_gpu_records_measured()
         )
         assert M.split_graphs_bytes(w) == r["measured_extra_bytes"], r
     peaks = {}
-    for path in (Path(C.CALIBRATION_DIR).parent / "fp8-peers-gpu").glob("*/cases/*.json"):
+    for path in (Path(C.CALIBRATION_DIR).parent / "studies" / "fp8-peers-gpu").glob("*/cases/*.json"):
         rec = json.loads(path.read_text())
         c = rec["case"]
         if c["strategy"] == "torch.ddp" and c["recipe"] == "amp" and rec["status"] == "ok":
@@ -1686,7 +1686,7 @@ def test_the_report_sets_out_of_memory_cases_beside_their_predicted_peaks():
     from parabench.report.predicted import prediction_rows
     from parabench.results import load_run
 
-    run = next((ROOT / "results" / "plan-check-13b-h200x2").iterdir())
+    run = next((ROOT / "results" / "studies" / "plan-check-13b-h200x2").iterdir())
     rows, missing, _ = prediction_rows([load_run(run)])
     oom = [r for r in rows if r["flag"].startswith("OOM")]
     assert {r["label"].split()[0] for r in oom} == {"deepspeed.zero1", "deepspeed.zero2"} and not missing

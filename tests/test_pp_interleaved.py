@@ -16,8 +16,8 @@ from parabench import pipeline_sim
 from parabench.case import Case
 from parabench.models import model_config
 from parabench.pipeline_sim import Op
+from parabench.registry import expected
 from parabench.suite import SuiteError, validate_case
-from parabench.theory import expected
 from reference_impls.pipeline_interleaved import interleaved_order, peak_live_theory
 
 N_STEPS = 3

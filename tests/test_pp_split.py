@@ -18,8 +18,8 @@ from parabench.case import Case
 from parabench.models import model_config
 from parabench.plan import model as M
 from parabench.plan.workload import for_config
+from parabench.registry import expected
 from parabench.suite import SuiteError, validate_case
-from parabench.theory import expected
 from reference_impls.pipeline import partition_layers
 
 N_STEPS = 3

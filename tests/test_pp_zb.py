@@ -18,8 +18,8 @@ from parabench import pipeline_sim
 from parabench.case import Case
 from parabench.models import model_config
 from parabench.pipeline_sim import Op
+from parabench.registry import expected
 from parabench.suite import SuiteError, validate_case
-from parabench.theory import expected
 from reference_impls.pipeline import one_f_one_b_order
 from reference_impls.pipeline_zb import bubble_fraction_theory, peak_live_theory, zb_h1_order
 

@@ -148,7 +148,7 @@ def test_report_legacy_rule_agrees_with_the_registry():
     """``parabench.recipes.legacy_recipe`` (read by the report without training code) says what
     every strategy's row says."""
     from parabench.recipes import legacy_recipe
-    from parabench.strategies import STRATEGIES
+    from parabench.registry import STRATEGIES
 
     assert {n: legacy_recipe(n) for n in STRATEGIES} == {n: s.legacy_recipe for n, s in STRATEGIES.items()}
 

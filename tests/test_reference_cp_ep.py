@@ -21,10 +21,11 @@ from parabench.case import Case
 from parabench.families.context import cp_ops
 from parabench.families.expert import ep_ops
 from parabench.models import GPT, build_model, model_config, model_flops_per_token, parameter_count
-from parabench.strategies import TrainSpec, get_strategy
+from parabench.registry import expected, get_strategy
 from parabench.suite import SuiteError, validate_case
-from parabench.theory import expected, sum_ops
+from parabench.theory import sum_ops
 from parabench.topology import Topology
+from parabench.trainer import TrainSpec
 
 N_STEPS = 5
 OPTIM = {"eps": 1e-6}

@@ -32,7 +32,7 @@ from harness import (
 
 from parabench.case import Case
 from parabench.models import model_config, parameter_count
-from parabench.theory import expected
+from parabench.registry import expected
 
 N_STEPS = 5
 OPTIM = {"eps": 1e-6}

@@ -27,8 +27,8 @@ from helpers import single_reference
 
 from parabench.case import Case
 from parabench.models import model_config
+from parabench.registry import expected
 from parabench.suite import SuiteError, validate_case
-from parabench.theory import expected
 
 N_STEPS = 5
 OPTIM = {"eps": 1e-6}

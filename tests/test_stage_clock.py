@@ -19,8 +19,8 @@ from parabench.case import Case
 from parabench.distributed import run_on_gloo
 from parabench.models import model_config
 from parabench.record import build_record
+from parabench.registry import get_strategy
 from parabench.report import frames
-from parabench.strategies import get_strategy
 from parabench.worker import local_batches, make_spec, run_case
 from reference_impls.pipeline import StageClock
 

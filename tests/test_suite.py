@@ -226,7 +226,7 @@ def test_own_launch_isolates_a_case_without_changing_what_it_measures(tmp_path):
 def test_options_parse_through_the_strategy_dataclass_without_touching_the_dict():
     """Defaults live in the dataclass only: the case keeps the dict it was given (and its hash)."""
     from parabench.families.sharded import ShardedOptions
-    from parabench.strategies import get_strategy
+    from parabench.registry import get_strategy
 
     spec = get_strategy("ref.hsdp")
     assert spec.options is ShardedOptions
@@ -253,7 +253,7 @@ def test_every_registered_builder_resolves():
     """A strategy names its builder by import path; a lost function would show only when a case ran."""
     import importlib
 
-    from parabench.strategies import STRATEGIES
+    from parabench.registry import STRATEGIES
 
     missing = []
     for name, spec in STRATEGIES.items():

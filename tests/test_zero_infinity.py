@@ -12,7 +12,7 @@ import pytest
 
 from parabench.case import Case
 from parabench.models import GPTConfig
-from parabench.peers import deepspeed_nvme
+from parabench.peers import deepspeed_aio, deepspeed_nvme
 from parabench.peers.deepspeed_nvme import disk_probe, nvme_config
 from parabench.record import build_record
 from parabench.runner import LaunchOptions, skip_reason
@@ -94,7 +94,7 @@ def test_runner_skips_with_the_builders_verdict_when_the_op_is_unavailable(monke
         "loaded": False,
         "message": "async_io requires the dev libaio .so object and headers but these were not found.",
     }
-    monkeypatch.setattr(deepspeed_nvme, "aio_verdict", lambda device_type: verdict)
+    monkeypatch.setattr(deepspeed_aio, "aio_verdict", lambda device_type: verdict)
     case = _case("deepspeed.zero3_nvme")
     reason = skip_reason(case, LaunchOptions())
     assert reason is not None
@@ -103,9 +103,9 @@ def test_runner_skips_with_the_builders_verdict_when_the_op_is_unavailable(monke
     assert record["status"] == "skipped" and record["error"]["message"] == reason
     assert skip_reason(_case("deepspeed.zero3"), LaunchOptions()) is None  # other peers unaffected
 
-    monkeypatch.setattr(deepspeed_nvme, "aio_verdict", lambda device_type: {**verdict, "is_compatible": True})
+    monkeypatch.setattr(deepspeed_aio, "aio_verdict", lambda device_type: {**verdict, "is_compatible": True})
     assert "loaded = False" in skip_reason(case, LaunchOptions())  # compatible but the build failed
-    monkeypatch.setattr(deepspeed_nvme, "aio_verdict", lambda d: {**verdict, "is_compatible": True, "loaded": True})
+    monkeypatch.setattr(deepspeed_aio, "aio_verdict", lambda d: {**verdict, "is_compatible": True, "loaded": True})
     assert skip_reason(case, LaunchOptions()) is None
 
 
@@ -179,8 +179,9 @@ def _train_world1(runs: dict, steps: int) -> dict:
 
     from parabench.models import global_batch
     from parabench.peers.deepspeed_nvme import MisalignedGradientSwap
-    from parabench.strategies import OptimConfig, TrainSpec, get_strategy
+    from parabench.registry import get_strategy
     from parabench.topology import Topology
+    from parabench.trainer import OptimConfig, TrainSpec
 
     out = {}
     for key, (strategy, cfg, options) in runs.items():

@@ -23,8 +23,8 @@ from harness import assert_matches_single, max_rel_diff, payload_by_kind, replic
 
 from parabench.case import Case
 from parabench.models import model_config
+from parabench.registry import expected
 from parabench.runner import LaunchOptions, skip_reason
-from parabench.theory import expected
 from reference_impls.zeropp import dequantize, quantize
 
 N_STEPS = 3

@@ -15,9 +15,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from parabench.families.data_parallel import DataParallelOptions, expect_ref_ddp, reference_model
-from parabench.models import GPTConfig, lm_loss
-from parabench.strategies import AMP_ONLY, StrategySpec, TrainSpec, as_trainer
+from parabench.families.data_parallel import DataParallelOptions, expect_ref_ddp
+from parabench.shapes import GPTConfig
+from parabench.strategies import AMP_ONLY, PlanFacts, StrategySpec
 from parabench.theory import BYTES, Expectation, ref_bucket_shapes, sum_ops, zero_paper_state_bytes
 from parabench.theory import psi as psi_of
 
@@ -38,76 +38,6 @@ def validate(case, o: CompressionOptions, cfg: GPTConfig) -> None:
     for key in ("powersgd_rank", "sync_every"):
         if getattr(o, key) < 1:
             raise ValueError(f"{key} must be a positive integer (got {getattr(o, key)!r})")
-
-
-# --- reference builders -------------------------------------------------------------------------
-
-
-def _kwargs(spec: TrainSpec) -> dict:
-    """fp32 or bf16 (no loss scaler: fp16 training with compressed gradients is not covered)."""
-    if spec.precision not in ("fp32", "bf16"):
-        raise ValueError(f"compression references support fp32 and bf16, not {spec.precision!r}")
-    a = spec.optim
-    return dict(
-        grad_accum=spec.grad_accum,
-        compute_dtype=spec.param_dtype,
-        adam=dict(lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay),
-    )
-
-
-def _compressed(spec: TrainSpec, compressor):
-    from reference_impls.compression import CompressedDDP
-
-    o = CompressionOptions.read(spec.options)
-    return as_trainer(CompressedDDP)(
-        reference_model(spec, o),
-        lm_loss,
-        spec.topology.dp_group,
-        compressor=compressor,
-        bucket_mb=float(o.bucket_mb),
-        **_kwargs(spec),
-    )
-
-
-def build_ddp_fp16_compress(spec: TrainSpec):
-    from reference_impls.compression import FP16Compressor
-
-    return _compressed(spec, FP16Compressor())
-
-
-def build_ddp_onebit(spec: TrainSpec):
-    from reference_impls.compression import OneBitCompressor
-
-    return _compressed(spec, OneBitCompressor(error_feedback=CompressionOptions.read(spec.options).error_feedback))
-
-
-def build_ddp_topk(spec: TrainSpec):
-    from reference_impls.compression import TopKCompressor
-
-    o = CompressionOptions.read(spec.options)
-    return _compressed(spec, TopKCompressor(float(o.topk_ratio), error_feedback=o.error_feedback))
-
-
-def build_ddp_powersgd(spec: TrainSpec):
-    from reference_impls.compression import PowerSGDCompressor
-
-    o = CompressionOptions.read(spec.options)
-    return _compressed(spec, PowerSGDCompressor(o.powersgd_rank, error_feedback=o.error_feedback, seed=spec.seed))
-
-
-def build_local_sgd(spec: TrainSpec):
-    from reference_impls.compression import LocalSGD
-
-    o = CompressionOptions.read(spec.options)
-    return as_trainer(LocalSGD)(
-        reference_model(spec, o),
-        lm_loss,
-        spec.topology.dp_group,
-        sync_every=o.sync_every,
-        average_optimizer_state=o.average_optimizer_state,
-        optimizer=o.local_optimizer,
-        **_kwargs(spec),
-    )
 
 
 # --- expectations -------------------------------------------------------------------------------
@@ -263,7 +193,7 @@ def _row(name, builder, kind, description, expect, **kw):
     )
 
 
-_REF = "parabench.families.compression"
+_REF = "parabench.builders.compression"
 _HOOKS = "parabench.peers.torch_ddp_hooks"
 ROWS = (
     _row(
@@ -272,6 +202,7 @@ ROWS = (
         "reference",
         "reference DDP with fp16 gradients on the wire (cast, all-reduce, cast back)",
         compressed_expectation("fp16"),
+        peers=("torch.ddp_fp16_hook",),
     ),
     _row(
         "ref.ddp_onebit",
@@ -296,6 +227,7 @@ ROWS = (
         "reference DDP, PowerSGD rank-r (P = MQ, all-reduce, orthogonalise, Q = M^T P, all-reduce), "
         "warm start, error feedback (options powersgd_rank, error_feedback)",
         compressed_expectation("powersgd"),
+        peers=("torch.ddp_powersgd_hook",),
     ),
     _row(
         "ref.local_sgd",
@@ -311,6 +243,9 @@ ROWS = (
         "peer",
         "PyTorch DDP + default_hooks.fp16_compress_hook",
         expect_torch_fp16_hook,
+        plan=PlanFacts(
+            master_grad_buffer=True,
+        ),
     ),
     _row(
         "torch.ddp_powersgd_hook",
@@ -318,5 +253,8 @@ ROWS = (
         "peer",
         "PyTorch DDP + powerSGD_hook (rank powersgd_rank, start_powerSGD_iter 2, min_compression_rate 1)",
         expect_torch_powersgd_hook,
+        plan=PlanFacts(
+            master_grad_buffer=True,
+        ),
     ),
 )

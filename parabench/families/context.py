@@ -7,9 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from parabench.models import GPTConfig
-from parabench.peers.common import CPTrainer
-from parabench.strategies import AMP_ONLY, CommonOptions, StrategySpec, TrainSpec
+from parabench.shapes import GPTConfig
+from parabench.strategies import AMP_ONLY, CommonOptions, StrategySpec
 from parabench.theory import BYTES, Expectation, psi, sum_ops, zero_paper_state_bytes
 
 
@@ -35,24 +34,6 @@ def validate(case, o: ContextOptions, cfg: GPTConfig) -> None:
         )
     if case.strategy in ("ref.cp_ulysses", "deepspeed.ulysses") and cfg.n_heads % cp:
         raise ValueError(f"{case.strategy}: cp={cp} does not divide the {cfg.n_heads} heads of {case.model}")
-
-
-def _build(spec: TrainSpec, mode: str) -> CPTrainer:
-    o = ContextOptions.read(spec.options)
-    # ``break`` is a test hook (a deliberately broken ring or Ulysses step), never a suite option.
-    return CPTrainer(spec, mode, o.cp, o.cp_split, broken=spec.options.get("break"))
-
-
-def build_cp_ring(spec: TrainSpec) -> CPTrainer:
-    return _build(spec, "ring")
-
-
-def build_cp_ulysses(spec: TrainSpec) -> CPTrainer:
-    return _build(spec, "ulysses")
-
-
-def build_cp_allgather(spec: TrainSpec) -> CPTrainer:
-    return _build(spec, "allgather")
 
 
 # --- context parallelism (ring attention, Ulysses, all-gather) ------------------------------------
@@ -148,23 +129,25 @@ def _row(name, builder, kind, description, expect, **kw):
 ROWS = (
     _row(
         "ref.cp_ring",
-        "parabench.families.context:build_cp_ring",
+        "parabench.builders.context:build_cp_ring",
         "reference",
         "ring attention context parallel: K/V round the ring over send/recv, fused block kernels, "
         "log-sum-exp merge, ring backward (option cp_split = zigzag | contiguous)",
         cp_expectation("ring"),
         version="3",
+        peers=("torch.cp",),
     ),
     _row(
         "ref.cp_ulysses",
-        "parabench.families.context:build_cp_ulysses",
+        "parabench.builders.context:build_cp_ulysses",
         "reference",
         "DeepSpeed-Ulysses context parallel: all-to-all sequence shards <-> head shards around attention",
         cp_expectation("ulysses"),
+        peers=("deepspeed.ulysses",),
     ),
     _row(
         "ref.cp_allgather",
-        "parabench.families.context:build_cp_allgather",
+        "parabench.builders.context:build_cp_allgather",
         "reference",
         "Llama 3 all-gather context parallel: K, V all-gathered before attention, local queries, dK, dV "
         "reduce-scattered; load-balanced split (option cp_split = zigzag | contiguous)",

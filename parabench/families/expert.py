@@ -8,11 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch.distributed as dist
-
-from parabench.models import MOE_ROUTING, GPTConfig, build_model, lm_loss, parameter_count
-from parabench.peers.common import ReplicatedTrainer, adamw, assemble_on_rank0, autocast, check_degree
-from parabench.strategies import AMP_ONLY, MASTER_ONLY, CommonOptions, PeerProfile, StrategySpec, TrainSpec
+from parabench.shapes import GPTConfig, parameter_count
+from parabench.strategies import AMP_ONLY, MASTER_ONLY, CommonOptions, PeerProfile, StrategySpec
 from parabench.theory import BYTES, Expectation, sum_ops
 
 
@@ -40,41 +37,6 @@ def validate(case, o: ExpertOptions, cfg: GPTConfig) -> None:
         raise ValueError(f"{case.strategy}: ep={ep} does not divide the {cfg.n_experts} experts of {case.model}")
     if case.strategy == "deepspeed.moe" and cfg.top_k != 2:
         raise ValueError(f"deepspeed.moe wires DeepSpeed's top-2 gate only ({case.model} has top_k={cfg.top_k})")
-
-
-class EPTrainer(ReplicatedTrainer):
-    def __init__(self, spec: TrainSpec):
-        from reference_impls.expert_parallel import ExpertParallel
-
-        self.spec = spec
-        check_degree("ep", ExpertOptions.read(spec.options).ep)
-        if not spec.model.is_moe:
-            raise ValueError("expert parallelism needs an MoE model (n_experts > 0), e.g. tiny-moe")
-        self.module = build_model(spec.model, spec.seed, spec.device)
-        self.ep = ExpertParallel(self.module, spec.topology.dp_group, MOE_ROUTING, lm_loss)
-        self.optimizer = adamw(self.module.parameters(), spec)
-
-    def train_step(self, inputs, targets):
-        loss = self.ep.forward_backward(inputs, targets, self.spec.grad_accum, autocast=lambda: autocast(self.spec))
-        return self._step(loss)
-
-    def full_parameters(self):
-        """Rank 0 assembles the full MoE: dense parameters from itself, experts from their owners."""
-        mine = {
-            self.ep.global_name(n): p.detach().float().cpu().clone()
-            for n, p in self.module.named_parameters()
-            if any(p is q for q in self.ep.expert_params) or dist.get_rank() == 0
-        }
-        return assemble_on_rank0(mine, self.spec)
-
-    def strategy_stats(self) -> dict:
-        """Routing of the last micro-batch per MoE layer: tokens per expert (this rank's tokens),
-        rows received per local expert, rows sent/received, dropped assignments."""
-        return {"ep": self.ep.ep, "moe_layers": self.ep.routing_stats()}
-
-
-def build_ep(spec: TrainSpec) -> EPTrainer:
-    return EPTrainer(spec)
 
 
 def ep_ops(cfg: GPTConfig, case, routing: list[tuple[int, int]] | None = None) -> list[tuple[str, int]]:
@@ -299,12 +261,13 @@ def _row(name, builder, kind, description, expect, **kw):
 ROWS = (
     _row(
         "ref.ep",
-        "parabench.families.expert:build_ep",
+        "parabench.builders.expert:build_ep",
         "reference",
         "expert parallel MoE: experts sharded, tokens dispatched/combined with all-to-all (counts first), "
         "dense parameters all-reduced",
         expect_ref_ep,
         version="2",
+        peers=("deepspeed.moe",),
     ),
     _row(
         "deepspeed.moe",

@@ -19,27 +19,8 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-import torch
-import torch.distributed as dist
-
-from parabench.models import GPTConfig, build_model
-from parabench.peers.common import (
-    autocast,
-    compile_blocks,
-    optimizer_state_bytes,
-    recipe_module,
-    recipe_optimizer,
-    tensor_bytes,
-)
-from parabench.strategies import (
-    MASTER_ONLY,
-    TORCH_PEER_RECIPES,
-    CommonOptions,
-    PeerProfile,
-    StrategySpec,
-    Trainer,
-    TrainSpec,
-)
+from parabench.shapes import GPTConfig
+from parabench.strategies import MASTER_ONLY, TORCH_PEER_RECIPES, CommonOptions, PeerProfile, PlanFacts, StrategySpec
 from parabench.theory import BYTES, Expectation, recipe_state_bytes, scalar_ops, sum_ops
 
 TP_STRATEGIES = ("ref.tp", "ref.tp_sp", "torch.tp", "torch.tp_sp")
@@ -143,124 +124,6 @@ def validate(case, o: ModelParallelOptions, cfg: GPTConfig) -> None:
                 f"and tp must be 1 (got world_size={case.world_size}, pp={pp}, tp={tp}; data and "
                 f"tensor parallelism around DeepSpeed's pipeline are not wired)"
             )
-
-
-# --- reference builders -------------------------------------------------------------------------
-
-
-def gather_full_parameters(named: dict[str, torch.Tensor], shard_dims: dict, coords) -> dict | None:
-    """Rank 0 assembles the full model from every rank's shards (collective over the world).
-
-    ``coords`` = (dp, pp, tp) of this rank. Only dp replica 0 is used; each name is owned by one
-    pipeline stage; tensor-parallel shards are concatenated along their split dimension in tp order.
-    """
-    mine = {
-        "coords": tuple(coords),
-        "params": {n: (t.detach().float().cpu(), shard_dims.get(n)) for n, t in named.items()},
-    }
-    everything = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, everything, dst=0)
-    if dist.get_rank() != 0:
-        return None
-    parts: dict[str, list] = {}
-    for r in everything:
-        dp_rank, _, tp_rank = r["coords"]
-        if dp_rank != 0:
-            continue
-        for n, (t, dim) in r["params"].items():
-            parts.setdefault(n, []).append((tp_rank, t, dim))
-    full = {}
-    for n, shards in parts.items():
-        shards.sort(key=lambda x: x[0])
-        dim = shards[0][2]
-        full[n] = shards[0][1] if dim is None else torch.cat([t for _, t, _ in shards], dim=dim)
-    return full
-
-
-class ModelParallelTrainer(Trainer):
-    def __init__(self, spec: TrainSpec, sequence_parallel: bool, schedule: str, virtual_stages: int = 1):
-        from reference_impls.compose import parallelize
-
-        self.spec = spec
-        topo = spec.topology
-        o = ModelParallelOptions.read(spec.options)
-        model = recipe_module(build_model(spec.model, spec.seed, spec.device), spec)
-        self.par = parallelize(
-            model,
-            tp_group=topo.tp_group,
-            pp_group=topo.pp_group,
-            dp_group=topo.dp_group,
-            sequence_parallel=sequence_parallel,
-            schedule=schedule,
-            microbatches=o.microbatches,
-            virtual_stages=virtual_stages,
-            stage_layers=o.stage_layers,
-        )
-        del model
-        blocks = self.par.module.blocks  # a ModuleDict keyed by global index on a pipeline stage
-        compile_blocks(blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks, spec)
-        self.optimizer = recipe_optimizer(self.par.module.parameters(), spec)
-        self.measure_state = False
-        self._grad_bytes = 0
-
-    def train_step(self, inputs, targets):
-        if self.par.engine is not None:
-            self.par.engine.record_timeline = self.record_timeline
-        with autocast(self.spec):
-            loss = self.par.forward_backward(inputs, targets, self.spec.grad_accum)
-        if self.measure_state:
-            self._grad_bytes = tensor_bytes(p.grad for p in self.par.module.parameters())
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    def state_bytes(self):
-        return {
-            "params": tensor_bytes(self.par.module.parameters()),
-            "grads": self._grad_bytes,
-            "optimizer": optimizer_state_bytes(self.optimizer),
-        }
-
-    def full_parameters(self):
-        return gather_full_parameters(
-            dict(self.par.module.named_parameters()), self.par.shard_dims, self.spec.topology.coords
-        )
-
-    def pipeline_stats(self) -> dict | None:
-        """This stage's last-step schedule record: order, compute/wait seconds, measured and
-        theoretical bubble fraction, peak live micro-batches (None without a pipeline)."""
-        return self.par.pipeline_stats()
-
-    def close(self):
-        self.optimizer = None
-        self.par = None
-
-
-def build_tp(spec: TrainSpec) -> ModelParallelTrainer:
-    return ModelParallelTrainer(
-        spec, sequence_parallel=False, schedule=ModelParallelOptions.read(spec.options).schedule
-    )
-
-
-def build_tp_sp(spec: TrainSpec) -> ModelParallelTrainer:
-    return ModelParallelTrainer(spec, sequence_parallel=True, schedule=ModelParallelOptions.read(spec.options).schedule)
-
-
-def build_pp_gpipe(spec: TrainSpec) -> ModelParallelTrainer:
-    return ModelParallelTrainer(spec, sequence_parallel=ModelParallelOptions.read(spec.options).sp, schedule="gpipe")
-
-
-def build_pp_1f1b(spec: TrainSpec) -> ModelParallelTrainer:
-    return ModelParallelTrainer(spec, sequence_parallel=ModelParallelOptions.read(spec.options).sp, schedule="1f1b")
-
-
-def build_pp_zb(spec: TrainSpec) -> ModelParallelTrainer:
-    return ModelParallelTrainer(spec, sequence_parallel=False, schedule="zb_h1")
-
-
-def build_pp_interleaved(spec: TrainSpec) -> ModelParallelTrainer:
-    o = ModelParallelOptions.read(spec.options)
-    return ModelParallelTrainer(spec, sequence_parallel=o.sp, schedule="1f1b", virtual_stages=o.virtual_stages)
 
 
 # --- expectations -------------------------------------------------------------------------------
@@ -707,6 +570,8 @@ def _meta_param_numels(cfg: GPTConfig) -> tuple:
     """(embeddings, each block, final LayerNorm + head) parameter sizes of ``cfg``'s model, built
     once on the meta device: a build takes about 0.08 s at gpt-13b, and the planner asks for every
     chunk of every rank of every pipeline candidate."""
+    import torch
+
     from parabench.models import GPT
 
     with torch.device("meta"):
@@ -817,7 +682,7 @@ def _row(name, builder, kind, description, expect, **kw):
     )
 
 
-_REF = "parabench.families.model_parallel"
+_REF = "parabench.builders.model_parallel"
 _TORCH_PP = "parabench.peers.torch_pipeline"
 ROWS = (
     _row(
@@ -827,6 +692,12 @@ ROWS = (
         "Megatron tensor parallel: f/g operators, column/row-parallel layers, vocab-parallel "
         "embedding and cross-entropy (options tp, pp; x dp)",
         model_parallel_expectation(False, None),
+        plan=PlanFacts(
+            family="model_parallel",
+            search=("tensor", "tensor_pipeline"),
+            master_grad_buffer=True,
+        ),
+        peers=("torch.tp",),
     ),
     _row(
         "ref.tp_sp",
@@ -834,6 +705,14 @@ ROWS = (
         "reference",
         "Megatron tensor + sequence parallel: all-gather/reduce-scatter along the sequence",
         model_parallel_expectation(True, None),
+        plan=PlanFacts(
+            family="model_parallel",
+            search=("tensor",),
+            search_order=1,
+            sequence_parallel=True,
+            master_grad_buffer=True,
+        ),
+        peers=("torch.tp_sp",),
     ),
     _row(
         "ref.pp_gpipe",
@@ -841,6 +720,15 @@ ROWS = (
         "reference",
         "GPipe pipeline over send/recv (options pp, microbatches, tp, sp; x dp)",
         model_parallel_expectation(None, "gpipe"),
+        plan=PlanFacts(
+            family="model_parallel",
+            search=("pipeline",),
+            search_order=1,
+            pipeline_schedule="gpipe",
+            pipeline_engine="ref",
+            master_grad_buffer=True,
+        ),
+        peers=("torch.pp_gpipe",),
     ),
     _row(
         "ref.pp_1f1b",
@@ -848,6 +736,14 @@ ROWS = (
         "reference",
         "1F1B (PipeDream-Flush) pipeline over send/recv (options pp, microbatches, tp, sp; x dp)",
         model_parallel_expectation(None, "1f1b"),
+        plan=PlanFacts(
+            family="model_parallel",
+            search=("pipeline",),
+            pipeline_schedule="1f1b",
+            pipeline_engine="ref",
+            master_grad_buffer=True,
+        ),
+        peers=("torch.pp_1f1b", "deepspeed.pp"),
     ),
     _row(
         "ref.pp_interleaved",
@@ -857,6 +753,15 @@ ROWS = (
         "micro-batches a multiple of pp (options pp, virtual_stages, microbatches, tp, sp; x dp)",
         model_parallel_expectation(None, "interleaved_1f1b"),
         version="1",
+        plan=PlanFacts(
+            family="model_parallel",
+            search=("pipeline",),
+            search_order=2,
+            pipeline_schedule="interleaved",
+            pipeline_engine="ref",
+            master_grad_buffer=True,
+        ),
+        peers=("torch.pp_interleaved",),
     ),
     _row(
         "ref.pp_zb",
@@ -866,6 +771,17 @@ ROWS = (
         "weight (W) gradients, W's deferred into the bubble; micro-batches >= pp (options pp, microbatches; x dp)",
         model_parallel_expectation(None, "zb_h1"),
         version="2",  # 2: W of nn.Linear as explicit dy^T x, a micro-batch's graph freed at its W (1: one autograd.grad per module, graphs kept to the step's end)
+        plan=PlanFacts(
+            family="model_parallel",
+            pipeline_schedule="zb_h1",
+            pipeline_engine="ref",
+            host_bound=True,
+            host_bound_versions=("1",),
+            host_analogue="torch.pp_zb",
+            master_grad_buffer=True,
+            done_graphs_kept_versions=("1",),
+        ),
+        peers=("torch.pp_zb",),
     ),
     _row(
         "torch.tp",
@@ -874,6 +790,14 @@ ROWS = (
         "PyTorch DTensor parallelize_module, ColwiseParallel/RowwiseParallel over the tp mesh",
         torch_tp_expectation(False),
         version="4",  # 4: dp gradients in 25 MiB buckets (3: no DeviceMesh slicing per step)
+        plan=PlanFacts(
+            family="model_parallel",
+            search=("tensor",),
+            search_order=2,
+            host_bound=True,
+            host_bound_eager_only=True,
+            master_grad_buffer=True,
+        ),
     ),
     _row(
         "torch.tp_sp",
@@ -882,6 +806,15 @@ ROWS = (
         "PyTorch DTensor tensor parallel + SequenceParallel LayerNorms",
         torch_tp_expectation(True),
         version="4",  # 4: dp gradients in 25 MiB buckets (3: LayerNorm gradients in one flat buffer)
+        plan=PlanFacts(
+            family="model_parallel",
+            search=("tensor",),
+            search_order=3,
+            sequence_parallel=True,
+            host_bound=True,
+            host_bound_eager_only=True,
+            master_grad_buffer=True,
+        ),
     ),
     _row(
         "torch.pp_gpipe",
@@ -890,6 +823,14 @@ ROWS = (
         "torch.distributed.pipelining PipelineStage + ScheduleGPipe",
         expect_torch_pipeline,
         version="3",  # 3: dp > 1 through DDP-wrapped stages (2: one all-reduce per gradient after the schedule)
+        plan=PlanFacts(
+            family="model_parallel",
+            pipeline_schedule="gpipe",
+            pipeline_engine="torch",
+            ddp_stages_from_version=3,
+            master_grad_buffer=True,
+            device_copies="torch_pipeline",
+        ),
     ),
     _row(
         "torch.pp_1f1b",
@@ -898,6 +839,16 @@ ROWS = (
         "torch.distributed.pipelining PipelineStage + Schedule1F1B",
         expect_torch_pipeline,
         version="3",  # 3: dp > 1 through DDP-wrapped stages (2: one all-reduce per gradient after the schedule)
+        plan=PlanFacts(
+            family="model_parallel",
+            search=("pipeline",),
+            search_order=3,
+            pipeline_schedule="1f1b",
+            pipeline_engine="torch",
+            ddp_stages_from_version=3,
+            master_grad_buffer=True,
+            device_copies="torch_pipeline",
+        ),
     ),
     _row(
         "torch.pp_interleaved",
@@ -906,6 +857,14 @@ ROWS = (
         "torch.distributed.pipelining ScheduleInterleaved1F1B, virtual_stages (default 2) chunks per rank",
         expect_torch_pipeline,
         version="3",  # 3: dp > 1 through DDP-wrapped stages (2: one all-reduce per gradient after the schedule)
+        plan=PlanFacts(
+            family="model_parallel",
+            pipeline_schedule="interleaved",
+            pipeline_engine="torch",
+            ddp_stages_from_version=3,
+            master_grad_buffer=True,
+            device_copies="torch_pipeline",
+        ),
     ),
     _row(
         "torch.pp_zb",
@@ -915,6 +874,15 @@ ROWS = (
         "stage_backward_input / stage_backward_weight split the backward)",
         expect_torch_pipeline,
         version="2",  # 2: dp > 1 averages in 25 MiB buckets after the schedule (1: one all-reduce per gradient)
+        plan=PlanFacts(
+            family="model_parallel",
+            pipeline_schedule="zb_h1",
+            pipeline_engine="torch",
+            host_bound=True,
+            host_analogue="ref.pp_zb",
+            master_grad_buffer=True,
+            device_copies="torch_pipeline",
+        ),
     ),
     _row(
         "deepspeed.pp",
@@ -927,5 +895,9 @@ ROWS = (
         min_world_size=2,
         options=DeepSpeedPipeOptions,
         version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
+        plan=PlanFacts(
+            family="model_parallel",
+            pipeline_schedule="1f1b",
+        ),
     ),
 )

@@ -9,27 +9,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-import torch
-import torch.distributed as dist
-
 from parabench.families.data_parallel import (
     DataParallelOptions,
-    common_kwargs,
-    dp_groups,
-    reference_model,
-    with_lr_spike,
 )
-from parabench.models import lm_loss, parameter_count
-from parabench.strategies import (
-    ANY_LAYOUT,
-    DP_PRECISIONS,
-    MASTER_ONLY,
-    PeerProfile,
-    StrategySpec,
-    TrainSpec,
-    as_trainer,
-    with_fp8,
-)
+from parabench.shapes import parameter_count
+from parabench.strategies import ANY_LAYOUT, DP_PRECISIONS, MASTER_ONLY, PeerProfile, PlanFacts, StrategySpec, with_fp8
 from parabench.theory import BYTES, Expectation, psi, ref_bucket_sizes, shard_numel, volume, zero_paper_state_bytes
 
 
@@ -92,110 +76,6 @@ class DeepSpeedNVMeOptions(DeepSpeedZeroOptions):
 # --- builders -----------------------------------------------------------------------------------
 
 
-def _zero(spec: TrainSpec, stage: int):
-    from reference_impls.zero import ZeRO
-
-    o = ShardedOptions.read(spec.options)
-    return with_lr_spike(
-        as_trainer(ZeRO)(
-            reference_model(spec, o),
-            lm_loss,
-            spec.topology.dp_group,
-            stage=stage,
-            bucket_mb=float(o.bucket_mb),
-            **common_kwargs(spec, o, dp_groups(spec)),
-        ),
-        o,
-    )
-
-
-def build_zero1(spec: TrainSpec):
-    return _zero(spec, 1)
-
-
-def build_zero2(spec: TrainSpec):
-    return _zero(spec, 2)
-
-
-def build_zero2_offload(spec: TrainSpec):
-    from reference_impls.zero_offload import ZeROOffload
-
-    o = ShardedOptions.read(spec.options)
-    return with_lr_spike(
-        as_trainer(ZeROOffload)(
-            reference_model(spec, o),
-            lm_loss,
-            spec.topology.dp_group,
-            bucket_mb=float(o.bucket_mb),
-            **common_kwargs(spec, o, dp_groups(spec)),
-        ),
-        o,
-    )
-
-
-def _fsdp(spec: TrainSpec, reshard_root: bool, shard_group=None, replicate_group=None):
-    from reference_impls.fsdp import FSDP
-
-    o = ShardedOptions.read(spec.options)
-    model = reference_model(spec, o)
-    group = shard_group or spec.topology.dp_group
-    # The inf flag goes round the shard group and, for HSDP, the replica group too.
-    groups = [group or dist.group.WORLD] + ([replicate_group] if replicate_group is not None else [])
-    return with_lr_spike(
-        as_trainer(FSDP)(
-            model,
-            lm_loss,
-            list(model.blocks),
-            group,
-            replicate_group=replicate_group,
-            reshard_root=reshard_root,
-            prefetch=bool(o.prefetch),
-            in_flight=o.in_flight,
-            **common_kwargs(spec, o, groups),
-        ),
-        o,
-    )
-
-
-def build_zero3(spec: TrainSpec):
-    return _fsdp(spec, reshard_root=True)
-
-
-def build_fsdp(spec: TrainSpec):
-    return _fsdp(spec, reshard_root=False)
-
-
-def build_zeropp(spec: TrainSpec):
-    from reference_impls.zeropp import ZeroPP
-
-    o = ZeroPPOptions.read(spec.options)
-    topo = spec.topology
-    hpz_group = None
-    if o.hpz and o.hpz_partition_size > 1:  # consecutive dp ranks, as DeepSpeed's (and HSDP's) groups
-        secondary, _, _, _ = hsdp_groups(topo.world_size, topo.dp, topo.pp, topo.tp, o.hpz_partition_size, topo.rank)
-        hpz_group, _ = dist.new_subgroups_by_enumeration(secondary)
-    model = reference_model(spec, o)
-    group = topo.dp_group
-    return with_lr_spike(
-        as_trainer(ZeroPP)(
-            model,
-            lm_loss,
-            list(model.blocks),
-            group,
-            qwz=o.qwz,
-            hpz=o.hpz,
-            hpz_group=hpz_group,
-            qgz=o.qgz,
-            qgz_bits=o.qgz_bits,
-            block=o.quant_block,
-            prefetch=bool(o.prefetch),
-            in_flight=o.in_flight,
-            **common_kwargs(spec, o, [group or dist.group.WORLD]),
-        ),
-        o,
-    )
-
-
 def validate_zeropp(case, o, cfg) -> None:
     if o.hpz and (o.hpz_partition_size < 1 or case.dp % o.hpz_partition_size):
         raise ValueError(
@@ -230,11 +110,10 @@ def hsdp_groups(world: int, dp: int, pp: int, tp: int, shard_size: int, rank: in
     replica group."""
     if dp % shard_size or shard_size < 1:
         raise ValueError(f"hsdp: shard_size {shard_size} must divide the data-parallel degree {dp}")
-    grid = torch.arange(world).view(dp, pp, tp)
     shards, replicas = [], []
     for p in range(pp):
         for t in range(tp):
-            col = grid[:, p, t].tolist()
+            col = [(d * pp + p) * tp + t for d in range(dp)]  # the grid's (:, p, t) column, world = dp*pp*tp
             shards += [col[k : k + shard_size] for k in range(0, dp, shard_size)]
             replicas += [col[j::shard_size] for j in range(shard_size)]
 
@@ -242,16 +121,6 @@ def hsdp_groups(world: int, dp: int, pp: int, tp: int, shard_size: int, rank: in
         return next(g for g in lists if rank in g)
 
     return shards, replicas, mine(shards), mine(replicas)
-
-
-def build_hsdp(spec: TrainSpec):
-    topo = spec.topology
-    shard_size = ShardedOptions.read(spec.options).shard_size
-    shards, replicas, _, _ = hsdp_groups(topo.world_size, topo.dp, topo.pp, topo.tp, shard_size, topo.rank)
-    # Every rank creates every group, in the same order (new_group is collective over the world).
-    shard_group, _ = dist.new_subgroups_by_enumeration(shards)
-    replicate_group, _ = dist.new_subgroups_by_enumeration(replicas)
-    return _fsdp(spec, reshard_root=False, shard_group=shard_group, replicate_group=replicate_group)
 
 
 # --- expectations: peers ------------------------------------------------------------------------
@@ -425,6 +294,8 @@ def deepspeed_persistent_numel(cfg, o) -> int:
 def _block_shapes(cfg, everything: bool = False) -> list[list[tuple[int, ...]]]:
     """Parameter shapes per transformer block, or (``everything``) of the whole model in
     registration order as one list."""
+    import torch
+
     from parabench.models import GPT
 
     with torch.device("meta"):
@@ -697,7 +568,7 @@ def expect_deepspeed_zero3_nvme(cfg, case, o, dp):
 def nvme_unsupported(case, device_type: str) -> str | None:
     """The runner's question before launching a deepspeed.zero3_nvme case: why DeepSpeed's async
     I/O op cannot run on this machine's ``device_type`` (its builder's verdict), or None."""
-    from parabench.peers.deepspeed_nvme import aio_unavailable
+    from parabench.peers.deepspeed_aio import aio_unavailable
 
     return aio_unavailable(device_type)
 
@@ -790,7 +661,7 @@ def _row(name, builder, kind, description, expect, **kw):
 
 
 _DS = "parabench.peers.deepspeed_zero"
-_REF = "parabench.families.sharded"
+_REF = "parabench.builders.sharded"
 ROWS = (
     _row(
         "torch.fsdp2",
@@ -799,6 +670,18 @@ ROWS = (
         "PyTorch FSDP2 fully_shard per transformer block + root (ZeRO-3 style)",
         expect_torch_fsdp2,
         version="3",  # 3: matched reduces in the compute dtype; 2: tuned by default (1 ran "matched")
+        plan=PlanFacts(
+            family="sharded",
+            search=("data_parallel",),
+            search_order=10,
+            grad_sync="per_unit",
+            per_unit_launches=True,
+            zero_stage=3,
+            fp32_sharded_params=True,
+            host_bound=True,
+            device_copies="fsdp2",
+            compiled_gc_remedy=True,
+        ),
     ),
     _row(
         "torch.hsdp",
@@ -808,6 +691,15 @@ ROWS = (
         expect_torch_hsdp,
         min_world_size=4,
         version="3",  # 3: matched reduces in the compute dtype; 2: tuned by default (1 ran "matched")
+        plan=PlanFacts(
+            family="sharded",
+            search=("data_parallel",),
+            search_order=11,
+            grad_sync="per_unit",
+            per_unit_launches=True,
+            zero_stage=3,
+            fp32_sharded_params=True,
+        ),
     ),
     _row(
         "deepspeed.zero0",
@@ -826,6 +718,16 @@ ROWS = (
             ),
         ),
         version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
+        plan=PlanFacts(
+            family="sharded",
+            own_exposure=True,
+            time_factor_cause=(
+                "DeepSpeed engine's per-step work beyond the stage-0 terms (``uses_fp16_optimizer``): in "
+                "the matched profile the per-tensor FP16_UnfusedOptimizer (a norm, a cast, an unscale and a "
+                "copy per tensor) and the throughput timer's host sync"
+            ),
+            stage0_fp16_optimizer=True,
+        ),
     ),
     _row(
         "deepspeed.zero1",
@@ -834,6 +736,22 @@ ROWS = (
         "DeepSpeed ZeRO stage 1 (optimizer states partitioned)",
         deepspeed_expectation(1),
         version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
+        plan=PlanFacts(
+            family="sharded",
+            search=("data_parallel",),
+            search_order=4,
+            grad_sync_once_per_step=True,
+            own_exposure=True,
+            zero_stage=1,
+            host_floor_profiles=("tuned",),
+            time_factor_cause=(
+                "DeepSpeed engine's per-step passes over the gradients beyond the model's work (copies into "
+                "its contiguous reduce buckets; in the matched profile also the gradient-norm pass, the "
+                "bf16 overflow check and the throughput timer, each with a host sync: docs/results.md, the "
+                "tuned profile turns them off)"
+            ),
+            step_grad_copies=True,
+        ),
     ),
     _row(
         "deepspeed.zero2",
@@ -842,6 +760,16 @@ ROWS = (
         "DeepSpeed ZeRO stage 2 (+ gradients partitioned)",
         deepspeed_expectation(2),
         version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
+        plan=PlanFacts(
+            family="sharded",
+            search=("data_parallel",),
+            search_order=6,
+            own_exposure=True,
+            zero_stage=2,
+            host_floor_profiles=("tuned",),
+            time_factor_cause="as deepspeed.zero1",
+            step_grad_copies=True,
+        ),
     ),
     _row(
         "deepspeed.zero3",
@@ -851,6 +779,16 @@ ROWS = (
         deepspeed_expectation(3),
         shares_launch=False,
         version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
+        plan=PlanFacts(
+            family="sharded",
+            search=("data_parallel",),
+            search_order=9,
+            grad_sync="per_unit",
+            own_exposure=True,
+            zero_stage=3,
+            host_bound=True,
+            persistent_grads="flat_partitions",
+        ),
     ),
     _row(
         "ref.zero1",
@@ -859,6 +797,17 @@ ROWS = (
         "reference ZeRO-1: optimizer states + fp32 master sharded per bucket; reduce-scatter, all-gather",
         ref_zero_expectation(1),
         version="2",
+        plan=PlanFacts(
+            family="sharded",
+            search=("data_parallel",),
+            search_order=3,
+            grad_sync="reduce_scatter",
+            grad_sync_once_per_step=True,
+            zero_stage=1,
+            accumulates_into_copy=True,
+            whole_grad_beside_shard=True,
+        ),
+        peers=("deepspeed.zero1",),
     ),
     _row(
         "ref.zero2",
@@ -867,6 +816,14 @@ ROWS = (
         "reference ZeRO-2: + gradients reduce-scattered in buckets during backward and freed",
         ref_zero_expectation(2),
         version="2",
+        plan=PlanFacts(
+            family="sharded",
+            search=("data_parallel",),
+            search_order=5,
+            grad_sync="reduce_scatter",
+            zero_stage=2,
+        ),
+        peers=("deepspeed.zero2",),
     ),
     _row(
         "ref.zero3",
@@ -875,6 +832,17 @@ ROWS = (
         "reference ZeRO-3: per-block flat parameters gathered for forward and backward, every unit resharded",
         ref_sharded_expectation("zero3"),
         version="3",
+        plan=PlanFacts(
+            family="sharded",
+            search=("data_parallel",),
+            search_order=7,
+            grad_sync="per_unit",
+            per_unit_launches=True,
+            zero_stage=3,
+            sharded_units="reshard_root",
+            device_copies="slot_cast",
+        ),
+        peers=("torch.fsdp2", "deepspeed.zero3"),
     ),
     _row(
         "ref.fsdp",
@@ -883,6 +851,17 @@ ROWS = (
         "reference FSDP full shard: as ref.zero3 but the root unit stays gathered from forward to backward",
         ref_sharded_expectation("fsdp"),
         version="3",
+        plan=PlanFacts(
+            family="sharded",
+            search=("data_parallel",),
+            search_order=8,
+            grad_sync="per_unit",
+            per_unit_launches=True,
+            zero_stage=3,
+            sharded_units="keep_root",
+            device_copies="slot_cast",
+        ),
+        peers=("torch.fsdp2",),
     ),
     _row(
         "ref.hsdp",
@@ -892,6 +871,16 @@ ROWS = (
         ref_sharded_expectation("hsdp"),
         min_world_size=4,
         version="3",
+        plan=PlanFacts(
+            family="sharded",
+            search=("data_parallel",),
+            search_order=12,
+            grad_sync="per_unit",
+            per_unit_launches=True,
+            zero_stage=3,
+            sharded_units="keep_root",
+        ),
+        peers=("torch.hsdp",),
     ),
     _row(
         "ref.zero2_offload",
@@ -900,6 +889,14 @@ ROWS = (
         "reference ZeRO-Offload: ZeRO-2 with fp32 master, Adam states and the AdamW update on the CPU",
         expect_ref_zero2_offload,
         version="2",
+        plan=PlanFacts(
+            family="sharded",
+            search=("offload",),
+            zero_stage=2,
+            offload="cpu",
+            time_factor_cause="as deepspeed.zero2_offload",
+        ),
+        peers=("deepspeed.zero2_offload",),
     ),
     _row(
         "deepspeed.zero2_offload",
@@ -908,6 +905,15 @@ ROWS = (
         "DeepSpeed ZeRO-2 + offload_optimizer to CPU (ZeRO-Offload)",
         deepspeed_offload_expectation(2),
         version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
+        plan=PlanFacts(
+            family="sharded",
+            search=("offload",),
+            search_order=1,
+            own_exposure=True,
+            zero_stage=2,
+            offload="cpu",
+            time_factor_cause=("CPU Adam is host compute, not the host bandwidth the offload term charges"),
+        ),
     ),
     _row(
         "deepspeed.zero3_offload",
@@ -917,6 +923,16 @@ ROWS = (
         deepspeed_offload_expectation(3),
         shares_launch=False,
         version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
+        plan=PlanFacts(
+            family="sharded",
+            search=("offload",),
+            search_order=2,
+            own_exposure=True,
+            zero_stage=3,
+            offload="cpu",
+            host_bound=True,
+            time_factor_cause="as deepspeed.zero2_offload",
+        ),
     ),
     _row(
         "deepspeed.zero3_nvme",
@@ -927,6 +943,11 @@ ROWS = (
         shares_launch=False,
         unsupported=nvme_unsupported,
         options=DeepSpeedNVMeOptions,
+        plan=PlanFacts(
+            zero_stage=3,
+            offload="nvme",
+            host_bound=True,
+        ),
     ),
     _row(
         "torch.fsdp2_offload",
@@ -935,6 +956,15 @@ ROWS = (
         "PyTorch FSDP2 with CPUOffloadPolicy (sharded params, grads and AdamW on the CPU)",
         expect_torch_fsdp2_offload,
         version="3",  # 3: matched reduces in the compute dtype; 2: tuned by default (1 ran "matched")
+        plan=PlanFacts(
+            family="sharded",
+            search=("offload",),
+            search_order=3,
+            zero_stage=3,
+            offload="cpu",
+            host_bound=True,
+            time_factor_cause="as deepspeed.zero2_offload",
+        ),
     ),
     _row(
         "ref.zeropp",
@@ -946,6 +976,11 @@ ROWS = (
         options=ZeroPPOptions,
         validate=validate_zeropp,
         version="1",
+        plan=PlanFacts(
+            family="sharded",
+            zero_stage=3,
+        ),
+        peers=("deepspeed.zeropp",),
     ),
     _row(
         "deepspeed.zeropp",
@@ -959,5 +994,10 @@ ROWS = (
         unsupported=deepspeed_zeropp_unsupported,
         shares_launch=False,
         version="1",
+        plan=PlanFacts(
+            family="sharded",
+            own_exposure=True,
+            zero_stage=3,
+        ),
     ),
 )

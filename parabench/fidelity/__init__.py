@@ -65,6 +65,7 @@ NEUTRAL_OPTIONS = {
     "tp",
     "profile",
     "telemetry",
+    "timed_meters",
     "roofline",
     "step_breakdown",
     "memory_breakdown",
@@ -88,7 +89,7 @@ def recipe_of(record: dict) -> str | None:
 
 def plan(record: dict) -> tuple[list[str] | None, str | None]:
     """(script arguments, None) for a case the script can run, else (None, why not)."""
-    from parabench.models import model_config
+    from parabench.shapes import model_config
 
     case = record["case"]
     peer = PEER_SCRIPTS[case["strategy"]]
@@ -175,7 +176,27 @@ def peer_records(records: list[dict]) -> list[dict]:
 
 
 def fidelity_path(run_dir: Path, case_hash: str) -> Path:
-    return Path(run_dir) / "fidelity" / f"{case_hash}.json"
+    """``fidelity/<hash>.json`` in the run folder. The hash comes from a record in a shared folder:
+    anything but hex digits, or a ``fidelity`` folder that leads elsewhere (a link), is refused, so
+    nothing is ever written outside the run folder."""
+    from parabench.record import CASE_HASH_PATTERN
+    from parabench.results import UnsafeNameError
+
+    if not isinstance(case_hash, str) or not CASE_HASH_PATTERN.fullmatch(case_hash):
+        raise UnsafeNameError(f"case_hash {case_hash!r} is not a case hash (hex digits); it would name a file")
+    return fidelity_folder(run_dir) / f"{case_hash}.json"
+
+
+def fidelity_folder(run_dir: Path) -> Path:
+    """``RUN/fidelity``, refused (``UnsafeNameError``) when it or its ``logs`` is a link or a file:
+    a shared run folder must not lead the writes elsewhere."""
+    from parabench.results import UnsafeNameError
+
+    folder = Path(run_dir) / "fidelity"
+    for f in (folder, folder / "logs"):
+        if f.is_symlink() or (f.exists() and not f.is_dir()):
+            raise UnsafeNameError(f"{f} is not a folder of the run (a link or a file); nothing is written there")
+    return folder
 
 
 def run_fidelity(
@@ -198,8 +219,8 @@ def run_fidelity(
     pooled = {r.get("case_hash"): r for r in combine_launches(run_records)}
     counts = {"ok": 0, "failed": 0, "timeout": 0, "skipped": 0, "kept": 0}
     owner = LaunchOwner(run_dir, echo)
+    (fidelity_folder(run_dir) / "logs").mkdir(parents=True, exist_ok=True)
     with owner.owning():
-        (run_dir / "fidelity" / "logs").mkdir(parents=True, exist_ok=True)
         for r in records:
             case, key = r["case"], r["case_hash"]
             out_path = fidelity_path(run_dir, key)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from parabench.models import build_model, lm_loss
-from parabench.strategies import Trainer, TrainSpec
+from parabench.trainer import Trainer, TrainSpec
 
 
 def _global_rank() -> int:

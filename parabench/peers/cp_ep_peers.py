@@ -51,7 +51,7 @@ from parabench.families.context import ContextOptions
 from parabench.families.expert import DeepSpeedMoEOptions, ExpertOptions
 from parabench.peers.common import CPTrainer, assemble_on_rank0, check_degree
 from parabench.peers.deepspeed_zero import DeepSpeedTrainer
-from parabench.strategies import TrainSpec
+from parabench.trainer import TrainSpec
 
 
 class _DeepSpeedUlyssesTrainer(CPTrainer):

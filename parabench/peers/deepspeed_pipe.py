@@ -44,7 +44,7 @@ import torch.nn as nn
 from parabench.families.model_parallel import DeepSpeedPipeOptions
 from parabench.models import build_model, lm_loss
 from parabench.peers.common import tensor_bytes
-from parabench.strategies import Trainer, TrainSpec
+from parabench.trainer import Trainer, TrainSpec
 from reference_impls.pipeline import partition_layers
 
 

@@ -64,7 +64,7 @@ import torch
 from parabench.families.sharded import DeepSpeedZeroOptions, ShardedOptions, ShardedPeerOptions
 from parabench.models import build_model, lm_loss
 from parabench.peers.common import adamw, checkpoint_blocks, optimizer_state_bytes, tensor_bytes
-from parabench.strategies import Trainer, TrainSpec
+from parabench.trainer import Trainer, TrainSpec
 
 
 def ds_config(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from parabench.models import build_model
 from parabench.peers.common import TorchTrainer, checkpoint_blocks, compile_blocks, recipe_module, recipe_optimizer
-from parabench.strategies import TrainSpec
+from parabench.trainer import TrainSpec
 
 
 class SingleTrainer(TorchTrainer):

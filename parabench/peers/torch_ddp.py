@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from parabench.families.data_parallel import DDPPeerOptions
 from parabench.models import build_model
 from parabench.peers.common import TorchTrainer, checkpoint_blocks, compile_blocks, recipe_module, recipe_optimizer
-from parabench.strategies import TrainSpec
+from parabench.trainer import TrainSpec
 
 
 class DDPTrainer(TorchTrainer):

@@ -19,7 +19,7 @@ from parabench.families.compression import CompressionOptions
 from parabench.models import build_model
 from parabench.peers.common import adamw
 from parabench.peers.torch_ddp import DDPTrainer
-from parabench.strategies import TrainSpec
+from parabench.trainer import TrainSpec
 
 START_POWERSGD_ITER = 2
 MIN_COMPRESSION_RATE = 1.0

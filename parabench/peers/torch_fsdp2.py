@@ -41,7 +41,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from parabench.families.sharded import ShardedPeerOptions
 from parabench.models import build_model
 from parabench.peers.common import TorchTrainer, adamw, checkpoint_blocks, compile_blocks
-from parabench.strategies import TrainSpec
+from parabench.trainer import TrainSpec
 
 
 class FSDP2Trainer(TorchTrainer):

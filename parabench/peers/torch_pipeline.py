@@ -76,7 +76,7 @@ from parabench.peers.common import (
     recipe_optimizer,
     tensor_bytes,
 )
-from parabench.strategies import Trainer, TrainSpec
+from parabench.trainer import Trainer, TrainSpec
 from reference_impls.pipeline import StageClock, partition_layers
 
 

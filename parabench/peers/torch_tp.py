@@ -50,7 +50,7 @@ from parabench.peers.common import (
     recipe_optimizer,
     tensor_bytes,
 )
-from parabench.strategies import TrainSpec
+from parabench.trainer import TrainSpec
 
 
 def _plan(model, sequence_parallel: bool) -> dict:

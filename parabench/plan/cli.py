@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -11,6 +12,56 @@ from pathlib import Path
 import tomllib
 
 SHAPE_FLAGS = ("layers", "hidden", "heads", "vocab", "seq")
+# The ranges every shape number must lie in, flag or --shape field alike: wide enough for any model
+# the planner can price (gpt-13b is 40 x 5120 x 40), narrow enough that no value makes it run for
+# minutes or take the machine's memory before it answers.
+SHAPE_RANGES = {
+    "n_layers": ("--layers", 1, 1024),
+    "d_model": ("--hidden", 1, 131072),
+    "n_heads": ("--heads", 1, 4096),
+    "vocab_size": ("--vocab", 1, 4194304),
+    "seq_len": ("--seq", 1, 2097152),
+    "mlp_ratio": (None, 1, 64),
+    "n_experts": (None, 0, 4096),
+    "top_k": (None, 1, 64),
+    "moe_every": (None, 1, 1024),
+}
+MAX_GPUS = 4096  # the search over layouts grows with the divisors of --gpus: 1,024 take about 30 s
+MAX_GLOBAL_BATCH = 1 << 24
+# The planner's search is pure Python: past this it stops with a message instead of running on
+DEFAULT_PLAN_SECONDS = 120.0
+
+
+def int_in(low: int, high: int):
+    """argparse type: an int from ``low`` to ``high``, the range named when refused."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number from {low} to {high}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low} to {high}, got {value}")
+        return value
+
+    return parse
+
+
+def seconds_in(low: float, high: float):
+    import argparse
+    import math
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and low <= value <= high):
+            raise argparse.ArgumentTypeError(f"must be a number of seconds from {low:g} to {high:g}, got {text!r}")
+        return value
+
+    return parse
 
 
 def add_arguments(p) -> None:
@@ -24,12 +75,14 @@ def add_arguments(p) -> None:
         metavar="TOML",
         help="custom shape: a TOML file with n_layers, d_model, n_heads[, vocab_size, seq_len]",
     )
-    p.add_argument("--layers", type=int)
-    p.add_argument("--hidden", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--vocab", type=int)
-    p.add_argument("--seq", type=int, help="sequence length (also overrides a ladder model's)")
-    p.add_argument("--gpus", type=int, required=True)
+    for key, (flag, low, high) in SHAPE_RANGES.items():
+        if flag:
+            p.add_argument(
+                flag,
+                type=int_in(low, high),
+                help="sequence length (also overrides a ladder model's)" if key == "seq_len" else None,
+            )
+    p.add_argument("--gpus", type=int_in(1, MAX_GPUS), required=True)
     p.add_argument("--gpu", default="h100-80g", help="GPU kind (h100-80g, ...)")
     p.add_argument(
         "--recipe",
@@ -37,11 +90,25 @@ def add_arguments(p) -> None:
         help="master (bf16 params, fp32 masters), amp (fp32 params, autocast) or fp8 (amp with float8 block linears, compiled)",
     )
     p.add_argument(
-        "--global-batch", type=int, help="sequences per optimizer step (fixes micro-batch x accumulation x dp)"
+        "--global-batch",
+        type=int_in(1, MAX_GLOBAL_BATCH),
+        help="sequences per optimizer step (fixes micro-batch x accumulation x dp)",
     )
-    p.add_argument("--top", type=int, default=10)
-    p.add_argument("--dropped", type=int, default=8, help="list this many dropped configurations with their reason")
+    p.add_argument("--top", type=int_in(1, 100000), default=10)
+    p.add_argument(
+        "--dropped",
+        type=int_in(0, 100000),
+        default=8,
+        help="list this many dropped configurations with their reason",
+    )
     p.add_argument("--write-suite", metavar="FILE", help="write a suite TOML of the top configurations")
+    p.add_argument("--force", action="store_true", help="let --write-suite replace an existing file")
+    p.add_argument(
+        "--max-seconds",
+        type=seconds_in(1, 86400),
+        default=DEFAULT_PLAN_SECONDS,
+        help=f"stop the search with a message after this long (default {DEFAULT_PLAN_SECONDS:g} s)",
+    )
     p.add_argument(
         "--calibration", metavar="DIR", help="folder of <kind>.json calibrations (default results/calibration)"
     )
@@ -51,8 +118,37 @@ class PlanError(ValueError):
     pass
 
 
+class PlanTimeout(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise PlanTimeout in the main thread after ``seconds`` (SIGALRM; no limit elsewhere)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise PlanTimeout(
+            f"the search took longer than {seconds:g} s (--max-seconds) and was stopped; "
+            "plan fewer GPUs, fix --global-batch, or allow more time"
+        )
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def resolve_model(args):
-    from parabench.models import (
+    from parabench.shapes import (
         CUSTOM_MODEL,
         CUSTOM_MODEL_FORM,
         MODEL_LADDER,
@@ -63,12 +159,15 @@ def resolve_model(args):
 
     custom = {k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k) is not None}
     if args.shape:
-        data = tomllib.loads(Path(args.shape).read_text())
+        data = tomllib.loads(Path(args.shape).read_text(encoding="utf-8"))
         data = data.get("model", data)
+        if not isinstance(data, dict):
+            raise PlanError(f"{args.shape}: [model] must be a table of shape keys")
         known = {f.name for f in fields(GPTConfig)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise PlanError(f"{args.shape}: unknown shape keys {unknown}; valid: {', '.join(sorted(known))}")
+        check_shape(data, str(args.shape), GPTConfig)
         cfg = GPTConfig(**data)
         return custom_model_name(cfg) or "custom", cfg
     if args.model in (None, "custom"):
@@ -77,7 +176,7 @@ def resolve_model(args):
             raise PlanError(
                 "give --model NAME, or a custom shape with --layers --hidden --heads [--vocab --seq] or --shape FILE"
             )
-        if custom["hidden"] % custom["heads"]:
+        if custom["hidden"] % custom["heads"]:  # ranges: argparse (SHAPE_RANGES)
             raise PlanError(f"--heads {custom['heads']} does not divide --hidden {custom['hidden']}")
         cfg = GPTConfig(
             n_layers=custom["layers"],
@@ -91,6 +190,73 @@ def resolve_model(args):
     if args.model not in dense and not CUSTOM_MODEL.fullmatch(args.model):
         raise PlanError(f"unknown model {args.model!r}; valid models: {', '.join(dense)}, or {CUSTOM_MODEL_FORM}")
     return args.model, model_config(args.model, seq_len=custom.get("seq"), vocab_size=custom.get("vocab"))
+
+
+def check_shape(data: dict, where: str, config_class) -> None:
+    """PlanError naming the field and its range for a shape value of the wrong type or out of range
+    (``config_class``: the GPT config dataclass whose fields ``data`` sets)."""
+    for key, (_, low, high) in SHAPE_RANGES.items():
+        if key not in data:
+            continue
+        v = data[key]
+        if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
+            raise PlanError(f"{where}: field {key!r} must be a whole number from {low} to {high}, got {v!r}")
+    for f in fields(config_class):
+        if f.name in data and f.name not in SHAPE_RANGES:
+            v = data[f.name]
+            if f.name == "layout":
+                ok = isinstance(v, str)
+            elif f.name == "balanced_routing":
+                ok = isinstance(v, bool)
+            else:  # capacity_factor, aux_loss_coef: finite, not negative
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e6
+            if not ok:
+                raise PlanError(f"{where}: field {f.name!r} has a value of the wrong type or range: {v!r}")
+    if "d_model" in data and "n_heads" in data and data["d_model"] % data["n_heads"]:
+        raise PlanError(f"{where}: n_heads {data['n_heads']} does not divide d_model {data['d_model']}")
+
+
+def check_suite_target(path: Path, force: bool) -> None:
+    """PlanError, before anything is planned, for a --write-suite target that cannot be written."""
+    if path.is_dir():
+        raise PlanError(f"--write-suite {path}: it is a folder; name a .toml file to write")
+    if not path.parent.is_dir():
+        raise PlanError(f"--write-suite {path}: the folder {path.parent} does not exist")
+    if path.exists() and not force:
+        raise PlanError(f"--write-suite {path}: the file exists; give --force to replace it")
+    if path.exists() and not path.is_file():
+        raise PlanError(f"--write-suite {path}: not a regular file")
+    import os
+
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise PlanError(f"--write-suite {path}: the folder {path.parent} is not writable")
+
+
+def suite_name_for(path: Path) -> str:
+    """A suite name from the file name: one safe folder name (no leading dot, no separators)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", path.stem).lstrip(".-") or "plan"
+
+
+def write_suite_checked(path: Path, text: str):
+    """Write the suite to a temporary file beside ``path``, load it as ``parabench run suite`` would,
+    and only then rename it into place: a suite that would not load is never left behind."""
+    import os
+    import tempfile
+
+    from parabench.results import file_mode
+    from parabench.suite import load_suite
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".toml")
+    try:
+        os.fchmod(fd, file_mode())
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        suite = load_suite(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return suite
 
 
 def tie_note(validation_path: Path) -> str | None:
@@ -138,7 +304,7 @@ def erratic_note(shown: list, spread: dict) -> str | None:
     erratic_impls = {impl for impl, _ in erratic}
     compiled_fsdp2 = any(
         c.workload is not None
-        and c.workload.strategy == "torch.fsdp2"
+        and c.workload.facts.compiled_gc_remedy
         and c.workload.compiled
         and c.workload.impl in erratic_impls
         for c in shown
@@ -156,8 +322,10 @@ def plan_main(args) -> int:
             raise PlanError(f"unknown GPU {args.gpu!r}; valid GPUs: {', '.join(S.GPUS)}")
         if args.recipe not in RECIPES:
             raise PlanError(f"unknown recipe {args.recipe!r}; valid recipes: {', '.join(RECIPES)}")
-        if args.gpus < 1:
-            raise PlanError("--gpus must be at least 1")
+        if not 1 <= args.gpus <= MAX_GPUS:
+            raise PlanError(f"--gpus must be from 1 to {MAX_GPUS}, got {args.gpus}")
+        if args.write_suite:
+            check_suite_target(Path(args.write_suite), getattr(args, "force", False))
         model, cfg = resolve_model(args)
         kind = S.GPUS[args.gpu][0]
         cal = C.load_kind(kind, args.calibration)
@@ -176,10 +344,24 @@ def plan_main(args) -> int:
                 f"recipe fp8: the {kind} calibration holds no fp8 record to fit float8's matmul rate and casts "
                 "(run suites/plan-data-h100x1.toml on this GPU kind, then python -m parabench.plan.calibrate)"
             )
-    except (PlanError, C.CalibrationError, OSError, tomllib.TOMLDecodeError, TypeError, KeyError) as exc:
+    except (
+        PlanError,
+        C.CalibrationError,
+        OSError,
+        UnicodeDecodeError,
+        tomllib.TOMLDecodeError,
+        TypeError,
+        KeyError,
+        ValueError,
+    ) as exc:
         print(f"parabench plan: {exc}", file=sys.stderr)
         return 2
-    ok, dropped = S.plan(model, cfg, args.gpus, args.gpu, cal, args.recipe, args.global_batch)
+    try:
+        with time_limit(getattr(args, "max_seconds", DEFAULT_PLAN_SECONDS)):
+            ok, dropped = S.plan(model, cfg, args.gpus, args.gpu, cal, args.recipe, args.global_batch)
+    except PlanTimeout as exc:
+        print(f"parabench plan: {exc}", file=sys.stderr)
+        return 2
     print(
         f"{model}: {cfg.n_layers} layers, d {cfg.d_model}, {cfg.n_heads} heads, vocab {cfg.vocab_size}, seq "
         f"{cfg.seq_len}; {args.gpus}x {args.gpu}, bf16-{args.recipe}"
@@ -204,7 +386,7 @@ def plan_main(args) -> int:
             print(f"  {S.describe(c):42s} mb {c.micro_batch:<3} {c.dropped}")
     if args.write_suite:
         if model == "custom":
-            from parabench.models import CUSTOM_MODEL_FORM
+            from parabench.shapes import CUSTOM_MODEL_FORM
 
             print(
                 f"parabench plan: --write-suite: suites name a custom model by its shape ({CUSTOM_MODEL_FORM}), "
@@ -212,11 +394,18 @@ def plan_main(args) -> int:
                 file=sys.stderr,
             )
             return 2
-        name = re.sub(r"[^A-Za-z0-9_.-]", "-", Path(args.write_suite).stem)
-        text = S.suite_toml(name, model, cfg, ok[: args.top], args.gpu)
-        Path(args.write_suite).write_text(text)
-        from parabench.suite import load_suite
+        from parabench.suite import SuiteError
 
-        suite = load_suite(str(args.write_suite))
+        target = Path(args.write_suite)
+        text = S.suite_toml(suite_name_for(target), model, cfg, ok[: args.top], args.gpu)
+        try:
+            check_suite_target(target, getattr(args, "force", False))  # again: planning took a while
+            suite = write_suite_checked(target, text)
+        except OSError as exc:
+            print(f"parabench plan: cannot write the suite to {target}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        except (PlanError, SuiteError) as exc:
+            print(f"parabench plan: cannot write the suite: {exc}", file=sys.stderr)
+            return 2
         print(f"\nwrote {args.write_suite}: {len(suite.cases)} cases (parabench run suite {args.write_suite})")
     return 0

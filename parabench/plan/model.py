@@ -2,7 +2,7 @@
 
 A ``Workload`` is one configuration: model shape x strategy and degrees (dp, tp, pp) x recipe x
 micro-batch and accumulation x GPU count, together with the analytic expectation parabench's
-theory gives for it (``parabench.theory.expected``: model-state bytes per rank, communication
+theory gives for it (``parabench.registry.expected``: model-state bytes per rank, communication
 payload by kind). Nothing here recomputes those: state and traffic come from the theory (or, in
 the report, from the record's own ``theory`` section), so a ZeRO line predicted here is the
 ZeRO line the theory checks measurements against.
@@ -24,7 +24,8 @@ Step time (per optimizer step, per rank), every term a rate times an amount:
                alpha-beta from the collectives suite (a serial collective's calls after the first
                at a queued call's alpha and bandwidth, from its bursts), exposure (the part not
                hidden behind compute) fitted per strategy family
-- x impl       one factor per implementation with a named cause the terms miss (IMPL_TIME_CAUSES:
+- x impl       one factor per implementation with a named cause the terms miss (the row's
+               ``PlanFacts.time_factor_cause``:
                DeepSpeed's engine passes, CPU Adam), fitted from the other configurations of the
                same implementation only, shrunk toward 1 by empirical Bayes (the spread between
                implementations against the spread within one), within IMPL_TIME_BOUNDS; 1 for
@@ -39,10 +40,12 @@ Peak memory per rank: model states (theory) + activations after Korthikanti et a
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 
 from parabench.plan import attention
+from parabench.strategies import PlanFacts
 
 GIB = 1 << 30
 
@@ -214,21 +217,8 @@ MEMORY_DEFAULTS = {
     "const_bytes": 0.5 * GIB,
 }
 # Implementations whose step time keeps a fitted factor, each for a cause the terms above do not
-# model; every other implementation runs at factor 1 (the physics alone). Factors are bounded to
-# IMPL_TIME_BOUNDS.
-IMPL_TIME_CAUSES = {
-    "deepspeed.zero0": "DeepSpeed engine's per-step work beyond the stage-0 terms (``uses_fp16_optimizer``): in the "
-    "matched profile the per-tensor FP16_UnfusedOptimizer (a norm, a cast, an unscale and a copy per tensor) and "
-    "the throughput timer's host sync",
-    "deepspeed.zero1": "DeepSpeed engine's per-step passes over the gradients beyond the model's work (copies into "
-    "its contiguous reduce buckets; in the matched profile also the gradient-norm pass, the bf16 overflow check "
-    "and the throughput timer, each with a host sync: docs/results.md, the tuned profile turns them off)",
-    "deepspeed.zero2": "as deepspeed.zero1",
-    "deepspeed.zero2_offload": "CPU Adam is host compute, not the host bandwidth the offload term charges",
-    "deepspeed.zero3_offload": "as deepspeed.zero2_offload",
-    "ref.zero2_offload": "as deepspeed.zero2_offload",
-    "torch.fsdp2_offload": "as deepspeed.zero2_offload",
-}
+# model (their rows' ``PlanFacts.time_factor_cause``); every other implementation runs at factor 1
+# (the physics alone). Factors are bounded to IMPL_TIME_BOUNDS.
 IMPL_TIME_BOUNDS = (0.67, 1.5)
 # An implementation's memory beyond the physics (a fraction of its model states), kept in [0, this]:
 # it cannot hold less than the states alive at its peak, and a larger remainder is a missing term.
@@ -236,7 +226,7 @@ IMPL_MEMORY_MAX = 0.5
 
 
 def time_factor_cause(impl: str) -> str | None:
-    return IMPL_TIME_CAUSES.get(impl.split(":", 1)[0])
+    return facts(impl.split(":", 1)[0]).time_factor_cause
 
 
 # Memory factors are shrunk toward 0 as if this many configurations had shown no difference: one
@@ -253,32 +243,30 @@ SHRINK = 1.0
 # The zero-bubble engines join them: their W runs one autograd call per parameter-owning module and
 # micro-batch (reference_impls/pipeline_zb.backward_weight; torch's stage_backward_weight per
 # parameter group), each a host round trip that a one-row micro-batch cannot hide.
-HOST_BOUND = ("deepspeed.zero3", "torch.fsdp2", "torch.tp", "ref.pp_zb", "torch.pp_zb")
-# Strategies host-bound in some versions only (the strategy's version, parabench.strategies; a record
+# (Their rows: ``PlanFacts.host_bound``.)
+# Strategies host-bound in some versions only (``PlanFacts.host_bound_versions``; a record
 # made before versions were written ran version 1). ref.pp_zb version 1 ran W as one autograd.grad
 # per parameter-owning module and micro-batch; version 2 computes every Linear's weight gradient as an
 # explicit dy^T x matmul, all of them inside one no_grad context (pipeline_zb.backward_weight), and
 # keeps autograd calls for the two LayerNorms per block and the embeddings only: a few host calls per
 # block against the block's matmuls, so its step is the schedule's device time (pipeline_sim replay).
-HOST_BOUND_VERSIONS = {"ref.pp_zb": ("1",)}
-# Implementations with device work of their own (a fitted factor, IMPL_TIME_CAUSES) that also wait on
+# Implementations with device work of their own (a fitted factor) that also wait on
 # their host where the device work is short: step = max(device x factor, host cost per tensor x
 # tensors x passes). DeepSpeed ZeRO-1/2 under the tuned profile (results/ds-host-gpu/20261127-043817,
 # one host at 1, 2 and 4 GPUs): 108-136 ms a step at gpt-350m micro-batch 4 with the GPU 49-63 %
 # busy, where ref.zero2 takes 67-74 ms; 120-123 ms at gpt-1.3b micro-batch 2 (24 blocks both: the
-# same parameter tensors); GPU-bound at gpt-1.3b micro-batch 4 and up.
-HOST_FLOOR_IMPLS = ("deepspeed.zero1:tuned", "deepspeed.zero2:tuned")
-# Host-bound in eager mode only: DTensor's per-op dispatch is traced into the graph by per-block
-# torch.compile (option compile). tp-compile-gpu (gpt-1.3b mb 8, bf16-master): torch.tp compiled ran
-# within 1 % of ref.tp compiled at tp 2 and 4, where eager it ran 0.61x and 0.40x ref.tp eager.
-HOST_BOUND_EAGER_ONLY = ("torch.tp",)
-# torch pipelines whose dp reduction moved into the schedule, from the version named
+# same parameter tensors); GPU-bound at gpt-1.3b micro-batch 4 and up. (``PlanFacts.host_floor_profiles``.)
+# Host-bound in eager mode only (``PlanFacts.host_bound_eager_only``): DTensor's per-op dispatch is
+# traced into the graph by per-block torch.compile (option compile). tp-compile-gpu (gpt-1.3b mb 8,
+# bf16-master): torch.tp compiled ran within 1 % of ref.tp compiled at tp 2 and 4, where eager it ran
+# 0.61x and 0.40x ref.tp eager.
+# torch pipelines whose dp reduction moved into the schedule, from the version their row names
+# (``PlanFacts.ddp_stages_from_version``)
 # (parabench/peers/torch_pipeline.py): from version 3 each stage module is DDP-wrapped and torch's
 # runtime arms its reducer for the last micro-batch's backward only, which all-reduces the stage's
 # gradients in buckets beside that backward; before (every record of versions 1-2), one all-reduce
 # per gradient after the schedule. torch.pp_zb still reduces after the schedule: its split backward
 # writes weight gradients by hand, where DDP's hooks never fire.
-DDP_STAGE_VERSIONS = {"torch.pp_gpipe": 3, "torch.pp_1f1b": 3, "torch.pp_interleaved": 3}
 # Parameter tensors of a GPT block per model layout (parabench.models): "separate" q, k, v, proj, fc,
 # fc2 weights, five biases (k has none) and two LayerNorms' weight and bias; "fused" one qkv weight and
 # bias instead of q, k, v's five tensors. Outside the blocks: two embeddings, final LayerNorm weight and
@@ -327,18 +315,19 @@ def fp8_cast_elems(w: "Workload") -> float:
 
 
 def _runs_ddp_stages(strategy: str, version: str | None) -> bool:
-    first = DDP_STAGE_VERSIONS.get(strategy)
+    first = facts(strategy).ddp_stages_from_version
     return first is not None and int(version or "1") >= first
 
 
 def modelled_version(strategy: str, version: str | None) -> str | None:
     """The version of ``strategy`` as the model tells versions apart ("1" for a record made before
     versions were written), or None where the model treats every version alike."""
-    if strategy in HOST_BOUND_VERSIONS:
+    f = facts(strategy)
+    if f.host_bound_versions is not None:
         return version or "1"
     # the DDP-wrapped stages are one configuration from their first version on; the versions
     # before it (serial dp reduction) keep the keys they had
-    return str(DDP_STAGE_VERSIONS[strategy]) if _runs_ddp_stages(strategy, version) else None
+    return str(f.ddp_stages_from_version) if _runs_ddp_stages(strategy, version) else None
 
 
 def ddp_stages(w: "Workload") -> bool:
@@ -409,16 +398,16 @@ def act_column(w: "Workload") -> str:
 
 
 def is_host_bound(w: "Workload") -> bool:
-    if not w.strategy.startswith(HOST_BOUND) or w.offload:
+    f = w.facts
+    if not f.host_bound or w.offload:
         return False
-    if w.compiled and w.strategy.startswith(HOST_BOUND_EAGER_ONLY):
+    if w.compiled and f.host_bound_eager_only:
         return False
-    versions = HOST_BOUND_VERSIONS.get(w.strategy)
-    return versions is None or (w.strategy_version or "1") in versions
+    return f.host_bound_versions is None or (w.strategy_version or "1") in f.host_bound_versions
 
 
 def has_host_floor(w: "Workload") -> bool:
-    return w.impl in HOST_FLOOR_IMPLS
+    return w.profile is not None and w.profile in w.facts.host_floor_profiles
 
 
 def waits_on_host(w: "Workload") -> bool:
@@ -434,7 +423,7 @@ def host_key(w: "Workload") -> str:
 # the zero-bubble engines' W runs one autograd call per parameter-owning module (or parameter group)
 # and micro-batch (ref.pp_zb version 1's backward_weight, torch's stage_backward_weight), and
 # torch.pp_zb's timelines show its W waiting on the host (docs/results.md, "2026-11-27, last").
-HOST_ANALOGUES = {"torch.pp_zb": "ref.pp_zb", "ref.pp_zb": "torch.pp_zb"}
+# (Their rows: ``PlanFacts.host_analogue``.)
 
 
 def host_cost(w: "Workload", host_cal: dict) -> tuple[float | None, str | None]:
@@ -442,11 +431,11 @@ def host_cost(w: "Workload", host_cal: dict) -> tuple[float | None, str | None]:
     (per recipe, then any recipe); else the same library under another profile, whose hooks or
     dispatch run once per parameter tensor all the same (DeepSpeed ZeRO-3's fetch/release hooks,
     FSDP2's pre/post hooks: a profile changes buckets and prefetch, not the per-tensor Python);
-    else its ``HOST_ANALOGUES`` strategy's."""
+    else its row's ``host_analogue``'s."""
     keys = [host_key(w), w.impl, f"{w.strategy}|{w.recipe}", w.strategy]
     keys += sorted(k for k in host_cal if k.startswith(w.strategy + ":") and k.endswith(f"|{w.recipe}"))
     keys += sorted(k for k in host_cal if k.startswith(w.strategy + ":") and "|" not in k)
-    analogue = HOST_ANALOGUES.get(w.strategy)
+    analogue = w.facts.host_analogue
     if analogue:
         keys += [f"{analogue}|{w.recipe}", analogue]
     for k in keys:
@@ -481,7 +470,7 @@ def uses_fp16_optimizer(w: "Workload") -> bool:
     ``engine._do_optimizer_sanity_check`` returns DDP_BFLOAT16, not BF16_Optimizer. FusedAdam (profile
     ``tuned``) gets the flat FP16_Optimizer, a client optimizer (``matched``) the per-tensor
     FP16_UnfusedOptimizer (the records' ``optimizer_wrapper``)."""
-    return w.strategy == "deepspeed.zero0" and w.precision in ("bf16", "fp16") and w.recipe == "master"
+    return w.facts.stage0_fp16_optimizer and w.precision in ("bf16", "fp16") and w.recipe == "master"
 
 
 def ds_stage0_tensors(w: "Workload") -> float:
@@ -491,18 +480,22 @@ def ds_stage0_tensors(w: "Workload") -> float:
     return parameter_tensors(w) if uses_fp16_optimizer(w) else 0.0
 
 
+NOT_MODELLED = PlanFacts()
+
+
+@functools.cache
+def facts(strategy: str) -> PlanFacts:
+    """How the planner models ``strategy``: its registry row's ``plan`` (a strategy without a row is
+    not modelled)."""
+    from parabench.registry import STRATEGIES
+
+    row = STRATEGIES.get(strategy)
+    return row.plan if row is not None else NOT_MODELLED
+
+
 def family_of(strategy: str) -> str | None:
-    """The strategy family the planner models, from the name (the report has no registry)."""
-    s = strategy.split(".", 1)[-1]
-    if s.endswith("_nvme"):  # ZeRO-Infinity's step is the disk's (no term models the disk)
-        return None
-    if strategy.startswith("deepspeed.pp") or s.startswith(("tp", "pp")):
-        return "model_parallel"
-    if s.startswith(("zero", "fsdp", "hsdp")):
-        return "sharded"
-    if s in ("ddp", "single", "ps"):
-        return "data_parallel"
-    return None  # compression, context, expert parallelism: not modelled
+    """The strategy family the planner models (None: not modelled), from the registry row."""
+    return facts(strategy).family
 
 
 @dataclass(frozen=True)
@@ -564,6 +557,10 @@ class Workload:
     @property
     def impl(self) -> str:
         return f"{self.strategy}:{self.profile}" if self.profile else self.strategy
+
+    @property
+    def facts(self) -> PlanFacts:
+        return facts(self.strategy)
 
     @property
     def tokens_per_step(self) -> int:
@@ -662,8 +659,7 @@ def collective_s(collectives: dict, kind: str, nbytes: float, n: int, calls: flo
 # Sharded trainers that issue one collective per unit (each block, and the root: embeddings, final
 # norm, head) and pass, whatever its size: reference_impls/fsdp.py's ``_gather`` and ``_grad_ready``,
 # FSDP2's ``foreach_all_gather`` and ``foreach_reduce`` per ``fully_shard`` module; HSDP adds one
-# all-reduce across replicas per unit.
-PER_UNIT_SHARDING = ("ref.zero3", "ref.fsdp", "torch.fsdp2", "ref.hsdp", "torch.hsdp")
+# all-reduce across replicas per unit. (Their rows: ``PlanFacts.per_unit_launches``.)
 
 
 def comm_calls(w: Workload, kind: str, nbytes: float) -> float:
@@ -676,7 +672,7 @@ def comm_calls(w: Workload, kind: str, nbytes: float) -> float:
         return 4 * w.n_layers / w.pp * w.passes
     if uses_fp16_optimizer(w) and kind == "all_reduce":  # buffered_allreduce_fallback's 16-bit buckets
         return max(1.0, math.ceil(nbytes / 2 / DEEPSPEED_REDUCE_BUCKET_ELEMS))
-    if w.strategy in PER_UNIT_SHARDING and kind in ("all_gather", "reduce_scatter", "all_reduce"):
+    if w.facts.per_unit_launches and kind in ("all_gather", "reduce_scatter", "all_reduce"):
         return (2 if kind == "all_gather" else 1) * (w.n_layers + 1) * w.passes
     if w.family == "sharded":
         return max(1.0, nbytes / (25 << 20), w.n_layers)
@@ -735,7 +731,7 @@ def pipeline_op_costs(w: Workload, consts: dict) -> list[tuple[float, float, flo
     recompute = 4 / 3 if w.checkpointing else 1.0
     attn_flops, attn_s = attention_per_block(w, c)
     block_flops = (w.hw_flops_per_token - head_flops) / w.n_layers * tokens / w.tp - attn_flops
-    sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
+    sp_div = w.tp if (w.sp or w.facts.sequence_parallel) else 1
     tp_share = 1 / sp_div if sp_div > 1 else activation_layer_bytes(w) / (34 * w.seq_len * w.rows * w.d_model)
     per_block = (
         c["inv_rate"] * block_flops
@@ -871,14 +867,14 @@ def host_floor_binds(w: Workload, consts: dict) -> bool:
 # reads it); ZeRO-2 streams the same bytes through buckets instead. Backward writes it and the
 # reduction reads it in both; the optimizer step touches neither (measured: ref.zero1 and ref.zero2
 # within 0.4 % in all 9 configurations run side by side, docs/planner.md).
-WHOLE_GRADIENT_BESIDE_SHARD = ("ref.zero1",)
+# (Their rows: ``PlanFacts.whole_grad_beside_shard``.)
 
 
 def optimizer_step_state_bytes(w: Workload) -> float:
     """The model-state bytes the optimizer step and its casts read and write: the rank's state less
-    a whole gradient held only for the reduction (``WHOLE_GRADIENT_BESIDE_SHARD``)."""
+    a whole gradient held only for the reduction (``PlanFacts.whole_grad_beside_shard``)."""
     state = w.state_bytes or 0.0
-    if w.strategy in WHOLE_GRADIENT_BESIDE_SHARD and w.state_parts:
+    if w.facts.whole_grad_beside_shard and w.state_parts:
         state -= w.state_parts["params"]
     return state
 
@@ -911,7 +907,7 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
     if w.recipe in AUTOCAST_RECIPES:
         fp8_params = block_linear_params(w) if w.recipe == "fp8" else 0.0
         mem_bytes += (AMP_CAST_BYTES * (params_rank - fp8_params) + FP8_WEIGHT_BYTES * fp8_params) * w.passes
-    sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
+    sp_div = w.tp if (w.sp or w.facts.sequence_parallel) else 1
     recompute = 4 / 3 if w.checkpointing else 1.0  # forward runs twice: (2 + 2) / (1 + 2)
     # Tensor parallelism splits the elementwise work inside its regions (attention, GELU) over the t
     # ranks and replicates the rest (LayerNorms, dropouts, residuals); sequence parallelism splits that
@@ -963,7 +959,7 @@ def time_features(w: Workload, collectives: dict, consts: dict | None = None) ->
             # DeepSpeed's stage 0-2 engine: its measured steps show no serial all-gather (gpt-1.3b
             # mb4: 162.9 / 162.3 / 160.5 ms at 1 / 2 / 4 GPUs), so its traffic costs a share of its
             # own, fitted, not the per-unit sharders' (their hidden gathers slow compute otherwise)
-            deepspeed_shard = w.strategy.startswith("deepspeed.") and cls == "exp_shard" and not uses_fp16_optimizer(w)
+            deepspeed_shard = w.facts.own_exposure and cls == "exp_shard" and not uses_fp16_optimizer(w)
             if deepspeed_shard:
                 f["exp_deepspeed"] += collective_s(collectives, kind, nbytes, n, calls)
             elif cls in ("exp_dp", "exp_shard"):
@@ -1012,7 +1008,7 @@ def comm_overlap(w: Workload, kind: str, nbytes: float) -> tuple | None:
       the rest at 25 MiB) during the last micro-batch's backward only: the compute it hides behind
       is one micro-batch's backward of the rank's stage(s); rank 0's last bucket holds the token
       embedding. Earlier versions, torch.pp_zb and the other pipelines' data parallelism: serial."""
-    s = w.strategy
+    f = w.facts
     elem = 2 if w.recipe != "amp" else 4  # the gradient / gathered dtype on the wire
     embed = w.vocab_size * w.d_model / (w.tp if w.family == "model_parallel" else 1) * elem
     if kind == "all_reduce" and w.tp == 1 and not w.offload and ddp_stages(w):
@@ -1025,13 +1021,13 @@ def comm_overlap(w: Workload, kind: str, nbytes: float) -> tuple | None:
         return BACKWARD_SHARE, units, max(BUCKET_BYTES, embed), 1
     if w.family == "model_parallel" or kind in ("send", "recv") or w.offload:
         return None
-    grad_passes = 1 if s in ("ref.ddp", "torch.ddp", "ref.zero1", "deepspeed.zero1") else w.passes
+    grad_passes = 1 if f.grad_sync_once_per_step else w.passes
     per_pass = nbytes / grad_passes
-    if s in ("ref.ddp", "torch.ddp") and kind == "all_reduce":
+    if f.grad_sync == "all_reduce" and kind == "all_reduce":
         return BACKWARD_SHARE, max(1.0, per_pass / BUCKET_BYTES), max(BUCKET_BYTES, embed), grad_passes
-    if s in ("ref.zero1", "ref.zero2") and kind == "reduce_scatter":
+    if f.grad_sync == "reduce_scatter" and kind == "reduce_scatter":
         return BACKWARD_SHARE, max(1.0, per_pass / BUCKET_BYTES), max(BUCKET_BYTES, embed), grad_passes
-    if s in ("ref.zero3", "ref.fsdp", "torch.fsdp2", "deepspeed.zero3", "ref.hsdp", "torch.hsdp"):
+    if f.grad_sync == "per_unit":
         units = w.n_layers + 1  # blocks and the root (embeddings, final norm, head)
         if kind == "all_gather":  # forward and backward each gather every unit
             per_pass = nbytes / w.passes
@@ -1090,9 +1086,10 @@ def device_copy_bytes(w: Workload) -> float:
     n = max(1, w.dp)
     psi = w.params / (w.tp * w.pp)
     master = w.recipe == "master"
-    if w.strategy == "torch.ddp":
+    copies = w.facts.device_copies
+    if copies == "bucket_div":
         return 2 * parts.get("grads", 0.0)  # once per step: no_sync during accumulation
-    if w.strategy == "ref.ddp":
+    if copies == "flat_grad_zero":
         return min(parts.get("grads", 0.0), parts.get("params", 0.0))
     if uses_fp16_optimizer(w):
         # per step (FP16_Optimizer.step, engine.allreduce_bucket): the overflow check's amax and amin
@@ -1102,11 +1099,11 @@ def device_copy_bytes(w: Workload) -> float:
         return (4 + 14 + 4 + 8 + 12 - 6) * psi
     b = 2 if master else 4
     master_cast = 6 * psi / n if master else 0.0
-    if w.strategy in ("ref.zero3", "ref.fsdp"):
+    if copies == "slot_cast":
         gathered = w.comm_bytes.get("all_gather", 0.0) / 2  # gathered in the compute dtype (bf16)
         b = 2
         return max(0.0, (4 + b) * gathered / n - master_cast)
-    if w.strategy == "torch.fsdp2":
+    if copies == "fsdp2":
         ag, rs = w.comm_bytes.get("all_gather"), w.comm_bytes.get("reduce_scatter")
         # without traffic in the theory (one rank): every block gathered for forward and again for
         # backward, but in ``tuned`` the last (torchtitan's policy); fp32 reduction unless ``matched``
@@ -1119,7 +1116,7 @@ def device_copy_bytes(w: Workload) -> float:
         reduce_in = (b + r) * w.params * reduces + ((r + 4) * w.params / n if r < 4 else 0.0) - master_cast
         one_rank = 2 * r * w.params * reduces if n == 1 else 0.0
         return max(0.0, copy_in) + copy_out + max(0.0, reduce_in) + one_rank
-    if w.strategy.startswith("torch.pp") and w.pp > 1:
+    if copies == "torch_pipeline" and w.pp > 1:
         # torch.distributed.pipelining, after the schedule: scale_grads divides every gradient of the
         # stage by the micro-batch count (``p.grad.div_``; the references divide the loss instead),
         # and step() on the last stage merges every micro-batch's output (torch.cat of the 16-bit
@@ -1167,7 +1164,7 @@ TIME_PARTS = {
 # the interior.
 def keeps_flat_grad_buffer(w: Workload) -> bool:
     """DeepSpeed ZeRO-3 without offload: its gradient partitions live in one flat buffer from start-up."""
-    return w.strategy == "deepspeed.zero3" and not w.offload
+    return w.facts.persistent_grads == "flat_partitions" and not w.offload
 
 
 def persistent_grad_bytes(w: Workload) -> float:
@@ -1180,11 +1177,12 @@ def persistent_grad_bytes(w: Workload) -> float:
     parts = w.state_parts or {}
     grads, params = parts.get("grads", 0.0), parts.get("params", 0.0)
     kept = 0.0
-    if w.strategy == "ref.ddp":  # flat_grad (the size of flat_param) kept; the fp32 main gradient made at the update
+    kept_form = w.facts.persistent_grads
+    if kept_form == "flat":  # flat_grad (the size of flat_param) kept; the fp32 main gradient made at the update
         kept = min(grads, params)
-    elif w.strategy == "ref.ps":  # the server's flat_grad and receive buffer kept; the fp32 sum made at the update
+    elif kept_form == "server":  # the server's flat_grad and receive buffer kept; the fp32 sum made at the update
         kept = min(grads, 2 * params)
-    elif w.strategy == "torch.ddp":  # the reducer's buckets live as long as DDP (gradient_as_bucket_view)
+    elif kept_form == "buckets":  # the reducer's buckets live as long as DDP (gradient_as_bucket_view)
         kept = grads
     elif keeps_flat_grad_buffer(w):
         # allocated once at start-up (runtime/zero/stage3.py): the gradient partitions' flat buffer,
@@ -1207,9 +1205,9 @@ def accumulated_grad_bytes(w: Workload) -> float:
     FSDP2's and DeepSpeed's sharded gradients, the model-parallel trainers' ``p.grad``."""
     parts = w.state_parts or {}
     grads, params = parts.get("grads", 0.0), parts.get("params", 0.0)
-    if w.strategy in ("ref.ddp", "ref.ps") or keeps_flat_grad_buffer(w):
+    if w.facts.persistent_grads in ("flat", "server") or keeps_flat_grad_buffer(w):
         return 0.0
-    if w.strategy in ("ref.zero1", "torch.ddp"):
+    if w.facts.accumulates_into_copy:
         # torch DDP: under no_sync the reducer's hooks do not run, so autograd accumulates into a
         # ``p.grad`` of its own beside the buckets (gradient_as_bucket_view makes it a view only when
         # the reducer copies in, on the last micro-batch): plan-check-accum-h100x4 measured 2.3 GiB of
@@ -1221,11 +1219,11 @@ def accumulated_grad_bytes(w: Workload) -> float:
 # Trainers whose "master" recipe runs reference_impls.mixed_precision.MasterWeightOptimizer, which
 # allocates an fp32 gradient copy of every parameter once (``_master_grads``) and keeps it: 4 bytes
 # per local parameter beyond the theory's states (which count the fp32 master and moments only).
-MASTER_GRAD_BUFFER = ("single", "torch.ddp", "torch.tp", "torch.pp", "ref.tp", "ref.pp")
+# (Their rows: ``PlanFacts.master_grad_buffer``.)
 
 
 def master_grad_buffer_bytes(w: Workload) -> float:
-    if w.recipe != "master" or not w.strategy.startswith(MASTER_GRAD_BUFFER) or not w.state_parts:
+    if w.recipe != "master" or not w.facts.master_grad_buffer or not w.state_parts:
         return 0.0
     return 2.0 * w.state_parts.get("params", 0.0)  # fp32 copy of the 16-bit parameters
 
@@ -1235,8 +1233,7 @@ def master_grad_buffer_bytes(w: Workload) -> float:
 # the 16-bit parameters, the fp32 master partition, the Adam moments and the partition's gradients
 # are alive. Measured (docs/results.md, "2026-11-28, evening"): 12 bytes per parameter at 2 ranks
 # (gpt-6.7b, 76.9 GiB) and 22 at one rank (gpt-2.7b, 57.0 GiB); ZeRO-1/2 at gpt-13b on 2x H200 ran
-# out of memory in that cast.
-STEP_COPY_STRATEGIES = ("deepspeed.zero1", "deepspeed.zero2")
+# out of memory in that cast. (Their rows: ``PlanFacts.step_grad_copies``.)
 # DeepSpeed's default reduce_bucket_size (runtime/zero/config.py, 0.19.8), which sizes ZeRO-3's
 # contiguous-gradients bucket (``persistent_grad_bytes``); parabench's DeepSpeed peers keep the default.
 DS_REDUCE_BUCKET_ELEMENTS = 500_000_000
@@ -1248,7 +1245,7 @@ def step_copy_bytes(w: Workload) -> float:
     parameter) beside the parameters and optimizer states; where the theory's gradients (ZeRO-1's
     full 16-bit gradients on many ranks) outweigh those, nothing."""
     parts = w.state_parts
-    if w.strategy not in STEP_COPY_STRATEGIES or w.offload or w.precision not in ("bf16", "fp16") or not parts:
+    if not w.facts.step_grad_copies or w.offload or w.precision not in ("bf16", "fp16") or not parts:
         return 0.0
     partition_16bit = parts.get("params", 0.0) / max(1, w.dp)
     at_cast = parts.get("params", 0.0) + parts.get("optimizer", 0.0) + 4 * partition_16bit
@@ -1271,7 +1268,7 @@ def states_at(w: Workload, phase: str) -> float:
 def is_ref_sharded(w: Workload) -> bool:
     """The references' ZeRO-3, FSDP and HSDP (reference_impls/fsdp.py): one flat unit per block and a
     root unit of the rest (embeddings, final LayerNorm, head)."""
-    return w.strategy.startswith("ref.") and any(k in w.strategy for k in ("zero3", "fsdp", "hsdp"))
+    return w.facts.sharded_units is not None
 
 
 def ref_root_params(w: Workload) -> tuple[float, float]:
@@ -1318,7 +1315,7 @@ def working_set_at(w: Workload, phase: str) -> float:
     b = _gathered_bytes_per_param(w)
     root, head = ref_root_params(w)
     if phase == "first":
-        return 0.0 if "zero3" in w.strategy else b * root
+        return 0.0 if w.facts.sharded_units == "reshard_root" else b * root
     if phase == "end":
         return max(0.0, w.working_set_grad_bytes - b * block_params(w))
     return w.working_set_bytes - b * (2 * root - head)
@@ -1330,7 +1327,7 @@ def activation_layer_bytes(w: Workload) -> float:
     t = w.tp if w.family == "model_parallel" else 1
     if t == 1:
         return 34 * sbh
-    return 34 * sbh / t if w.sp or w.strategy.endswith("_sp") else sbh * (10 + 24 / t)
+    return 34 * sbh / t if w.sp or w.facts.sequence_parallel else sbh * (10 + 24 / t)
 
 
 # What a pipeline stage holds beyond Korthikanti's per-layer activations, read off the engines'
@@ -1386,7 +1383,7 @@ def pipeline_stage_peaks(w: Workload) -> list[tuple[float, float, float]]:
     other retained logits). The peak is the largest total after a forward (backward is about to
     start) or, for ZB-H1, after a B (its output gradients made), walking the engine's order."""
     p, v = w.pp, w.virtual_stages
-    sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
+    sp_div = w.tp if (w.sp or w.facts.sequence_parallel) else 1
     if w.checkpointing:  # each block's input kept; one block's activations live during recompute
         layer_bytes, transient = 2 * w.seq_len * w.rows * w.d_model / sp_div, activation_layer_bytes(w)
     else:
@@ -1394,8 +1391,8 @@ def pipeline_stage_peaks(w: Workload) -> list[tuple[float, float, float]]:
     unit_bytes = layer_bytes * w.n_layers / (p * v)
     logit_elems = w.rows * w.seq_len * w.vocab_size / (w.tp if w.family == "model_parallel" else 1)
     zb = w.schedule == "zb_h1" and w.microbatches >= p
-    ref_zb = zb and w.strategy.startswith("ref.")
-    torch_outputs = w.strategy.startswith("torch.pp")
+    ref_zb = zb and w.facts.pipeline_engine == "ref"
+    torch_outputs = w.facts.pipeline_engine == "torch"
     out = []
     for stage in range(p):
         if w.stage_layers and v == 1:  # an uneven split: this stage's own blocks
@@ -1565,7 +1562,7 @@ def memory_features(w: Workload) -> dict:
                 **end,
                 "step": (states_at(w, "step"), step),
             }
-        sp_div = w.tp if (w.sp or w.strategy.endswith("_sp")) else 1
+        sp_div = w.tp if (w.sp or w.facts.sequence_parallel) else 1
         inputs = 2 * w.seq_len * w.rows * w.d_model / sp_div * w.n_layers  # each block's input kept
         return {
             "first": (at_loss, {**base, act_key: inputs, logit_key: logits}),

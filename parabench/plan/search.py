@@ -1,6 +1,6 @@
 """Enumerate the configurations of a model on N GPUs, predict each, rank the ones that fit.
 
-The strategies are the registry's (``parabench.strategies.STRATEGIES``) of the families the model
+The strategies are the registry's (``parabench.registry.STRATEGIES``) of the families the model
 covers; each candidate is checked with the suite's own validation (``suite.validate_case``), so a
 configuration the planner proposes is one ``parabench run`` accepts.
 """
@@ -32,23 +32,15 @@ def usable_bytes(manifest: dict) -> float | None:
     return USABLE * min(sizes) if sizes else None
 
 
-DATA_PARALLEL = (
-    "ref.ddp",
-    "torch.ddp",
-    "ref.zero1",
-    "deepspeed.zero1",
-    "ref.zero2",
-    "deepspeed.zero2",
-    "ref.zero3",
-    "ref.fsdp",
-    "deepspeed.zero3",
-    "torch.fsdp2",
-    "torch.hsdp",
-    "ref.hsdp",
-)
-OFFLOAD = ("ref.zero2_offload", "deepspeed.zero2_offload", "deepspeed.zero3_offload", "torch.fsdp2_offload")
-TENSOR = ("ref.tp", "ref.tp_sp", "torch.tp", "torch.tp_sp")
-PIPELINE = ("ref.pp_1f1b", "ref.pp_gpipe", "ref.pp_interleaved", "torch.pp_1f1b")
+def searched(group: str) -> list[str]:
+    """The strategies the search proposes in ``group`` (their rows' ``PlanFacts.search``: "one_gpu",
+    "data_parallel", "offload", "tensor", "pipeline", "tensor_pipeline"), in their search order."""
+    from parabench.registry import STRATEGIES
+
+    rows = [row for row in STRATEGIES.values() if group in row.plan.search]
+    return [row.name for row in sorted(rows, key=lambda row: row.plan.search_order)]
+
+
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 
 
@@ -78,13 +70,13 @@ def _divisors(n: int) -> list[int]:
 def _has_option(strategy: str, name: str) -> bool:
     from dataclasses import fields
 
-    from parabench.strategies import STRATEGIES
+    from parabench.registry import STRATEGIES
 
     return name in {f.name for f in fields(STRATEGIES[strategy].options)}
 
 
 def candidates(cfg, gpus: int, recipe: str, global_batch: int | None) -> list[Candidate]:
-    from parabench.strategies import STRATEGIES
+    from parabench.registry import STRATEGIES
 
     out: list[Candidate] = []
 
@@ -104,7 +96,7 @@ def candidates(cfg, gpus: int, recipe: str, global_batch: int | None) -> list[Ca
     for mb in MICRO_BATCHES:
         for ac in (False, True):
             acopt = {"activation_checkpointing": True} if ac else {}
-            for s in (("single",) if gpus == 1 else ()) + DATA_PARALLEL + OFFLOAD:
+            for s in (searched("one_gpu") if gpus == 1 else []) + searched("data_parallel") + searched("offload"):
                 if ac and not _has_option(s, "activation_checkpointing"):
                     continue
                 add(s, mb, dict(acopt), gpus)
@@ -114,17 +106,18 @@ def candidates(cfg, gpus: int, recipe: str, global_batch: int | None) -> list[Ca
                     continue
                 dp = gpus // (tp * pp)
                 if pp == 1:
-                    for s in TENSOR:
+                    for s in searched("tensor"):
                         add(s, mb, {"tp": tp}, dp)
                     continue
                 for m in sorted({pp, 2 * pp, 4 * pp}):
                     if mb % m:
                         continue
                     if tp == 1:
-                        for s in PIPELINE:
+                        for s in searched("pipeline"):
                             add(s, mb, {"pp": pp, "microbatches": m}, dp)
                     else:
-                        add("ref.tp", mb, {"tp": tp, "pp": pp, "microbatches": m}, dp)
+                        for s in searched("tensor_pipeline"):
+                            add(s, mb, {"tp": tp, "pp": pp, "microbatches": m}, dp)
     return out
 
 
@@ -168,7 +161,7 @@ def _workload(model: str, cfg, c: Candidate) -> M.Workload | None:
 
 def evaluate(c: Candidate, model: str, cfg, cal: dict, capacity: float) -> Candidate:
     from parabench.case import Case
-    from parabench.strategies import STRATEGIES
+    from parabench.registry import STRATEGIES
     from parabench.suite import validate_case
 
     spec = STRATEGIES[c.strategy]

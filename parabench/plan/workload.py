@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from parabench.plan.model import BUCKET_BYTES, Workload, family_of, unmodelled_reason
+from parabench.plan.model import BUCKET_BYTES, Workload, facts, unmodelled_reason
 from parabench.record import byte_high
 
 # Options that change what is recorded, not what is timed or held (meters, traces): configurations
@@ -18,6 +18,7 @@ INSTRUMENT_OPTIONS = frozenset(
         "memory_snapshot",
         "roofline",
         "telemetry",
+        "timed_meters",
         "record_timeline",
         "step_sync",
         "python_gc",
@@ -45,8 +46,7 @@ def _grad_buffer_bytes(d) -> float:
 # FSDP2's sharded parameters are fp32 in every recipe (its MixedPrecisionPolicy casts only what it
 # gathers): they are the master weights (4 bytes), their sharded gradients are fp32 too, and Adam
 # holds the two moments (8). The ZeRO paper's split (2 + 2 + 12) would keep 2 bytes more alive
-# through backward than exist.
-FP32_SHARDED_PARAMS = ("torch.fsdp2", "torch.hsdp")
+# through backward than exist. (Their rows: ``PlanFacts.fp32_sharded_params``.)
 
 
 def _state_parts(theory: dict, strategy: str, params: int, world_size: int) -> tuple[dict | None, str]:
@@ -64,19 +64,17 @@ def _state_parts(theory: dict, strategy: str, params: int, world_size: int) -> t
     paper = theory.get("paper_state_bytes")
     if not isinstance(paper, (int, float)):
         return None, "none"
-    stage = next(
-        (int(c) for c in strategy.split("zero", 1)[-1][:1] if c.isdigit()),
-        3 if ("sdp" in strategy or "zeropp" in strategy) else 0,
-    )
+    f = facts(strategy)
+    stage = f.zero_stage
     psi, n = float(params), max(1, world_size)
     parts = {
         "params": 2 * psi / (n if stage >= 3 else 1),
         "grads": 2 * psi / (n if stage >= 2 else 1),
         "optimizer": 12 * psi / (n if stage >= 1 else 1),
     }
-    if strategy in FP32_SHARDED_PARAMS:  # the same 16Ψ/N, split as these trainers hold it
+    if f.fp32_sharded_params:  # the same 16Ψ/N, split as these trainers hold it
         parts = {"params": 4 * psi / n, "grads": 4 * psi / n, "optimizer": 8 * psi / n}
-    if "offload" in strategy or "nvme" in strategy:  # the figure is the 16-bit parameters left on the GPU
+    if f.offload:  # the figure is the 16-bit parameters left on the GPU
         return {"params": float(paper), "grads": 0.0, "optimizer": 0.0}, "zero-paper"
     total = sum(parts.values())
     if total and abs(total - paper) > 1e-6 * paper:  # a shard group smaller than the world (HSDP)
@@ -87,7 +85,7 @@ def _state_parts(theory: dict, strategy: str, params: int, world_size: int) -> t
 def _cpu_state(theory: dict, strategy: str, params: int, world_size: int) -> float:
     """Bytes of optimizer state on the host: the theory's figure, else the ZeRO-Offload layout
     (fp32 master, gradients and two moments: 16 bytes per parameter, sharded over the ranks)."""
-    if "offload" not in strategy:
+    if facts(strategy).offload != "cpu":
         return 0.0
     return _sum_bytes(theory.get("cpu_state_bytes")) or 16.0 * params / world_size
 
@@ -95,15 +93,16 @@ def _cpu_state(theory: dict, strategy: str, params: int, world_size: int) -> flo
 def _degrees(strategy: str, world_size: int, options: dict, n_layers: int) -> dict:
     tp = int(options.get("tp") or 1)
     pp = int(options.get("pp") or 1)
-    if family_of(strategy) != "model_parallel":
+    f = facts(strategy)
+    if f.family != "model_parallel":
         tp = pp = 1
     m = options.get("microbatches")
     m = int(m) if m else 2 * pp
-    interleaved = "interleaved" in strategy
+    interleaved = f.pipeline_schedule == "interleaved"
     split = options.get("stage_layers")
-    if strategy.endswith("gpipe"):
+    if f.pipeline_schedule == "gpipe":
         schedule = "gpipe"
-    elif strategy.endswith("_zb") and pp > 1:
+    elif f.pipeline_schedule == "zb_h1" and pp > 1:
         schedule = "zb_h1"
     elif pp > 1:
         schedule = options.get("schedule") or "1f1b"
@@ -116,7 +115,7 @@ def _degrees(strategy: str, world_size: int, options: dict, n_layers: int) -> di
         "microbatches": m if pp > 1 else 1,
         "virtual_stages": int(options.get("virtual_stages") or 2) if interleaved else 1,
         "schedule": schedule,
-        "sp": bool(options.get("sp")) or strategy.endswith("_sp"),
+        "sp": bool(options.get("sp")) or f.sequence_parallel,
         # blocks per stage: one stage per rank only (validation refuses it interleaved)
         "stage_layers": tuple(split) if split and pp > 1 and not interleaved else None,
     }
@@ -143,7 +142,7 @@ def build(
     strategy_version: str | None = None,
 ) -> Workload | None:
     """A workload from plain values; None for a strategy family the planner does not model."""
-    family = family_of(strategy)
+    family = facts(strategy).family
     if family is None or shape.get("n_experts"):
         return None
     theory = theory or {}
@@ -167,7 +166,7 @@ def build(
         micro_batch=micro_batch,
         grad_accum=grad_accum or 1,
         checkpointing=bool(options.get("activation_checkpointing")),
-        offload="offload" in strategy,
+        offload=facts(strategy).offload == "cpu",
         profile=options.get("profile"),
         compiled=bool(options.get("compile")),
         state_bytes=sum(parts.values()) if parts else None,
@@ -185,7 +184,7 @@ def build(
         split_bucket_bytes=float(options["bucket_mb"]) * 2**20
         if "bucket_mb" in options
         else BUCKET_BYTES
-        if strategy == "torch.ddp" and options.get("compile") and options.get("ddp_optimizer", True)
+        if facts(strategy).compiled_bucket_split and options.get("compile") and options.get("ddp_optimizer", True)
         else None,
         **_degrees(strategy, world_size, options, shape["n_layers"]),
     )
@@ -234,7 +233,8 @@ def from_record(record: dict) -> Workload | None:
         layout=case.get("layout") or shape.get("layout") or "separate",
         zb_times=measured_zb_times(record),
         # ref.pp_zb version 1 kept every finished micro-batch's graph to the step's end
-        zb_keeps_done_graphs=case.get("strategy") == "ref.pp_zb" and record.get("strategy_version") in (None, "1"),
+        zb_keeps_done_graphs=(record.get("strategy_version") or "1")
+        in facts(case.get("strategy") or "").done_graphs_kept_versions,
         strategy_version=record.get("strategy_version"),
     )
 
@@ -252,10 +252,9 @@ def for_config(
     options: dict | None = None,
 ) -> Workload | None:
     """The workload of a configuration nobody ran: the theory's expectation computed now."""
-    from parabench import theory
     from parabench.case import Case
-    from parabench.models import hardware_flops_per_token, is_model_name, model_flops_per_token, parameter_count
-    from parabench.strategies import STRATEGIES
+    from parabench.registry import STRATEGIES, expected
+    from parabench.shapes import hardware_flops_per_token, is_model_name, model_flops_per_token, parameter_count
 
     options = dict(options or {})
     case = Case(
@@ -271,7 +270,7 @@ def for_config(
         layout=cfg.layout,
     )
     deg = _degrees(strategy, world_size, case.options, cfg.n_layers)
-    exp = theory.expected(case, cfg, deg["dp"])
+    exp = expected(case, cfg, deg["dp"])
     return build(
         model=model,
         shape=cfg.to_dict(),

@@ -45,7 +45,7 @@ def test_comm_meter_small_ops(benchmark, world_of_one):
 
 def test_train_step_tiny_single(benchmark, world_of_one):
     from parabench.case import Case
-    from parabench.strategies import get_strategy
+    from parabench.registry import get_strategy
     from parabench.worker import local_batches, make_spec
 
     case = Case(

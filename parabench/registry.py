@@ -1,0 +1,52 @@
+"""Every strategy by name: the rows of ``parabench.families`` (``parabench.strategies.StrategySpec``).
+
+Reading the registry imports no torch; a row's builder is imported only when a trainer is built.
+"""
+
+from __future__ import annotations
+
+from parabench.families import ROWS
+from parabench.strategies import StrategySpec
+from parabench.theory import Expectation
+
+
+def _by_name(rows) -> dict[str, StrategySpec]:
+    table: dict[str, StrategySpec] = {}
+    for row in rows:
+        if row.name in table:
+            raise ValueError(f"strategy {row.name!r} registered twice")
+        table[row.name] = row
+    return table
+
+
+# Each family module (parabench/families/) lists its strategies' rows; adding a strategy is a row there.
+STRATEGIES: dict[str, StrategySpec] = _by_name(ROWS)
+
+
+def get_strategy(name: str) -> StrategySpec:
+    if name not in STRATEGIES:
+        raise KeyError(f"unknown strategy {name!r}; valid strategies: {', '.join(sorted(STRATEGIES))}")
+    return STRATEGIES[name]
+
+
+def expected(case, cfg, dp: int) -> Expectation | None:
+    """The analytic expectation of a case (``parabench.theory``), from its strategy's
+    row (None where there is none)."""
+    spec = get_strategy(case.strategy)
+    return spec.expect(cfg, case, spec.options.read(case.options), dp) if spec.expect else None
+
+
+def routed_comm_per_rank(case, cfg, per_rank: list[dict]) -> list[dict] | None:
+    """Per-rank traffic made exact from a data-dependent decision the ranks recorded (expert
+    routing); None for strategies without one."""
+    spec = get_strategy(case.strategy)
+    return spec.routed_comm(case, cfg, per_rank) if spec.routed_comm else None
+
+
+def register(row: StrategySpec) -> StrategySpec:
+    """Add a strategy defined outside ``parabench.families`` (a project's own module, imported before
+    its cases run); a name already taken is a ValueError."""
+    if row.name in STRATEGIES:
+        raise ValueError(f"strategy {row.name!r} registered twice")
+    STRATEGIES[row.name] = row
+    return row
