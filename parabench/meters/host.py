@@ -29,6 +29,7 @@ it in their next collective: a rank's pause becomes everyone's slow step.
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 
@@ -68,9 +69,32 @@ def probe(device: torch.device, ops: int = 200, repeats: int = 5) -> dict:
     return {"dispatch_us": statistics.median(rounds) * 1e6, "cpu": current_cpu()}
 
 
+def _host_busy_s() -> float | None:
+    """Every CPU's non-idle time since boot, in seconds (Linux /proc/stat: user, nice, system, irq,
+    softirq and steal; idle and iowait left out), or None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, *rest = (int(x) for x in fields[1:])
+    steal = rest[0] if rest else 0
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def cpu_times() -> dict | None:
-    """The calling thread's and its process's CPU use so far (getrusage), with the wall clock and
-    the CPU the thread is on; None where the platform has no per-thread accounting."""
+    """The calling thread's and its process's CPU use so far (getrusage), with the wall clock, the
+    CPU the thread is on, the whole host's busy CPU time and its load average; None where the
+    platform has no per-thread accounting."""
     if resource is None or not hasattr(resource, "RUSAGE_THREAD"):
         return None
     wall = time.perf_counter()
@@ -80,10 +104,50 @@ def cpu_times() -> dict | None:
         "wall_s": wall,
         "thread_cpu_s": thread.ru_utime + thread.ru_stime,
         "process_cpu_s": process.ru_utime + process.ru_stime,
+        "host_busy_s": _host_busy_s(),
+        "load_average": _load_average(),
         "involuntary_switches": thread.ru_nivcsw,
         "voluntary_switches": thread.ru_nvcsw,
         "cpu": current_cpu(),
     }
+
+
+def process_facts() -> dict:
+    """What decides how fast this process's host side can run, read once per case: the CPUs it may
+    use (its affinity mask), the host's CPU count, and the thread pools torch and OpenMP will use. A
+    rank pinned to one core beside busy neighbours, or torch's intra-op pool set to the whole
+    machine in every rank, shows here before it shows as a slow or scattered launch."""
+    affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {
+        "cpus_allowed": len(affinity) if affinity is not None else None,
+        "cpus_allowed_list": _ranges(affinity) if affinity is not None else None,
+        "host_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
+    }
+
+
+def _ranges(cpus: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2,5"``, the form of taskset and /proc/<pid>/status."""
+    parts, start = [], None
+    for i, c in enumerate(cpus):
+        if start is None:
+            start = c
+        if i + 1 == len(cpus) or cpus[i + 1] != c + 1:
+            parts.append(str(start) if start == c else f"{start}-{c}")
+            start = None
+    return ",".join(parts)
+
+
+def _other_cpu_share(before: dict, after: dict, wall: float) -> float | None:
+    """The host's busy CPU seconds that were not this process's, over the wall seconds: 1.0 is one
+    CPU kept busy by something else all along (/proc/stat counts in clock ticks, 10 ms)."""
+    if before.get("host_busy_s") is None or after.get("host_busy_s") is None:
+        return None
+    host = after["host_busy_s"] - before["host_busy_s"]
+    mine = after["process_cpu_s"] - before["process_cpu_s"]
+    return max(0.0, host - mine) / wall
 
 
 def cpu_use(before: dict | None, after: dict | None, steps: int) -> dict | None:
@@ -100,6 +164,9 @@ def cpu_use(before: dict | None, after: dict | None, steps: int) -> dict | None:
         "wall_s": wall,
         "thread_cpu_share": (after["thread_cpu_s"] - before["thread_cpu_s"]) / wall,
         "process_cpu_share": (after["process_cpu_s"] - before["process_cpu_s"]) / wall,
+        # the host's other work meanwhile, in CPUs kept busy: other processes and other ranks
+        "other_cpu_share": _other_cpu_share(before, after, wall),
+        "load_average": [before.get("load_average"), after.get("load_average")],
         "involuntary_switches_per_step": (after["involuntary_switches"] - before["involuntary_switches"]) / steps,
         "voluntary_switches_per_step": (after["voluntary_switches"] - before["voluntary_switches"]) / steps,
         "cpus": [before["cpu"], after["cpu"]],

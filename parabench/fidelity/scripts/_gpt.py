@@ -263,6 +263,43 @@ def _peak(device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _host_times() -> dict:
+    """This thread's and process's CPU seconds, the host's busy seconds (/proc/stat) and the wall
+    clock: read on either side of the timed steps, as parabench's worker does, so a slow or
+    scattered launch of the script can be told from a busy host."""
+    thread = resource.getrusage(resource.RUSAGE_THREAD)
+    process = resource.getrusage(resource.RUSAGE_SELF)
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        busy = (sum(ticks[:3]) + sum(ticks[5:8])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        busy = None
+    return {
+        "wall": time.perf_counter(),
+        "thread": thread.ru_utime + thread.ru_stime,
+        "process": process.ru_utime + process.ru_stime,
+        "busy": busy,
+        "involuntary": thread.ru_nivcsw,
+    }
+
+
+def _host_use(before: dict, after: dict) -> dict:
+    wall = after["wall"] - before["wall"]
+    mine = after["process"] - before["process"]
+    other = None if before["busy"] is None else max(0.0, after["busy"] - before["busy"] - mine) / wall
+    return {
+        "thread_cpu_share": (after["thread"] - before["thread"]) / wall,
+        "process_cpu_share": mine / wall,
+        "other_cpu_share": other,
+        "involuntary_switches": after["involuntary"] - before["involuntary"],
+        "load_average": list(os.getloadavg()),
+        "cpus_allowed": len(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+        "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
+    }
+
+
 def measure(args, device, step, batches, tokens_per_step: int, library: dict) -> dict | None:
     """Run ``warmup`` untimed and ``steps`` timed calls of ``step(x, y) -> loss``, each timed with
     a device sync on either side; return (rank 0) the result, else None. A step's time is the
@@ -276,13 +313,20 @@ def measure(args, device, step, batches, tokens_per_step: int, library: dict) ->
     dist.barrier()
     _reset_peak(device)
     times = []
+    host_before = _host_times()
     for x, y in batches[args.warmup :]:
         t0 = time.perf_counter()
         losses.append(step(x, y))
         _sync(device)
         times.append(time.perf_counter() - t0)
+    host = _host_use(host_before, _host_times())
     peak = _peak(device)
-    mine = {"times": times, "peak": peak, "losses": [None if l is None else float(_local(l)) for l in losses]}
+    mine = {
+        "times": times,
+        "peak": peak,
+        "losses": [None if l is None else float(_local(l)) for l in losses],
+        "host": host,
+    }
     world = dist.get_world_size()
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
@@ -301,6 +345,7 @@ def measure(args, device, step, batches, tokens_per_step: int, library: dict) ->
         "final_loss": losses[-1],
         "losses": losses,
         "tokens_per_step": tokens_per_step,
+        "host_per_rank": [r["host"] for r in everyone],
         "config": {**vars(args), "world_size": world, "device": device.type, **library},
         "versions": versions,
     }
