@@ -343,7 +343,16 @@ BUBBLE_TOLERANCE = 0.05
 # options that add untimed, metered steps and leave the timed ones alone: a series' name and
 # grouping ignore them, so a strategy's profiled and unprofiled points form one series
 METER_OPTIONS = frozenset(
-    {"step_breakdown", "memory_breakdown", "trace", "memory_snapshot", "telemetry", "timed_meters", "roofline", "record_timeline"}
+    {
+        "step_breakdown",
+        "memory_breakdown",
+        "trace",
+        "memory_snapshot",
+        "telemetry",
+        "timed_meters",
+        "roofline",
+        "record_timeline",
+    }
 )
 
 
