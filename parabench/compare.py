@@ -78,9 +78,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from parabench import noise
 from parabench.record import rank0_comm
 from parabench.results import SchemaError, load_run
-from parabench.stats import combine_launches, launch_samples, mann_whitney_greater, smallest_p
+from parabench.stats import combine_launches, finite, launch_samples, mann_whitney_greater, smallest_p
 
 # name, direction (+1 higher is better, -1 lower is better), rule, unit
 METRICS: list[tuple[str, int, str, str]] = [
@@ -100,6 +101,21 @@ METRICS: list[tuple[str, int, str, str]] = [
 STATUS_OK = "ok"
 ALLOCATOR_SLACK_BYTES = 64 << 20
 INFO_TOLERANCE = 1e-3  # relative; beyond it a 4-significant-digit display shows the change
+# The loss series (``metrics.losses``, every step of warm-up and timed steps) by device type: the
+# largest relative difference at any step that still counts as equal. CPU: 0, exact, when both runs
+# name the same CPU model and torch build (the smoke suite's losses are bit-identical run to run
+# there); on another CPU model or torch build 1 % (other vector kernels round otherwise, and bf16's
+# step is 0.8 %). CUDA: GPU kernels are not bitwise deterministic; two launches of the same code
+# moved by up to 1.9 % at one step (378 launch pairs of the committed runs, bf16), so only a gross
+# change (wrong data, a lost gradient reduction, divergence) is caught there. Another device type:
+# not gated (``final_loss`` stays informational).
+LOSS_TOLERANCE = {"cpu": 0.0, "cpu on another platform": 0.01, "cuda": 0.05}
+# Verdicts that fail the gate: a regression, and an exactly held figure that moved either way
+# (``mismatch``: a loss series beyond its tolerance; any exact byte figure under ``strict_exact``).
+FAILING = ("regression", "mismatch")
+# Figures that cannot be what an ok launch measured when they are not finite or not positive (loss:
+# negative); the candidate fails on them, naming the metric, whatever its launch count.
+POSITIVE_TIMINGS = ("tokens_per_s", "tokens_per_s_per_device", "step_time_s_median", "mfu")
 
 
 # --- statistics: parabench.stats (no scipy: the gate must run wherever parabench does) --------
@@ -115,7 +131,7 @@ class MetricDelta:
     baseline: float | None
     candidate: float | None
     rel_change: float | None  # (candidate - baseline) / baseline
-    verdict: str  # same | regression | improvement | changed | noise | unjudged | n/a
+    verdict: str  # same | regression | mismatch | improvement | changed | noise | unjudged | n/a
     p_value: float | None = None
     note: str = ""
 
@@ -126,7 +142,7 @@ class CaseComparison:
     label: str
     baseline_status: str | None
     candidate_status: str | None
-    verdict: str  # regression | improvement | unjudged | same | only-baseline | only-candidate
+    verdict: str  # regression | mismatch | improvement | unjudged | same | only-baseline | only-candidate
     metrics: list[MetricDelta] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -137,27 +153,172 @@ def case_as_dict(c: CaseComparison) -> dict:
     return {**vars(c), "metrics": [dict(vars(m)) for m in c.metrics], "notes": list(c.notes)}
 
 
+def _number(v):
+    """A metric value as the gate computes with it: ints stay ints (exact byte figures), an int
+    beyond the float range becomes +-inf (so the change can be computed), anything that is not a
+    number is None."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    if isinstance(v, int) and finite(v) is None:
+        return math.inf if v > 0 else -math.inf
+    return v
+
+
+def _per_rank(record: dict) -> list[dict]:
+    return [pr for pr in record.get("per_rank") or [] if isinstance(pr, dict)]
+
+
+def _rank_of(pr: dict, i: int):
+    r = pr.get("rank")
+    return r if isinstance(r, int) and not isinstance(r, bool) else i
+
+
 def metric_value(record: dict, name: str):
-    """A metric of a record by the gate's name (a few live outside ``metrics``)."""
-    m = record.get("metrics") or {}
+    """A metric of a record by the gate's name (a few live outside ``metrics``): rank 0's
+    communication (``comm_payload_bytes``, ``comm_bytes[KIND]``), another rank's
+    (``comm_payload_bytes[rank N]``), each rank's model state (``model_state_bytes[rank N]``: params,
+    gradients and optimizer state it holds)."""
+    m = record.get("metrics") if isinstance(record.get("metrics"), dict) else {}
+    comm = rank0_comm(record) if _per_rank(record) else None
+    comm = comm if isinstance(comm, dict) else None
     if name == "comm_payload_bytes":
-        comm = rank0_comm(record)
-        return comm.get("payload_bytes") if comm else None
+        return _number(comm.get("payload_bytes")) if comm else None
     if name.startswith("comm_bytes[") and name.endswith("]"):
-        comm = rank0_comm(record)
         if not comm:
             return None
-        return (comm.get("by_kind", {}).get(name[11:-1]) or {}).get("payload_bytes", 0)
-    return m.get(name)
+        return _number((comm.get("by_kind", {}).get(name[11:-1]) or {}).get("payload_bytes", 0))
+    for prefix, field_name in (("comm_payload_bytes[rank ", "comm"), ("model_state_bytes[rank ", "state_bytes")):
+        if name.startswith(prefix) and name.endswith("]"):
+            want = int(name[len(prefix) : -1])
+            for i, pr in enumerate(_per_rank(record)):
+                if _rank_of(pr, i) != want:
+                    continue
+                part = pr.get(field_name)
+                if not isinstance(part, dict):
+                    return None
+                if field_name == "comm":
+                    return _number(part.get("payload_bytes"))
+                values = [_number(v) for v in part.values()]
+                return sum(values) if values and all(v is not None for v in values) else None
+            return None
+    return _number(m.get(name))
 
 
 def _comm_kinds(*records: dict) -> list[str]:
     kinds: set[str] = set()
     for r in records:
-        comm = rank0_comm(r)
-        if comm:
-            kinds |= set(comm.get("by_kind", {}))
+        comm = rank0_comm(r) if _per_rank(r) else None
+        if isinstance(comm, dict) and isinstance(comm.get("by_kind"), dict):
+            kinds |= set(comm["by_kind"])
     return sorted(kinds)
+
+
+def _per_rank_metrics(*records: dict) -> list[str]:
+    """``comm_payload_bytes[rank N]`` for every rank but 0 (rank 0 is ``comm_payload_bytes``) and
+    ``model_state_bytes[rank N]`` for every rank, wherever either record measured them."""
+    names: dict[str, None] = {}
+    for r in records:
+        for i, pr in enumerate(_per_rank(r)):
+            rank = _rank_of(pr, i)
+            if rank != 0 and isinstance(pr.get("comm"), dict):
+                names[f"comm_payload_bytes[rank {rank}]"] = None
+            if isinstance(pr.get("state_bytes"), dict):
+                names[f"model_state_bytes[rank {rank}]"] = None
+    return sorted(names, key=lambda n: (n.split("[")[0], int(n.split(" ")[-1][:-1])))
+
+
+def _device_type(record: dict) -> str | None:
+    return (record.get("device") or {}).get("type") if isinstance(record.get("device"), dict) else None
+
+
+def compare_losses(base: dict, cand: dict, same_platform: bool = True) -> MetricDelta | None:
+    """The loss series held to ``LOSS_TOLERANCE`` of the device (None when the records ran on
+    different device types, the device has no tolerance, or a side has no series).
+    ``same_platform``: both runs on one CPU model and torch build."""
+    device = _device_type(base)
+    if device == "cpu" and not same_platform:
+        device = "cpu on another platform"
+    tol = LOSS_TOLERANCE.get(device) if _device_type(base) == _device_type(cand) else None
+    bl, cl = ((r.get("metrics") or {}).get("losses") for r in (base, cand))
+    if tol is None or not isinstance(bl, list) or not isinstance(cl, list) or not bl:
+        return None
+    d = MetricDelta("losses", "loss", 0, len(bl), len(cl), None, "same")
+    d.baseline, d.candidate = _number(bl[-1]), _number(cl[-1])
+    if len(bl) != len(cl):
+        d.verdict, d.note = "mismatch", f"{len(bl)} losses in the baseline, {len(cl)} in the candidate"
+        return d
+    worst, at = 0.0, None
+    for k, (b, c) in enumerate(zip(bl, cl)):
+        b, c = _number(b), _number(c)
+        if b is None and c is None:
+            continue  # a step neither side recorded (a pipeline rank without the loss)
+        if b is None or c is None or not (math.isfinite(b) and math.isfinite(c)):
+            if b != c:
+                worst, at = math.inf, k
+            continue
+        rel = abs(c - b) / abs(b) if b else (0.0 if c == b else math.inf)
+        if rel > worst:
+            worst, at = rel, k
+    d.rel_change = worst if worst != math.inf else None
+    if worst > tol:
+        d.verdict = "mismatch"
+        limit = "exactly equal" if tol == 0 else f"within {tol:.0%}"
+        d.note = (
+            f"step {at}: {_fmt(_number(bl[at]))} -> {_fmt(_number(cl[at]))} (loss series on {device} must be {limit}: "
+            f"the same strategy version computes the same losses)"
+        )
+    return d
+
+
+def impossible_values(record: dict) -> list[MetricDelta]:
+    """What an ok record cannot have measured: a timing figure (tokens/s, step time, MFU) of any of
+    its launches that is not a finite positive number, or a final loss or loss series entry that is
+    NaN, infinite or negative. One failing MetricDelta per metric, naming launch or step."""
+    if record.get("status") != STATUS_OK:
+        return []
+    metrics = record.get("metrics") if isinstance(record.get("metrics"), dict) else {}
+    launches = (
+        record.get("launches") if isinstance(record.get("launches"), list) else [{"status": STATUS_OK, **metrics}]
+    )
+    out = []
+    for name in POSITIVE_TIMINGS:
+        for k, launch in enumerate(launches):
+            if not isinstance(launch, dict) or launch.get("status") != STATUS_OK or launch.get(name) is None:
+                continue
+            v = launch[name]
+            if finite(v) is None or finite(v) <= 0:
+                where = f"launch {launch.get('repeat', k)}" if len(launches) > 1 else "the launch"
+                out.append(_impossible(name, v, f"{where} recorded {_fmt_raw(v)}: not a finite positive number"))
+                break
+    losses = [("final_loss", launch.get("final_loss")) for launch in launches if isinstance(launch, dict)]
+    losses.append(("final_loss", metrics.get("final_loss")))
+    bad = next((v for _, v in losses if v is not None and (finite(v) is None or finite(v) < 0)), None)
+    if bad is not None:
+        out.append(_impossible("final_loss", bad, f"recorded {_fmt_raw(bad)}: a loss is a finite non-negative number"))
+    series = metrics.get("losses") if isinstance(metrics.get("losses"), list) else []
+    steps = [k for k, v in enumerate(series) if v is not None and (finite(v) is None or finite(v) < 0)]
+    if steps:
+        out.append(
+            _impossible(
+                "losses",
+                series[steps[0]],
+                f"{len(steps)} of {len(series)} steps recorded a loss that is not a finite non-negative number "
+                f"(first: step {steps[0]}, {_fmt_raw(series[steps[0]])})",
+            )
+        )
+    return out
+
+
+def _impossible(name: str, value, note: str) -> MetricDelta:
+    return MetricDelta(
+        name, "valid", 0, None, _number(value) if _number(value) is not None else None, None, "regression", note=note
+    )
+
+
+def _fmt_raw(v) -> str:
+    if isinstance(v, int) and not isinstance(v, bool) and finite(v) is None:
+        return f"an integer of {len(str(abs(v)))} digits"
+    return repr(v)
 
 
 def _launch_test(name: str, base: dict, cand: dict, cand_larger: bool, alpha: float) -> tuple[float | None, str]:
@@ -182,6 +343,8 @@ def compare_metric(
     threshold: float,
     mem_threshold: float,
     alpha: float,
+    noise_model: dict | None = None,
+    strict_exact: bool = False,
 ) -> MetricDelta:
     bv, cv = metric_value(base, name), metric_value(cand, name)
     if bv is None or cv is None:
@@ -195,13 +358,15 @@ def compare_metric(
             "n/a" if bv is None and cv is None else "changed",
             note="" if bv is None and cv is None else "measured on one side only",
         )
-    rel = (cv - bv) / abs(bv) if bv else (0.0 if cv == bv else math.copysign(math.inf, cv - bv))
-    worse = (cv - bv) * direction < 0
+    rel = _relative(bv, cv)
+    worse = (cv - bv) * direction < 0 if cv == cv and bv == bv else True
     d = MetricDelta(name, rule, direction, bv, cv, rel, "same")
     if rule == "exact":
         if cv != bv:
-            d.verdict = "regression" if worse else "improvement"
+            d.verdict = "regression" if worse else ("mismatch" if strict_exact else "improvement")
             d.note = f"{cv - bv:+,} bytes" if isinstance(cv, int) and isinstance(bv, int) else ""
+            if strict_exact and not worse:
+                d.note += " (exact figures must not move either way: update the baseline deliberately)"
         return d
     if rule == "slack":
         if cv != bv:
@@ -217,11 +382,14 @@ def compare_metric(
             d.verdict = "changed"
         return d
     # timing and noisy memory: threshold AND a significant launch-level test
-    if abs(rel) <= (mem_threshold if rule == "noisy" else threshold):
+    if rel == rel and abs(rel) <= (mem_threshold if rule == "noisy" else threshold):
         return d
     p, why = _launch_test(name, base, cand, cand_larger=cv > bv, alpha=alpha)
     d.p_value = p
-    if p is None:
+    judged = noise.judge(noise_model, base, cand, name, direction) if p is None and rule == "timing" else None
+    if judged is not None:
+        d.verdict, d.note = judged
+    elif p is None:
         d.verdict = "unjudged"
         d.note = why
     elif p <= alpha:
@@ -230,6 +398,20 @@ def compare_metric(
         d.verdict = "noise"
         d.note = f"beyond the threshold but not significant over launches (p={p:.3g} > {alpha})"
     return d
+
+
+def _relative(bv, cv) -> float:
+    """(cv - bv) / |bv| without overflow (huge ints) or a crash (NaN, inf); NaN where undefined."""
+    try:
+        if bv:
+            return (cv - bv) / abs(bv)
+        return 0.0 if cv == bv else math.copysign(math.inf, cv - bv)
+    except (OverflowError, ZeroDivisionError, ValueError):
+        fb, fc = float(bv) if finite(bv) is not None else bv, float(cv) if finite(cv) is not None else cv
+        try:
+            return (fc - fb) / abs(fb) if fb else math.nan
+        except (OverflowError, ZeroDivisionError, TypeError, ValueError):
+            return math.nan
 
 
 DEFAULT_THRESHOLD = 0.03
@@ -248,8 +430,13 @@ def compare_records(
     threshold: float = DEFAULT_THRESHOLD,
     mem_threshold: float | None = None,
     alpha: float = DEFAULT_ALPHA,
+    noise_model: dict | None = None,
+    strict_exact: bool = False,
+    same_platform: bool = True,
 ) -> CaseComparison:
-    """Compare two case-level records (``parabench.stats.combine_launches``: one per case hash)."""
+    """Compare two case-level records (``parabench.stats.combine_launches``: one per case hash).
+    ``noise_model`` (``parabench.noise``) judges timings the launch counts cannot; ``strict_exact``
+    fails exact figures that moved either way (the CPU smoke gate)."""
     mem_threshold = DEFAULT_MEM_THRESHOLD if mem_threshold is None else mem_threshold
     ref = base or cand
     out = CaseComparison(
@@ -272,19 +459,37 @@ def compare_records(
             return out
     if bs != STATUS_OK or cs != STATUS_OK:
         return out
+    impossible = impossible_values(cand)
     bd, cd = (base.get("device") or {}).get("name"), (cand.get("device") or {}).get("name")
     if bd != cd:
         out.notes.append(f"different devices: {bd} vs {cd}; timings are not comparable")
     names = [(n, d, r) for n, d, r, _ in METRICS]
     names += [(f"comm_bytes[{k}]", -1, "exact") for k in _comm_kinds(base, cand)]
+    names += [(n, -1, "exact") for n in _per_rank_metrics(base, cand)]
+    failed = {d.metric for d in impossible}
+    out.metrics += impossible
     for name, direction, rule in names:
+        if name in failed:
+            continue
         d = compare_metric(
-            name, direction, rule, base, cand, threshold=threshold, mem_threshold=mem_threshold, alpha=alpha
+            name,
+            direction,
+            rule,
+            base,
+            cand,
+            threshold=threshold,
+            mem_threshold=mem_threshold,
+            alpha=alpha,
+            noise_model=noise_model,
+            strict_exact=strict_exact,
         )
         if d.verdict != "n/a":
             out.metrics.append(d)
+    losses = None if "losses" in failed else compare_losses(base, cand, same_platform)
+    if losses is not None:
+        out.metrics.append(losses)
     verdicts = {d.verdict for d in out.metrics}
-    out.verdict = next((v for v in ("regression", "improvement", "unjudged") if v in verdicts), "same")
+    out.verdict = next((v for v in (*FAILING, "improvement", "unjudged") if v in verdicts), "same")
     nb, nc = ((r.get("launch_stats") or {}).get("n") for r in (base, cand))
     if nb is not None and nc is not None:
         out.notes.append(f"launches {nb} vs {nc}")
@@ -299,17 +504,29 @@ def compare_runs(
     mem_threshold: float | None = None,
     alpha: float = DEFAULT_ALPHA,
     fail_unjudged: bool = False,
+    noise_model: dict | None = None,
+    strict_exact: bool = False,
 ) -> dict:
     """The whole comparison as plain data (what ``--json`` writes). Takes runs as ``load_run``
     gives them (one record per launch) and compares them case by case. ``regression`` is true on
     any regression, and with ``fail_unjudged`` also on any timing change the launches cannot judge."""
     (bm, brecs), (cm, crecs) = baseline, candidate
     brecs, crecs = combine_launches(brecs), combine_launches(crecs)
+    same_platform = _platform(bm) == _platform(cm)
     bmap = {r["case_hash"]: r for r in brecs}
     cmap = {r["case_hash"]: r for r in crecs}
     hashes = sorted(set(bmap) | set(cmap), key=lambda h: ((bmap.get(h) or cmap.get(h)).get("label", ""), h))
     cases = [
-        compare_records(bmap.get(h), cmap.get(h), threshold=threshold, mem_threshold=mem_threshold, alpha=alpha)
+        compare_records(
+            bmap.get(h),
+            cmap.get(h),
+            threshold=threshold,
+            mem_threshold=mem_threshold,
+            alpha=alpha,
+            noise_model=noise_model,
+            strict_exact=strict_exact,
+            same_platform=same_platform,
+        )
         for h in hashes
     ]
     counts: dict[str, int] = {}
@@ -320,10 +537,16 @@ def compare_runs(
     cdev = [d.get("name") for d in cm.get("devices", [])]
     if bdev != cdev:
         notes.append(f"the runs used different devices ({bdev} vs {cdev})")
+    if not same_platform:
+        notes.append(
+            f"the runs used different CPU models or torch builds ({_platform(bm)} vs {_platform(cm)}): CPU loss "
+            f"series are held to {LOSS_TOLERANCE['cpu on another platform']:.0%}, not exactly"
+        )
     if counts.get("unjudged"):
         notes.append(
-            f"{counts['unjudged']} case(s) changed beyond the threshold with too few launches to judge; "
-            f"run both sides with repeats >= 3 (suite [suite] repeats = 3, or run case --repeats 3)"
+            f"{counts['unjudged']} case(s) changed beyond the threshold with too few launches to judge"
+            + ("" if noise_model else " and no noise model")
+            + "; run both sides with repeats >= 3 (suite [suite] repeats = 3, or run case --repeats 3)"
         )
     for side, recs in (("baseline", brecs), ("candidate", crecs)):
         slowed = sorted({r["debug_slowdown"] for r in recs if r.get("debug_slowdown")})
@@ -341,12 +564,22 @@ def compare_runs(
             "alpha": alpha,
             "test": TEST_NAME,
             "fail_unjudged": fail_unjudged,
+            "noise_model": bool(noise_model),
+            "strict_exact": strict_exact,
+            "loss_tolerance": LOSS_TOLERANCE,
         },
         "counts": counts,
-        "regression": counts.get("regression", 0) > 0 or (fail_unjudged and counts.get("unjudged", 0) > 0),
+        "regression": any(counts.get(v, 0) for v in FAILING) or (fail_unjudged and counts.get("unjudged", 0) > 0),
         "notes": notes,
         "cases": [case_as_dict(c) for c in cases],
     }
+
+
+def _platform(manifest: dict) -> tuple:
+    """What decides a CPU's rounding: its model and the torch build."""
+    host = manifest.get("host") if isinstance(manifest.get("host"), dict) else {}
+    versions = manifest.get("versions") if isinstance(manifest.get("versions"), dict) else {}
+    return host.get("cpu_model"), versions.get("torch")
 
 
 def missing_data(baseline: tuple[dict, list[dict]], candidate: tuple[dict, list[dict]]) -> list[str]:
@@ -496,6 +729,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="exit 1 also when a timing changed beyond the threshold with too few launches to judge",
     )
+    p.add_argument(
+        "--noise-model",
+        default=None,
+        help="noise model that judges single-launch timings (default: results/baselines/noise-model.json "
+        "where it exists; parabench noise-model rebuilds it)",
+    )
+    p.add_argument(
+        "--no-noise-model",
+        action="store_true",
+        help="judge timings by the launch-level test only (fewer than 3 launches a side: unjudged)",
+    )
+    p.add_argument(
+        "--strict-exact",
+        action="store_true",
+        help="fail when an exact figure (communication or model-state bytes) moved either way, not only up "
+        "(the CPU smoke gate: a change must come with a deliberately updated baseline)",
+    )
     p.add_argument("--json", help="write the comparison as JSON here")
     p.add_argument("--markdown", help="write the comparison as a Markdown table here")
     p.add_argument("--all", action="store_true", help="print unchanged metrics too")
@@ -510,8 +760,12 @@ def main(args) -> int:
     try:
         base = load_run(args.baseline)
         cand = load_run(args.candidate)
-    except (FileNotFoundError, SchemaError, json.JSONDecodeError, KeyError) as exc:
+        model = None if getattr(args, "no_noise_model", False) else noise.load(getattr(args, "noise_model", None))
+    except (FileNotFoundError, SchemaError, json.JSONDecodeError, KeyError, ValueError) as exc:
         print(f"parabench compare: error: {exc}", file=sys.stderr)
+        return 2
+    if getattr(args, "noise_model", None) and model is None:
+        print(f"parabench compare: error: no noise model at {args.noise_model}", file=sys.stderr)
         return 2
     result = compare_runs(
         base,
@@ -520,6 +774,8 @@ def main(args) -> int:
         mem_threshold=getattr(args, "mem_threshold", None),
         alpha=getattr(args, "alpha", DEFAULT_ALPHA),
         fail_unjudged=getattr(args, "fail_unjudged", False),
+        noise_model=model,
+        strict_exact=getattr(args, "strict_exact", False),
     )
     allow_missing = getattr(args, "allow_missing", False)
     result["missing"] = missing_data(base, cand)

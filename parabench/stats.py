@@ -22,6 +22,12 @@ Every method here is distribution-free and exact for small samples (no scipy, no
 
 ``combine_launches`` turns the records of one run (one file per launch, see
 ``parabench.suite.launch_key``) into one record per case for the gate and the report.
+
+Records are untrusted input: a value that is not a finite number (NaN, inf, a string, an integer
+too large for a float such as 10**400) is never a sample here (``finite``). Statistics over such
+values would crash (``statistics.stdev`` on inf) or mean nothing (NaN sorts anywhere); the raw
+value stays in the combined record's ``launches`` rows, where the gate fails it by name
+(``parabench.compare.impossible_values``).
 """
 
 from __future__ import annotations
@@ -58,6 +64,19 @@ LAUNCH_CONDITIONS = (
 # Summarised with an interval and a coefficient of variation in ``launch_stats``.
 SUMMARISED = ("step_time_s_median", "tokens_per_s", "tokens_per_s_per_device")
 CI_LEVEL = 0.95
+# Kept per launch beside the timings so the gate can check every launch, not only the representative.
+LAUNCH_CHECKED = ("final_loss",)
+
+
+def finite(v) -> float | None:
+    """``v`` as a float when it is a finite number (bool is not a number here), else None."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:  # an int beyond the float range
+        return None
+    return f if math.isfinite(f) else None
 
 
 # --- Mann-Whitney U -----------------------------------------------------------------------------
@@ -138,11 +157,16 @@ def median(xs) -> float:
 
 
 def cv(xs) -> float | None:
-    """Coefficient of variation: sample standard deviation over the mean (None below 2 samples)."""
+    """Coefficient of variation: sample standard deviation over the mean (None below 2 finite
+    samples; values that are not finite numbers are left out)."""
+    xs = [f for f in map(finite, xs) if f is not None]
     if len(xs) < 2:
         return None
     mean = statistics.fmean(xs)
-    return statistics.stdev(xs) / mean if mean else None
+    try:
+        return statistics.stdev(xs) / mean if mean else None
+    except OverflowError:  # finite values whose squares are not (1e200)
+        return None
 
 
 def median_ci(xs, level: float = CI_LEVEL) -> tuple[float, float, float]:
@@ -184,7 +208,9 @@ def ratio_ci(a, b, level: float = CI_LEVEL) -> tuple[float, float, float, float]
 
 
 def summary(xs) -> dict:
-    """Median, its interval (with the coverage it has), CV and the samples themselves."""
+    """Median, its interval (with the coverage it has), CV and the samples themselves (finite
+    numbers only; at least one is needed)."""
+    xs = [f for f in map(finite, xs) if f is not None]
     low, high, cover = median_ci(xs)
     return {
         "median": median(xs),
@@ -202,15 +228,16 @@ def summary(xs) -> dict:
 
 def launch_index(record: dict) -> int:
     """Which launch of its case a record is (0 for records written before repeats existed)."""
-    return int((record.get("case") or {}).get("repeat") or 0)
+    k = (record.get("case") or {}).get("repeat") if isinstance(record.get("case"), dict) else None
+    return k if isinstance(k, int) and not isinstance(k, bool) and k >= 0 else 0
 
 
 def launch_samples(record: dict, metric: str) -> list[float]:
     """Per-launch values of ``metric`` of a combined record (``combine_launches``), ok launches only."""
     out = []
     for launch in record.get("launches") or []:
-        v = launch.get(metric)
-        if launch.get("status") == "ok" and isinstance(v, (int, float)) and not isinstance(v, bool):
+        v = finite(launch.get(metric)) if isinstance(launch, dict) else None
+        if launch.get("status") == "ok" and v is not None:
             out.append(v)
     return out
 
@@ -233,7 +260,8 @@ def combine_launches(records: list[dict]) -> list[dict]:
     """
     groups: dict[str, list[dict]] = {}
     for r in records:
-        groups.setdefault(r.get("case_hash"), []).append(r)
+        if isinstance(r, dict):
+            groups.setdefault(r.get("case_hash"), []).append(r)
     return [_combine(sorted(rs, key=launch_index)) for rs in groups.values()]
 
 
@@ -250,12 +278,18 @@ def _combine(launches: list[dict]) -> dict:
                 "status": r.get("status"),
                 "started_at": r.get("started_at"),
                 "duration_s": r.get("duration_s"),
-                **{k: m.get(k) for k in TIMING_METRICS + NOISY_MEMORY + LAUNCH_CONDITIONS},
+                **{k: m.get(k) for k in TIMING_METRICS + NOISY_MEMORY + LAUNCH_CONDITIONS + LAUNCH_CHECKED},
             }
         )
+    steps = [finite(r["metrics"].get("step_time_s_median")) for r in ok]
+    timed = [s for s in steps if s is not None]
     if ok:
-        mid = median([r["metrics"]["step_time_s_median"] for r in ok])
-        rep = min(ok, key=lambda r: (abs(r["metrics"]["step_time_s_median"] - mid), launch_index(r)))
+        # a launch without a finite step time is never the representative while another has one
+        mid = median(timed) if timed else 0.0
+        rep = min(
+            zip(ok, steps),
+            key=lambda rs: (rs[1] is None, abs(rs[1] - mid) if rs[1] is not None else 0.0, launch_index(rs[0])),
+        )[0]
     else:
         rep = launches[0]
     # A shallow copy: only top-level keys and metrics entries are replaced below, never mutated in
@@ -265,11 +299,11 @@ def _combine(launches: list[dict]) -> dict:
     stats: dict = {"n": len(ok), "n_launches": len(launches), "representative_repeat": launch_index(rep)}
     if ok:
         for k in TIMING_METRICS + NOISY_MEMORY:
-            vals = [r["metrics"][k] for r in ok if isinstance(r["metrics"].get(k), (int, float))]
-            if len(vals) == len(ok):
+            vals = [finite(r["metrics"].get(k)) for r in ok]
+            if vals and all(v is not None for v in vals):
                 out["metrics"][k] = median(vals)
         for k in SUMMARISED:
-            vals = [r["metrics"][k] for r in ok if isinstance(r["metrics"].get(k), (int, float))]
+            vals = [v for v in (finite(r["metrics"].get(k)) for r in ok) if v is not None]
             if vals:
                 stats[k] = summary(vals)
     out["launch_stats"] = stats
