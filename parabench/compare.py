@@ -111,7 +111,8 @@ INFO_TOLERANCE = 1e-3  # relative; beyond it a 4-significant-digit display shows
 # not gated (``final_loss`` stays informational).
 LOSS_TOLERANCE = {"cpu": 0.0, "cpu on another platform": 0.01, "cuda": 0.05}
 # Verdicts that fail the gate: a regression, and an exactly held figure that moved either way
-# (``mismatch``: a loss series beyond its tolerance; any exact byte figure under ``strict_exact``).
+# (``mismatch``: a loss series beyond its tolerance; any exact byte figure that moved, under
+# ``exact_only``, the CPU smoke gate).
 FAILING = ("regression", "mismatch")
 # Figures that cannot be what an ok launch measured when they are not finite or not positive (loss:
 # negative); the candidate fails on them, naming the metric, whatever its launch count.
@@ -344,7 +345,7 @@ def compare_metric(
     mem_threshold: float,
     alpha: float,
     noise_model: dict | None = None,
-    strict_exact: bool = False,
+    exact_only: bool = False,
 ) -> MetricDelta:
     bv, cv = metric_value(base, name), metric_value(cand, name)
     if bv is None or cv is None:
@@ -363,9 +364,9 @@ def compare_metric(
     d = MetricDelta(name, rule, direction, bv, cv, rel, "same")
     if rule == "exact":
         if cv != bv:
-            d.verdict = "regression" if worse else ("mismatch" if strict_exact else "improvement")
+            d.verdict = "regression" if worse else ("mismatch" if exact_only else "improvement")
             d.note = f"{cv - bv:+,} bytes" if isinstance(cv, int) and isinstance(bv, int) else ""
-            if strict_exact and not worse:
+            if exact_only and not worse:
                 d.note += " (exact figures must not move either way: update the baseline deliberately)"
         return d
     if rule == "slack":
@@ -431,12 +432,14 @@ def compare_records(
     mem_threshold: float | None = None,
     alpha: float = DEFAULT_ALPHA,
     noise_model: dict | None = None,
-    strict_exact: bool = False,
+    exact_only: bool = False,
     same_platform: bool = True,
 ) -> CaseComparison:
     """Compare two case-level records (``parabench.stats.combine_launches``: one per case hash).
-    ``noise_model`` (``parabench.noise``) judges timings the launch counts cannot; ``strict_exact``
-    fails exact figures that moved either way (the CPU smoke gate)."""
+    ``noise_model`` (``parabench.noise``) judges timings the launch counts cannot. ``exact_only``
+    compares statuses and the deterministic figures only (loss series, communication and
+    model-state bytes, requested peak) and fails them when they moved either way: the CPU smoke
+    gate, whose timings and RSS move with whatever else runs on the machine."""
     mem_threshold = DEFAULT_MEM_THRESHOLD if mem_threshold is None else mem_threshold
     ref = base or cand
     out = CaseComparison(
@@ -469,7 +472,7 @@ def compare_records(
     failed = {d.metric for d in impossible}
     out.metrics += impossible
     for name, direction, rule in names:
-        if name in failed:
+        if name in failed or (exact_only and rule != "exact"):
             continue
         d = compare_metric(
             name,
@@ -481,7 +484,7 @@ def compare_records(
             mem_threshold=mem_threshold,
             alpha=alpha,
             noise_model=noise_model,
-            strict_exact=strict_exact,
+            exact_only=exact_only,
         )
         if d.verdict != "n/a":
             out.metrics.append(d)
@@ -505,7 +508,7 @@ def compare_runs(
     alpha: float = DEFAULT_ALPHA,
     fail_unjudged: bool = False,
     noise_model: dict | None = None,
-    strict_exact: bool = False,
+    exact_only: bool = False,
 ) -> dict:
     """The whole comparison as plain data (what ``--json`` writes). Takes runs as ``load_run``
     gives them (one record per launch) and compares them case by case. ``regression`` is true on
@@ -524,7 +527,7 @@ def compare_runs(
             mem_threshold=mem_threshold,
             alpha=alpha,
             noise_model=noise_model,
-            strict_exact=strict_exact,
+            exact_only=exact_only,
             same_platform=same_platform,
         )
         for h in hashes
@@ -565,7 +568,7 @@ def compare_runs(
             "test": TEST_NAME,
             "fail_unjudged": fail_unjudged,
             "noise_model": bool(noise_model),
-            "strict_exact": strict_exact,
+            "exact_only": exact_only,
             "loss_tolerance": LOSS_TOLERANCE,
         },
         "counts": counts,
@@ -741,10 +744,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="judge timings by the launch-level test only (fewer than 3 launches a side: unjudged)",
     )
     p.add_argument(
-        "--strict-exact",
+        "--exact-only",
         action="store_true",
-        help="fail when an exact figure (communication or model-state bytes) moved either way, not only up "
-        "(the CPU smoke gate: a change must come with a deliberately updated baseline)",
+        help="compare statuses and deterministic figures only (loss series, communication and model-state bytes) "
+        "and fail any move of them, either way: the CPU smoke gate (a change comes with a deliberately updated "
+        "baseline)",
     )
     p.add_argument("--json", help="write the comparison as JSON here")
     p.add_argument("--markdown", help="write the comparison as a Markdown table here")
@@ -775,7 +779,7 @@ def main(args) -> int:
         alpha=getattr(args, "alpha", DEFAULT_ALPHA),
         fail_unjudged=getattr(args, "fail_unjudged", False),
         noise_model=model,
-        strict_exact=getattr(args, "strict_exact", False),
+        exact_only=getattr(args, "exact_only", False),
     )
     allow_missing = getattr(args, "allow_missing", False)
     result["missing"] = missing_data(base, cand)

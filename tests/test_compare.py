@@ -368,7 +368,7 @@ def test_another_ranks_communication_and_model_state_are_exact():
     res = compare_runs((man, [base]), (man, [cand]))
     deltas = {m["metric"]: m for m in res["cases"][0]["metrics"]}
     assert deltas["model_state_bytes[rank 1]"]["verdict"] == "improvement" and not res["regression"]
-    strict = compare_runs((man, [base]), (man, [cand]), strict_exact=True)
+    strict = compare_runs((man, [base]), (man, [cand]), exact_only=True)
     deltas = {m["metric"]: m for m in strict["cases"][0]["metrics"]}
     assert strict["regression"] and deltas["model_state_bytes[rank 1]"]["verdict"] == "mismatch"
     assert "update the baseline deliberately" in deltas["model_state_bytes[rank 1]"]["note"]
