@@ -1,8 +1,8 @@
 """parabench: distributed-training strategies, from-scratch and production, measured side by side."""
 
-__version__ = "0.1.0"
+from parabench.version import __version__
 
-__all__ = ["load"]
+__all__ = ["__version__", "load"]
 
 
 def __getattr__(name: str):

@@ -99,7 +99,7 @@ def _resume_command(args, run_dir: Path) -> str:
 
 
 def _launch_options(args):
-    from parabench.runner import LaunchOptions
+    from parabench.launch import LaunchOptions
 
     return LaunchOptions(
         nnodes=args.nnodes,
@@ -133,8 +133,9 @@ def _write_run_report(run_dir: Path) -> Path | None:
 
 
 def _run_suite(suite: Suite, args) -> int:
+    from parabench.launch import OutputError
     from parabench.results import load_run
-    from parabench.runner import OutputError, Runner, default_run_dir
+    from parabench.runner import Runner, default_run_dir
 
     try:
         check_path_component(suite.name, "suite name")
@@ -217,9 +218,10 @@ def _run_collectives(suite: Suite, run_dir: Path) -> dict:
     runner has it), its launches ended on a signal."""
     import torch
 
-    from parabench.collectives_bench import run_collectives_suite, suite_config
+    from parabench.collectives_bench import run_collectives_suite
+    from parabench.collectives_config import suite_config
+    from parabench.launch import LaunchOwner
     from parabench.results import make_manifest, write_json_atomic
-    from parabench.runner import LaunchOwner
 
     cfg = suite_config(suite)
     counts = {"ok": 0, "skipped": 0, "crashed": 0}
@@ -335,28 +337,86 @@ def cmd_run_case(args) -> int:
     return _run_suite(suite, args)
 
 
-def cmd_list(args) -> int:
-    from parabench.registry import STRATEGIES
-    from parabench.shapes import CUSTOM_MODEL_FORM, MODEL_LADDER, parameter_count
+def _table(rows: list[tuple], indent: str = "  ") -> list[str]:
+    """Rows of cells as lines, each column as wide as its widest cell (the last column left free)."""
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]) - 1)] if rows else []
+    return [
+        (indent + "  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)) + "  " + str(row[-1])).rstrip()
+        for row in rows
+    ]
 
-    print("strategies:")
+
+def _clip(line: str, width: int) -> str:
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def cmd_list(args) -> int:
+    """Strategies, models and the user suites in brief; with --all each strategy and model in full
+    and the studies (suites/studies/) too."""
+    import textwrap
+
+    from parabench.registry import STRATEGIES
+    from parabench.shapes import CUSTOM_MODEL_FORM, MODEL_LADDER
+
+    width = 120  # the project's line length: a default listing reads in one screen
+    by_kind: dict[str, list[str]] = {}
     for name, info in sorted(STRATEGIES.items(), key=lambda kv: (kv[1].kind, kv[0])):
-        recipes = "/".join(info.recipes)
-        print(f"  {name:<22} {info.kind:<9} {recipes:<14} {info.description}")
-    print("models:")
-    for name, cfg in MODEL_LADDER.items():
-        print(
-            f"  {name:<10} {parameter_count(cfg)['total'] / 1e6:>9.1f} M params  L={cfg.n_layers} d={cfg.d_model} "
-            f"heads={cfg.n_heads} seq={cfg.seq_len} vocab={cfg.vocab_size}"
-        )
-    print(f"  {CUSTOM_MODEL_FORM}: any other dense shape, e.g. custom-L20-d2304-h18 (vocab 50304 unless -v)")
-    print("suites:")
-    for name in list_suites():
-        try:
-            s = load_suite(name)
-            print(f"  {name:<16} {s.kind:<12} {len(s.cases):>3} cases  {s.description}")
-        except SuiteError as exc:
-            print(f"  {name:<16} INVALID: {exc}")
+        by_kind.setdefault(info.kind, []).append(name)
+    if args.all:
+        from parabench.shapes import parameter_count
+
+        print("strategies:")
+        rows = [
+            (n, STRATEGIES[n].kind, "/".join(STRATEGIES[n].recipes), STRATEGIES[n].description)
+            for names in by_kind.values()
+            for n in names
+        ]
+        print("\n".join(_table(rows)))
+        print("models:")
+        rows = []
+        for name, cfg in MODEL_LADDER.items():
+            rows.append(
+                (
+                    name,
+                    f"{parameter_count(cfg)['total'] / 1e6:>9.1f} M params",
+                    f"L={cfg.n_layers} d={cfg.d_model} heads={cfg.n_heads} seq={cfg.seq_len} vocab={cfg.vocab_size}",
+                )
+            )
+        print("\n".join(_table(rows)))
+        print(f"  {CUSTOM_MODEL_FORM}: any other dense shape, e.g. custom-L20-d2304-h18 (vocab 50304 unless -v)")
+    else:
+        print(f"strategies ({len(STRATEGIES)}; `parabench list --all` gives each one's recipes and description):")
+        kind_width = max(map(len, by_kind))
+        for kind, names in by_kind.items():
+            lead = f"  {kind:<{kind_width}}  "
+            print(textwrap.fill(" ".join(names), width, initial_indent=lead, subsequent_indent=" " * len(lead)))
+        models = " ".join([*MODEL_LADDER, CUSTOM_MODEL_FORM])
+        print(textwrap.fill(models, width, initial_indent="models: ", subsequent_indent="  "))
+
+    groups = [("suites:", list_suites())]
+    studies = list_suites(studies=True)
+    if args.all:
+        groups.append(("studies (one-off, suites/studies/; run by name or as studies/<name>):", studies))
+    rows_by_group = []
+    for _, names in groups:
+        rows = []
+        for name in names:
+            try:
+                s = load_suite(name)
+                rows.append((name.removeprefix("studies/"), s.kind, f"{len(s.cases):>3} cases", s.description))
+            except SuiteError as exc:
+                rows.append((name.removeprefix("studies/"), "INVALID", "", str(exc)))
+        rows_by_group.append(rows)
+    # one set of widths over every group, so that the columns line up from the first suite to the last study
+    lines = _table([row for rows in rows_by_group for row in rows])
+    start = 0
+    for (title, _), rows in zip(groups, rows_by_group):
+        print(title)
+        for line in lines[start : start + len(rows)]:
+            print(line if args.all else _clip(line, width))
+        start += len(rows)
+    if not args.all:
+        print(f"{len(studies)} one-off studies in suites/studies/: `parabench list --all`")
     return 0
 
 
@@ -418,7 +478,7 @@ def cmd_compare(args) -> int:
 def cmd_fidelity(args) -> int:
     """Each peer case of a run beside its library's minimal script (``parabench.fidelity``)."""
     from parabench.fidelity import run_fidelity
-    from parabench.runner import OutputError
+    from parabench.launch import OutputError
 
     run_dir = Path(args.run)
     try:
@@ -530,6 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_launch_flags(p)
 
     p = sub.add_parser("list", help="strategies, models and suites")
+    p.add_argument("--all", action="store_true", help="each strategy and model in full, and the one-off studies")
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("report", help="HTML report from one or more run folders")

@@ -21,6 +21,7 @@ import platform
 import re
 import socket
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -214,14 +215,37 @@ def _json_default(o):
     return str(o)
 
 
+# No record comes near this (the largest of the committed runs is about 120 kB): a bigger file is
+# refused before it is read, so a hostile run folder cannot make a reader take the machine's memory.
+MAX_RESULT_FILE_BYTES = 32 << 20
+# Integers longer than this cannot be a float (1.8e308): read as +/-inf, which every reader treats as
+# not finite, rather than as an int that overflows the first float() or statistics call.
+_MAX_INT_DIGITS = 308
+
+
+def _parse_int(text: str):
+    digits = text.lstrip("-")
+    if len(digits) > _MAX_INT_DIGITS:
+        return float("-inf") if text.startswith("-") else float("inf")
+    return int(text)
+
+
 def load_json(path: str | os.PathLike) -> dict:
     path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        size = path.stat().st_size
+    except OSError:
+        size = 0  # a pipe or a vanished file: the read below says what is wrong
+    if size > MAX_RESULT_FILE_BYTES:
+        raise SchemaError(f"{path}: {size} bytes, larger than any result file ({MAX_RESULT_FILE_BYTES} bytes at most)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"), parse_int=_parse_int)
     except json.JSONDecodeError as exc:
         raise SchemaError(f"{path}: not valid JSON (truncated or edited?): {exc}") from None
     except UnicodeDecodeError as exc:
         raise SchemaError(f"{path}: not UTF-8 text: {exc}") from None
+    except (RecursionError, ValueError) as exc:
+        raise SchemaError(f"{path}: not readable as a result file: {exc}") from None
     if not isinstance(data, dict):
         raise SchemaError(f"{path}: expected a JSON object, found {type(data).__name__}")
     version = data.get("schema_version")
@@ -255,7 +279,7 @@ def library_versions() -> dict:
             v[package] = version(package)
         except PackageNotFoundError:
             v[package] = None
-    from parabench import __version__
+    from parabench.version import __version__
 
     v["parabench"] = __version__
     return v
@@ -347,14 +371,76 @@ def case_record_path(run_dir: Path, case_hash: str) -> Path:
     return Path(run_dir) / "cases" / f"{case_hash}.json"
 
 
-def load_run(run_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
-    """The manifest and every case record of a run folder (records sorted by label)."""
+# manifest key -> type, for the keys readers format or index; a manifest that breaks one is refused
+MANIFEST_FIELDS = {
+    "suite": str,
+    "run_id": str,
+    "suite_file": str,
+    "suite_description": str,
+    "created_at": str,
+    "git": dict,
+    "versions": dict,
+    "devices": list,
+    "host": dict,
+    "env": dict,
+    "argv": list,
+    "n_cases": int,
+}
+
+
+def load_manifest(path: str | os.PathLike) -> dict:
+    """A run's manifest, its fields' types checked; ``SchemaError`` names the file and field."""
+    manifest = load_json(path)
+    if manifest.get("kind", "manifest") != "manifest":
+        raise SchemaError(f"{path}: field 'kind': expected \"manifest\", found {manifest.get('kind')!r}")
+    for key, kind in MANIFEST_FIELDS.items():
+        v = manifest.get(key)
+        if v is not None and (not isinstance(v, kind) or isinstance(v, bool)):
+            raise SchemaError(f"{path}: field {key!r}: expected {kind.__name__}, found {type(v).__name__}")
+    return manifest
+
+
+def _report_problem(message: str) -> None:
+    print(f"parabench: {message}", file=sys.stderr)
+
+
+def load_run(run_dir: str | os.PathLike, problems: list[str] | None = None) -> tuple[dict, list[dict]]:
+    """The manifest and every valid case record of a run folder (records sorted by label).
+
+    Run folders are shared, so every file is untrusted input. A file that is not a readable result
+    file of this schema (truncated, not JSON, another version, the manifest broken) raises
+    ``SchemaError`` naming it. A record that reads but fails ``record.validate_record`` (a field of
+    the wrong type, a case hash that is not hex, a launch file whose name is not its own launch's,
+    such as a copy) is left out, with one line "FILE: field 'X': why" per record: appended to
+    ``problems`` when given, else written to stderr. Values a valid record keeps but that are no
+    possible measurement (NaN tokens/s) are named there too."""
+    from parabench.record import RecordProblem, launch_file_name, validate_record
+
     run_dir = Path(run_dir)
     if not (run_dir / "manifest.json").exists():
         raise FileNotFoundError(f"{run_dir} is not a parabench run folder (no manifest.json)")
-    manifest = load_json(run_dir / "manifest.json")
-    records = [load_json(p) for p in sorted((run_dir / "cases").glob("*.json"))]
-    return manifest, sorted(records, key=lambda r: r.get("label", ""))
+    manifest = load_manifest(run_dir / "manifest.json")
+    note = problems.append if problems is not None else _report_problem
+    records = []
+    for p in sorted((run_dir / "cases").glob("*.json")):
+        if p.is_symlink() or not p.is_file():
+            note(f"{p}: left out: not a regular file")
+            continue
+        rec = load_json(p)
+        try:
+            notices = validate_record(rec)
+            expected = launch_file_name(rec)
+            if p.name != expected:
+                raise RecordProblem(
+                    "case_hash", f"this launch's file is {expected}; a record under another name is not a launch"
+                )
+        except RecordProblem as exc:
+            note(f"{p}: left out: {exc}")
+            continue
+        for notice in notices:
+            note(f"{p}: {notice}")
+        records.append(rec)
+    return manifest, sorted(records, key=lambda r: r["label"])
 
 
 def file_sha256(path: str | os.PathLike) -> str:

@@ -232,7 +232,7 @@ def load_suite(name_or_path: str) -> Suite:
         _check_value(key, value, lambda m, k=key: fail(m, k, "suite"))
 
     if kind == "collectives":
-        from parabench.collectives_bench import ConfigError, validate_config
+        from parabench.collectives_config import ConfigError, validate_config
 
         if not isinstance(data.get("collectives"), dict):
             raise SuiteError(f"{path}: a collectives suite needs a [collectives] table")

@@ -34,7 +34,7 @@ rather than gathered again, so backward's only collective per layer is that redu
 Per layer per micro-batch: forward one all-gather of 2·b·s·h elements (the gathered buffer),
 backward one reduce-scatter of 2·b·s·h elements (the buffer before scattering), both in the
 compute dtype (bf16 under autocast). The rest of the step (token all-gather, one fp32 all-reduce of
-the gradients over the group) is ``ContextParallel``'s, shared with ring and Ulysses.
+the gradients over the group) is ``cp_model.ContextParallel``'s, shared with ring and Ulysses.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from parabench import collectives_bench as bench
+from parabench import collectives_config
 from parabench.distributed import run_on_gloo
 from reference_impls import collectives as C
 from reference_impls._compat import all_gather_into, reduce_scatter_into
@@ -175,8 +176,15 @@ def test_config_validation_and_sizes():
         {"burst_calls": -2},
         {"burst_calls": True},
     ):
-        with pytest.raises(bench.ConfigError):
+        with pytest.raises(collectives_config.ConfigError):
             bench.validate_config(bad)
+
+
+def test_config_knows_the_algorithms_the_bench_implements():
+    """Suites are validated without the benchmark's code: its table of (op, algorithm) pairs and
+    dtypes must be the code's."""
+    assert {op: tuple(bench.IMPLS[op]) for op in bench.OPS} == collectives_config.IMPLEMENTED
+    assert tuple(bench.DTYPES) == collectives_config.DTYPE_NAMES
 
 
 def test_bench_end_to_end_under_torchrun(tmp_path):
@@ -263,7 +271,7 @@ class _MarkedProcessWatch:
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self):
-        from parabench.runner import marked_processes
+        from parabench.launch import marked_processes
 
         while not self.stop.wait(0.2):
             self.most = max(self.most, len(marked_processes(self.invocation)))
@@ -284,7 +292,7 @@ class _MarkedProcessWatch:
 def test_a_collectives_launch_is_ended_completely_on_timeout_and_on_sigterm(tmp_path, stop_by):
     """The runner's launch ownership: torchrun and the ranks (in sessions of their own) all end,
     the scratch goes, the lock and the signal handlers are given back."""
-    from parabench.runner import LaunchOwner, RunFolderLock, Stopped, marked_processes
+    from parabench.launch import LaunchOwner, RunFolderLock, Stopped, marked_processes
 
     suite = _busy_suite(tmp_path)
     owner = LaunchOwner(tmp_path / "run")
@@ -316,7 +324,7 @@ def test_a_collectives_launch_is_ended_completely_on_timeout_and_on_sigterm(tmp_
 
 def test_a_second_runner_on_a_collectives_run_folder_exits_2(tmp_path, capsys):
     from parabench import cli
-    from parabench.runner import RunFolderLock
+    from parabench.launch import RunFolderLock
 
     suite = _busy_suite(tmp_path)
     run_dir = tmp_path / "out" / suite.name / "r"

@@ -16,14 +16,9 @@ import pytest
 from helpers import parabench
 
 from parabench.case import Case
+from parabench.launch import clear_stale_extension_locks, marked_processes, process_start_ticks
 from parabench.results import load_run
-from parabench.runner import (
-    _classify,
-    clear_stale_extension_locks,
-    marked_processes,
-    out_of_space,
-    process_start_ticks,
-)
+from parabench.runner import _classify, out_of_space
 
 ROOT = Path(__file__).resolve().parent.parent
 

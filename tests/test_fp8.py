@@ -9,10 +9,11 @@ import torch
 
 import parabench.fp8 as fp8
 from parabench.case import Case
+from parabench.launch import LaunchOptions
 from parabench.models import MODEL_LADDER, build_model
-from parabench.recipes import recipe_name, recipe_of
-from parabench.registry import STRATEGIES, expected
-from parabench.runner import LaunchOptions, skip_reason
+from parabench.recipes import recipe_name
+from parabench.registry import STRATEGIES, expected, recipe_of
+from parabench.runner import skip_reason
 from parabench.suite import SuiteError, load_suite, validate_case
 from parabench.topology import Topology
 from parabench.trainer import TrainSpec

@@ -876,6 +876,16 @@ def test_superseded_and_perturbed_runs_are_excluded():
     assert "copy" in C.excluded("results/baselines/h100x4", "ref.ddp")
 
 
+def test_an_exclusion_without_a_reason_is_refused(tmp_path):
+    bad = tmp_path / "excluded.toml"
+    bad.write_text('[[run]]\npath = "h100x2/20261126-025621"\n')
+    with pytest.raises(ValueError, match="reason"):
+        C.exclusions(bad)
+    bad.write_text('[[runs]]\npath = "x"\nreason = "y"\n')
+    with pytest.raises(ValueError, match="unknown table"):
+        C.exclusions(bad)
+
+
 def test_predict_suite_writes_one_prediction_per_case(tmp_path):
     """scripts/predict_suite.py: the committed predictions are keyed by the suite's case hashes."""
     import importlib.util

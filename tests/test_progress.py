@@ -119,7 +119,8 @@ def test_rows_stay_in_columns_whatever_the_label_length():
 
 
 def test_the_runner_sizes_the_label_column_from_the_suite(tmp_path):
-    from parabench.runner import LABEL_WIDTH_MAX, LaunchOptions, Runner
+    from parabench.launch import LaunchOptions
+    from parabench.runner import LABEL_WIDTH_MAX, Runner
     from parabench.suite import Suite
 
     def suite_of(*options):
@@ -137,7 +138,8 @@ def test_the_runner_sizes_the_label_column_from_the_suite(tmp_path):
 def test_a_case_through_the_runner_shows_its_phases_and_steps(tmp_path):
     """Enough timed steps (tiny model, one rank) that the timed phase outlasts a few of the
     runner's 0.1 s polls even on a fast machine."""
-    from parabench.runner import LaunchOptions, Runner
+    from parabench.launch import LaunchOptions
+    from parabench.runner import Runner
     from parabench.suite import load_suite
 
     suite_file = tmp_path / "progress.toml"

@@ -227,7 +227,8 @@ def test_profiled_gpu_cases_get_a_launch_of_their_own():
     the profiled cases batch like any other."""
     from types import SimpleNamespace
 
-    from parabench.runner import LaunchOptions, Runner
+    from parabench.launch import LaunchOptions
+    from parabench.runner import Runner
 
     def batches(device):
         pending = [

@@ -198,7 +198,8 @@ def test_own_launch_isolates_a_case_without_changing_what_it_measures(tmp_path):
     identifies the measurement for `parabench compare`, does not change."""
     from types import SimpleNamespace
 
-    from parabench.runner import LaunchOptions, Runner
+    from parabench.launch import LaunchOptions
+    from parabench.runner import Runner
 
     plain = Case(model="tiny", strategy="ref.ddp", world_size=2, device="cpu")
     alone = Case(model="tiny", strategy="ref.ddp", world_size=2, device="cpu", own_launch=True)

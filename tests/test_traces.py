@@ -82,8 +82,9 @@ def test_worker_writes_a_trace_per_rank_and_no_snapshot_on_cpu(tmp_path):
 
 
 def test_the_runner_keeps_traces_in_the_run_folder_and_the_report_links_them(tmp_path):
+    from parabench.launch import LaunchOptions
     from parabench.report import write_report
-    from parabench.runner import LaunchOptions, Runner
+    from parabench.runner import Runner
     from parabench.suite import load_suite
 
     suite_file = tmp_path / "traces.toml"

@@ -11,11 +11,12 @@ import os
 import pytest
 
 from parabench.case import Case
+from parabench.launch import LaunchOptions
 from parabench.models import GPTConfig
 from parabench.peers import deepspeed_aio, deepspeed_nvme
 from parabench.peers.deepspeed_nvme import disk_probe, nvme_config
 from parabench.record import build_record
-from parabench.runner import LaunchOptions, skip_reason
+from parabench.runner import skip_reason
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 

@@ -22,9 +22,10 @@ import torch
 from harness import assert_matches_single, max_rel_diff, payload_by_kind, replica_mean_losses, run_cases, single_truth
 
 from parabench.case import Case
+from parabench.launch import LaunchOptions
 from parabench.models import model_config
 from parabench.registry import expected
-from parabench.runner import LaunchOptions, skip_reason
+from parabench.runner import skip_reason
 from reference_impls.zeropp import dequantize, quantize
 
 N_STEPS = 3

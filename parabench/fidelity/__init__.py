@@ -81,7 +81,7 @@ NEUTRAL_OPTIONS = {
 def recipe_of(record: dict) -> str | None:
     """The case's precision recipe as the scripts name it; None for fp32. A case from before the
     recipe axis (no ``recipe`` field) ran its strategy's recipe of the time (``parabench.recipes``)."""
-    from parabench.recipes import recipe_of as case_recipe
+    from parabench.registry import recipe_of as case_recipe
 
     recipe = case_recipe(record["case"])
     return RECIPE_NAMES.get(recipe, recipe)
@@ -208,8 +208,8 @@ def run_fidelity(
     Host-bound peers (DeepSpeed ZeRO-3 at small micro-batches) move by 20-40 % between launches of
     the same code, the script as much as the adapter: one launch a side cannot tell a defect from
     that spread. The entry keeps every launch (``launches``); ``result`` is the first ok one."""
+    from parabench.launch import LaunchOwner
     from parabench.results import load_run, write_json_atomic
-    from parabench.runner import LaunchOwner
     from parabench.stats import combine_launches
 
     run_dir = Path(run_dir)
@@ -276,7 +276,7 @@ def _entry(base: dict, ok_launches: list[dict], last: dict) -> dict:
 
 def _launch_script(owner, run_dir: Path, record: dict, args: list[str], done: list[dict]) -> dict:
     """One torchrun launch of the case's script; its outcome as a launch entry."""
-    from parabench.runner import LaunchOptions
+    from parabench.launch import LaunchOptions
 
     case, key = record["case"], record["case_hash"]
     device = next(a.split("=", 1)[1] for a in args if a.startswith("--device="))

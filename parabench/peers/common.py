@@ -335,7 +335,7 @@ class CPTrainer(ReplicatedTrainer):
     (ring: "zigzag" | "contiguous") and ``broken`` (a test hook) as the caller read them."""
 
     def __init__(self, spec: TrainSpec, mode: str, cp: int | None, split: str, broken: str | None = None):
-        from reference_impls.context_parallel import ContextParallel
+        from reference_impls.cp_model import ContextParallel
 
         self.spec = spec
         check_degree("cp", cp)

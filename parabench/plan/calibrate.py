@@ -14,6 +14,7 @@ of each implementation's own configurations, shrunk toward "no difference".
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import tomllib
 
 from parabench.plan import attention
 from parabench.plan import model as M
@@ -50,34 +52,38 @@ DERIVED_FROM = {"h200": "h100"}
 HBM_BYTES_PER_S = {"h100": 3.35e12, "h200": 4.8e12}
 
 
-# Records that do not measure what their configuration says, each with the reason (docs/results.md).
-EXCLUDED_RUNS = {
-    "h100x2/20261126-025621": "superseded first h100x2 run from an uncommitted tree (docs/results.md)",
-    "h100x1/20261126-031123": "superseded first h100x1 run from an uncommitted tree (docs/results.md)",
-    "repeatability/slow5": "every timed step slowed by 5 % on purpose (the compare gate's positive control)",
-}
-EXCLUDED_CASES = {
-    ("gpu-mp/20261126-021202", "torch.pp_"): "1.8-2.3 s steps of the first, uncommitted torch.pp adapter; "
-    "the same configuration (pp 2, 4 micro-batches) took 0.245 s in six later runs",
-}
+# Records that do not measure what their configuration says, and folders of copies: each with its
+# reason, kept as data beside the calibrations.
+EXCLUSIONS_FILE = CALIBRATION_DIR / "excluded.toml"
 
 
-# Folders whose runs are all left out: a baseline is a copy of a committed run.
-EXCLUDED_FOLDERS = {
-    "baselines": "a copy of a committed run (results/baselines/README.md): counting it twice would weight it double",
-}
+@functools.cache
+def exclusions(path: Path = EXCLUSIONS_FILE) -> dict:
+    """``{"run": [...], "case": [...], "folder": [...]}`` of ``path``, each entry with its ``reason``."""
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    unknown = set(data) - {"run", "case", "folder"}
+    if unknown:
+        raise ValueError(f"{path}: unknown table(s) {sorted(unknown)}; valid: run, case, folder")
+    for kind, keys in (("run", {"path"}), ("case", {"run", "strategy_prefix"}), ("folder", {"name"})):
+        for entry in data.setdefault(kind, []):
+            if not isinstance(entry.get("reason"), str) or not entry["reason"] or not keys <= set(entry):
+                raise ValueError(f"{path}: every [[{kind}]] needs {', '.join(sorted(keys))} and a reason: {entry}")
+    return data
 
 
 def excluded(run: str, strategy: str) -> str | None:
     """Why a record of ``run`` (a path ending in suite/run_id) is left out, or None."""
-    if Path(run).parent.name in EXCLUDED_FOLDERS:
-        return EXCLUDED_FOLDERS[Path(run).parent.name]
-    for key, why in EXCLUDED_RUNS.items():
-        if run.endswith(key):
-            return why
-    for (key, prefix), why in EXCLUDED_CASES.items():
-        if run.endswith(key) and strategy.startswith(prefix):
-            return why
+    data = exclusions()
+    for folder in data["folder"]:
+        if Path(run).parent.name == folder["name"]:
+            return folder["reason"]
+    for entry in data["run"]:
+        if run.endswith(entry["path"]):
+            return entry["reason"]
+    for entry in data["case"]:
+        if run.endswith(entry["run"]) and strategy.startswith(entry["strategy_prefix"]):
+            return entry["reason"]
     return None
 
 
@@ -133,7 +139,7 @@ def config_key(record: dict) -> str:
 
 
 def _recipe(case: dict):
-    from parabench.recipes import recipe_of
+    from parabench.registry import recipe_of
 
     return recipe_of(case)
 
