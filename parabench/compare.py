@@ -158,6 +158,8 @@ def _number(v):
     """A metric value as the gate computes with it: ints stay ints (exact byte figures), an int
     beyond the float range becomes +-inf (so the change can be computed), anything that is not a
     number is None."""
+    if type(v) is float:
+        return v
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
     if isinstance(v, int) and finite(v) is None:
@@ -180,6 +182,8 @@ def metric_value(record: dict, name: str):
     (``comm_payload_bytes[rank N]``), each rank's model state (``model_state_bytes[rank N]``: params,
     gradients and optimizer state it holds)."""
     m = record.get("metrics") if isinstance(record.get("metrics"), dict) else {}
+    if "[" not in name and name != "comm_payload_bytes":
+        return _number(m.get(name))
     comm = rank0_comm(record) if _per_rank(record) else None
     comm = comm if isinstance(comm, dict) else None
     if name == "comm_payload_bytes":
@@ -188,21 +192,27 @@ def metric_value(record: dict, name: str):
         if not comm:
             return None
         return _number((comm.get("by_kind", {}).get(name[11:-1]) or {}).get("payload_bytes", 0))
-    for prefix, field_name in (("comm_payload_bytes[rank ", "comm"), ("model_state_bytes[rank ", "state_bytes")):
-        if name.startswith(prefix) and name.endswith("]"):
-            want = int(name[len(prefix) : -1])
-            for i, pr in enumerate(_per_rank(record)):
-                if _rank_of(pr, i) != want:
-                    continue
-                part = pr.get(field_name)
-                if not isinstance(part, dict):
-                    return None
-                if field_name == "comm":
-                    return _number(part.get("payload_bytes"))
-                values = [_number(v) for v in part.values()]
-                return sum(values) if values and all(v is not None for v in values) else None
-            return None
+    if "[rank " in name:
+        return rank_figures(record).get(name)
     return _number(m.get(name))
+
+
+def rank_figures(record: dict) -> dict:
+    """Every rank's exact figures by the gate's name: ``comm_payload_bytes[rank N]`` for every rank
+    but 0 (rank 0's is ``comm_payload_bytes``) and ``model_state_bytes[rank N]`` (the params,
+    gradients and optimizer state the rank holds) for every rank that measured them."""
+    out = {}
+    for i, pr in enumerate(_per_rank(record)):
+        rank = _rank_of(pr, i)
+        comm, state = pr.get("comm"), pr.get("state_bytes")
+        if rank != 0 and isinstance(comm, dict):
+            out[f"comm_payload_bytes[rank {rank}]"] = _number(comm.get("payload_bytes"))
+        if isinstance(state, dict):
+            values = [_number(v) for v in state.values()]
+            out[f"model_state_bytes[rank {rank}]"] = (
+                sum(values) if values and all(v is not None for v in values) else None
+            )
+    return out
 
 
 def _comm_kinds(*records: dict) -> list[str]:
@@ -214,18 +224,8 @@ def _comm_kinds(*records: dict) -> list[str]:
     return sorted(kinds)
 
 
-def _per_rank_metrics(*records: dict) -> list[str]:
-    """``comm_payload_bytes[rank N]`` for every rank but 0 (rank 0 is ``comm_payload_bytes``) and
-    ``model_state_bytes[rank N]`` for every rank, wherever either record measured them."""
-    names: dict[str, None] = {}
-    for r in records:
-        for i, pr in enumerate(_per_rank(r)):
-            rank = _rank_of(pr, i)
-            if rank != 0 and isinstance(pr.get("comm"), dict):
-                names[f"comm_payload_bytes[rank {rank}]"] = None
-            if isinstance(pr.get("state_bytes"), dict):
-                names[f"model_state_bytes[rank {rank}]"] = None
-    return sorted(names, key=lambda n: (n.split("[")[0], int(n.split(" ")[-1][:-1])))
+def _rank_order(name: str) -> tuple:
+    return name.split("[")[0], int(name.split(" ")[-1][:-1])
 
 
 def _device_type(record: dict) -> str | None:
@@ -346,8 +346,10 @@ def compare_metric(
     alpha: float,
     noise_model: dict | None = None,
     exact_only: bool = False,
+    values: tuple | None = None,
 ) -> MetricDelta:
-    bv, cv = metric_value(base, name), metric_value(cand, name)
+    """One metric's verdict; ``values``: (baseline, candidate) where the caller has them already."""
+    bv, cv = values if values is not None else (metric_value(base, name), metric_value(cand, name))
     if bv is None or cv is None:
         return MetricDelta(
             name,
@@ -468,7 +470,8 @@ def compare_records(
         out.notes.append(f"different devices: {bd} vs {cd}; timings are not comparable")
     names = [(n, d, r) for n, d, r, _ in METRICS]
     names += [(f"comm_bytes[{k}]", -1, "exact") for k in _comm_kinds(base, cand)]
-    names += [(n, -1, "exact") for n in _per_rank_metrics(base, cand)]
+    brank, crank = rank_figures(base), rank_figures(cand)
+    names += [(n, -1, "exact") for n in sorted(brank.keys() | crank.keys(), key=_rank_order)]
     failed = {d.metric for d in impossible}
     out.metrics += impossible
     for name, direction, rule in names:
@@ -485,6 +488,7 @@ def compare_records(
             alpha=alpha,
             noise_model=noise_model,
             exact_only=exact_only,
+            values=(brank.get(name), crank.get(name)) if "[rank " in name else None,
         )
         if d.verdict != "n/a":
             out.metrics.append(d)

@@ -70,6 +70,8 @@ LAUNCH_CHECKED = ("final_loss",)
 
 def finite(v) -> float | None:
     """``v`` as a float when it is a finite number (bool is not a number here), else None."""
+    if type(v) is float:
+        return v if math.isfinite(v) else None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
     try:
@@ -298,9 +300,9 @@ def _combine(launches: list[dict]) -> dict:
     out["launches"] = rows
     stats: dict = {"n": len(ok), "n_launches": len(launches), "representative_repeat": launch_index(rep)}
     if ok:
-        for k in TIMING_METRICS + NOISY_MEMORY:
+        for k in TIMING_METRICS + NOISY_MEMORY if len(ok) > 1 else ():  # one launch: its own figures
             vals = [finite(r["metrics"].get(k)) for r in ok]
-            if vals and all(v is not None for v in vals):
+            if all(v is not None for v in vals):
                 out["metrics"][k] = median(vals)
         for k in SUMMARISED:
             vals = [v for v in (finite(r["metrics"].get(k)) for r in ok) if v is not None]
