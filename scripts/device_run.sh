@@ -70,9 +70,12 @@ for suite in "$@"; do
   if [ "$left" -lt 20 ]; then echo "device_run: no time left for $suite" | tee -a "$out/console.txt"; continue; fi
   timeout -s INT "$left" python3 -m parabench.cli run suite "$suite" --out "$work/res" $run_args "${suite_args[@]}" 2>&1 | tee -a "$out/console.txt"
   pack
-  if [[ $suite == peer-fidelity* ]]; then  # each peer case beside its library's minimal script (resumes too)
+  name=${suite#studies/}
+  if [[ $name == peer-fidelity* ]]; then  # each peer case beside its library's minimal script (resumes too)
+    folder=$work/res/$name  # a study's runs are under studies/ (parabench.suite.Suite.results_folder)
+    [ -d "$folder" ] || folder=$work/res/studies/$name
     left=$(( deadline - ($(date +%s) - start) ))
-    [ "$left" -ge 30 ] && timeout -s INT "$left" python3 -m parabench.cli fidelity "$work/res/$suite/$(cat "$work/run_id")" ${PARABENCH_FIDELITY_ARGS:-} 2>&1 | tee -a "$out/console.txt"
+    [ "$left" -ge 30 ] && timeout -s INT "$left" python3 -m parabench.cli fidelity "$folder/$(cat "$work/run_id")" ${PARABENCH_FIDELITY_ARGS:-} 2>&1 | tee -a "$out/console.txt"
     pack
   fi
 done

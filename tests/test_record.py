@@ -15,7 +15,7 @@ from parabench.record import RECORD_KEYS, CaseRecord, build_record, pipeline_sta
 from parabench.results import SCHEMA_VERSION, SchemaError, load_run
 
 ROOT = Path(__file__).resolve().parent.parent
-PP_RUN = ROOT / "results" / "pp-profile-gpu" / "20261126-085905"
+PP_RUN = ROOT / "results" / "studies" / "pp-profile-gpu" / "20261126-085905"
 
 
 def test_documented_keys_cover_every_committed_record():
@@ -23,7 +23,8 @@ def test_documented_keys_cover_every_committed_record():
     that knows those keys knows the results; and the TypedDict names the same keys."""
     assert set(get_type_hints(CaseRecord)) == set(RECORD_KEYS)
     seen: set[str] = set()
-    for path in (ROOT / "results").glob("*/*/cases/*.json"):
+    results = ROOT / "results"
+    for path in [*results.glob("*/*/cases/*.json"), *results.glob("studies/*/*/cases/*.json")]:
         seen |= set(json.loads(path.read_text()))
     assert seen, "no committed records found"
     assert seen <= set(RECORD_KEYS), sorted(seen - set(RECORD_KEYS))

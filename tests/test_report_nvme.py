@@ -32,5 +32,5 @@ def test_rows_set_bytes_beside_theory_and_rates_beside_the_probe():
 def test_report_shows_the_section_only_where_nvme_cases_are():
     html = render_report(RUNS, with_figures=False)
     assert 'id="tbl-nvme-io"' in html and "ZeRO-Infinity: disk traffic" in html
-    other = render_report([ROOT / "results/tp-compile-gpu/20261127-043817"], with_figures=False)
+    other = render_report([ROOT / "results/studies/tp-compile-gpu/20261127-043817"], with_figures=False)
     assert 'id="tbl-nvme-io"' not in other
