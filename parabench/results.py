@@ -16,6 +16,7 @@ import datetime
 import errno
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -129,12 +130,48 @@ def looks_like_credential(name: str) -> bool:
     return any(p in CREDENTIAL_COMPONENTS or any(w in p for w in CREDENTIAL_WORDS) for p in parts)
 
 
-_URL_USERINFO = re.compile(r"(://)[^/@\s]+@")
+# Credentials by value: what an allowlisted name (TORCH_, NCCL_, MASTER_...) or a command-line word
+# may still carry. Over-redaction is the safe error: a recorded value is for reading, never reused.
+_URL_USERINFO = re.compile(r"(://)\S*@")  # up to the last @: a password may hold @ or /
+_KEY_VALUE = re.compile(
+    r"(?i)\b(password|passwd|pwd|pass|passphrase|secret|token|access_token|refresh_token|id_token|api_?key|"
+    r"auth|sig|signature|credentials?|client_secret)(\s*[=:]\s*)(\"[^\"]*\"|'[^']*'|[^\s;&,]+)"
+)
+_AUTH_SCHEME = re.compile(r"(?i)\b(bearer|basic|digest|token)(\s+)[A-Za-z0-9._~+/=:-]{4,}")
+_AUTH_HEADER = re.compile(r"(?i)\b(authorization|proxy-authorization|x-api-key|cookie)(\s*[:=]\s*).+")
+_PRIVATE_KEY = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)", re.S)
+_LONG_TOKEN = re.compile(r"[A-Za-z0-9+_=.~-]{24,}")
+# A random token of base64 or similar letters carries about 5 bits a character; words, paths, host
+# lists and hex hashes (a commit, 4 bits at most) stay below this.
+_TOKEN_ENTROPY_BITS = 4.0
+
+
+def _entropy_bits(text: str) -> float:
+    counts = {c: text.count(c) for c in set(text)}
+    return -sum(n / len(text) * math.log2(n / len(text)) for n in counts.values())
+
+
+def _looks_random(token: str) -> bool:
+    return (
+        any(c.islower() for c in token)
+        and any(c.isupper() for c in token)
+        and any(c.isdigit() for c in token)
+        and _entropy_bits(token) >= _TOKEN_ENTROPY_BITS
+    )
 
 
 def _scrub(value: str) -> str:
-    """A value with the user:password part of any URL in it replaced."""
-    return _URL_USERINFO.sub(r"\1" + REDACTED + "@", value)
+    """A value with credentials in it replaced: URL user:password, key=value pairs of credential
+    keys (``;Password=X``, ``?token=X``), ``Bearer X``, an Authorization header, private-key blocks
+    and long random-looking tokens."""
+    if not isinstance(value, str):
+        return value
+    value = _PRIVATE_KEY.sub(REDACTED, value)
+    value = _AUTH_HEADER.sub(lambda m: m.group(1) + m.group(2) + REDACTED, value)
+    value = _URL_USERINFO.sub(r"\1" + REDACTED + "@", value)
+    value = _KEY_VALUE.sub(lambda m: m.group(1) + m.group(2) + REDACTED, value)
+    value = _AUTH_SCHEME.sub(lambda m: m.group(1) + m.group(2) + REDACTED, value)
+    return _LONG_TOKEN.sub(lambda m: REDACTED if _looks_random(m.group(0)) else m.group(0), value)
 
 
 def recorded_env(environ=None) -> dict:
@@ -155,6 +192,10 @@ def _redact_word(word: str) -> str:
     return f"{name}={_redact_word(rest)}"  # --torchrun-arg=--rdzv-conf=token=X
 
 
+# A word after which the next word is the credential: ``Authorization:`` ``Bearer`` ``X`` as three words.
+_CREDENTIAL_PREFIX_WORD = re.compile(r"(?i)(bearer|basic|digest|(proxy-)?authorization:?|x-api-key:?)")
+
+
 def redact_argv(argv: list[str]) -> list[str]:
     """The command line with the values of credential-looking flags and ``NAME=VALUE`` words
     replaced: ``--token X``, ``--password=X``, ``HF_TOKEN=X``, and URLs' ``user:password@``."""
@@ -165,7 +206,9 @@ def redact_argv(argv: list[str]) -> list[str]:
             out.append(REDACTED)
         else:
             out.append(_redact_word(arg))
-        hide_next = arg.startswith("-") and "=" not in arg and looks_like_credential(arg.lstrip("-"))
+        hide_next = (arg.startswith("-") and "=" not in arg and looks_like_credential(arg.lstrip("-"))) or bool(
+            _CREDENTIAL_PREFIX_WORD.fullmatch(arg)
+        )
     return out
 
 
@@ -397,6 +440,13 @@ def load_manifest(path: str | os.PathLike) -> dict:
         v = manifest.get(key)
         if v is not None and (not isinstance(v, kind) or isinstance(v, bool)):
             raise SchemaError(f"{path}: field {key!r}: expected {kind.__name__}, found {type(v).__name__}")
+    # A manifest written before values were scrubbed, or by hand, must not carry a credential into a report
+    if isinstance(manifest.get("env"), dict):
+        manifest["env"] = {
+            k: REDACTED if looks_like_credential(str(k)) else _scrub(v) for k, v in manifest["env"].items()
+        }
+    if isinstance(manifest.get("argv"), list):
+        manifest["argv"] = redact_argv([str(a) for a in manifest["argv"]])
     return manifest
 
 
