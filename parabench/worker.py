@@ -361,6 +361,7 @@ def run_case(
     sampler is not None and sampler.start()
     timed_meters = bool(case.options.get("timed_meters", True))
     cpu_start = host.cpu_times()
+    threads_start = host.thread_cpu_s()
     gc_pauses = host.GcPauses()
     timed_meters and gc_pauses.start()
     clock.mark()
@@ -383,6 +384,8 @@ def run_case(
         # does not distort the step times.
         timed_meters and progress.step(step - case.warmup + 1)
     host_cpu = host.cpu_use(cpu_start, host.cpu_times(), case.steps)
+    if host_cpu is not None:
+        host_cpu["threads"] = host.busiest_threads(threads_start, host.thread_cpu_s(), host_cpu["wall_s"])
     host_gc = None
     if timed_meters:
         gc_pauses.stop()

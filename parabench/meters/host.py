@@ -112,6 +112,42 @@ def cpu_times() -> dict | None:
     }
 
 
+def thread_cpu_s() -> dict[int, tuple[str, float]]:
+    """Every thread of this process: native id -> (name, CPU seconds so far), from
+    /proc/self/task/<tid>/stat; Python threads are named by ``threading``, the others by the OS
+    (NCCL's, CUDA's and torch's threads name themselves). Empty where there is no /proc."""
+    import threading
+
+    python_names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                head, tail = f.read().rsplit(")", 1)
+        except OSError:
+            continue  # the thread ended meanwhile
+        fields = tail.split()
+        name = python_names.get(int(tid)) or head.split("(", 1)[1]
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def busiest_threads(before: dict, after: dict, wall_s: float, top: int = 6) -> list[dict]:
+    """The threads that took the most CPU between two ``thread_cpu_s`` snapshots, as shares of
+    the wall time: where a host-bound step's CPU goes besides its own thread."""
+    rows = []
+    for tid, (name, cpu) in after.items():
+        share = (cpu - before.get(tid, (name, 0.0))[1]) / wall_s if wall_s > 0 else 0.0
+        rows.append({"thread": name, "tid": tid, "cpu_share": round(share, 4)})
+    rows.sort(key=lambda r: -r["cpu_share"])
+    return [r for r in rows[:top] if r["cpu_share"] > 0]
+
+
 def process_facts() -> dict:
     """What decides how fast this process's host side can run, read once per case: the CPUs it may
     use (its affinity mask), the host's CPU count, and the thread pools torch and OpenMP will use. A

@@ -17,6 +17,7 @@ import math
 import os
 import resource
 import statistics
+import threading
 import time
 
 import torch
@@ -269,13 +270,25 @@ def _host_times() -> dict:
     scattered launch of the script can be told from a busy host."""
     thread = resource.getrusage(resource.RUSAGE_THREAD)
     process = resource.getrusage(resource.RUSAGE_SELF)
+    tick = os.sysconf("SC_CLK_TCK")
     try:
         with open("/proc/stat") as f:
             ticks = [int(x) for x in f.readline().split()[1:]]
-        busy = (sum(ticks[:3]) + sum(ticks[5:8])) / os.sysconf("SC_CLK_TCK")
+        busy = (sum(ticks[:3]) + sum(ticks[5:8])) / tick
     except (OSError, ValueError):
         busy = None
+    threads = {}
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                head, tail = f.read().rsplit(")", 1)
+        except OSError:
+            continue
+        fields = tail.split()
+        threads[tid] = (names.get(int(tid)) or head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / tick)
     return {
+        "threads": threads,
         "wall": time.perf_counter(),
         "thread": thread.ru_utime + thread.ru_stime,
         "process": process.ru_utime + process.ru_stime,
@@ -288,7 +301,15 @@ def _host_use(before: dict, after: dict) -> dict:
     wall = after["wall"] - before["wall"]
     mine = after["process"] - before["process"]
     other = None if before["busy"] is None else max(0.0, after["busy"] - before["busy"] - mine) / wall
+    threads = sorted(
+        (
+            {"thread": name, "cpu_share": round((cpu - before["threads"].get(tid, (name, 0.0))[1]) / wall, 4)}
+            for tid, (name, cpu) in after["threads"].items()
+        ),
+        key=lambda r: -r["cpu_share"],
+    )
     return {
+        "threads": [r for r in threads[:6] if r["cpu_share"] > 0],
         "thread_cpu_share": (after["thread"] - before["thread"]) / wall,
         "process_cpu_share": mine / wall,
         "other_cpu_share": other,
