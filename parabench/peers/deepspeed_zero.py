@@ -50,7 +50,7 @@ step on zero gradients (unfused_optimizer.py:108 -> 412-425: weight decay once, 
 one ahead); undoing that too gives deepspeed.zero1's fp16 losses (bit for bit in
 isolation, within 2e-6 otherwise). On GPUs the torch
 AdamW (fused CUDA kernel) is not FusedAdam either: the same path, the same result.
-scripts/ds_zero0_fp16_repro.py reproduces all of this.
+suites/studies/scripts/ds_zero0_fp16_repro.py reproduces all of this.
 """
 
 from __future__ import annotations

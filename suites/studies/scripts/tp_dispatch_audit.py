@@ -15,7 +15,7 @@ redistribution checks, wrapping). This script counts, for one training step of e
 It also runs the step of the peer-fidelity script ``parabench/fidelity/scripts/torch_tp.py`` (its plan,
 model and optimizer, imported from the script's own module).
 
-Run from the repository root: ``python scripts/tp_dispatch_audit.py --layers 24 --recipe master``.
+Run from the repository root: ``python suites/studies/scripts/tp_dispatch_audit.py --layers 24 --recipe master``.
 """
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ def _fidelity_step(cfg, recipe: str):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "parabench", "fidelity", "scripts")
-    sys.path.insert(0, os.path.abspath(here))
+    import parabench.fidelity
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(parabench.fidelity.__file__)), "scripts"))
     import _gpt
     import torch_tp as script
 

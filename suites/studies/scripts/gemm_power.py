@@ -7,7 +7,7 @@ beside the NVML telemetry of that window (``parabench.meters.telemetry``: median
 power, the share of samples at the software power cap). An H100 or H200 SXM holds its 700 W limit by
 lowering its SM clock, so the sustained rate of a large GEMM is the power cap's, not the clock's.
 
-    python scripts/gemm_power.py --d 1024 2048 4096 8192 --tokens 4096 16384 65536 --out gemm.json
+    python suites/studies/scripts/gemm_power.py --d 1024 2048 4096 8192 --tokens 4096 16384 65536 --out gemm.json
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ features are scaled by (f(share_ref) / f(share)) ** exponent, f(share) = 1980 MH
 share - share0), the H100 constants refitted on the shares the previous fit predicts, and the H200
 part derived from them. Prints in-sample step errors with and without the term; changes nothing.
 
-    python scripts/clock_term_probe.py SHARE0 SLOPE_MHZ EXPONENT     (e.g. 0.38 900 0.75)
+    python suites/studies/scripts/clock_term_probe.py SHARE0 SLOPE_MHZ EXPONENT     (e.g. 0.38 900 0.75)
 """
 
 import sys

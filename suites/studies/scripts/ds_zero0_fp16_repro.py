@@ -8,7 +8,7 @@ DeepSpeed PR #8393 proposes), to confirm the mechanism; ``+fresh``: also undo th
 initial AdamW step on zero gradients (the residual gap). Compares deepspeed.zero0 with
 deepspeed.zero1 and ref.ddp (fp16), all against the single-process fp32 losses.
 
-    python3 scripts/ds_zero0_fp16_repro.py [strategy ...]
+    python3 suites/studies/scripts/ds_zero0_fp16_repro.py [strategy ...]
 """
 
 from __future__ import annotations

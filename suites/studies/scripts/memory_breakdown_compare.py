@@ -5,7 +5,7 @@ would move bytes between categories of cases run after them in the same process)
 step (Adam state exists from then on), one plain step for the process's peak resident set, then one
 step under ``parabench.meters.memory_breakdown`` (live storages by category at the step's peak).
 
-    PYTHONPATH=. python3 scripts/memory_breakdown_compare.py --model proxy-6.7b --seq-len 128 \
+    PYTHONPATH=. python3 suites/studies/scripts/memory_breakdown_compare.py --model proxy-6.7b --seq-len 128 \
         --micro-batch 1 ref.zero3 ref.fsdp torch.fsdp2
 
 Prints rank 0's numbers in MiB, and with ``--json PATH`` writes every rank's.

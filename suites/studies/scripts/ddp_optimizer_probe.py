@@ -6,7 +6,7 @@ gloo rank: the memory-breakdown meter's peak of one step, beside the planner's t
 into. ``--bucket-mb`` values chosen against the block's linears (d^2 fp32 = 1 MiB at d 512) reproduce
 other models' cuts: 1.5625 cuts a d-512 block as 25 MiB buckets cut gpt-1.3b's (d 2048).
 
-Run: ``python scripts/ddp_optimizer_probe.py --out results/ddp-optimizer-cpu/probe.json``.
+Run: ``python suites/studies/scripts/ddp_optimizer_probe.py --out results/studies/ddp-optimizer-cpu/probe.json``.
 """
 
 from __future__ import annotations

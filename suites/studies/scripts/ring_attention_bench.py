@@ -14,8 +14,8 @@ Per rank it reports:
 the fused ring (``git show 13bb0d7^:reference_impls/context_parallel.py > /tmp/ring_old.py``), to
 compare before/after on the same shapes (numbers in docs/ring-attention-notes.md):
 
-    PYTHONPATH=. python3 scripts/ring_attention_bench.py --seq-len 4096 --heads 4 --split zigzag
-    PYTHONPATH=. python3 scripts/ring_attention_bench.py --seq-len 4096 --heads 4 --impl /tmp/ring_old.py
+    PYTHONPATH=. python3 suites/studies/scripts/ring_attention_bench.py --seq-len 4096 --heads 4 --split zigzag
+    PYTHONPATH=. python3 suites/studies/scripts/ring_attention_bench.py --seq-len 4096 --heads 4 --impl /tmp/ring_old.py
 """
 
 from __future__ import annotations
