@@ -2,7 +2,8 @@
 
 Exit status: 0 success; 1 a case failed (with --strict: or was skipped), or a comparison found a
 regression or missing data; 2 bad input (unknown names, out-of-range values, malformed suite or
-result files, unwritable output) with nothing run; 130 interrupted.
+result files, unwritable output) with nothing run; 130 interrupted (Ctrl-C); 128 + the signal's number
+when stopped by another signal, as a shell reports it (143 SIGTERM, 129 SIGHUP).
 """
 
 from __future__ import annotations
@@ -37,6 +38,17 @@ def _int_at_least(low: int):
         return value
 
     return parse
+
+
+def _interrupted(exc: BaseException) -> int:
+    """The exit status of a run stopped by a signal: 128 + its number (SIGTERM 143), Ctrl-C's 130."""
+    import signal
+
+    from parabench.launch import Stopped
+
+    if isinstance(exc, Stopped) and exc.args and exc.args[0] in signal.Signals.__members__:
+        return 128 + signal.Signals[exc.args[0]].value
+    return 130
 
 
 def _positive_seconds(text: str) -> float:
@@ -118,6 +130,12 @@ def _add_launch_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rdzv-endpoint", default=None, help="host:port of the c10d rendezvous (multi-node)")
     g.add_argument("--rdzv-id", default="parabench")
     g.add_argument("--torchrun-arg", action="append", help="extra torchrun argument (repeatable)")
+    g.add_argument(
+        "--max-cpu-ranks",
+        type=_int_at_least(1),
+        default=None,
+        help="most ranks a CPU case may start on this host (default: 4 per usable core)",
+    )
     g.add_argument("--no-batch", action="store_true", help="one torchrun launch per case (slower, fully isolated)")
 
 
@@ -135,7 +153,7 @@ def _write_run_report(run_dir: Path) -> Path | None:
 def _run_suite(suite: Suite, args) -> int:
     from parabench.launch import OutputError
     from parabench.results import load_run
-    from parabench.runner import Runner, default_run_dir
+    from parabench.runner import Runner, default_run_dir, reserve_run_dir
 
     try:
         check_path_component(suite.name, "suite name")
@@ -161,9 +179,9 @@ def _run_suite(suite: Suite, args) -> int:
         except OutputError as exc:
             print(f"parabench: error: {exc}", file=sys.stderr)
             return 2
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             print(f"\nparabench: interrupted; finished world sizes are kept in {run_dir}", file=sys.stderr)
-            return 130
+            return _interrupted(exc)
     else:
         launch = _launch_options(args)
         if args.no_skips:
@@ -177,6 +195,24 @@ def _run_suite(suite: Suite, args) -> int:
                     file=sys.stderr,
                 )
                 return 2
+        from parabench.runner import too_many_cpu_ranks
+
+        crowded = [
+            why for c in suite.cases if (why := too_many_cpu_ranks(c, launch, getattr(args, "max_cpu_ranks", None)))
+        ]
+        if crowded:
+            print(
+                f"parabench: error: {len(crowded)} case(s) would start more ranks than this host's CPU holds; "
+                "nothing was run:\n" + "\n".join(f"  {why}" for why in crowded),
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            if args.run_id is None and not (run_dir / "manifest.json").exists():
+                run_dir = reserve_run_dir(run_dir)
+        except OutputError as exc:
+            print(f"parabench: error: {exc}", file=sys.stderr)
+            return 2
         print(f"parabench: suite {suite.name}: {len(suite.cases)} cases -> {run_dir}", flush=True)
         runner = Runner(suite, run_dir, launch, resume=args.resume, retry_failed=args.retry_failed)
         try:
@@ -184,7 +220,7 @@ def _run_suite(suite: Suite, args) -> int:
         except OutputError as exc:
             print(f"parabench: error: {exc}", file=sys.stderr)
             return 2
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             print(
                 f"\nparabench: interrupted; finished cases are kept in {run_dir}; continue with: "
                 f"{_resume_command(args, run_dir)}",
@@ -194,7 +230,7 @@ def _run_suite(suite: Suite, args) -> int:
                 path = _write_run_report(run_dir)
                 if path:
                     print(f"parabench: report of the finished cases: {path}")
-            return 130
+            return _interrupted(exc)
         print("parabench: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v), flush=True)
     if not args.no_report:
         path = _write_run_report(run_dir)
@@ -486,9 +522,9 @@ def cmd_fidelity(args) -> int:
     except (OutputError, SchemaError, FileNotFoundError, UnsafeNameError) as exc:
         print(f"parabench: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print(f"\nparabench: interrupted; finished scripts are kept in {run_dir / 'fidelity'}", file=sys.stderr)
-        return 130
+        return _interrupted(exc)
     print("parabench: fidelity: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v), flush=True)
     if not args.no_report:
         path = _write_run_report(run_dir)

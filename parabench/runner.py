@@ -273,6 +273,9 @@ class _Launch:
     started: float
     info: dict  # the record's "launch" section
     oom_kills_at_start: int | None
+    # seconds the running case had taken when the watcher ended the launch for its timeout: the
+    # clock the timeout was judged by, and so the one its message reports
+    timed_out_after_s: float | None = None
 
 
 def _delta(before: int | None, after: int | None) -> int | None:
@@ -508,6 +511,7 @@ class Runner(LaunchOwner):
                 self.live.update(running.label, status, time.time() - min(began, current_start), self._progress(""))
                 # torchrun start-up counts against the first case of a launch
                 if time.time() - min(began, current_start) > running.timeout_s:
+                    launch.timed_out_after_s = time.time() - min(began, current_start)
                     end_launch(self.invocation, launch.proc)
                     return finished, launch.proc.poll(), True
             time.sleep(0.1)
@@ -524,7 +528,9 @@ class Runner(LaunchOwner):
             return unfinished
         culprit = next((c for c in unfinished if self._started_at(c, launch) is not None), None)
         started = (culprit and self._started_at(culprit, launch)) or launch.started
-        elapsed = time.time() - started
+        elapsed = (
+            launch.timed_out_after_s if timed_out and launch.timed_out_after_s is not None else time.time() - started
+        )
         log_tail = _tail(launch.log_path, 20000)
         oom_kills = _delta(launch.oom_kills_at_start, kernel_oom_kills())
         full = out_of_space(self.run_dir)
@@ -540,11 +546,13 @@ class Runner(LaunchOwner):
             and not timed_out
             and batch[0].record_key not in self.startup_crashes
         ):
-            _, error = _classify(batch[0], launch.folder, rc, timed_out, log_tail, elapsed, oom_kills)
-            why = f"{error['message']}, {elapsed:.0f} s after the launch began and before its first case"
-            self.startup_crashes[batch[0].record_key] = why
-            self.echo(f"parabench: a launch died in start-up ({why}); launching it again once")
-            return batch
+            startup_status, error = _classify(batch[0], launch.folder, rc, timed_out, log_tail, elapsed, oom_kills)
+            # A launch the out-of-memory killer ended (or any SIGKILL) would meet it again: no second try.
+            if startup_status != "oom" and error.get("exit_code") != -signal.SIGKILL:
+                why = f"{error['message']}, {elapsed:.0f} s after the launch began and before its first case"
+                self.startup_crashes[batch[0].record_key] = why
+                self.echo(f"parabench: a launch died in start-up ({why}); launching it again once")
+                return batch
         culprit = culprit or unfinished[0]
         status, error = _classify(culprit, launch.folder, rc, timed_out, log_tail, elapsed, oom_kills)
         if culprit.record_key in self.startup_crashes:
@@ -669,6 +677,46 @@ def _row(record: dict, label_width: int = 44) -> str:
         f"step {m['step_time_s_median'] * 1e3:8.1f} ms  peak {_fmt_bytes(mem):>10}  {eff:<15}  "
         f"loss {m['final_loss']:8.3f}  {comm_txt:<12}  ({record['duration_s']:.1f} s)"
     )
+
+
+# The most ranks a case may start on one host's CPU, per usable core (``--max-cpu-ranks`` overrides):
+# each rank is a Python process with torch loaded, and a world far beyond the cores only thrashes.
+CPU_RANKS_PER_CORE = 4
+
+
+def cpu_rank_limit() -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return CPU_RANKS_PER_CORE * max(cores, 1)
+
+
+def too_many_cpu_ranks(case: Case, launch: LaunchOptions, limit: int | None = None) -> str | None:
+    """Why a CPU case would start more ranks on this host than it can hold, or None."""
+    if resolve_device(case) != "cpu":
+        return None
+    limit = cpu_rank_limit() if limit is None else limit
+    per_host = -(-case.world_size // launch.nnodes)
+    if per_host <= limit:
+        return None
+    return (
+        f"{case.label}: {per_host} ranks on this host's CPU, more than {limit} ({CPU_RANKS_PER_CORE} per usable "
+        f"core); --max-cpu-ranks N allows more"
+    )
+
+
+def reserve_run_dir(run_dir: Path) -> Path:
+    """The folder ``run_dir`` made for this runner alone, or the next free name ``<id>-2``, ``-3``...:
+    a runner started in the same second as another (the same automatic id) gets a folder of its own
+    instead of being refused at the other's lock. ``mkdir`` is the atomic claim."""
+    for k in range(1, 1000):
+        candidate = run_dir.with_name(run_dir.name if k == 1 else f"{run_dir.name}-{k}")
+        try:
+            candidate.mkdir(parents=True)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise OutputError(f"cannot create the run folder {candidate}: {exc.strerror or exc}") from None
+        return candidate
+    raise OutputError(f"no free run folder name beside {run_dir}; give --run-id")
 
 
 def default_run_dir(out_root: Path, suite: Suite, run_id: str | None, resume: bool) -> Path:

@@ -260,6 +260,13 @@ def load_suite(name_or_path: str) -> Suite:
         mode = _scaling_mode(matrix, defaults, lambda m, k: fail(m, k, "matrix", mi))
         keys = list(matrix)
         axes = [v if isinstance(v, list) else [v] for v in matrix.values()]
+        if math.prod(len(a) for a in axes) > MAX_MATRIX_CASES:
+            fail(
+                f"the matrix expands to {math.prod(len(a) for a in axes):,} cases, more than {MAX_MATRIX_CASES:,}",
+                "model",
+                "matrix",
+                mi,
+            )
         recipe_axis = isinstance(matrix.get("recipe"), list)
         layout_axis = isinstance(matrix.get("layout"), list)
         for combo in itertools.product(*axes):
@@ -358,6 +365,32 @@ def _excludes(case: Case, key: str, wanted) -> bool:
     return _matches(getattr(case, key), wanted)
 
 
+# The largest value a case field may take: beyond them a case cannot be what anyone meant, and the
+# runner would spend minutes and gigabytes on the case list (one entry per launch) or a world of
+# processes before anything ran. The CPU world is bounded by the host as well (runner.too_many_cpu_ranks).
+FIELD_MAXIMA = {
+    "world_size": 65536,
+    "micro_batch": 65536,
+    "grad_accum": 65536,
+    "global_batch": 1 << 24,
+    "seq_len": 1 << 21,
+    "steps": 100000,
+    "warmup": 100000,
+    "repeats": 100,
+    "timeout_s": 7 * 24 * 3600,
+}
+# The most cases one [[matrix]] may expand to (the product of its lists' lengths)
+MAX_MATRIX_CASES = 10000
+
+
+def check_field_maximum(key: str, value) -> str | None:
+    """Why a case field is above its FIELD_MAXIMA entry, or None."""
+    high = FIELD_MAXIMA.get(key)
+    if high is None or not isinstance(value, (int, float)) or isinstance(value, bool) or value <= high:
+        return None
+    return f"must be <= {high}, got {value!r}"
+
+
 def _check_value(key: str, value, fail) -> None:
     want = _TYPES.get(key)
     if want is not None and (not isinstance(value, want) or (want is int and isinstance(value, bool))):
@@ -384,6 +417,9 @@ def _check_value(key: str, value, fail) -> None:
         fail("must be >= 1")
     if key == "warmup" and isinstance(value, int) and value < 0:
         fail("must be >= 0")
+    too_big = check_field_maximum(key, value)
+    if too_big:
+        fail(too_big)
     if key in ("lr", "timeout_s") and isinstance(value, float) and not math.isfinite(value):
         fail(f"must be a finite number, got {value!r}")
     if key == "timeout_s" and isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
@@ -396,6 +432,10 @@ def validate_case(case: Case) -> None:
     info = get_strategy(case.strategy)
     if case.repeats < 1:
         raise SuiteError(f"repeats must be >= 1 (got {case.repeats})")
+    for key in FIELD_MAXIMA:
+        too_big = check_field_maximum(key, getattr(case, key, None))
+        if too_big:
+            raise SuiteError(f"{key} {too_big}")
     if case.precision not in info.precisions:
         raise SuiteError(
             f"{case.strategy} does not support precision {case.precision} (supported: {', '.join(info.precisions)})"
