@@ -68,7 +68,7 @@ class GPTConfig:
 LAYOUTS = ("separate", "fused")
 
 
-# GPT-3 paper Table 2.1 with consistent shapes (see FACTS.md), plus CPU-sized models for tests.
+# GPT-3 paper Table 2.1 with consistent shapes (see docs/facts.md), plus CPU-sized models for tests.
 MODEL_LADDER: dict[str, GPTConfig] = {
     "tiny": GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64),
     # CPU stand-in for GPU suites (`--proxy-model`): deep and wide enough in heads for 8 stages or tp=8.

@@ -4,15 +4,15 @@
 #
 #   bash scripts/device_wheels.sh
 #
-# DeepSpeed and its pure-Python needs (../shared/tools/gpu-wheels.sh), torchao for the fp8 recipe
+# DeepSpeed and its pure-Python needs (scripts/gpu_wheels.sh), torchao for the fp8 recipe
 # (the version pyproject's `fp8` extra pins), and libaio for DeepSpeed's NVMe offload
 # (scripts/libaio_bundle.sh). scripts/device_run.sh installs the wheels there and runs every suite
 # with --no-skips, so a suite whose cases would be skipped for something missing stops within
 # seconds instead of recording them as skipped.
 set -euo pipefail
-root=$(git rev-parse --show-toplevel)
-cd "$root"
-bash ../shared/tools/gpu-wheels.sh >/dev/null
+cd "$(dirname "$0")/.."
+root=$PWD
+bash scripts/gpu_wheels.sh >/dev/null
 torchao=$(grep -o 'torchao==[0-9.]*' pyproject.toml | head -1)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

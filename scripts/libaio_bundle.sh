@@ -3,7 +3,7 @@
 # libaio-dev: DeepSpeed's async I/O op (ZeRO-Infinity, deepspeed.zero3_nvme) links against it
 # when it is JIT-built there.
 #
-#   bash scripts/libaio_bundle.sh [OUT]      (default OUT: /work/main/.whl/libaio)
+#   bash scripts/libaio_bundle.sh [OUT]      (default OUT: .whl/libaio at the repository root)
 #
 # OUT gets include/libaio.h and lib/libaio.so{,.1,.1.0.2} (about 30 KB) taken from this machine's
 # apt packages (libaio1t64 where the release names it so, else libaio1; and libaio-dev).
@@ -12,7 +12,7 @@
 # reads the first two; the loaded op finds libaio.so.1 through the third. The library needs only
 # glibc, so a build from an older release (Debian 12 here) runs on a newer one (Ubuntu 24.04).
 set -euo pipefail
-out=${1:-/work/main/.whl/libaio}
+out=${1:-$(cd "$(dirname "$0")/.." && pwd)/.whl/libaio}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cd "$work"

@@ -49,7 +49,7 @@ def test_meter_sees_every_op_kind_with_payload_conventions():
     assert k["send"] == (1, 4000) and summary1["by_kind"]["recv"]["payload_bytes"] == 4000
     assert summary["scalar_ops"]["all_reduce"] == {"calls": 1, "payload_bytes": 16}
     assert summary["by_kind"]["all_reduce"]["wire_bytes"] == 8000  # 2(n-1)/n x payload, n = 2
-    # Wire level: gloo logs reduce-scatter as all-reduce and omits point-to-point (FACTS.md);
+    # Wire level: gloo logs reduce-scatter as all-reduce and omits point-to-point (docs/facts.md);
     # the all-gathers agree byte for byte.
     assert fr["all_gather"]["payload_bytes"] >= 8000
 

@@ -5,7 +5,7 @@ it launches (name, input/output sizes and dtypes) in a ring buffer, independentl
 dispatcher the :class:`~parabench.meters.comm.CommMeter` watches. The worker notes the last
 record id before the instrumented step and summarises the records after it, by kind, with the
 same payload conventions as the meter, so the two can be set side by side. On gloo a
-reduce-scatter shows up as an all-reduce and point-to-point ops are missing (FACTS.md).
+reduce-scatter shows up as an all-reduce and point-to-point ops are missing (docs/facts.md).
 """
 
 from __future__ import annotations

@@ -270,7 +270,7 @@ class TorchTrainer(Trainer):
 
         GradScaler keeps its scale on the device: ``get_scale()`` is a host sync (cheap on CPU, a
         stall of the pipeline on a GPU), which is why the worker calls this for fp16 cases only.
-        A skipped step is read as a scale that went down (FACTS: compare before and after
+        A skipped step is read as a scale that went down (docs/facts.md: compare before and after
         ``update()``; backoff always lowers it), so call this after every step."""
         if self.scaler is None:
             return None

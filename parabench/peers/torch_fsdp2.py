@@ -14,7 +14,7 @@ computes every float8 weight's scale after the optimizer step in one all-reduce
 (``precompute_float8_dynamic_scale_for_fsdp``); without it each weight's pre-all-gather hook
 all-reduces its own amax, eagerly, in forward and again in backward. fp16 adds
 the plain ``torch.amp.GradScaler`` (see ``common.TorchTrainer``): its unscale of DTensor gradient
-shards all-reduces the found-inf flag over the mesh, so every rank skips alike (FACTS).
+shards all-reduces the found-inf flag over the mesh, so every rank skips alike (docs/facts.md).
 
 ``torch.fsdp2_offload``: the same with ``CPUOffloadPolicy`` — sharded parameters, gradients and
 the optimizer step live in CPU memory; each block's shard is copied to the device for its
