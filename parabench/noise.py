@@ -141,8 +141,9 @@ def quantile(xs: list[float], q: float = QUANTILE) -> float:
 
 
 def read_runs(results: Path = DEFAULT_RESULTS) -> list[tuple[str, list[dict]]]:
-    """(run name relative to ``results``, combined CUDA records) of every run folder below ``results``
-    with a CUDA case; unreadable runs are skipped with a message."""
+    """(run name, combined CUDA records) of every run folder below ``results`` with a CUDA case; the
+    name is the manifest's suite/run id (the folder below ``results`` where it has none). Unreadable
+    runs are skipped with a message."""
     from parabench.results import SchemaError, load_run
 
     runs = []
@@ -151,14 +152,18 @@ def read_runs(results: Path = DEFAULT_RESULTS) -> list[tuple[str, list[dict]]]:
         if "baselines" in run.relative_to(results).parts:  # copies of runs kept elsewhere too
             continue
         try:
-            _, records = load_run(run)
+            manifest, records = load_run(run)
         except (OSError, SchemaError, ValueError, KeyError) as exc:
             print(f"parabench noise-model: skipped {run}: {exc}", file=sys.stderr)
             continue
         combined = [r for r in combine_launches(records) if is_modelled(r)]
         if combined:
-            runs.append((run.relative_to(results).as_posix(), combined))
-    return runs
+            # named by suite and run id, not by folder: moving a run folder leaves the model as it was
+            suite, run_id = manifest.get("suite"), manifest.get("run_id")
+            name = f"{suite}/{run_id}" if isinstance(suite, str) and isinstance(run_id, str) else None
+            runs.append((name or run.relative_to(results).as_posix(), combined))
+    names = [name for name, _ in runs]
+    return sorted(runs, key=lambda r: r[0]) if len(set(names)) == len(names) else runs
 
 
 def build(runs: list[tuple[str, list[dict]]]) -> dict:
