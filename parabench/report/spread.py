@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 import statistics
 
-from parabench.report.frames import as_number, dig, run_name
-from parabench.stats import launch_samples, median_ci, ratio_ci
+from parabench.report.frames import dig, run_name
+from parabench.stats import finite, launch_samples, median_ci, ratio_ci
 
 COLUMNS = [
     ("label", "case", "str"),
@@ -69,7 +69,7 @@ def _samples(r: dict, metric: str) -> list[float]:
     samples = launch_samples(r, metric)
     if samples:
         return samples
-    v = as_number(dig(r, "metrics", metric))
+    v = finite(dig(r, "metrics", metric))  # NaN, inf: no sample (the gate fails them by name)
     return [v] if v is not None else []
 
 
@@ -87,7 +87,7 @@ def spread_rows(runs) -> list[dict]:
             continue
         mean = statistics.fmean(tps)
         low, high, cover = median_ci(tps)
-        peaks = [p for p in (as_number(dig(r, "metrics", "peak_alloc_bytes")) for _, r in members) if p]
+        peaks = [p for p in (finite(dig(r, "metrics", "peak_alloc_bytes")) for _, r in members) if p]
         hosts = [h for _, r in members for h in _samples(r, "host_dispatch_us_max")]
         busy = [u for _, r in members for u in _samples(r, "gpu_util_pct_mean_min")]
         switches = [x for _, r in members for x in _samples(r, "host_involuntary_switches_per_step_max")]
