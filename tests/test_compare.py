@@ -465,3 +465,26 @@ def test_statistics_never_crash_on_impossible_launch_values():
     assert cv([float("inf"), float("nan"), 1.0]) is None and summary([10**400, 3.0])["n"] == 1
     res = compare_runs((man, _launches(base, 3)), (man, launches))
     assert res["regression"]
+
+
+def test_report_and_gate_hold_on_three_launches_of_impossible_values(tmp_path):
+    """Three launches a side, one NaN, one inf and one 10**400 tokens/s (and step time), every loss NaN:
+    the report renders and the gate fails each case on the metrics, naming them (issue 53)."""
+    from parabench.report.html import render_report
+
+    cand = _copy(tmp_path, "bad")
+    for p in sorted((cand / "cases").glob("*.json")):
+        rec = json.loads(p.read_text())
+        p.unlink()
+        for k, v in enumerate([float("nan"), float("inf"), 10**400]):
+            launch = json.loads(json.dumps(rec))
+            launch["case"].update(repeat=k, repeats=3)
+            launch["metrics"].update(tokens_per_s=v, step_time_s_median=v, final_loss=float("nan"))
+            launch["metrics"]["losses"] = [float("nan")] * len(launch["metrics"]["losses"])
+            (cand / "cases" / (rec["case_hash"] + (f".r{k}" if k else "") + ".json")).write_text(json.dumps(launch))
+    assert "<html" in render_report([GPU_RUN, cand], with_figures=False)
+    rc, res, md = _compare(tmp_path, GPU_RUN, cand)
+    assert rc == 1 and res["counts"] == {"regression": 7}
+    for case in res["cases"]:
+        failed = {m["metric"] for m in case["metrics"] if m["verdict"] == "regression"}
+        assert failed == {"tokens_per_s", "step_time_s_median", "final_loss", "losses"}, case["label"]
