@@ -27,8 +27,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from parabench.recipes import recipe_of
 from parabench.record import byte_high, rank0_comm, theory_state_total
+from parabench.registry import recipe_of
 from parabench.results import file_mode, load_run
 
 if TYPE_CHECKING:
@@ -116,14 +116,12 @@ def _registry_facts() -> dict[str, tuple[str, str]]:
 
 
 def strategy_facts(name, *, registry: bool = True) -> tuple[str | None, str | None]:
-    """(kind, family) of a strategy: the registry's, or without it (``registry=False``: the report
-    imports no training code) the kind its name tells (``ref.*`` and ``single`` are references)
-    and no family. A strategy the registry no longer has is judged by its name too."""
-    if not isinstance(name, str):
+    """(kind, family) of a strategy, from its registry row; with ``registry=False`` (the report's
+    tables, which name no family) the kind only. None for a strategy the registry does not have."""
+    if not isinstance(name, str) or name not in _registry_facts():
         return None, None
-    if registry and name in _registry_facts():
-        return _registry_facts()[name]
-    return ("reference" if name.startswith("ref.") or name == "single" else "peer"), None
+    kind, family = _registry_facts()[name]
+    return (kind, family) if registry else (kind, None)
 
 
 def case_row(manifest: dict, record: dict, *, registry: bool = True) -> dict:

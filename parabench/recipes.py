@@ -20,25 +20,7 @@ RECIPES = ("master", "amp", "fp8")
 # The precisions each recipe applies to (fp8 replaces bf16 matmuls; no fp16 variant is documented).
 RECIPE_PRECISIONS = {"master": ("bf16", "fp16"), "amp": ("bf16", "fp16"), "fp8": ("bf16",)}
 
-# What bf16/fp16 meant, per strategy, in records made before cases named their recipe; the
-# registry's ``StrategySpec.legacy_recipe`` says the same (tests/test_recipes.py keeps them equal).
-_LEGACY_AMP_PREFIXES = ("torch.ddp", "torch.tp", "torch.pp", "torch.cp", "ref.tp", "ref.pp", "ref.cp", "ref.ep")
-_LEGACY_AMP = ("single", "deepspeed.ulysses")
-
 
 def recipe_name(precision: str, recipe: str | None) -> str:
     """How tables and labels name a precision recipe: ``fp32``, ``bf16-master``, ``bf16-amp``..."""
     return precision if precision == "fp32" or not recipe else f"{precision}-{recipe}"
-
-
-def legacy_recipe(strategy: str | None) -> str:
-    s = strategy or ""
-    return "amp" if s in _LEGACY_AMP or s.startswith(_LEGACY_AMP_PREFIXES) else "master"
-
-
-def recipe_of(case: dict) -> str | None:
-    """A stored case's recipe ("master" | "amp" | "fp8"; None in fp32), also for records made before
-    cases named one."""
-    if case.get("precision", "fp32") == "fp32":
-        return None
-    return case["recipe"] if case.get("recipe") else legacy_recipe(case.get("strategy"))

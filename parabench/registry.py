@@ -50,3 +50,19 @@ def register(row: StrategySpec) -> StrategySpec:
         raise ValueError(f"strategy {row.name!r} registered twice")
     STRATEGIES[row.name] = row
     return row
+
+
+def reporting(section: str) -> tuple[str, ...]:
+    """The strategies whose rows name the report's ``section`` (``StrategySpec.report_sections``)."""
+    return tuple(name for name, row in STRATEGIES.items() if section in row.report_sections)
+
+
+def recipe_of(case: dict) -> str | None:
+    """A stored case's recipe ("master" | "amp" | "fp8"; None in fp32); for a record made before cases
+    named one, what its strategy's row says bf16/fp16 meant then (``StrategySpec.legacy_recipe``)."""
+    if case.get("precision", "fp32") == "fp32":
+        return None
+    if case.get("recipe"):
+        return case["recipe"]
+    row = STRATEGIES.get(case.get("strategy") or "")
+    return row.legacy_recipe if row is not None else "master"

@@ -147,7 +147,7 @@ class CommonOptions:
     memory_snapshot: bool = False
     roofline: bool | None = None  # measure a matmul roofline; None: on every device but CUDA ones
     optim: dict = field(default_factory=dict)  # AdamW overrides: lr, beta1, beta2, eps, weight_decay
-    # test hook {kind: oom|cpu_oom|memory_error|crash|abort|hang|leak|startup_abort, rank, step}
+    # test hook {kind: oom|cpu_oom|memory_error|crash|abort|hang|leak|startup_abort|startup_kill, rank, step}
     inject_fault: dict | None = None
     telemetry: bool = True  # NVML power, energy, clocks and throttle reasons sampled during the timed steps (GPU)
     # The garbage-collection pause meter and the live progress counter on the timed steps; false
@@ -313,6 +313,9 @@ class StrategySpec:
     # A reference's production peers: the library strategies doing the same work, which the report
     # pairs it with (parabench.report.spread).
     peers: tuple[str, ...] = ()
+    # The report's sections beyond the common tables that read its records ("cp_balance",
+    # "moe_routing", "nvme": parabench/report/<section>.py).
+    report_sections: tuple[str, ...] = ()
 
     def recipes_for(self, precision: str) -> tuple[str, ...]:
         """The recipes a case of ``precision`` may name; the first is its default (none for fp32)."""

@@ -19,7 +19,7 @@ from parabench.cli import DEFAULT_OUT, build_parser
 from parabench.cli import main as cli_main
 from parabench.compare import _fmt as cli_number
 from parabench.compare import compare_metric
-from parabench.recipes import recipe_of
+from parabench.registry import recipe_of
 from parabench.report import frames
 from parabench.report.html import _env_summary, _table, human_bytes
 from parabench.results import load_json, load_run

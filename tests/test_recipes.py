@@ -144,13 +144,14 @@ def test_suite_recipe_axis_runs_each_strategy_in_what_it_supports(tmp_path):
         load_suite(str(bad))
 
 
-def test_report_legacy_rule_agrees_with_the_registry():
-    """``parabench.recipes.legacy_recipe`` (read by the report without training code) says what
-    every strategy's row says."""
-    from parabench.recipes import legacy_recipe
-    from parabench.registry import STRATEGIES
+def test_a_record_without_a_recipe_reads_its_rows_legacy_recipe():
+    """A bf16 record made before cases named their recipe ran what its strategy's row says."""
+    from parabench.registry import recipe_of
 
-    assert {n: legacy_recipe(n) for n in STRATEGIES} == {n: s.legacy_recipe for n, s in STRATEGIES.items()}
+    assert recipe_of({"strategy": "torch.ddp", "precision": "bf16"}) == "amp"
+    assert recipe_of({"strategy": "ref.zero1", "precision": "bf16"}) == "master"
+    assert recipe_of({"strategy": "ref.zero1", "precision": "bf16", "recipe": "amp"}) == "amp"
+    assert recipe_of({"strategy": "torch.ddp", "precision": "fp32"}) is None
 
 
 def test_report_sets_one_strategy_in_both_recipes_apart():

@@ -136,6 +136,7 @@ ROWS = (
         cp_expectation("ring"),
         version="3",
         peers=("torch.cp",),
+        report_sections=("cp_balance",),
     ),
     _row(
         "ref.cp_ulysses",
@@ -152,6 +153,7 @@ ROWS = (
         "Llama 3 all-gather context parallel: K, V all-gathered before attention, local queries, dK, dV "
         "reduce-scattered; load-balanced split (option cp_split = zigzag | contiguous)",
         cp_expectation("allgather"),
+        report_sections=("cp_balance",),
     ),
     # DeepSpeed's DistributedAttention issues the same 4 + 4 all-to-alls per layer; the rest of the
     # step is ref.cp_ulysses's (token all-gather, one gradient all-reduce).

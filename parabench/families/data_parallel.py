@@ -141,23 +141,9 @@ def validate_torch_ddp(case, o, cfg) -> None:
         )
 
 
-# Option compile: these builders compile the blocks (peers.common.compile_blocks); the others refuse it.
-COMPILES = ("single", "torch.ddp", "ref.ddp", "ref.ps")
-# Recipe fp8: these builders convert the linears (parabench.fp8.convert).
-TAKES_FP8 = ("single", "torch.ddp", "ref.ddp")
-
-
-# Layouts: these take the fused-qkv model too (StrategySpec.layouts; the rest train the separate one).
-ANY_LAYOUT_STRATEGIES = ("single", "torch.ddp", "ref.ddp")
-
-
-def _row(name, builder, kind, description, expect, options=DataParallelOptions, **kw):
-    if name in COMPILES:
-        kw.setdefault("compile_unsupported", None)
-    if name in ANY_LAYOUT_STRATEGIES:
-        kw.setdefault("layouts", ANY_LAYOUT)
-    recipes = TORCH_PEER_RECIPES if kind == "peer" or name == "single" else {}
-    recipes = with_fp8(recipes) if name in TAKES_FP8 else recipes
+def _row(name, builder, kind, description, expect, options=DataParallelOptions, fp8=False, **kw):
+    """A data-parallel row; ``fp8``: its builder converts the linears (``parabench.fp8.convert``), so
+    it takes the fp8 recipe beside the others it declares."""
     return StrategySpec(
         name,
         "data_parallel",
@@ -167,8 +153,7 @@ def _row(name, builder, kind, description, expect, options=DataParallelOptions, 
         precisions=DP_PRECISIONS,
         options=options,
         expect=expect,
-        **recipes,
-        **kw,
+        **(with_fp8(kw) if fp8 else kw),
     )
 
 
@@ -179,6 +164,10 @@ ROWS = (
         "reference",
         "one process, no parallelism: the ground truth the others are checked against",
         expect_torch_ddp,
+        **TORCH_PEER_RECIPES,
+        fp8=True,
+        layouts=ANY_LAYOUT,
+        compile_unsupported=None,
         validate=validate_single,
         plan=PlanFacts(
             family="data_parallel",
@@ -192,6 +181,10 @@ ROWS = (
         "peer",
         "PyTorch DistributedDataParallel (bucketed all-reduce overlapped with backward)",
         expect_torch_ddp,
+        **TORCH_PEER_RECIPES,
+        fp8=True,
+        layouts=ANY_LAYOUT,
+        compile_unsupported=None,
         options=DDPPeerOptions,
         validate=validate_torch_ddp,
         plan=PlanFacts(
@@ -213,6 +206,7 @@ ROWS = (
         "reference",
         "reference parameter server: gradients sent to rank 0, AdamW there, parameters broadcast",
         expect_ref_ps,
+        compile_unsupported=None,
         plan=PlanFacts(
             family="data_parallel",
             persistent_grads="server",
@@ -224,6 +218,9 @@ ROWS = (
         "reference",
         "reference DDP: bucketed all-reduce from grad hooks, overlapped with backward (option bucket_mb)",
         expect_ref_ddp,
+        fp8=True,
+        layouts=ANY_LAYOUT,
+        compile_unsupported=None,
         plan=PlanFacts(
             family="data_parallel",
             search=("data_parallel",),

@@ -268,6 +268,7 @@ ROWS = (
         expect_ref_ep,
         version="2",
         peers=("deepspeed.moe",),
+        report_sections=("moe_routing",),
     ),
     _row(
         "deepspeed.moe",
@@ -278,5 +279,6 @@ ROWS = (
         expect_deepspeed_moe,
         options=DeepSpeedMoEOptions,
         version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
+        report_sections=("moe_routing",),
     ),
 )

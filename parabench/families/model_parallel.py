@@ -634,25 +634,10 @@ def expect_torch_pipeline(cfg, case, o, dp):
     )
 
 
-# Option compile: these builders compile the blocks (peers.common.compile_blocks), after tensor
-# parallelism and the pipeline split.
-COMPILES = (
-    "ref.tp",
-    "ref.tp_sp",
-    "ref.pp_gpipe",
-    "ref.pp_1f1b",
-    "ref.pp_interleaved",
-    "torch.tp",
-    "torch.tp_sp",
-    "torch.pp_gpipe",
-    "torch.pp_1f1b",
-)
-
-
 def _row(name, builder, kind, description, expect, **kw):
-    if name in COMPILES:
-        kw.setdefault("compile_unsupported", None)
-    elif name in ZERO_BUBBLE_STRATEGIES:
+    # Rows whose builders compile the blocks (peers.common.compile_blocks, after tensor parallelism and
+    # the pipeline split) say compile_unsupported=None; the others name why they refuse it.
+    if name in ZERO_BUBBLE_STRATEGIES:
         kw.setdefault(
             "compile_unsupported",
             "the split backward asks autograd for per-module gradients (hooks on module outputs, "
@@ -692,6 +677,7 @@ ROWS = (
         "Megatron tensor parallel: f/g operators, column/row-parallel layers, vocab-parallel "
         "embedding and cross-entropy (options tp, pp; x dp)",
         model_parallel_expectation(False, None),
+        compile_unsupported=None,
         plan=PlanFacts(
             family="model_parallel",
             search=("tensor", "tensor_pipeline"),
@@ -705,6 +691,7 @@ ROWS = (
         "reference",
         "Megatron tensor + sequence parallel: all-gather/reduce-scatter along the sequence",
         model_parallel_expectation(True, None),
+        compile_unsupported=None,
         plan=PlanFacts(
             family="model_parallel",
             search=("tensor",),
@@ -720,6 +707,7 @@ ROWS = (
         "reference",
         "GPipe pipeline over send/recv (options pp, microbatches, tp, sp; x dp)",
         model_parallel_expectation(None, "gpipe"),
+        compile_unsupported=None,
         plan=PlanFacts(
             family="model_parallel",
             search=("pipeline",),
@@ -736,6 +724,7 @@ ROWS = (
         "reference",
         "1F1B (PipeDream-Flush) pipeline over send/recv (options pp, microbatches, tp, sp; x dp)",
         model_parallel_expectation(None, "1f1b"),
+        compile_unsupported=None,
         plan=PlanFacts(
             family="model_parallel",
             search=("pipeline",),
@@ -752,6 +741,7 @@ ROWS = (
         "Megatron interleaved 1F1B over send/recv: virtual_stages (default 2) chunks per rank, "
         "micro-batches a multiple of pp (options pp, virtual_stages, microbatches, tp, sp; x dp)",
         model_parallel_expectation(None, "interleaved_1f1b"),
+        compile_unsupported=None,
         version="1",
         plan=PlanFacts(
             family="model_parallel",
@@ -789,6 +779,7 @@ ROWS = (
         "peer",
         "PyTorch DTensor parallelize_module, ColwiseParallel/RowwiseParallel over the tp mesh",
         torch_tp_expectation(False),
+        compile_unsupported=None,
         version="4",  # 4: dp gradients in 25 MiB buckets (3: no DeviceMesh slicing per step)
         plan=PlanFacts(
             family="model_parallel",
@@ -805,6 +796,7 @@ ROWS = (
         "peer",
         "PyTorch DTensor tensor parallel + SequenceParallel LayerNorms",
         torch_tp_expectation(True),
+        compile_unsupported=None,
         version="4",  # 4: dp gradients in 25 MiB buckets (3: LayerNorm gradients in one flat buffer)
         plan=PlanFacts(
             family="model_parallel",
@@ -822,6 +814,7 @@ ROWS = (
         "peer",
         "torch.distributed.pipelining PipelineStage + ScheduleGPipe",
         expect_torch_pipeline,
+        compile_unsupported=None,
         version="3",  # 3: dp > 1 through DDP-wrapped stages (2: one all-reduce per gradient after the schedule)
         plan=PlanFacts(
             family="model_parallel",
@@ -838,6 +831,7 @@ ROWS = (
         "peer",
         "torch.distributed.pipelining PipelineStage + Schedule1F1B",
         expect_torch_pipeline,
+        compile_unsupported=None,
         version="3",  # 3: dp > 1 through DDP-wrapped stages (2: one all-reduce per gradient after the schedule)
         plan=PlanFacts(
             family="model_parallel",

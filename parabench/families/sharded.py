@@ -586,19 +586,7 @@ def expect_torch_fsdp2_offload(cfg, case, o, dp):
     )
 
 
-# Option compile: these builders compile the blocks (peers.common.compile_blocks), DeepSpeed's refuse
-# it (the default reason names the missing hook otherwise).
-COMPILES = (
-    "torch.fsdp2",
-    "torch.hsdp",
-    "torch.fsdp2_offload",
-    "ref.zero1",
-    "ref.zero2",
-    "ref.zero3",
-    "ref.fsdp",
-    "ref.hsdp",
-    "ref.zeropp",
-)
+# Why DeepSpeed's rows refuse option compile.
 DEEPSPEED_NO_COMPILE = (
     "DeepSpeed compiles through its engine (engine.compile(), which traces its ZeRO hooks with the "
     "model), which this adapter does not call; per-block torch.compile under the engine's module hooks "
@@ -606,39 +594,18 @@ DEEPSPEED_NO_COMPILE = (
 )
 
 
-# Recipe fp8: these builders convert the linears (parabench.fp8.convert).
-TAKES_FP8 = ("torch.fsdp2", "ref.zero1", "ref.zero2", "ref.zero3", "ref.fsdp")
-
-
 def validate_fp8_all_gather(case, o, cfg) -> None:
     if getattr(o, "fp8_all_gather", False) and (case.strategy != "torch.fsdp2" or case.recipe != "fp8"):
         raise ValueError("option fp8_all_gather needs strategy torch.fsdp2 and recipe fp8")
 
 
-# Layouts: these take the fused-qkv model too (StrategySpec.layouts; the rest train the separate one).
-ANY_LAYOUT_STRATEGIES = (
-    "torch.fsdp2",
-    "torch.hsdp",
-    "deepspeed.zero1",
-    "deepspeed.zero2",
-    "deepspeed.zero3",
-    "ref.zero1",
-    "ref.zero2",
-    "ref.zero3",
-    "ref.fsdp",
-    "ref.hsdp",
-)
-
-
-def _row(name, builder, kind, description, expect, **kw):
-    if name in COMPILES:
-        kw.setdefault("compile_unsupported", None)
-    elif name.startswith("deepspeed."):
+def _row(name, builder, kind, description, expect, fp8=False, **kw):
+    """A sharded row; ``fp8``: its builder converts the linears (``parabench.fp8.convert``). DeepSpeed's
+    engines keep 16-bit parameters with fp32 masters and refuse option compile."""
+    if name.startswith("deepspeed."):
         kw.setdefault("compile_unsupported", DEEPSPEED_NO_COMPILE)
-    if name in ANY_LAYOUT_STRATEGIES:
-        kw.setdefault("layouts", ANY_LAYOUT)
     recipes = MASTER_ONLY if name.startswith("deepspeed.") else {}
-    recipes = with_fp8(recipes) if name in TAKES_FP8 else recipes
+    recipes = with_fp8(recipes) if fp8 else recipes
     if kind == "peer":
         kw.setdefault("validate", validate_fp8_all_gather)
     return StrategySpec(
@@ -669,6 +636,9 @@ ROWS = (
         "peer",
         "PyTorch FSDP2 fully_shard per transformer block + root (ZeRO-3 style)",
         expect_torch_fsdp2,
+        fp8=True,
+        layouts=ANY_LAYOUT,
+        compile_unsupported=None,
         version="3",  # 3: matched reduces in the compute dtype; 2: tuned by default (1 ran "matched")
         plan=PlanFacts(
             family="sharded",
@@ -689,6 +659,8 @@ ROWS = (
         "peer",
         "PyTorch FSDP2 hybrid shard: 2-D (replicate, shard) mesh, option shard_size (default 2)",
         expect_torch_hsdp,
+        layouts=ANY_LAYOUT,
+        compile_unsupported=None,
         min_world_size=4,
         version="3",  # 3: matched reduces in the compute dtype; 2: tuned by default (1 ran "matched")
         plan=PlanFacts(
@@ -735,6 +707,7 @@ ROWS = (
         "peer",
         "DeepSpeed ZeRO stage 1 (optimizer states partitioned)",
         deepspeed_expectation(1),
+        layouts=ANY_LAYOUT,
         version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
         plan=PlanFacts(
             family="sharded",
@@ -759,6 +732,7 @@ ROWS = (
         "peer",
         "DeepSpeed ZeRO stage 2 (+ gradients partitioned)",
         deepspeed_expectation(2),
+        layouts=ANY_LAYOUT,
         version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
         plan=PlanFacts(
             family="sharded",
@@ -777,6 +751,7 @@ ROWS = (
         "peer",
         "DeepSpeed ZeRO stage 3 (+ parameters partitioned)",
         deepspeed_expectation(3),
+        layouts=ANY_LAYOUT,
         shares_launch=False,
         version="2",  # 2: the tuned profile by default (1 ran what is now "matched")
         plan=PlanFacts(
@@ -796,6 +771,9 @@ ROWS = (
         "reference",
         "reference ZeRO-1: optimizer states + fp32 master sharded per bucket; reduce-scatter, all-gather",
         ref_zero_expectation(1),
+        fp8=True,
+        layouts=ANY_LAYOUT,
+        compile_unsupported=None,
         version="2",
         plan=PlanFacts(
             family="sharded",
@@ -815,6 +793,9 @@ ROWS = (
         "reference",
         "reference ZeRO-2: + gradients reduce-scattered in buckets during backward and freed",
         ref_zero_expectation(2),
+        fp8=True,
+        layouts=ANY_LAYOUT,
+        compile_unsupported=None,
         version="2",
         plan=PlanFacts(
             family="sharded",
@@ -831,6 +812,9 @@ ROWS = (
         "reference",
         "reference ZeRO-3: per-block flat parameters gathered for forward and backward, every unit resharded",
         ref_sharded_expectation("zero3"),
+        fp8=True,
+        layouts=ANY_LAYOUT,
+        compile_unsupported=None,
         version="3",
         plan=PlanFacts(
             family="sharded",
@@ -850,6 +834,9 @@ ROWS = (
         "reference",
         "reference FSDP full shard: as ref.zero3 but the root unit stays gathered from forward to backward",
         ref_sharded_expectation("fsdp"),
+        fp8=True,
+        layouts=ANY_LAYOUT,
+        compile_unsupported=None,
         version="3",
         plan=PlanFacts(
             family="sharded",
@@ -869,6 +856,8 @@ ROWS = (
         "reference",
         "reference hybrid shard: FSDP within shard groups (option shard_size), all-reduce across replicas",
         ref_sharded_expectation("hsdp"),
+        layouts=ANY_LAYOUT,
+        compile_unsupported=None,
         min_world_size=4,
         version="3",
         plan=PlanFacts(
@@ -948,6 +937,7 @@ ROWS = (
             offload="nvme",
             host_bound=True,
         ),
+        report_sections=("nvme",),
     ),
     _row(
         "torch.fsdp2_offload",
@@ -955,6 +945,7 @@ ROWS = (
         "peer",
         "PyTorch FSDP2 with CPUOffloadPolicy (sharded params, grads and AdamW on the CPU)",
         expect_torch_fsdp2_offload,
+        compile_unsupported=None,
         version="3",  # 3: matched reduces in the compute dtype; 2: tuned by default (1 ran "matched")
         plan=PlanFacts(
             family="sharded",
@@ -973,6 +964,7 @@ ROWS = (
         "reference ZeRO++ over ref.zero3: options qwz (int8 weight gathers), hpz (secondary partition), "
         "qgz (quantized gradient all-to-all)",
         ref_zeropp_expectation,
+        compile_unsupported=None,
         options=ZeroPPOptions,
         validate=validate_zeropp,
         version="1",

@@ -154,7 +154,7 @@ def _workload(model: str, cfg, c: Candidate) -> M.Workload | None:
     rows = c.micro_batch
     comm = {
         k: w1.comm_bytes.get(k, 0.0) + (w2.comm_bytes.get(k, 0.0) - w1.comm_bytes.get(k, 0.0)) * (rows - m) / m
-        for k in set(w1.comm_bytes) | set(w2.comm_bytes)
+        for k in sorted(set(w1.comm_bytes) | set(w2.comm_bytes))  # sorted: the notes' order follows it
     }
     return replace(w1, micro_batch=c.micro_batch, grad_accum=c.grad_accum, comm_bytes=comm)
 

@@ -203,7 +203,7 @@ def measured_zb_times(record: dict) -> tuple | None:
 
 def from_record(record: dict) -> Workload | None:
     """The workload a stored record ran, with the record's own theory (no torch)."""
-    from parabench.recipes import recipe_of
+    from parabench.registry import recipe_of
 
     case = record.get("case") or {}
     model = record.get("model") or {}

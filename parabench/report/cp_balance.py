@@ -16,6 +16,7 @@ real 2- and 4-rank runs.
 
 from __future__ import annotations
 
+from parabench.registry import reporting
 from parabench.report.frames import as_number, dig, records_of
 
 SPLIT_ORDER = ("contiguous", "zigzag")  # contiguous first: the imbalanced row above its remedy
@@ -95,7 +96,7 @@ def _ratio(values: list) -> float | None:
 def balance_rows(runs) -> tuple[list[dict], list[dict], list[str]]:
     """Per case and per rank rows, and the runs whose GPU compute times came from host clocks."""
     cases, ranks, untrusted_runs = [], [], []
-    for idx, run, r in records_of(runs, ("ref.cp_ring", "ref.cp_allgather")):
+    for idx, run, r in records_of(runs, reporting("cp_balance")):
         c = r.get("case") or {}
         split = str((c.get("options") or {}).get("cp_split", "zigzag"))
         cp = c.get("world_size")

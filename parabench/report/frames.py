@@ -11,8 +11,9 @@ from pathlib import Path
 
 from parabench import pipeline_sim
 from parabench.data import case_row
-from parabench.recipes import recipe_name, recipe_of
+from parabench.recipes import recipe_name
 from parabench.record import byte_high, pipeline_stages, rank0_comm
+from parabench.registry import recipe_of
 
 MiB = 2**20
 

@@ -21,9 +21,9 @@ a layer does no expert work there ("starved").
 
 from __future__ import annotations
 
+from parabench.registry import reporting
 from parabench.report.frames import MiB, as_number, dig, records_of
 
-MOE_STRATEGIES = ("ref.ep", "deepspeed.moe")
 COLLAPSE_FRACTION = 0.9  # max/mean at or above this share of E/top_k counts as collapsed
 
 CASE_COLUMNS = [
@@ -143,7 +143,7 @@ def _sum(values):
 def routing_rows(runs) -> tuple[list[dict], list[dict], list[dict]]:
     """Per ok MoE case, per layer of those, and per failed MoE case."""
     cases, layers, failed = [], [], []
-    for idx, run, r in records_of(runs, MOE_STRATEGIES):
+    for idx, run, r in records_of(runs, reporting("moe_routing")):
         c = r.get("case") or {}
         cfg = dig(r, "model", "config") or {}
         strategy, model = str(c.get("strategy")), str(c.get("model"))

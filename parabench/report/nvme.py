@@ -9,6 +9,7 @@ per rank and, summed, for the host's disk: every rank of a launch swaps to the s
 
 from __future__ import annotations
 
+from parabench.registry import reporting
 from parabench.report.frames import as_number, dig, records_of
 
 GB = 1e9
@@ -53,7 +54,7 @@ def _pair(a, b, spec: str) -> str:
 
 def nvme_rows(runs) -> list[dict]:
     rows = []
-    for _, run, r in records_of(runs, ("deepspeed.zero3_nvme",)):
+    for _, run, r in records_of(runs, reporting("nvme")):
         stats = [pr.get("strategy_stats") or {} for pr in r.get("per_rank") or []]
         first = stats[0] if stats else {}
 

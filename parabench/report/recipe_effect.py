@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from parabench.recipes import recipe_of
+from parabench.registry import recipe_of
 from parabench.report.frames import as_number, dig, run_name
 
 COLUMNS = [

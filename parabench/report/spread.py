@@ -9,9 +9,9 @@ the noise a reader should hold every other comparison in the report against: the
 median with its distribution-free interval (``parabench.stats.median_ci``) and their coefficient of
 variation.
 
-The ratio table sets each reference implementation beside the peers that do the same thing
-(``PEERS``) on the same case shape, with the interval of the ratio of their launch medians
-(``parabench.stats.ratio_ci``), for pairs with at least two launches on each side.
+The ratio table sets each reference implementation beside the peers that do the same thing (the
+production peers its registry row names) on the same case shape, with the interval of the ratio of
+their launch medians (``parabench.stats.ratio_ci``), for pairs with at least two launches on each side.
 """
 
 from __future__ import annotations
@@ -119,19 +119,6 @@ def spread_rows(runs) -> list[dict]:
     return sorted(rows, key=lambda r: r["label"])
 
 
-# A reference implementation and the library strategies that do the same work; a peer of the
-# same name after the prefix (ref.tp / torch.tp) pairs without being listed.
-PEERS = {
-    "ref.ddp": ("deepspeed.zero0",),
-    "ref.zero3": ("torch.fsdp2",),
-    "ref.fsdp": ("torch.fsdp2",),
-    "ref.pp_1f1b": ("deepspeed.pp",),
-    "ref.cp_ring": ("torch.cp",),
-    "ref.cp_ulysses": ("deepspeed.ulysses",),
-    "ref.ep": ("deepspeed.moe",),
-    "ref.ddp_fp16_compress": ("torch.ddp_fp16_hook",),
-    "ref.ddp_powersgd": ("torch.ddp_powersgd_hook",),
-}
 RATIO_COLUMNS = [
     ("shape", "case shape", "str"),
     ("reference", "reference", "str"),
@@ -152,12 +139,11 @@ RATIO_NOTE = (
 
 
 def is_peer(reference: str, peer: str) -> bool:
-    return (
-        reference.startswith("ref.")
-        and not peer.startswith("ref.")
-        and peer != "single"
-        and (peer.split(".", 1)[-1] == reference[4:] or peer in PEERS.get(reference, ()))
-    )
+    """Whether ``peer`` is one of the production peers the reference's registry row names."""
+    from parabench.registry import STRATEGIES
+
+    row = STRATEGIES.get(reference)
+    return row is not None and peer in row.peers
 
 
 def _shape(case: dict) -> str:
