@@ -465,6 +465,8 @@ def compare_records(
     if bs != STATUS_OK or cs != STATUS_OK:
         return out
     impossible = impossible_values(cand)
+    for d in impossible:
+        d.baseline = metric_value(base, "final_loss" if d.metric == "losses" else d.metric)
     bd, cd = (base.get("device") or {}).get("name"), (cand.get("device") or {}).get("name")
     if bd != cd:
         out.notes.append(f"different devices: {bd} vs {cd}; timings are not comparable")
