@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from parabench.plan.least_squares import nnls
+
 KIND = "sdpa-head-width"
 # The least-squares search over s0 (tokens): 0 to 8192 in steps of 64.
 SEQ_HALF_GRID = range(0, 8193, 64)
@@ -44,8 +46,6 @@ def _points(doc: dict) -> list[tuple[float, int, int, float]]:
 
 def fit(points: list[tuple[float, int, int, float]]) -> dict:
     """t0, s0 and R_inf per head width minimising the squared relative error (NNLS per s0)."""
-    from parabench.plan.calibrate import nnls
-
     widths = sorted({hd for _, _, hd, _ in points})
     y = np.array([t for *_, t in points])
     best = None

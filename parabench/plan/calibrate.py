@@ -28,6 +28,7 @@ import tomllib
 
 from parabench.plan import attention
 from parabench.plan import model as M
+from parabench.plan.least_squares import nnls
 from parabench.plan.workload import config_options, from_record
 from parabench.results import host_shared
 
@@ -37,7 +38,7 @@ CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "results" / "calibration
 DEVICE_KINDS = {"h100": ("H100", 989.4e12), "h200": ("H200", 989.4e12), "a100": ("A100", 312e12)}
 # The large-GEMM ceiling R is measured, not fitted: fitted freely it trades against the per-layer
 # host term and lands above the vendor peak. bf16 8192^3 matmul on the 2x H100 machine
-# (docs/FACTS: about 790 TFLOP/s per GPU).
+# (docs/facts.md: about 790 TFLOP/s per GPU).
 MATMUL_CEILING = {"h100": 790e12, "h200": 790e12}
 # Parts predicted from another part's calibration until runs of their own calibrate them: the same
 # architecture (SMs, clocks, tensor cores: the same dense bf16 peak), NVLink generation, kernels and
@@ -337,23 +338,6 @@ def _queued_fit(points: dict, kind: str, op: str, n: int, alpha: float, beta: fl
 
 
 # --- fitting ---------------------------------------------------------------------------------------
-
-
-def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative least squares by dropping the most negative column until none is (small
-    problems only; the columns are scaled to unit norm first)."""
-    norms = np.linalg.norm(a, axis=0)
-    norms[norms == 0] = 1.0
-    a = a / norms
-    active = [j for j in range(a.shape[1]) if np.any(a[:, j])]
-    x = np.zeros(a.shape[1])
-    while active:
-        sol, *_ = np.linalg.lstsq(a[:, active], y, rcond=None)
-        if (sol >= 0).all():
-            x[active] = sol
-            break
-        active.pop(int(np.argmin(sol)))
-    return x / norms
 
 
 def _pseudo_count_shrinkage(samples: dict[str, list[float]]) -> dict[str, float]:
