@@ -35,6 +35,7 @@ import contextlib
 import gc
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -84,7 +85,7 @@ def _inject_fault(case: Case, step: int) -> None:
     if not fault or fault.get("step", 0) != step or fault.get("rank", 0) != dist.get_rank():
         return
     kind = fault["kind"]
-    if kind == "startup_abort":  # fired before the process group forms: _inject_startup_fault
+    if kind in ("startup_abort", "startup_kill"):  # fired before the process group forms: _inject_startup_fault
         return
     if kind == "leak":
         _INJECTED_LEAKS.append(
@@ -109,16 +110,21 @@ def _inject_fault(case: Case, step: int) -> None:
 def _inject_startup_fault(cases: list[Case], keys: list[str], scratch: str) -> None:
     """Test hook: options.inject_fault = {kind: "startup_abort", rank: r, launches: n} aborts rank
     r before the process group forms, in the first n launches of the case (counted in a file
-    beside the launches' folders), the death ``Runner._settle`` launches again once."""
+    beside the launches' folders), the death ``Runner._settle`` launches again once;
+    "startup_kill" sends the rank SIGKILL instead, as the out-of-memory killer would, which is
+    never launched again."""
     for case, key in zip(cases, keys):
         fault = case.options.get("inject_fault") or {}
-        if fault.get("kind") != "startup_abort" or fault.get("rank", 0) != int(os.environ.get("RANK", "0")):
+        kind = fault.get("kind")
+        if kind not in ("startup_abort", "startup_kill") or fault.get("rank", 0) != int(os.environ.get("RANK", "0")):
             continue
         count_path = os.path.join(os.path.dirname(os.path.abspath(scratch)), f"{key}.startup-aborts")
         aborted = os.path.getsize(count_path) if os.path.exists(count_path) else 0
         if aborted < fault.get("launches", 1):
             with open(count_path, "a") as f:
                 f.write("x")
+            if kind == "startup_kill":
+                os.kill(os.getpid(), signal.SIGKILL)
             os.abort()
 
 

@@ -551,3 +551,449 @@ def test_no_skips_names_every_case_that_would_be_skipped_and_runs_nothing(tmp_pa
     assert rc == 2, out + err
     assert "1 of 2 cases would be skipped" in err and "fp8" in err and "nothing was run" in err
     assert not (tmp_path / "res").exists()
+
+
+# === issue 53: hostile values on the newer surfaces ================================================
+
+# --- values that could exhaust the machine: refused in seconds, before anything starts -------------
+
+
+def test_cpu_world_beyond_the_host_is_refused_before_any_launch(tmp_path, capsys):
+    from parabench.runner import cpu_rank_limit
+
+    too_many = cpu_rank_limit() + 1
+    ddp = ["run", "case", "--model", "tiny", "--strategy", "ref.ddp", "--device", "cpu"]
+    rc, _, err = cli(capsys, *ddp, "--out", tmp_path / "out", "--world-size", too_many)
+    assert rc == 2
+    assert f"{too_many} ranks on this host's CPU, more than {cpu_rank_limit()}" in err and "--max-cpu-ranks" in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_world_of_a_million_ranks_is_refused_at_once(tmp_path, capsys):
+    rc, _, err = cli(capsys, *TINY, "--out", tmp_path / "out", "--world-size", "1000000")
+    assert rc == 2 and "world_size must be <= 65536, got 1000000" in err
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("repeats", "1000000000", "must be <= 100, got 1000000000"),
+        ("steps", "1000000000", "must be <= 100000, got 1000000000"),
+        ("world_size", "1000000", "must be <= 65536, got 1000000"),
+        ("micro_batch", "[1, 100000000]", "must be <= 65536, got 100000000"),
+    ],
+)
+def test_suite_values_beyond_their_bound_name_file_line_and_field(tmp_path, capsys, field, value, message):
+    fields = {"model": '"tiny"', "strategy": '"single"', "world_size": "1", field: value}
+    suite = write_suite(
+        tmp_path, "[suite]\nname = 'big'\n[[matrix]]\n" + "".join(f"{k} = {v}\n" for k, v in fields.items())
+    )
+    rc, _, err = cli(capsys, "run", "suite", suite, "--out", tmp_path / "out")
+    assert rc == 2
+    assert f"{suite}:{line_of(suite, f'{field} =')}: field '{field}' in [matrix]: {message}" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_matrix_that_expands_past_the_bound_is_refused(tmp_path, capsys):
+    seeds = list(range(200))
+    suite = write_suite(
+        tmp_path,
+        f"[suite]\nname = 'wide'\n[[matrix]]\nmodel = 'tiny'\nstrategy = 'single'\nworld_size = 1\n"
+        f"seed = {seeds}\nlr = {[1e-4 * (i + 1) for i in range(60)]}\n",
+    )
+    rc, _, err = cli(capsys, "run", "suite", suite, "--out", tmp_path / "out")
+    assert rc == 2 and "the matrix expands to 12,000 cases, more than 10,000" in err
+
+
+def test_plan_gpus_beyond_the_bound_is_refused_at_parse_time(capsys):
+    rc, _, err = cli(capsys, "plan", "--model", "gpt-350m", "--gpus", "1000000")
+    assert rc == 2 and "argument --gpus: must be from 1 to 4096, got 1000000" in err
+
+
+def test_plan_search_stops_at_its_time_limit(capsys):
+    import time
+
+    began = time.monotonic()
+    rc, _, err = cli(capsys, "plan", "--model", "gpt-350m", "--gpus", "4096", "--max-seconds", "1")
+    assert rc == 2 and "longer than 1 s (--max-seconds) and was stopped" in err
+    assert time.monotonic() - began < 15
+
+
+# --- records are untrusted input ------------------------------------------------------------------
+
+
+def _record_files(run: Path) -> list[Path]:
+    return sorted((run / "cases").glob("*.json"))
+
+
+def test_fidelity_never_writes_outside_the_run_folder(tmp_path, capsys, monkeypatch):
+    """A record whose case_hash is a path must not lead fidelity's output anywhere: the loader
+    leaves it out, naming the file and the field, and nothing is launched or written for it."""
+    import parabench.fidelity as fidelity
+
+    run = copy_run(tmp_path / "a" / "b" / "run")
+    record = next(p for p in _record_files(run) if json.loads(p.read_text())["case"]["strategy"] == "torch.ddp")
+    rec = json.loads(record.read_text())
+    rec["case_hash"] = "../../../../tmp/x"
+    record.write_text(json.dumps(rec))
+    launched = []
+    monkeypatch.setattr(
+        fidelity,
+        "_launch_script",
+        lambda owner, run_dir, r, args, done: (
+            launched.append(r) or {"status": "failed", "reason": "not launched in this test", "script": "s", "argv": []}
+        ),
+    )
+    monkeypatch.setattr(fidelity, "plan", lambda r: (["script.py", "--device=cpu"], None))
+    _, _, err = cli(capsys, "fidelity", run, "--no-report")
+    assert f"{record}: left out: field 'case_hash'" in err
+    assert launched and all(r["case_hash"] != "../../../../tmp/x" for r in launched)  # the other peers ran
+    assert not (tmp_path / "tmp").exists()
+    outside = [p for p in tmp_path.rglob("*") if p.is_file() and run not in p.parents]
+    assert outside == []
+
+
+def test_fidelity_refuses_a_linked_fidelity_folder(tmp_path, capsys):
+    run = copy_run(tmp_path / "run")
+    (tmp_path / "elsewhere").mkdir()
+    (run / "fidelity").symlink_to(tmp_path / "elsewhere")
+    rc, _, err = cli(capsys, "fidelity", run, "--no-report")
+    assert rc == 2 and "is not a folder of the run (a link or a file)" in err
+    assert not any((tmp_path / "elsewhere").iterdir())
+
+
+def test_a_bare_record_is_named_and_left_out_by_report_export_load_and_compare(tmp_path, capsys):
+    from parabench.data import load
+
+    run = copy_run(tmp_path / "run")
+    bare = run / "cases" / "0123456789abcdef.json"
+    bare.write_text('{"schema_version": 1, "kind": "case"}')
+    rc, _, err = cli(capsys, "report", run, "-o", tmp_path / "r.html")
+    assert rc == 0 and f"{bare}: left out: field 'case_hash'" in err
+    rc, _, err = cli(capsys, "export", run, "--csv", tmp_path / "e.csv")
+    assert rc == 0 and f"{bare}: left out" in err
+    assert len((tmp_path / "e.csv").read_text().splitlines()) == 1 + 7  # the header and the seven good records
+    problems: list[str] = []
+    assert len(load(run)) == 7
+    from parabench.results import load_run
+
+    load_run(run, problems)
+    assert problems == [
+        f"{bare}: left out: field 'case_hash': expected 8 to 64 lower-case hex digits, found NoneType null"
+    ]
+    rc, out, err = cli(capsys, "compare", GPU_RUN, run)
+    assert rc == 0 and "Traceback" not in err and f"{bare}: left out" in err
+
+
+@pytest.mark.parametrize(
+    "damage, field",
+    [
+        (lambda r: r.update(case_hash="../../../../tmp/x"), "case_hash"),
+        (lambda r: r.update(case_hash="ABCDEF0123456789"), "case_hash"),
+        (lambda r: r.update(status="fine"), "status"),
+        (lambda r: r.update(label=7), "label"),
+        (lambda r: r.update(case="gpt"), "case"),
+        (lambda r: r["case"].pop("world_size"), "case.world_size"),
+        (lambda r: r["case"].update(world_size="2"), "case.world_size"),
+        (lambda r: r["case"].update(repeat=-1), "case.repeat"),
+        (lambda r: r.update(duration_s=float("nan")), "duration_s"),
+        (lambda r: r["metrics"].update(step_time_s_median="fast"), "metrics.step_time_s_median"),
+        (lambda r: r["metrics"].update(tokens_per_s=[1]), "metrics.tokens_per_s"),
+        (lambda r: r.update(per_rank=[1, 2]), "per_rank[0]"),
+        (lambda r: r.update(metrics=[]), "metrics"),
+    ],
+)
+def test_a_damaged_record_is_left_out_naming_file_and_field(tmp_path, damage, field):
+    from parabench.results import load_run
+
+    run = copy_run(tmp_path / "run")
+    path = _record_files(run)[0]
+    rec = json.loads(path.read_text())
+    damage(rec)
+    path.write_text(json.dumps(rec))
+    problems: list[str] = []
+    _, records = load_run(run, problems)
+    assert len(records) == 6
+    assert len(problems) == 1 and problems[0].startswith(f"{path}: left out: field {field!r}")
+
+
+def test_a_record_copied_under_another_name_is_not_a_second_launch(tmp_path, capsys):
+    from parabench.data import load
+
+    run = copy_run(tmp_path / "run")
+    first = _record_files(run)[0]
+    copy = run / "cases" / f"{first.stem}.r1.json"
+    shutil.copy(first, copy)
+    other = run / "cases" / "copy-of-a-record.json"
+    shutil.copy(first, other)
+    frame = load(run)
+    assert len(frame) == 7 and (frame["case_hash"] == first.stem).sum() == 1
+    err = capsys.readouterr().err
+    assert f"{copy}: left out: field 'case_hash': this launch's file is {first.name}" in err
+    assert f"{other}: left out" in err
+    rc, _, err = cli(capsys, "compare", GPU_RUN, run, "--json", tmp_path / "c.json")
+    assert rc == 0 and f"{copy}: left out" in err
+
+
+def test_a_record_larger_than_any_result_file_is_refused_unread(tmp_path, capsys):
+    run = copy_run(tmp_path / "run")
+    big = _record_files(run)[0]
+    with open(big, "r+b") as f:
+        f.truncate(40 << 20)  # sparse: no disk used
+    rc, _, err = cli(capsys, "report", run, "-o", tmp_path / "r.html")
+    assert rc == 2 and f"{big}: {40 << 20} bytes, larger than any result file" in err
+
+
+def _launches(tmp_path: Path, values: list) -> Path:
+    """A copy of the GPU run whose torch.ddp case has three launches with these tokens/s."""
+    run = copy_run(tmp_path / "run")
+    path = next(p for p in _record_files(run) if json.loads(p.read_text())["case"]["strategy"] == "torch.ddp")
+    rec = json.loads(path.read_text())
+    for k, v in enumerate(values):
+        launch = json.loads(json.dumps(rec))
+        launch["case"].update(repeats=len(values), repeat=k)
+        launch["metrics"]["tokens_per_s"] = v
+        launch["metrics"]["step_time_s_median"] = v if isinstance(v, str) else launch["metrics"]["step_time_s_median"]
+        text = json.dumps(launch).replace('"HUGE"', "1" + "0" * 400)
+        (run / "cases" / (f"{path.stem}.r{k}.json" if k else path.name)).write_text(text)
+    return run
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "HUGE"])
+def test_non_finite_and_overflowing_launches_do_not_crash_report_or_export(tmp_path, capsys, bad):
+    run = _launches(tmp_path, [1000.0, bad, 1100.0])
+    rc, _, err = cli(capsys, "report", run, "-o", tmp_path / "r.html")
+    assert rc == 0, err
+    assert "is not a possible measurement" in err and "metrics.tokens_per_s" in err
+    rc, _, err = cli(capsys, "export", run, "--csv", tmp_path / "e.csv")
+    assert rc == 0, err
+
+
+def test_a_huge_integer_reads_as_infinity_not_as_an_int_that_overflows(tmp_path):
+    from parabench.results import load_json
+
+    path = tmp_path / "r.json"
+    path.write_text('{"schema_version": 1, "a": 1' + "0" * 5000 + ', "b": -1' + "0" * 400 + "}")
+    data = load_json(path)
+    assert data["a"] == float("inf") and data["b"] == float("-inf")
+
+
+# --- strategy options: type and range, finite numbers only -----------------------------------------
+
+
+@pytest.mark.parametrize("value", ["NaN", "-5", "Infinity", "-Infinity", "1e300"])
+def test_option_numbers_must_be_finite_and_in_range(tmp_path, capsys, value):
+    rc, _, err = cli(
+        capsys, "run", "case", "--model", "tiny", "--strategy", "torch.ddp", "--device", "cpu", "--world-size", "2",
+        "--out", tmp_path / "out", "--options", f'{{"bucket_mb": {value}}}',
+    )  # fmt: skip
+    assert rc == 2
+    assert "option bucket_mb must be a finite number from 0.001 to 1048576" in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_option_numbers_inside_a_table_must_be_finite(tmp_path, capsys):
+    rc, _, err = cli(capsys, *TINY, "--out", tmp_path / "out", "--options", '{"optim": {"lr": NaN}}')
+    assert rc == 2 and "option optim.lr must be a finite number, got nan" in err
+
+
+def test_suite_option_nan_is_refused_with_file_and_line(tmp_path, capsys):
+    suite = write_suite(
+        tmp_path,
+        "[suite]\nname = 'n'\n[[matrix]]\nmodel = 'tiny'\nstrategy = 'torch.ddp'\nworld_size = 2\n"
+        "options = {bucket_mb = nan}\n",
+    )
+    rc, _, err = cli(capsys, "run", "suite", suite, "--out", tmp_path / "out")
+    assert rc == 2 and "option bucket_mb must be a finite number" in err and str(suite) in err
+
+
+# --- plan: every flag and shape field range-checked at parse time ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--seq", "0", "must be from 1 to 2097152, got 0"),
+        ("--seq", "-5", "must be from 1 to 2097152, got -5"),
+        ("--global-batch", "0", "must be from 1 to 16777216, got 0"),
+        ("--layers", "-1", "must be from 1 to 1024, got -1"),
+        ("--heads", "0", "must be from 1 to 4096, got 0"),
+        ("--hidden", "1000000000", "must be from 1 to 131072, got 1000000000"),
+        ("--hidden", "1e9", "expected a whole number from 1 to 131072, got '1e9'"),
+        ("--vocab", "0", "must be from 1 to 4194304, got 0"),
+        ("--top", "-3", "must be from 1 to 100000, got -3"),
+        ("--dropped", "-1", "must be from 0 to 100000, got -1"),
+        ("--max-seconds", "nan", "must be a number of seconds from 1 to 86400"),
+    ],
+)
+def test_plan_flags_out_of_range_name_the_flag_and_range(capsys, flag, value, message):
+    rc, _, err = cli(capsys, "plan", "--model", "gpt-350m", "--gpus", "8", f"{flag}={value}")
+    assert rc == 2 and f"argument {flag}: {message}" in err
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (
+            'n_layers = 2\nd_model = "wide"\nn_heads = 2\n',
+            "field 'd_model' must be a whole number from 1 to 131072, got 'wide'",
+        ),
+        (
+            "n_layers = 2\nd_model = 64\nn_heads = 2\nseq_len = -4\n",
+            "field 'seq_len' must be a whole number from 1 to 2097152, got -4",
+        ),
+        ("n_layers = 2\nd_model = 64\nn_heads = 3\n", "n_heads 3 does not divide d_model 64"),
+        ("n_layers = 2\nd_model = 64\nn_heads = 2\ncapacity_factor = nan\n", "field 'capacity_factor'"),
+        ("model = 3\n", "[model] must be a table"),
+    ],
+)
+def test_plan_shape_file_with_bad_fields_names_file_and_field(tmp_path, capsys, body, message):
+    shape = tmp_path / "shape.toml"
+    shape.write_text(body)
+    rc, _, err = cli(capsys, "plan", "--shape", shape, "--gpus", "8")
+    assert rc == 2 and f"{shape}: {message}" in err and "Traceback" not in err
+
+
+def test_plan_write_suite_refuses_a_folder_a_missing_folder_and_proc(tmp_path, capsys):
+    for target, message in [
+        (tmp_path, "it is a folder; name a .toml file to write"),
+        (tmp_path / "missing" / "s.toml", f"the folder {tmp_path / 'missing'} does not exist"),
+        (Path("/proc/parabench-suite.toml"), "cannot write in /proc"),
+    ]:
+        rc, _, err = cli(capsys, "plan", "--model", "gpt-350m", "--gpus", "8", "--write-suite", target)
+        assert rc == 2 and f"--write-suite {target}: {message}" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_plan_write_suite_keeps_an_existing_file_without_force_and_writes_a_hidden_name_that_loads(tmp_path, capsys):
+    from parabench.suite import load_suite
+
+    keep = tmp_path / "keep.toml"
+    keep.write_text("# mine\n")
+    rc, _, err = cli(capsys, "plan", "--model", "gpt-350m", "--gpus", "8", "--write-suite", keep)
+    assert rc == 2 and "the file exists; give --force to replace it" in err and keep.read_text() == "# mine\n"
+    rc, out, err = cli(capsys, "plan", "--model", "gpt-350m", "--gpus", "8", "--write-suite", keep, "--force")
+    assert rc == 0, err
+    assert load_suite(str(keep)).cases
+    hidden = tmp_path / ".hidden.toml"
+    rc, out, err = cli(capsys, "plan", "--model", "gpt-350m", "--gpus", "8", "--write-suite", hidden)
+    assert rc == 0, err
+    assert load_suite(str(hidden)).name == "hidden"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hidden.toml", "keep.toml"]  # no temporary file left
+
+
+# --- export: atomic, names the file ----------------------------------------------------------------
+
+
+def test_export_on_a_full_disk_keeps_the_earlier_file_and_names_the_target(tiny_tmpfs, capsys):
+    target = tiny_tmpfs / "e.csv"
+    target.write_text("an earlier export\n")
+    big_run = ROOT / "results" / "h100x2" / "20261126-180901"  # 73 launches: about 150 kB of CSV
+    rc, _, err = cli(capsys, "export", big_run, "--csv", target)
+    assert rc == 2 and f"cannot write {target}: No space left on device" in err
+    assert target.read_text() == "an earlier export\n"
+    assert sorted(p.name for p in tiny_tmpfs.iterdir()) == ["e.csv"]
+
+
+def test_export_into_a_folder_names_it(tmp_path, capsys):
+    rc, _, err = cli(capsys, "export", GPU_RUN, "--csv", tmp_path)
+    assert rc == 2 and f"cannot write {tmp_path}: it is a folder" in err
+
+
+def test_export_parquet_without_pyarrow_says_which_extra_to_install(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow then raises ImportError
+    rc, _, err = cli(capsys, "export", GPU_RUN, "--parquet", tmp_path / "e.parquet")
+    assert rc == 2 and "pip install 'parabench[parquet]'" in err and str(tmp_path / "e.parquet") in err
+    assert not any(tmp_path.iterdir())
+
+
+# --- redaction by value ----------------------------------------------------------------------------
+
+SECRET_VALUES = {
+    "MASTER_ADDR": ("tcp://trainer:p@ss/w0rd@10.0.0.1:29500", ["p@ss/w0rd", "ss/w0rd"]),
+    "TORCH_STORE_URL": ("Server=db;Database=x;Password=hunter2;", ["hunter2"]),
+    "NCCL_CONF": ("Host=h;password=Hunter3", ["Hunter3"]),
+    "TORCH_HEADER": ("Authorization: Bearer abc.def.ghi", ["abc.def.ghi"]),
+    "MASTER_BEARER_VALUE": ("Bearer tok-4444", ["tok-4444"]),
+    "NCCL_URL": ("https://store/x?token=t0k3n&user=u", ["t0k3n"]),
+    "TORCH_PEM": ("-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBg\n-----END PRIVATE KEY-----", ["MIIEvQIBADANBg"]),
+    "TORCH_RANDOM": ("ghp_A1b2C3d4E5f6G7h8I9j0KlMnOpQrStUv", ["A1b2C3d4E5f6G7h8I9j0KlMnOpQrStUv"]),
+}
+KEPT_VALUES = {
+    "NCCL_SOCKET_IFNAME": "eth0",
+    "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+    "PARABENCH_GIT_COMMIT": "1c18c66aa4f1e2b3c4d5e6f708192a3b4c5d6e7f",
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    "TORCH_HOME": "/usr/local/lib/python3.11/site-packages/torch/hub",
+    "MASTER_ADDR_PLAIN": "tcp://10.0.0.1:29500",
+}
+
+
+def test_credentials_under_allowlisted_names_are_redacted_by_value():
+    env = {k: v for k, (v, _) in SECRET_VALUES.items()} | KEPT_VALUES
+    recorded = recorded_env(env)
+    text = json.dumps(recorded)
+    for name, (_, secrets) in SECRET_VALUES.items():
+        assert name in recorded and REDACTED in recorded[name]
+        assert not any(s in text for s in secrets), name
+    assert {k: recorded[k] for k in KEPT_VALUES} == KEPT_VALUES
+
+
+def test_credentials_in_argv_are_redacted_by_value():
+    argv = [
+        "--rdzv-endpoint=tcp://u:p@ss/x@host:1",
+        "--header",
+        "Authorization: Bearer zzz-secret",
+        "--header2",
+        "Bearer",
+        "yyy-secret",
+        "--torchrun-arg=--rdzv-conf=store=Host=h;Password=hunter2",
+        "--model",
+        "gpt-350m",
+    ]
+    out = redact_argv(argv)
+    assert not any(s in " ".join(out) for s in ("p@ss", "ss/x", "zzz-secret", "yyy-secret", "hunter2"))
+    assert out[-2:] == ["--model", "gpt-350m"]
+
+
+def test_a_manifest_with_secret_values_reaches_no_report(tmp_path, capsys):
+    run = copy_run(tmp_path / "run")
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["env"] = {k: v for k, (v, _) in SECRET_VALUES.items()}
+    manifest["argv"] = ["parabench", "run", "--x=tcp://u:p@ss/x@host:1", "Authorization:", "Bearer", "qqq-secret"]
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    rc, _, err = cli(capsys, "report", run, "-o", tmp_path / "r.html")
+    assert rc == 0, err
+    html = (tmp_path / "r.html").read_text()
+    for _, secrets in SECRET_VALUES.values():
+        assert not any(s in html for s in secrets)
+    assert "qqq-secret" not in html and "p@ss" not in html
+
+
+# --- the small points ------------------------------------------------------------------------------
+
+
+def test_sigterm_and_sighup_exit_128_plus_the_signal():
+    from parabench.cli import _interrupted
+    from parabench.launch import Stopped
+
+    assert _interrupted(Stopped("SIGTERM")) == 143
+    assert _interrupted(Stopped("SIGHUP")) == 129
+    assert _interrupted(KeyboardInterrupt()) == 130
+
+
+def test_two_runners_in_the_same_second_get_folders_of_their_own(tmp_path):
+    import threading
+
+    from parabench.runner import reserve_run_dir
+
+    wanted = tmp_path / "suite" / "20261129-010101"
+    got: list[Path] = []
+    threads = [threading.Thread(target=lambda: got.append(reserve_run_dir(wanted))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(got)) == 8 and wanted in got and all(p.is_dir() for p in got)
+    assert sorted(p.name for p in got) == sorted([wanted.name] + [f"{wanted.name}-{k}" for k in range(2, 9)])
