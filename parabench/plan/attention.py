@@ -7,7 +7,7 @@ by ``scripts/sdpa_head_width.py`` on the device kind, fitted as
 per call of b sequences x h heads of width hd. t0 is the call's fixed cost in isolation (launches,
 a partial wave); R(hd, s) rises with the sequence towards R_inf(hd), since the causal diagonal tiles
 and each row tile's ramp weigh less at long sequences (H100: 162-296 TFLOP/s at 4 x 2048 tokens,
-263-386 at 4096, beside 450-700 for the block's GEMMs; docs/planner.md, "2026-11-28 morning").
+263-386 at 4096, beside 450-700 for the block's GEMMs; results/sdpa-head-width-h100x1).
 
 The step model prices attention FLOPs with ``flops_s`` (no t0: in a training step the call is one
 kernel among a block's, launched ahead of the device, and the per-layer fixed costs are the fitted

@@ -42,7 +42,7 @@ def host_key(w: "Workload") -> str:
 # Host-bound strategies whose host work is the same mechanism, for one without a calibrated record:
 # the zero-bubble engines' W runs one autograd call per parameter-owning module (or parameter group)
 # and micro-batch (ref.pp_zb version 1's backward_weight, torch's stage_backward_weight), and
-# torch.pp_zb's timelines show its W waiting on the host (docs/results.md, "2026-11-27, last").
+# torch.pp_zb's timelines show its W waiting on the host (results/collectives-h100x4/20261127-212327/NOTES.md).
 # (Their rows: ``PlanFacts.host_analogue``.)
 
 

@@ -92,7 +92,7 @@ def master_grad_buffer_bytes(w: Workload) -> float:
 # DeepSpeed ZeRO-1/2 without offload (runtime/zero/stage_1_and_2.py, ``step``): the rank's 16-bit
 # gradient partition is flattened into a new buffer and cast to an fp32 copy for the optimizer, while
 # the 16-bit parameters, the fp32 master partition, the Adam moments and the partition's gradients
-# are alive. Measured (docs/results.md, "2026-11-28, evening"): 12 bytes per parameter at 2 ranks
+# are alive. Measured (results/studies/plan-check-13b-h200x2/20261128-121653): 12 bytes per parameter at 2 ranks
 # (gpt-6.7b, 76.9 GiB) and 22 at one rank (gpt-2.7b, 57.0 GiB); ZeRO-1/2 at gpt-13b on 2x H200 ran
 # out of memory in that cast. (Their rows: ``PlanFacts.step_grad_copies``.)
 # DeepSpeed's default reduce_bucket_size (runtime/zero/config.py, 0.19.8), which sizes ZeRO-3's

@@ -15,9 +15,10 @@ from parabench.plan.terms.common import (
 )
 from parabench.plan.terms.compute import attention_per_block
 
-# Pipelines from this width on ran slower than predicted on both parts, more so the wider (docs/planner.md,
-# "2026-11-28, late": 8-15 % at widths 4096-5120, against a few percent at 2048). Part of it is the stages'
-# in-place weight-gradient adds, measured and not charged: the model that charges them ranks worse.
+# Pipelines from this width on ran slower than predicted on both parts, more so the wider
+# (results/studies/plan-check-13b-h200x4/20261128-143848/NOTES.md: 8-15 % at widths 4096-5120, against a
+# few percent at 2048). Part of it is the stages' in-place weight-gradient adds, measured and not charged:
+# the model that charges them ranks worse.
 WIDE_PIPELINE_WIDTH = 4096
 WIDE_PIPELINE_NOTE = (
     "pipeline at width {width}: at widths 4096-5120 the pipelines measured ran 8-15 % slower than predicted; "
