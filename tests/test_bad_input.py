@@ -997,3 +997,41 @@ def test_two_runners_in_the_same_second_get_folders_of_their_own(tmp_path):
         t.join()
     assert len(set(got)) == 8 and wanted in got and all(p.is_dir() for p in got)
     assert sorted(p.name for p in got) == sorted([wanted.name] + [f"{wanted.name}-{k}" for k in range(2, 9)])
+
+
+def test_a_start_up_kill_is_not_launched_again_and_a_timeout_reports_one_clock(tmp_path, capsys):
+    """A rank SIGKILLed in start-up (the out-of-memory killer's way) would be killed again: the
+    runner records it at once instead of relaunching. A timed-out case's message gives the time
+    the timeout was judged by: at least its timeout, never less."""
+    suite = write_suite(
+        tmp_path,
+        """
+        [suite]
+        name = "kills"
+        device = "cpu"
+        steps = 2
+        warmup = 0
+        [[matrix]]
+        model = "tiny"
+        strategy = "torch.ddp"
+        world_size = 2
+        timeout_s = 20
+        options = [
+          {inject_fault = {kind = "startup_kill", rank = 1, launches = 1}},
+          {inject_fault = {kind = "hang", rank = 1, step = 1}},
+        ]
+        """,
+    )
+    rc, out, err = cli(
+        capsys, "run", "suite", suite, "--out", tmp_path / "res", "--run-id", "r", "--no-report", "--no-batch"
+    )
+    assert rc == 1, out + err
+    assert "died in start-up" not in out
+    _, records = load_run(tmp_path / "res" / "kills" / "r")
+    by_kind = {r["case"]["options"]["inject_fault"]["kind"]: r for r in records}
+    killed = by_kind["startup_kill"]
+    assert killed["status"] in ("oom", "crashed") and "SIGKILL" in killed["error"]["message"]
+    assert "relaunched_after_startup_crash" not in killed["launch"]
+    hang = by_kind["hang"]["error"]["message"]
+    waited = float(hang.split("no result after ")[1].split(" s")[0])
+    assert hang.startswith("no result after") and "(timeout 20 s)" in hang and 20 <= waited < 23, hang
