@@ -35,6 +35,8 @@ TORCH_FREE = (
     "parabench.families.expert",
     "parabench.families.model_parallel",
     "parabench.families.sharded",
+    "parabench.collectives_config",
+    "parabench.version",
 )
 
 
