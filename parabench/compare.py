@@ -19,12 +19,17 @@ dropped silently. Every compared metric has a direction and a decision rule (asv
             The smallest p that n and m launches can give is 1 / C(n+m, n): 0.05 for 3 vs 3
             (every candidate launch slower than every baseline launch), 0.014 for 4 vs 4, 0.004
             for 5 vs 5; 0.17 for 2 vs 2 and 0.5 for 1 vs 1. When that smallest p is above
-            ``alpha`` the test cannot speak, and a change beyond the threshold is reported as
-            ``unjudged`` ("not enough repeats to judge"), never as a regression: single-launch
-            runs (every run made before repeats existed) are unjudged. An unjudged metric does
-            not fail the gate unless ``--fail-unjudged`` is given (for a CI job that must not
-            pass because someone ran with repeats = 1). A change within the threshold is
-            ``same`` whatever the repeats: the gate would not call it a regression anyway.
+            ``alpha`` the test cannot speak, and the noise model judges a change beyond the
+            threshold (``parabench.noise.judge``; docs/gate.md): where both sides are GPU-bound,
+            a change beyond the implementation's measured launch-to-launch spread (its 95th
+            percentile, at least the 4 % that runs moved between each other) is a regression,
+            one within it ``noise``; otherwise, or without a model (``--no-noise-model``, a CPU
+            run), the change is ``unjudged``, never a regression. Cross-validated on the
+            committed runs (one launch a side, each run left out in turn): no false alarm in
+            974 same-code launch pairs, a 10 % slowdown of a GPU-bound case caught in 296 of
+            296. An unjudged metric does not fail the gate unless ``--fail-unjudged`` is given
+            (for a CI job that must not pass because someone ran with repeats = 1). A change
+            within the threshold is ``same`` whatever the repeats.
 
             False-alarm rate (identical code, simulated with lognormal launch noise of the
             given coefficient of variation, 3 launches per side, the defaults; see
@@ -41,10 +46,16 @@ dropped silently. Every compared metric has a direction and a decision rule (asv
             lands below 5 % half of the time.
             The derived throughput figures are monotone in the launch's median step time, so
             they rank launches alike and share its verdict.
-``exact``   model-state bytes, the peak of the bytes tensors requested from the CUDA allocator
-            (``peak_requested_bytes``) and communication payload bytes (rank 0's instrumented
-            step, total and per kind): deterministic for a given code path, so ANY growth is a
-            regression and any shrink is reported.
+``exact``   model-state bytes (the largest rank's and every rank's), the peak of the bytes tensors
+            requested from the CUDA allocator (``peak_requested_bytes``) and communication payload
+            bytes (rank 0's instrumented step, total and per kind; every other rank's total):
+            deterministic for a given code path, so ANY growth is a regression and any shrink is
+            reported (with ``exact_only``, the CPU smoke gate, a ``mismatch`` that fails).
+``loss``    the loss series of every step, held to ``LOSS_TOLERANCE`` of the device type: exact
+            on CPU (same CPU model and torch build), 5 % on CUDA. Beyond it: ``mismatch``.
+``valid``   a candidate figure no ok launch can have measured (a timing that is NaN, infinite,
+            zero, negative or beyond the float range; a NaN, infinite or negative loss): a
+            regression naming the metric, whatever the launch count (``impossible_values``).
 ``slack``   the CUDA allocator's block peak (``peak_alloc_bytes``): it counts whole blocks, and
             which cached block a tensor lands in depends on what ran before in the process, so the
             same code measured 2026-11-26 on H100 moved by up to 18.6 MiB between launches (and ref
