@@ -82,8 +82,13 @@ TIMING = {"tokens_per_s": +1, "tokens_per_s_per_device": +1, "step_time_s_median
 # --- regime ---------------------------------------------------------------------------------------
 
 
+def _part(record: dict, key: str) -> dict:
+    v = record.get(key)
+    return v if isinstance(v, dict) else {}
+
+
 def implementation(record: dict) -> str:
-    case = record.get("case") or {}
+    case = _part(record, "case")
     options = case.get("options") if isinstance(case.get("options"), dict) else {}
     profile = options.get("profile")
     return f"{case.get('strategy')}" + (f":{profile}" if isinstance(profile, str) and profile else "")
@@ -104,10 +109,9 @@ def regime(record: dict) -> dict:
         bound = "unknown"
     else:
         bound = "gpu" if min(utils) >= GPU_BOUND_UTIL_PCT else "host"
-    params = finite(((record.get("model") or {}).get("params") or {}).get("total"))
-    size = next(name for edge, name in SIZES if params is None or params < edge) if params else "unknown"
-    case = record.get("case") or {}
-    return {"bound": bound, "size": size, "gpus": case.get("world_size")}
+    params = finite(_part(_part(record, "model"), "params").get("total"))
+    size = next(name for edge, name in SIZES if params < edge) if params else "unknown"
+    return {"bound": bound, "size": size, "gpus": _part(record, "case").get("world_size")}
 
 
 def keys(impl: str, reg: dict) -> list[tuple[str, str]]:
@@ -128,7 +132,7 @@ def pair_spreads(record: dict) -> list[float]:
 
 
 def is_modelled(record: dict) -> bool:
-    return (record.get("device") or {}).get("type") == "cuda" and record.get("status") == "ok"
+    return _part(record, "device").get("type") == "cuda" and record.get("status") == "ok"
 
 
 # --- the model --------------------------------------------------------------------------------------
@@ -259,9 +263,9 @@ def judge(model: dict | None, base: dict, cand: dict, metric: str, direction: in
     the model says nothing (no model, another device, not CUDA)."""
     if not model or not is_modelled(base) or not is_modelled(cand):
         return None
-    if (base.get("device") or {}).get("name") != (cand.get("device") or {}).get("name"):
+    if _part(base, "device").get("name") != _part(cand, "device").get("name"):
         return None
-    bv, cv = finite((base.get("metrics") or {}).get(metric)), finite((cand.get("metrics") or {}).get(metric))
+    bv, cv = finite(_part(base, "metrics").get(metric)), finite(_part(cand, "metrics").get(metric))
     if bv is None or cv is None or bv <= 0 or cv <= 0:
         return None
     spread = max(bv / cv, cv / bv) - 1
