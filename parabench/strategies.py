@@ -224,8 +224,8 @@ class PlanFacts:
 
     # "data_parallel" | "sharded" | "model_parallel": whose terms price it; None: not modelled
     family: str | None = None
-    # The planner's search proposes it in these groups ("data_parallel", "offload", "tensor",
-    # "pipeline", "tensor_pipeline"), in ``search_order`` within a group.
+    # The planner's search proposes it in these groups ("one_gpu", "data_parallel", "offload",
+    # "tensor", "pipeline", "tensor_pipeline"), in ``search_order`` within a group.
     search: tuple[str, ...] = ()
     search_order: int = 0
     # Gradient synchronisation as it overlaps backward: "all_reduce" (bucketed, from the gradient
