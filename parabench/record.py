@@ -337,7 +337,10 @@ CASE_FIELDS = {
     "repeat": ((_INT,), False),
     "scaling": ((_LIST, _STR), False),
 }
-CASE_REQUIRED = ("model", "strategy", "world_size")
+CASE_REQUIRED = ("model", "strategy", "world_size", "precision", "micro_batch", "grad_accum", "steps")
+# what every record of this parabench has trained in (strategies.DP_PRECISIONS, recipes.RECIPES)
+PRECISIONS = ("fp32", "bf16", "fp16")
+MODEL_CONFIG_REQUIRED = ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len")
 TOP_FIELDS = {
     "label": ((_STR,), False),
     "strategy_version": ((_STR,), True),
@@ -485,6 +488,21 @@ def validate_record(rec) -> list[str]:
     for key in ("repeat", "warmup"):
         if key in case and case[key] < 0:
             raise RecordProblem(f"case.{key}", f"must not be negative, found {case[key]}")
+    if case["precision"] not in PRECISIONS:
+        raise RecordProblem(
+            "case.precision", f"expected one of {', '.join(PRECISIONS)}, found {_show(case['precision'])}"
+        )
+    from parabench.recipes import RECIPES
+
+    if case.get("recipe") is not None and case["recipe"] not in RECIPES:
+        raise RecordProblem(
+            "case.recipe", f"expected one of {', '.join(RECIPES)} or null, found {_show(case['recipe'])}"
+        )
+    config = (rec.get("model") or {}).get("config") if isinstance(rec.get("model"), dict) else None
+    if isinstance(config, dict) and config:
+        for key in MODEL_CONFIG_REQUIRED:
+            if key not in config:
+                raise RecordProblem(f"model.config.{key}", "missing")
     for section, spec in NESTED_FIELDS.items():
         if isinstance(rec.get(section), dict):
             _check_fields(rec[section], spec, f"{section}.")
@@ -515,4 +533,145 @@ def validate_record(rec) -> list[str]:
     for i, c in enumerate(rec.get("caveats") or []):
         if not isinstance(c, str):
             raise RecordProblem(f"caveats[{i}]", f"expected a sentence, found {_show(c)}")
+    for key, shape in RECORD_SHAPES.items():
+        if key in rec:
+            _check_shape(rec[key], shape, key)
+    _check_options(case)
     return notices
+
+
+# The nested parts readers index into, as shapes: a type name, {key: shape} ("*": any key), a list
+# ("list", shape) or several shapes a value may take; None is allowed everywhere (older records
+# leave parts out). Checked so that a report, an export or the gate never meets a string where it
+# does arithmetic, or a list where it calls .get.
+_BYTES = ["num", ("list", "num")]
+_POSITIVE_INT = "positive int"
+_COMM_CHECK = {"expected_bytes": _BYTES, "measured_bytes": _BYTES, "ratio": "num", "ok": "bool"}
+RECORD_SHAPES: dict[str, Any] = {
+    "per_rank": (
+        "list",
+        {
+            "coords": {"*": "int"},
+            "comm": {
+                "payload_bytes": "num",
+                "wire_bytes": "num",
+                "by_kind": {
+                    "*": {"calls": "num", "payload_bytes": "num", "wire_bytes": "num", "dtypes": ("list", "any")}
+                },
+            },
+            "memory": {"*": ["num", "str", "bool"]},
+            "state_bytes": {"*": "num"},
+            "telemetry": "dict",
+            "pipeline": "dict",
+            "step_times_s": ("list", "num"),
+            "losses": ("list", "num"),
+        },
+    ),
+    "model": {
+        "name": "str",
+        "params": {"total": "num", "*": ["num", "dict", "str", "bool"]},
+        "flops_per_token": "num",
+        "hw_flops_per_token": "num",
+        "config": {
+            "n_layers": _POSITIVE_INT,
+            "d_model": _POSITIVE_INT,
+            "n_heads": _POSITIVE_INT,
+            "vocab_size": _POSITIVE_INT,
+            "seq_len": _POSITIVE_INT,
+            "mlp_ratio": _POSITIVE_INT,
+            "n_experts": "int",
+            "top_k": _POSITIVE_INT,
+            "moe_every": _POSITIVE_INT,
+        },
+    },
+    "theory": {
+        "state_bytes": [{"*": _BYTES}, ("list", {"*": _BYTES})],
+        "paper_state_bytes": _BYTES,
+        "comm_payload_bytes": {"*": _BYTES},
+        "comm_payload_bytes_per_rank": ("list", {"*": _BYTES}),
+        "pipeline": "dict",
+    },
+    "checks": {
+        "ok": "bool",
+        "comm_ok": "bool",
+        "state_ok": "bool",
+        "allowance": "num",
+        "comm": {"*": _COMM_CHECK},
+        "comm_per_rank": ("list", {"*": _COMM_CHECK}),
+        "state": ("list", {"*": {"expected_bytes": _BYTES, "measured_bytes": _BYTES, "ratio": "num", "ok": "bool"}}),
+    },
+    "topology": {"*": "int"},
+    "loss_scale": ("list", "dict"),
+    "launch": "dict",
+}
+_SCALARS = {"num": is_number, "int": lambda v: isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _shape_ok(value, shape, where: str) -> bool:
+    """Whether ``value`` has ``shape``; raises RecordProblem from inside a matching container."""
+    if value is None or shape == "any":
+        return True
+    if isinstance(shape, list):
+        return any(_shape_ok(value, s, where) for s in shape if _matches_outer(value, s))
+    if isinstance(shape, tuple):
+        if not isinstance(value, list):
+            return False
+        for i, v in enumerate(value):
+            _check_shape(v, shape[1], f"{where}[{i}]")
+        return True
+    if isinstance(shape, dict):
+        if not isinstance(value, dict):
+            return False
+        for k, v in value.items():
+            sub = shape.get(k, shape.get("*"))
+            if sub is not None:
+                _check_shape(v, sub, f"{where}.{k}")
+        return True
+    if shape == _POSITIVE_INT:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    if shape in _SCALARS:
+        return _SCALARS[shape](value)
+    return isinstance(value, {"str": str, "bool": bool, "dict": dict, "list": list}[shape])
+
+
+def _matches_outer(value, shape) -> bool:
+    """Whether ``value`` is the kind of thing ``shape`` describes at its top (list, dict or scalar)."""
+    if isinstance(shape, tuple):
+        return isinstance(value, list)
+    if isinstance(shape, dict):
+        return isinstance(value, dict)
+    return True
+
+
+def _check_shape(value, shape, where: str) -> None:
+    if not _shape_ok(value, shape, where):
+        raise RecordProblem(where, f"expected {_shape_name(shape)}, found {_show(value)}")
+
+
+def _shape_name(shape) -> str:
+    if isinstance(shape, list):
+        return " or ".join(_shape_name(s) for s in shape)
+    if isinstance(shape, tuple):
+        return "a list"
+    if isinstance(shape, dict):
+        return "an object"
+    return {"num": "a number", "int": "an int", _POSITIVE_INT: "an int >= 1"}.get(shape, shape)
+
+
+def _check_options(case: dict) -> None:
+    """The case's options as its strategy reads them (types, ranges, finite numbers), where this
+    parabench knows the strategy; a record of a strategy it no longer has keeps its options."""
+    options = case.get("options")
+    if not options:
+        return
+    try:
+        from parabench.registry import STRATEGIES
+    except ImportError:
+        return
+    spec = STRATEGIES.get(case["strategy"])
+    if spec is None:
+        return
+    try:
+        spec.options.parse(options, case["strategy"])
+    except (TypeError, ValueError) as exc:
+        raise RecordProblem("case.options", str(exc)) from None
