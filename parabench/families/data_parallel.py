@@ -1,6 +1,6 @@
 """Plain data parallelism: the single-process ground truth, torch DDP, the reference DDP and the
-parameter server (``reference_impls/data_parallel.py``), and the pieces every reference
-data-parallel builder shares (loss scaler, model, learning-rate spike)."""
+parameter server (``reference_impls/data_parallel.py``), and the options every data-parallel
+family extends (loss scaling, buckets, fp8 filter; their builders share ``parabench.builders.data_parallel``)."""
 
 from __future__ import annotations
 
