@@ -488,6 +488,12 @@ def validate_record(rec) -> list[str]:
     for key in ("repeat", "warmup"):
         if key in case and case[key] < 0:
             raise RecordProblem(f"case.{key}", f"must not be negative, found {case[key]}")
+    from parabench.suite import check_field_maximum
+
+    for key, value in case.items():
+        too_big = check_field_maximum(key, value)  # what a suite may hold, a record may hold
+        if too_big:
+            raise RecordProblem(f"case.{key}", too_big)
     if case["precision"] not in PRECISIONS:
         raise RecordProblem(
             "case.precision", f"expected one of {', '.join(PRECISIONS)}, found {_show(case['precision'])}"
@@ -501,7 +507,7 @@ def validate_record(rec) -> list[str]:
     config = (rec.get("model") or {}).get("config") if isinstance(rec.get("model"), dict) else None
     if isinstance(config, dict) and config:
         for key in MODEL_CONFIG_REQUIRED:
-            if key not in config:
+            if config.get(key) is None:
                 raise RecordProblem(f"model.config.{key}", "missing")
     for section, spec in NESTED_FIELDS.items():
         if isinstance(rec.get(section), dict):
@@ -533,6 +539,7 @@ def validate_record(rec) -> list[str]:
     for i, c in enumerate(rec.get("caveats") or []):
         if not isinstance(c, str):
             raise RecordProblem(f"caveats[{i}]", f"expected a sentence, found {_show(c)}")
+    _check_numbers(rec)
     for key, shape in RECORD_SHAPES.items():
         if key in rec:
             _check_shape(rec[key], shape, key)
@@ -627,11 +634,37 @@ def _shape_ok(value, shape, where: str) -> bool:
             if sub is not None:
                 _check_shape(v, sub, f"{where}.{k}")
         return True
-    if shape == _POSITIVE_INT:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    if shape == _POSITIVE_INT:  # a model dimension: up to 2**31, whatever model was measured
+        return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 2**31
     if shape in _SCALARS:
         return _SCALARS[shape](value)
     return isinstance(value, {"str": str, "bool": bool, "dict": dict, "list": list}[shape])
+
+
+# No count, size or byte figure of a training run comes near 2**63; a larger int is no measurement,
+# and arithmetic on it ends in a float overflow somewhere downstream.
+MAX_RECORD_INT = 2**63
+# The sections whose numbers are what a launch measured: a NaN or inf there is an outcome (a loss
+# that diverged) that readers show and the gate fails, not a damaged file.
+MEASURED_SECTIONS = ("metrics", "per_rank", "loss_scale")
+
+
+def _check_numbers(rec: dict) -> None:
+    """Every int within MAX_RECORD_INT; outside the measured sections, every float finite and within it too."""
+    stack = [(v, k) for k, v in rec.items()]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, dict):
+            stack += [(v, f"{where}.{k}") for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) >= MAX_RECORD_INT:
+            raise RecordProblem(where, f"{value:.3g} is beyond any count or byte figure (2**63)")
+        elif isinstance(value, float) and not where.startswith(MEASURED_SECTIONS):
+            if not math.isfinite(value):
+                raise RecordProblem(where, f"not a finite number ({value})")
+            if abs(value) >= MAX_RECORD_INT:
+                raise RecordProblem(where, f"{value:.3g} is beyond any count or byte figure (2**63)")
 
 
 def _matches_outer(value, shape) -> bool:
@@ -655,7 +688,7 @@ def _shape_name(shape) -> str:
         return "a list"
     if isinstance(shape, dict):
         return "an object"
-    return {"num": "a number", "int": "an int", _POSITIVE_INT: "an int >= 1"}.get(shape, shape)
+    return {"num": "a number", "int": "an int", _POSITIVE_INT: "an int from 1 to 2**31"}.get(shape, shape)
 
 
 def _check_options(case: dict) -> None:

@@ -438,6 +438,14 @@ def load_manifest(path: str | os.PathLike) -> dict:
         v = manifest.get(key)
         if v is not None and (not isinstance(v, kind) or isinstance(v, bool)):
             raise SchemaError(f"{path}: field {key!r}: expected {kind.__name__}, found {type(v).__name__}")
+    for key in ("devices",):
+        for i, item in enumerate(manifest.get(key) or []):
+            if not isinstance(item, dict):
+                raise SchemaError(f"{path}: field '{key}[{i}]': expected an object, found {type(item).__name__}")
+    for key in ("git", "versions", "host"):  # read as "name: value" lines
+        for k, v in (manifest.get(key) or {}).items():
+            if isinstance(v, (dict, list)) and key != "host":
+                raise SchemaError(f"{path}: field '{key}.{k}': expected a value, found {type(v).__name__}")
     # A manifest written before values were scrubbed, or by hand, must not carry a credential into a report
     if isinstance(manifest.get("env"), dict):
         manifest["env"] = {
