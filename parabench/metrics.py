@@ -19,6 +19,9 @@ Names carry their units. Conventions:
   the ranks' main threads' context switches forced by other threads or processes, per step, and their
   CPU seconds over the wall seconds (``parabench.meters.host.cpu_use``), the largest rank's; None
   in records made before they were measured, and on platforms without per-thread accounting.
+- ``host_foreign_cpu_share_max`` and ``host_load_average_max``: the CPUs other processes kept busy
+  during the timed steps and the load average after them (:func:`foreign_load`), so a slow or
+  scattered launch on a shared host can be told from a slow strategy.
 - ``host_gc_pause_s_per_step_max`` and ``host_gc_full_collections_max``: over the timed steps, the
   seconds per step a rank's process spent in Python's garbage collector and its full (generation 2)
   collections (``parabench.meters.host.GcPauses``), the largest rank's; None in records made before
@@ -122,6 +125,7 @@ def summarize(case, raw: dict) -> dict:
             per_rank, "host_cpu", lambda c: c["involuntary_switches_per_step"]
         ),
         "host_thread_cpu_share_max": largest_rank(per_rank, "host_cpu", lambda c: c["thread_cpu_share"]),
+        **foreign_load(per_rank),
         "host_gc_pause_s_per_step_max": largest_rank(per_rank, "host_gc", lambda g: g["pause_s_per_step"]),
         "host_gc_full_collections_max": largest_rank(per_rank, "host_gc", lambda g: g["collections_by_generation"][2]),
         "loss_scale": loss_scale_summary(raw.get("loss_scale")),
@@ -137,6 +141,22 @@ def first_step_summary(case, per_rank: list[dict], median_step_s: float) -> dict
     first = max(firsts) if firsts and all(f is not None for f in firsts) else None
     compiled = bool(case.options.get("compile")) and first is not None
     return {"first_step_s_max": first, "compile_s": first - median_step_s if compiled else None}
+
+
+def foreign_load(per_rank: list[dict]) -> dict:
+    """``host_foreign_cpu_share_max``: the CPUs that processes other than this launch's ranks kept
+    busy during the timed steps, the largest over ranks: a rank's ``other_cpu_share`` (the host's
+    busy CPU time not its own, ``parabench.meters.host``) less the other ranks' own CPU use, which on
+    one host is part of it. ``host_load_average_max``: the largest 1-minute load average read at the
+    end of the timed steps. None for records made before the host's busy time was read. Ranks on
+    other nodes are subtracted too, so on several nodes the figure errs low, never high."""
+    cpu = [r.get("host_cpu") or {} for r in per_rank]
+    if not cpu or any(c.get("other_cpu_share") is None for c in cpu):
+        return {"host_foreign_cpu_share_max": None, "host_load_average_max": None}
+    total_own = sum(c["process_cpu_share"] for c in cpu)
+    foreign = max(max(0.0, c["other_cpu_share"] - (total_own - c["process_cpu_share"])) for c in cpu)
+    loads = [c["load_average"][1][0] for c in cpu if (c.get("load_average") or [None, None])[1]]
+    return {"host_foreign_cpu_share_max": foreign, "host_load_average_max": max(loads) if loads else None}
 
 
 def host_dispatch_max(per_rank: list[dict]) -> float | None:

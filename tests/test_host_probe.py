@@ -81,6 +81,8 @@ def test_every_rank_records_its_host_before_and_after_the_timed_steps():
     cpu = [r["host_cpu"] for r in record["per_rank"]]
     assert all(c["wall_s"] > 0 and 0 <= c["thread_cpu_share"] <= 1.5 for c in cpu)
     assert record["metrics"]["host_thread_cpu_share_max"] == max(c["thread_cpu_share"] for c in cpu)
+    assert record["metrics"]["host_foreign_cpu_share_max"] is not None
+    assert record["per_rank"][0]["host_process"]["cpus_allowed"] >= 1
     assert record["metrics"]["host_involuntary_switches_per_step_max"] == max(
         c["involuntary_switches_per_step"] for c in cpu
     )
@@ -170,3 +172,63 @@ def test_a_record_warns_when_garbage_collection_took_a_share_of_the_steps():
     assert "python_gc" in note
     assert gc_caveat({**metrics, "host_gc_pause_s_per_step_max": 0.0004}, ranks) is None  # 0.2 % of the step
     assert gc_caveat({"step_time_s_median": 0.2}, ranks) is None  # records made before the meter
+
+
+def test_busiest_threads_name_the_thread_that_took_the_cpu():
+    """A host-bound step whose process uses one CPU while its main thread uses half has a second
+    thread taking the rest (DeepSpeed's hooks on the autograd thread); the meter names it."""
+    import threading
+
+    spun, release = threading.Event(), threading.Event()
+
+    def spin():
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        spun.set()
+        release.wait()  # alive at the second snapshot: /proc lists live threads only
+
+    before = host.thread_cpu_s()
+    t0 = time.perf_counter()
+    worker = threading.Thread(target=spin, name="spinner")
+    worker.start()
+    spun.wait()
+    wall = time.perf_counter() - t0
+    rows = host.busiest_threads(before, host.thread_cpu_s(), wall)
+    release.set()
+    worker.join()
+    spinner = [r for r in rows if r["thread"] == "spinner"]
+    # its 0.3 CPU seconds, in /proc's 10 ms ticks; the wall time stretches on a busy machine
+    assert spinner and spinner[0]["cpu_share"] * wall >= 0.27, rows
+    assert rows == sorted(rows, key=lambda r: -r["cpu_share"])
+
+
+def test_foreign_load_leaves_the_launchs_own_ranks_out():
+    from parabench.metrics import foreign_load
+    from parabench.report.html import _shared_host_notes
+
+    def rank(own, other):
+        return {
+            "host_cpu": {"process_cpu_share": own, "other_cpu_share": other, "load_average": [[1, 1, 1], [3.5, 2, 1]]}
+        }
+
+    # two ranks that each see the other as the host's other work: nothing foreign
+    alone = foreign_load([rank(1.0, 1.0), rank(1.0, 1.0)])
+    assert alone["host_foreign_cpu_share_max"] == 0.0 and alone["host_load_average_max"] == 3.5
+    # 1.5 CPUs of something else on top
+    busy = foreign_load([rank(1.0, 2.5), rank(1.0, 2.4)])
+    assert abs(busy["host_foreign_cpu_share_max"] - 1.5) < 1e-9
+    assert foreign_load([{"host_cpu": None}]) == {"host_foreign_cpu_share_max": None, "host_load_average_max": None}
+    # the report turns a busy host into a caveat, a quiet one into none
+    note = _shared_host_notes({"metrics": {"host_foreign_cpu_share_max": 1.5, "host_load_average_max": 3.5}})
+    assert note and "1.5 CPUs" in note[0] and "load average 3.5" in note[0]
+    assert _shared_host_notes({"metrics": {"host_foreign_cpu_share_max": 0.2}}) == []
+
+
+def test_process_facts_name_the_cpus_and_thread_pools():
+    import os
+
+    facts = host.process_facts()
+    assert facts["cpus_allowed"] == len(os.sched_getaffinity(0))
+    assert facts["torch_threads"] == torch.get_num_threads() and facts["host_cpus"] == os.cpu_count()
+    assert host._ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"

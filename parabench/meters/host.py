@@ -20,6 +20,16 @@ CPU share reads 1 both for a thread that issues work all along and for one that 
 device (CUDA's default wait spins while the process has a CPU to itself), so it tells a host that
 blocked (well below 1) from one that did not, and no more.
 
+``cpu_times`` also reads the whole host's busy CPU time (/proc/stat) and load average, so
+``cpu_use`` gives ``other_cpu_share``, the CPUs kept busy by anything but this process, which
+``parabench.metrics.foreign_load`` turns into what processes outside the launch took.
+``thread_cpu_s`` and ``busiest_threads`` split the process's CPU by thread. On one H200, every
+launch of DeepSpeed ZeRO-3 and FSDP2 at gpt-350m kept exactly one CPU busy, its main thread and the
+autograd engine's device thread taking turns: such a step lasts as long as one core takes to run
+the library's Python, and moves with that core's speed
+(results/studies/launch-spread-h200x1/NOTES.md). ``process_facts`` names the CPUs a rank may use
+and its thread pools.
+
 ``GcPauses`` counts Python's garbage collections over the timed steps, by generation, with the time
 each took (a ``gc.callbacks`` hook: two clock reads per collection, none otherwise). A full
 collection walks every live Python object, compiled graphs' included, and the other ranks wait for

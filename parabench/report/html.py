@@ -376,6 +376,23 @@ def _env_summary(manifests: list[dict]) -> dict:
     return {"rows": rows}
 
 
+# Other processes keeping at least this many CPUs busy during a case's timed steps earn it a caveat.
+SHARED_HOST_CPUS = 0.5
+
+
+def _shared_host_notes(record: dict) -> list[str]:
+    m = record.get("metrics") or {}
+    foreign = m.get("host_foreign_cpu_share_max")
+    if not isinstance(foreign, (int, float)) or foreign < SHARED_HOST_CPUS:
+        return []
+    load = m.get("host_load_average_max")
+    return [
+        f"other processes kept {foreign:.1f} CPUs busy during the timed steps"
+        + (f" (load average {load:.1f})" if isinstance(load, (int, float)) else "")
+        + ": its timings describe a shared host, not only the strategy"
+    ]
+
+
 def render_report(
     run_dirs: list[Path],
     *,
@@ -405,7 +422,7 @@ def render_report(
         {"run": f"{m.get('suite')}/{m.get('run_id')}", "label": r.get("label", ""), "caveat": text}
         for m, records in runs
         for r in records
-        for text in (r.get("caveats") or [])
+        for text in (r.get("caveats") or []) + _shared_host_notes(r)
     ]
     if caveats:
         tables.append(
