@@ -166,6 +166,21 @@ def test_deepspeed_script_config_is_the_documented_one(standalone):
     assert result["config"]["optimizer"] == "torch.optim.adamw.AdamW"  # FusedAdam is CUDA's
 
 
+def test_deepspeed_script_tuned_profile_turns_off_the_timer_and_overflow_check():
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ds_script", SCRIPTS_DIR / "deepspeed_zero.py")
+    ds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ds)
+    args = argparse.Namespace(micro_batch=2, lr=1e-3, precision="bf16", stage=3, profile="tuned")
+    tuned = ds.ds_config(args, cuda=True)
+    assert tuned["timers"] == {"throughput": {"enabled": False}}
+    assert tuned["bf16"] == {"enabled": True, "check_grad_overflow": False}
+    defaults = ds.ds_config(argparse.Namespace(**{**vars(args), "profile": "defaults"}), cuda=True)
+    assert "timers" not in defaults and defaults["bf16"] == {"enabled": True}
+
+
 def test_plan_names_why_a_case_has_no_script_run():
     def record(**case):
         base = dict(strategy="torch.ddp", model="tiny", world_size=2, precision="bf16", micro_batch=2,
@@ -177,6 +192,12 @@ def test_plan_names_why_a_case_has_no_script_run():
     assert "--recipe=master" in plan(record(strategy="torch.fsdp2"))[0]
     assert "--recipe=master" in plan(record(recipe="bf16-master"))[0]
     assert "--stage" in plan(record(strategy="deepspeed.zero2"))[0]
+    # the tuned adapter meets the script with the same documented keys; matched meets the defaults
+    assert "--profile=tuned" in plan(record(strategy="deepspeed.zero3", options={"profile": "tuned"}))[0]
+    assert not any(
+        "--profile" in a for a in plan(record(strategy="deepspeed.zero3", options={"profile": "matched"}))[0]
+    )
+    assert not any("--profile" in a for a in plan(record(strategy="torch.fsdp2", options={"profile": "tuned"}))[0])
     assert "gradient accumulation" in plan(record(grad_accum=2))[1]
     assert "activation_checkpointing" in plan(record(options={"activation_checkpointing": True}))[1]
     assert "no recipe 'amp'" in plan(record(strategy="deepspeed.zero3", recipe="amp"))[1]

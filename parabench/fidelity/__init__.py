@@ -40,15 +40,18 @@ class PeerScript:
     recipes: tuple[str, ...]  # the bf16 recipes the script runs
     extra_args: tuple[str, ...] = ()
     options: tuple[str, ...] = ()  # case options the script takes (beyond NEUTRAL_OPTIONS)
+    # the script takes --profile tuned: the adapter's tuned profile is then checked against the same
+    # documented keys in the library's own loop, not against the library's defaults
+    tuned_profile: bool = False
 
 
 PEER_SCRIPTS: dict[str, PeerScript] = {
     "torch.ddp": PeerScript("torch_ddp.py", ("amp", "master")),
     "torch.fsdp2": PeerScript("torch_fsdp2.py", ("amp", "master"), options=("compile",)),
     "torch.tp": PeerScript("torch_tp.py", ("amp", "master")),
-    "deepspeed.zero1": PeerScript("deepspeed_zero.py", ("master",), ("--stage", "1")),
-    "deepspeed.zero2": PeerScript("deepspeed_zero.py", ("master",), ("--stage", "2")),
-    "deepspeed.zero3": PeerScript("deepspeed_zero.py", ("master",), ("--stage", "3")),
+    "deepspeed.zero1": PeerScript("deepspeed_zero.py", ("master",), ("--stage", "1"), tuned_profile=True),
+    "deepspeed.zero2": PeerScript("deepspeed_zero.py", ("master",), ("--stage", "2"), tuned_profile=True),
+    "deepspeed.zero3": PeerScript("deepspeed_zero.py", ("master",), ("--stage", "3"), tuned_profile=True),
     **{
         f"torch.pp_{schedule}": PeerScript(
             "torch_pipeline.py", ("amp", "master"), ("--schedule", schedule), PIPELINE_OPTIONS
@@ -137,6 +140,8 @@ def plan(record: dict) -> tuple[list[str] | None, str | None]:
     ]
     if recipe is not None:
         args.append(f"--recipe={recipe}")
+    if peer.tuned_profile and options.get("profile") == "tuned":
+        args.append("--profile=tuned")
     if options.get("compile"):  # a script that takes it (peer.options), or the case was refused above
         args.append("--compile")
     args += pipeline_args

@@ -53,7 +53,10 @@ def ds_config(args, cuda: bool) -> dict:
                 "torch_adam": not cuda,
             },
         },
-        "bf16": {"enabled": args.precision == "bf16"},
+        "bf16": {
+            "enabled": args.precision == "bf16",
+            **({"check_grad_overflow": False} if args.profile == "tuned" and args.precision == "bf16" else {}),
+        },
         "zero_optimization": {"stage": args.stage, "overlap_comm": True, "contiguous_gradients": True},
         "steps_per_print": 10**9,
         **(TUNED_KEYS if args.profile == "tuned" else {}),
@@ -76,8 +79,6 @@ def main():
     device = _gpt.init(args)
     model = _gpt.build_gpt(args, device)
     config = ds_config(args, cuda)
-    if args.profile == "tuned" and args.precision == "bf16":
-        config["bf16"]["check_grad_overflow"] = False
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     def step(x, y):
