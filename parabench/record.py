@@ -338,7 +338,7 @@ CASE_FIELDS = {
     "scaling": ((_LIST, _STR), False),
 }
 CASE_REQUIRED = ("model", "strategy", "world_size", "precision", "micro_batch", "grad_accum", "steps")
-# what every record of this parabench has trained in (strategies.DP_PRECISIONS, recipes.RECIPES)
+# what every record of this parabench has trained in (strategies.DP_PRECISIONS)
 PRECISIONS = ("fp32", "bf16", "fp16")
 MODEL_CONFIG_REQUIRED = ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len")
 TOP_FIELDS = {
@@ -498,12 +498,6 @@ def validate_record(rec) -> list[str]:
         raise RecordProblem(
             "case.precision", f"expected one of {', '.join(PRECISIONS)}, found {_show(case['precision'])}"
         )
-    from parabench.recipes import RECIPES
-
-    if case.get("recipe") is not None and case["recipe"] not in RECIPES:
-        raise RecordProblem(
-            "case.recipe", f"expected one of {', '.join(RECIPES)} or null, found {_show(case['recipe'])}"
-        )
     config = (rec.get("model") or {}).get("config") if isinstance(rec.get("model"), dict) else None
     if isinstance(config, dict) and config:
         for key in MODEL_CONFIG_REQUIRED:
@@ -631,6 +625,8 @@ def _shape_ok(value, shape, where: str) -> bool:
             return False
         for k, v in value.items():
             sub = shape.get(k, shape.get("*"))
+            if v is None and k not in shape and isinstance(sub, dict):  # a row of a table: an object
+                raise RecordProblem(f"{where}.{k}", "expected an object, found null")
             if sub is not None:
                 _check_shape(v, sub, f"{where}.{k}")
         return True

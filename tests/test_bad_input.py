@@ -1015,11 +1015,14 @@ def test_a_start_up_kill_is_not_launched_again_and_a_timeout_reports_one_clock(t
         model = "tiny"
         strategy = "torch.ddp"
         world_size = 2
+        timeout_s = 120
+        options = {inject_fault = {kind = "startup_kill", rank = 1, launches = 1}}
+        [[matrix]]
+        model = "tiny"
+        strategy = "torch.ddp"
+        world_size = 2
         timeout_s = 20
-        options = [
-          {inject_fault = {kind = "startup_kill", rank = 1, launches = 1}},
-          {inject_fault = {kind = "hang", rank = 1, step = 1}},
-        ]
+        options = {inject_fault = {kind = "hang", rank = 1, step = 1}}
         """,
     )
     rc, out, err = cli(
