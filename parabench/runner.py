@@ -57,9 +57,9 @@ STATUSES = ("ok", "oom", "crashed", "timeout", "skipped", "error")
 
 
 def resolve_device(case: Case) -> str:
-    import torch
-
     if case.device == "auto":
+        import torch  # only here: a refusal of a CPU case must not wait for torch to load
+
         return "cuda" if torch.cuda.is_available() else "cpu"
     return case.device
 
