@@ -87,7 +87,8 @@ from parabench.collectives_config import (
     validate_config,
 )
 from parabench.distributed import init_process_group, pick_device, synchronize
-from parabench.results import SCHEMA_VERSION, recorded_env, write_json_atomic
+from parabench.results import recorded_env, write_json_atomic
+from parabench.version import SCHEMA_VERSION
 from reference_impls import collectives as ref
 from reference_impls._compat import all_gather_into, reduce_scatter_into
 

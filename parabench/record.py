@@ -4,7 +4,7 @@ It is built here and nowhere else (``build_record`` for the runner, ``theory_for
 ``checks_for`` for ``parabench recheck`` as well), and its shape is written down once, in
 ``CaseRecord`` and ``RECORD_KEYS``: the report and the regression gate read these keys and no
 other spellings. ``results.load_json`` refuses a file of any schema version but
-``results.SCHEMA_VERSION``, naming the file, so every record a reader sees has this shape.
+``version.SCHEMA_VERSION``, naming the file, so every record a reader sees has this shape.
 
 Which keys a record carries depends on how far its case got, not on guesswork: every record has
 the identity keys, the outcome and ``model``/``theory``; a case that ran to the end (``status``
@@ -21,7 +21,7 @@ import math
 import re
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from parabench.results import SCHEMA_VERSION
+from parabench.version import SCHEMA_VERSION
 
 if TYPE_CHECKING:
     from parabench.case import Case
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 # Every top-level key a case record may carry, in the order ``build_record`` writes them, with
 # its meaning. Keys marked "(ok)" are present only when the case ran (the worker returned).
 RECORD_KEYS: dict[str, str] = {
-    "schema_version": "results.SCHEMA_VERSION when written",
+    "schema_version": "version.SCHEMA_VERSION when written",
     "kind": 'always "case"',
     "case": "Case.to_dict(): the case spec as run",
     "case_hash": "Case.case_hash: hash of the spec and the strategy's version (compare matches on it)",

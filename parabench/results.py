@@ -26,7 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+from parabench.version import SCHEMA_VERSION
+
 # Environment variables worth recording, never the whole environment: tokens and keys live there,
 # and results get shared. A variable is recorded when its name is listed or starts with a listed
 # prefix; its value is still replaced when the name looks like a credential (NCCL_IB_PASSWD).
