@@ -670,11 +670,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="rebuild results/baselines/noise-model.json (launch-to-launch spread per implementation and regime, "
         "which compare uses to judge single launches) from the committed runs, cross-validated",
     )
+    from parabench.compare import DEFAULT_THRESHOLD as _gate_threshold
     from parabench.noise import add_arguments as _noise_arguments
     from parabench.noise import main as _noise_main
 
     _noise_arguments(p)
-    p.set_defaults(func=_noise_main)
+    p.set_defaults(func=_noise_main, gate_threshold=_gate_threshold)  # the threshold the model is validated with
 
     p = sub.add_parser(
         "fidelity",

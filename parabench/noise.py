@@ -315,14 +315,12 @@ def _one_launch(record: dict, row: dict, factor: float = 1.0) -> dict:
     return {**record, "metrics": metrics, "launches": [{**row, **{k: metrics[k] for k in TIMING}}]}
 
 
-def cross_validate(runs: list[tuple[str, list[dict]]], threshold: float | None = None) -> dict:
+def cross_validate(runs: list[tuple[str, list[dict]]], threshold: float) -> dict:
     """Leave one run out: the model built from the other runs judges every ordered pair of launches
     of each case of the left-out run, one launch a side (the gate's regression threshold, then the
     model), on tokens/s. Same-code pairs as they are (a regression is a false alarm); GPU-bound pairs
-    with the candidate's tokens/s cut by ``SLOWDOWN`` (a regression is a detection)."""
-    from parabench.compare import DEFAULT_THRESHOLD
-
-    threshold = DEFAULT_THRESHOLD if threshold is None else threshold
+    with the candidate's tokens/s cut by ``SLOWDOWN`` (a regression is a detection). ``threshold``:
+    the gate's (``compare.DEFAULT_THRESHOLD``, which the command passes: compare reads this module)."""
     tally = {b: {"pairs": 0, "false_alarms": 0, "slowed": 0, "detected": 0, "verdicts": {}} for b in ("gpu", "host")}
     alarms: list[str] = []
     missed: list[str] = []
@@ -427,7 +425,7 @@ def main(args) -> int:
     if not runs:
         print(f"parabench noise-model: no run with repeated launches under {args.results}", file=sys.stderr)
         return 2
-    model = make_model(runs, cross_validate(runs))
+    model = make_model(runs, cross_validate(runs, args.gate_threshold))
     text = render(model)
     out = Path(args.out)
     if getattr(args, "check", False):
