@@ -143,7 +143,15 @@ def test_first_screen_in_the_report_of_committed_runs():
     html = render_report([REPEATED], with_figures=False)
     head = re.findall(r"<th>(.*?)</th>", _table(html, "overview"))
     assert len(head) == len(set(head))  # no two columns named alike
-    assert {"micro-batch", "rank", "tok/s/device", "MFU %", "peak memory GiB", "tokens/J"} <= set(head)
+    assert {
+        "micro-batch",
+        "rank",
+        "tok/s/device",
+        "MFU %",
+        "peak memory GiB",
+        "s per 1M tokens",
+        "Wh per 1M tokens",
+    } <= set(head)
     assert "roofline % (CPU)" not in head  # no empty column on GPU
     assert "How close is a from-scratch implementation" in html
     assert "ref.zero2" not in _table(html, "overview")
@@ -184,3 +192,60 @@ def test_log_axes_get_several_tick_labels():
         shown = [t for t in axis.get_major_locator()() if lo <= t <= hi]
         assert len(shown) >= 3, shown
     figures.plt.close(fig)
+
+
+def test_cpu_groups_are_ordered_by_deterministic_bytes_not_ranked_by_time():
+    rows = [
+        {**case("torch.ddp", 9000.0), "device": "cpu (x86_64)", "model_state_MiB": 16.0, "comm_MiB": 4.0},
+        {**case("deepspeed.zero3", 12000.0), "device": "cpu (x86_64)", "model_state_MiB": 8.0, "comm_MiB": 6.0},
+        {**case("torch.fsdp2", 5000.0), "device": "cpu (x86_64)", "model_state_MiB": 8.0, "comm_MiB": 5.0},
+    ]
+    peer = overview.peer_rows(rows)
+    assert [(r["variant"], r["rank_text"]) for r in peer] == [
+        ("torch.fsdp2", "not ranked (CPU)"),
+        ("deepspeed.zero3", "not ranked (CPU)"),
+        ("torch.ddp", "not ranked (CPU)"),
+    ]
+    # the same cases twice as fast or slow in another launch: the same order
+    faster = [{**r, "tokens_per_s_per_device": r["tokens_per_s_per_device"] * f} for r, f in zip(rows, (3, 0.5, 1))]
+    assert [r["variant"] for r in overview.peer_rows(faster)] == [r["variant"] for r in peer]
+    (choice,) = overview.choice_rows(peer)
+    assert "not a ranking" in choice["chosen"]
+    ref = {**case("ref.zero3", 20000.0), "device": "cpu (x86_64)"}
+    assert overview.reference_rows(rows + [ref])[0]["verdict"] == "not judged (CPU)"
+
+
+def test_the_answer_gives_time_and_energy_per_million_tokens_beside_memory():
+    rows = [
+        {**case("torch.fsdp2", 40000.0), "tokens_per_s": 80000.0, "tokens_per_j": 100.0, "peak_mem_GiB": 30.0},
+        {**case("torch.ddp", 39500.0), "tokens_per_s": 79000.0, "tokens_per_j": 99.0, "peak_mem_GiB": 50.0},
+        {**case("deepspeed.zero1", 20000.0), "tokens_per_s": 40000.0, "tokens_per_j": 50.0, "peak_mem_GiB": 40.0},
+    ]
+    (choice,) = overview.choice_rows(overview.peer_rows(rows))
+    assert (choice["chosen"], choice["ties"], choice["peak_mem_GiB"]) == ("torch.fsdp2", "torch.ddp", 30.0)
+    assert choice["s_per_mtok"] == pytest.approx(12.5)  # 1e6 tokens at 80,000 tok/s on both devices
+    assert choice["wh_per_mtok"] == pytest.approx(1e6 / 100 / 3600)
+    specs = overview.first_screen([{**r, "tokens_per_j": None} for r in rows])
+    assert specs[0]["id_"] == "overview-choice" and "Energy: not recorded" in specs[0]["note"]
+    assert "Energy: not recorded" not in overview.first_screen(rows)[0]["note"]
+
+
+def test_figures_keep_text_readable_and_within_one_screen():
+    pd = pytest.importorskip("pandas")
+    from parabench.report import figures
+
+    assert figures.MIN_TEXT_PT * figures.DPI / 72 >= 11  # px at the size the page shows the figure
+    assert figures.MAX_HEIGHT_IN * figures.DPI <= 1200
+    fig, ax = figures.plt.subplots(figsize=(20, 40))
+    label = ax.text(0, 0, "tiny", fontsize=5)
+    figures._readable(fig)
+    assert label.get_fontsize() >= figures.MIN_TEXT_PT
+    assert tuple(fig.get_size_inches()) == (figures.MAX_WIDTH_IN, figures.MAX_HEIGHT_IN)
+    figures.plt.close(fig)
+    # 150 bars in two panels: split into figures of at most one screen, every bar kept, in order
+    panels = [("a", pd.DataFrame({"x": range(30)})), ("b", pd.DataFrame({"x": range(120)}))]
+    pages = figures.pages(panels)
+    assert len(pages) > 1
+    for page in pages:
+        assert sum(figures.BAR_IN * len(rows) + 0.9 for _, rows in page) <= figures.MAX_HEIGHT_IN
+    assert [x for page in pages for _, rows in page for x in rows.x] == list(range(30)) + list(range(120))

@@ -33,8 +33,10 @@ from parabench.stats import combine_launches
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 
-# columns naming a case: they wrap (so that no table outgrows a 1,400 px page)
+# columns naming a case: they wrap (so that no table outgrows a 1,280 px page)
 LABEL_KEYS = {"label", "variant", "best_peer", "short", "case", "run"}
+# a text column whose longest value has more characters than this wraps too
+WRAP_CHARS = 28
 # column key -> (header, format): format "int", "f1", "f2", "f3", "g4", "pct", "str", "wrap" (text that wraps),
 # "bytes" (a byte count, or a [low, high] range, in binary units; the exact count in the cell's title)
 CASE_COLUMNS = [
@@ -164,6 +166,12 @@ def _table(
     ``drop_empty``: leave out the columns no row fills (MFU on CPU, roofline and energy on GPU)."""
     if drop_empty:
         columns = [c for c in columns if any(r.get(c[0]) is not None for r in rows)]
+    # a text column with long values wraps, so that the table fits a 1,280 px page
+    wrapping = {
+        key
+        for key, _, kind in columns
+        if kind == "str" and key not in LABEL_KEYS and any(len(_fmt(r.get(key), kind)) > WRAP_CHARS for r in rows)
+    }
     body = []
     for r in rows:
         cells = []
@@ -177,7 +185,7 @@ def _table(
                 cls = "ok" if v == "ok" else "bad"
             elif v is False:
                 cls = "bad"
-            elif kind == "wrap":
+            elif kind == "wrap" or key in wrapping:
                 cls = "wrapcell"
             elif key in LABEL_KEYS:
                 cls = "labelcell"

@@ -17,12 +17,39 @@ they differ by less than ``TIE_PCT`` (one launch says nothing about where the ne
 same deepspeed.zero3 case gave 15,282, 26,707 and 16,670 tok/s/GPU in three launches on 2x H100).
 Ties are judged pairwise, so they need not be transitive: a case tied with the fastest shares
 its rank, and a rank counts only the cases clearly faster than the one it labels.
+
+Above the ranking, one row per group answers the question: the configuration chosen (the fastest,
+and those it ties with), its time and energy per million tokens beside its peak memory.
+
+CPU groups are not ranked by time: gloo timings on a shared CPU move with whatever else the host
+runs (two smoke runs on one laptop put different libraries first). Their rows are ordered by what
+is deterministic, the model-state bytes per rank and then the communication bytes per step.
 """
 
 from __future__ import annotations
 
 MIN_LAUNCHES = 3
 TIE_PCT = 3.0
+MILLION = 1e6
+J_PER_WH = 3600.0
+
+
+def on_cpu(r: dict) -> bool:
+    """Whether the case ran on CPUs (gloo): its device name, else a roofline where GPUs have an MFU."""
+    device = str(r.get("device") or "").lower()
+    if device:
+        return device.startswith("cpu")
+    return r.get("mfu_pct") is None and r.get("roofline_pct") is not None
+
+
+def per_million(r: dict) -> dict:
+    """Seconds (all devices of the case together) and watt-hours (where telemetry recorded energy)
+    to train on a million tokens."""
+    tps, tpj = r.get("tokens_per_s"), r.get("tokens_per_j")
+    return {
+        "s_per_mtok": MILLION / tps if tps else None,
+        "wh_per_mtok": MILLION / tpj / J_PER_WH if tpj else None,
+    }
 
 
 def group_key(r: dict) -> tuple:
@@ -106,14 +133,42 @@ def _order(rows: list[dict]) -> tuple:
     )
 
 
+def _deterministic_order(rs: list[dict]) -> list[dict]:
+    """A CPU group, unranked: least model state per rank first, then least communication."""
+    big = float("inf")
+    out = sorted(rs, key=lambda r: (r.get("model_state_MiB") or big, r.get("comm_MiB") or big, r["variant"]))
+    return [
+        {**r, "rank": None, "rank_text": "not ranked (CPU)", "vs_fastest_pct": None, "ranked_on": "CPU"} for r in out
+    ]
+
+
 def peer_rows(rows: list[dict]) -> list[dict]:
-    """Every production-library case, ranked within its group; groups by run, model size,
-    devices, recipe, micro-batch; ``group_start`` marks a group's first row."""
+    """Every production-library case, ranked within its group (CPU groups ordered, not ranked);
+    groups by run, model size, devices, recipe, micro-batch; ``group_start`` marks a group's first row."""
     out = []
     for rs in sorted(groups(rows, "peer").values(), key=_order):
-        ranked = rank(rs)
+        ranked = _deterministic_order(rs) if all(on_cpu(r) for r in rs) else rank(rs)
         for i, r in enumerate(ranked):
-            out.append({**r, "group_start": i == 0, "group_size": len(ranked)})
+            out.append({**r, **per_million(r), "group_start": i == 0, "group_size": len(ranked)})
+    return out
+
+
+def choice_rows(peer: list[dict]) -> list[dict]:
+    """One row per group of ``peer_rows``: the fastest case and those tied with it, with its time,
+    energy and memory per million tokens; on CPU, no choice by time."""
+    out = []
+    for i, r in enumerate(peer):
+        if not r["group_start"]:
+            continue
+        group = peer[i : i + r["group_size"]]
+        if r["rank"] is None:
+            chosen = "none by time: gloo timings on a shared CPU are not a ranking"
+            ties = f"least model state: {r['variant']}"
+        else:
+            chosen = r["variant"]
+            others = [o["variant"] for o in group[1:] if o["rank"] == 1]
+            ties = ", ".join(others) if others else "–"
+        out.append({**r, "chosen": chosen, "ties": ties, "group_start": False})
     return out
 
 
@@ -125,7 +180,9 @@ def reference_rows(rows: list[dict]) -> list[dict]:
         best = peers.get(key)
         for i, r in enumerate(sorted(rs, key=lambda r: -_tps(r))):
             verdict = None
-            if best is not None:
+            if best is not None and on_cpu(r):
+                verdict = "not judged (CPU)"
+            elif best is not None:
                 verdict = "tie" if tied(r, best) else ("faster" if _tps(r) > _tps(best) else "slower")
             out.append(
                 {
@@ -157,8 +214,18 @@ PEER_COLUMNS = [
     ("mfu_pct", "MFU %", "f1"),
     ("roofline_pct", "roofline % (CPU)", "f2"),
     ("peak_mem_GiB", "peak memory GiB", "f2"),
-    ("tokens_per_j", "tokens/J", "int"),
+    ("s_per_mtok", "s per 1M tokens", "f1"),
+    ("wh_per_mtok", "Wh per 1M tokens", "f2"),
     ("launches", "launches", "int"),
+]
+CHOICE_COLUMNS = [
+    ("chosen", "chosen library strategy", "wrap"),
+    ("ties", "tied with it", "wrap"),
+    ("tokens_per_s_per_device", "tok/s/device", "int"),
+    ("s_per_mtok", "s per 1M tokens", "f1"),
+    ("wh_per_mtok", "Wh per 1M tokens", "f2"),
+    ("peak_mem_GiB", "peak memory GiB", "f2"),
+    ("mfu_pct", "MFU %", "f1"),
 ]
 REFERENCE_COLUMNS = [
     ("variant", "reference", "wrap"),
@@ -177,8 +244,19 @@ PEER_NOTE = (
     "different micro-batches are never ranked against each other). A tie: with ≥3 launches on both "
     "sides, the intervals of the medians over launches overlap; with fewer launches, the two differ by "
     "less than 3 %, because one launch cannot tell a smaller difference from launch-to-launch noise. "
-    "Peak memory: the largest rank's allocator peak on GPUs, resident set on CPUs. Tokens/J: timed "
-    "tokens over the devices' energy (NVML), where recorded."
+    "Peak memory: the largest rank's allocator peak on GPUs, resident set on CPUs. Per 1M tokens: seconds "
+    "on all the case's devices together, and watt-hours over the devices' energy (NVML), where recorded."
+)
+CHOICE_NOTE = (
+    "The answer for each model, device count, recipe and micro-batch: the fastest production library "
+    "(and those the launches cannot tell apart from it, ranked below), what a million tokens costs it in "
+    "time (all its devices together) and energy, and its peak memory per device."
+)
+NO_ENERGY = "Energy: not recorded in this run (the power telemetry, NVML, exists on GPUs only)."
+CPU_NOTE = (
+    "CPU groups are not ranked: gloo timings on a shared CPU are not a ranking (they move with whatever "
+    "else the host runs). Their rows are ordered by model-state bytes per rank, then communication bytes, "
+    "which do not depend on the host's load; tokens/s is shown, not judged."
 )
 REFERENCE_NOTE = (
     "A separate question: how close does a from-scratch implementation (reference_impls/) get to the "
@@ -192,6 +270,18 @@ def first_screen(rows: list[dict]) -> list[dict]:
     specs = []
     peer = peer_rows(rows)
     if peer:
+        cpu = any(r["rank"] is None for r in peer)
+        energy = any(r["wh_per_mtok"] is not None for r in peer)
+        specs.append(
+            {
+                "id_": "overview-choice",
+                "title": "The answer: the configuration to choose, its time, energy and memory",
+                "columns": GROUP_COLUMNS + CHOICE_COLUMNS,
+                "rows": choice_rows(peer),
+                "note": " ".join([CHOICE_NOTE] + ([] if energy else [NO_ENERGY])),
+                "footer": CPU_NOTE if cpu else "",
+            }
+        )
         one_launch = sum(1 for r in peer if r["group_start"] and r["ranked_on"].startswith("one launch"))
         specs.append(
             {
@@ -199,7 +289,7 @@ def first_screen(rows: list[dict]) -> list[dict]:
                 "title": "Which strategy, what cost: production libraries ranked",
                 "columns": GROUP_COLUMNS + PEER_COLUMNS,
                 "rows": peer,
-                "note": PEER_NOTE,
+                "note": PEER_NOTE + (" " + CPU_NOTE if cpu else ""),
                 "footer": (
                     f"{one_launch} of {sum(1 for r in peer if r['group_start'])} groups are ranked from a single "
                     "launch per case: read their order as provisional (run with repeats = 3 for intervals)."

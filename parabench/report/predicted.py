@@ -205,10 +205,10 @@ def validation_spec(kinds: list[str], calibration_dir=None) -> list[dict]:
 
 
 def table_specs(runs, run_col: list, calibration_dir=None) -> list[dict]:
-    """The section as keyword arguments of ``parabench.report.html._table``: the table, or one line
-    saying no calibration covers the run's device (CPU runs)."""
+    """The section as keyword arguments of ``parabench.report.html._table``: the table, or nothing
+    where no calibration covers the run's devices (CPU runs)."""
     rows, missing, derived = prediction_rows(runs, calibration_dir)
-    if not rows and not missing:
+    if not rows:  # a section with no data is left out (a CPU run: no calibration covers its device)
         return []
     note = (
         "Each case beside the calibrated planner's prediction (parabench plan), from the record's own theory. "
@@ -217,9 +217,7 @@ def table_specs(runs, run_col: list, calibration_dir=None) -> list[dict]:
         "The calibration may "
         "include this run: the validation table below gives the out-of-sample errors."
     )
-    if not rows:
-        note = f"No planner calibration for {', '.join(missing)}: no predictions (calibrated GPU kinds only)."
-    elif missing:
+    if missing:
         note += f" No calibration for {', '.join(missing)}: those cases are left out."
     for kind, doc in derived:
         note += f" {doc[0].upper()}{doc[1:]}; it includes no {kind} run."
