@@ -5,6 +5,10 @@ Every function takes plain rows (``frames``) and returns a list of ``{id, title,
 at a modest DPI to keep a report of a few dozen cases around a megabyte. Labels from result
 files are drawn as plain text (``text.parse_math`` off): a ``$`` in a strategy name must not
 be read as TeX.
+
+Every figure fits one screen of a 1,280 px page: at most ``MAX_WIDTH_IN`` wide (so the page shows
+it unscaled, and ``MIN_TEXT_PT`` is at least 11 px), at most ``MAX_HEIGHT_IN`` tall (a chart with more
+bars than that is split into parts, each its own figure), its legend on top.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 DPI = 90
 BAR_IN = 0.22  # inches per bar in the horizontal bar charts
+MIN_TEXT_PT = 9  # 11.25 px at DPI 90
+MAX_HEIGHT_IN = 12.5  # 1,125 px at DPI 90: one screen
+MAX_WIDTH_IN = 13.0  # 1,170 px: inside a 1,280 px page's content column, so shown unscaled
+LEGEND_IN = 0.6  # a legend row above the panels, with its margin
 KIND_COLOURS = {"peer": "#4c72b0", "reference": "#dd8452"}
 KIND_NAMES = {"peer": "production library (torch.*, deepspeed.*)", "reference": "reference implementation (ref.*)"}
 
@@ -30,7 +38,8 @@ def setup_style():
     sns.set_theme(style="whitegrid", context="notebook", font_scale=0.9)
     plt.rcParams["text.parse_math"] = False
     plt.rcParams["axes.titlesize"] = "medium"
-    plt.rcParams["legend.fontsize"] = 7
+    for key in ("legend.fontsize", "legend.title_fontsize", "xtick.labelsize", "ytick.labelsize"):
+        plt.rcParams[key] = MIN_TEXT_PT
 
 
 def _plain_number(v, _pos=None) -> str:
@@ -54,11 +63,25 @@ def _log_ticks(axis) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
+def _readable(fig) -> None:
+    """No text under ``MIN_TEXT_PT``, and no figure beyond one screen: a figure drawn too tall is
+    squeezed to ``MAX_HEIGHT_IN`` (the bar charts split into parts before they get there)."""
+    from matplotlib.text import Text
+
+    for text in fig.findobj(Text):
+        if text.get_fontsize() < MIN_TEXT_PT:
+            text.set_fontsize(MIN_TEXT_PT)
+    w, h = fig.get_size_inches()
+    if w > MAX_WIDTH_IN or h > MAX_HEIGHT_IN:
+        fig.set_size_inches(min(w, MAX_WIDTH_IN), min(h, MAX_HEIGHT_IN))
+
+
 def _png(fig) -> str:
     for ax in fig.axes:  # log axes default to TeX tick labels, which parse_math=False prints raw
         for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
             if scale == "log":
                 _log_ticks(axis)
+    _readable(fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
     plt.close(fig)
@@ -80,6 +103,42 @@ def figure_entry(id_, title, caption, fig) -> dict:
     return {"id": id_, "title": title, "caption": caption, "src": _png(fig)}
 
 
+def figure_entries(id_, title, caption, figs) -> list[dict]:
+    """One entry per part of a figure split to fit the screen: ``id``, ``id-2``, …, "(part 2 of 3)"."""
+    if len(figs) == 1:
+        return [figure_entry(id_, title, caption, figs[0])]
+    return [
+        figure_entry(id_ if i == 1 else f"{id_}-{i}", f"{title} (part {i} of {len(figs)})", caption, fig)
+        for i, fig in enumerate(figs, 1)
+    ]
+
+
+def pages(pieces: list[tuple[str, pd.DataFrame]], per: float = BAR_IN, extra: float = 0.9) -> list[list]:
+    """Panels ``(title, rows)`` packed into figures no taller than ``MAX_HEIGHT_IN``: a panel of ``n``
+    rows is ``per * n + extra`` inches; a panel with more rows than one figure holds is cut into
+    parts ("title (rows 1–40)"). Order is kept."""
+    room = MAX_HEIGHT_IN - LEGEND_IN
+    most = max(1, int((room - extra) / per))
+    cut = []
+    for title, rows in pieces:
+        if len(rows) <= most:
+            cut.append((title, rows))
+            continue
+        for lo in range(0, len(rows), most):
+            part = rows.iloc[lo : lo + most]
+            cut.append((f"{title} (rows {lo + 1}–{lo + len(part)} of {len(rows)})", part))
+    out, used = [], 0.0
+    for title, rows in cut:
+        need = per * len(rows) + extra
+        if out and used + need <= room:
+            out[-1].append((title, rows))
+            used += need
+        else:
+            out.append([(title, rows)])
+            used = need
+    return out
+
+
 def _grid(n, w=5.0, h=3.0, ncols=2):
     ncols = min(n, ncols)
     nrows = (n + ncols - 1) // ncols
@@ -90,23 +149,25 @@ def _grid(n, w=5.0, h=3.0, ncols=2):
     return fig, axes
 
 
-def _column(sizes: list[int], width=8.0, per=BAR_IN, extra=0.9):
-    """One column of panels, each as tall as its number of bars (so no panel's labels reach into
-    another's, and no bar is squeezed)."""
+def _column(sizes: list[int], width=8.0, per=BAR_IN, extra=0.9, ncols=1):
+    """One column of panels (a row of ``ncols`` per panel), each as tall as its number of bars (so no
+    panel's labels reach into another's, and no bar is squeezed); room for a legend on top."""
     fig, axes = plt.subplots(
         len(sizes),
-        1,
-        figsize=(width, sum(per * n + extra for n in sizes)),
+        ncols,
+        figsize=(width, sum(per * n + extra for n in sizes) + LEGEND_IN),
         squeeze=False,
         layout="constrained",
+        sharey="row" if ncols > 1 else False,
         gridspec_kw={"height_ratios": [per * n + extra for n in sizes]},
     )
-    return fig, axes.ravel()
+    return fig, (axes.ravel() if ncols == 1 else axes)
 
 
 def _width(labels, plot_in: float = 5.5) -> float:
-    """Figure width that leaves the bars ``plot_in`` inches beside labels as long as these."""
-    return plot_in + 0.07 * max((len(str(x)) for x in labels), default=10)
+    """Figure width that leaves the bars ``plot_in`` inches beside labels as long as these (at
+    ``MIN_TEXT_PT``), at most ``MAX_WIDTH_IN``."""
+    return min(MAX_WIDTH_IN, plot_in + 0.08 * max((len(str(x)) for x in labels), default=10))
 
 
 def _models(df):
@@ -145,17 +206,20 @@ def _kind_legend(fig) -> None:
     from matplotlib.patches import Patch
 
     handles = [Patch(color=KIND_COLOURS[k], label=KIND_NAMES[k]) for k in KIND_COLOURS]
-    fig.legend(handles=handles, loc="outside lower center", ncol=2, frameon=False)
+    fig.legend(handles=handles, loc="outside upper center", ncol=2, frameon=False)
 
 
-def _bars(ok: pd.DataFrame, value: str, xlabel: str, err=None):
-    """Horizontal bars, one per case, one panel per model; thin lines part micro-batches."""
+def _bars(ok: pd.DataFrame, value: str, xlabel: str, err=None) -> list:
+    """Horizontal bars, one per case, one panel per model; thin lines part micro-batches; as many
+    figures as it takes to keep each within one screen."""
     ok = ok.dropna(subset=[value])
-    panels = _panels(ok)
-    sizes = [int((ok.panel == p).sum()) for p in panels]
-    fig, axes = _column(sizes, width=_width(ok.bar))
-    for ax, panel in zip(axes, panels):
-        sub = _bar_order(ok[ok.panel == panel], value)
+    pieces = [(p, _bar_order(ok[ok.panel == p], value)) for p in _panels(ok)]
+    return [_bar_page(page, value, xlabel, err, _width(ok.bar)) for page in pages(pieces)]
+
+
+def _bar_page(page, value, xlabel, err, width):
+    fig, axes = _column([len(sub) for _, sub in page], width=width)
+    for ax, (panel, sub) in zip(axes, page):
         ys = list(range(len(sub)))[::-1]
         xerr = None
         if err is not None:
@@ -170,7 +234,7 @@ def _bars(ok: pd.DataFrame, value: str, xlabel: str, err=None):
             height=0.75,
         )
         ax.set_yticks(ys)
-        ax.set_yticklabels(sub.bar, fontsize=8)
+        ax.set_yticklabels(sub.bar)
         mbs = list(sub.micro_batch)
         for i in range(1, len(mbs)):
             if mbs[i] != mbs[i - 1]:
@@ -194,17 +258,15 @@ def throughput(ok: pd.DataFrame) -> list[dict]:
         rate = sub.tokens_per_step / sub.world_size * 1e3
         return rate / sub.step_time_ms_p90, rate / sub.step_time_ms_p10
 
-    fig = _bars(ok, "tokens_per_s_per_device", "tokens/s per device", err=per_step)
-    return [
-        figure_entry(
-            "throughput",
-            "Tokens/s per device (higher is better)",
-            "One bar per case (strategy, devices w, micro-batch mb; other seeds and options named): its "
-            "median tokens/s per device, over launches where the case was repeated. Whisker: the 10th to "
-            "90th percentile of the per-step rate within one launch. Dotted lines part micro-batches.",
-            fig,
-        )
-    ]
+    figs = _bars(ok, "tokens_per_s_per_device", "tokens/s per device", err=per_step)
+    return figure_entries(
+        "throughput",
+        "Tokens/s per device (higher is better)",
+        "One bar per case (strategy, devices w, micro-batch mb; other seeds and options named): its "
+        "median tokens/s per device, over launches where the case was repeated. Whisker: the 10th to "
+        "90th percentile of the per-step rate within one launch. Dotted lines part micro-batches.",
+        figs,
+    )
 
 
 def scaling(ok: pd.DataFrame) -> list[dict]:
@@ -215,40 +277,38 @@ def scaling(ok: pd.DataFrame) -> list[dict]:
     if multi.empty:
         return []
     models = [m for m in _models(ok) if m in set(multi.model)]
-    fig, axes = _grid(len(models), 7.5, 3.6, ncols=1)
-    for ax, model in zip(axes, models):
+    figs = [
+        _scaling_page(ok, multi, page)
+        for page in _pack([(m, [*multi[multi.model == m].series.unique(), "linear from 1 device"]) for m in models])
+    ]
+    return figure_entries(
+        "scaling",
+        "Scaling across device counts",
+        "One line per strategy and micro-batch that ran at two device counts or more (1 device included). "
+        "Dashed: linear scaling from the best one-device run of the model.",
+        figs,
+    )
+
+
+def _scaling_page(ok, multi, page):
+    fig, axes = _line_panels(page)
+    for ax, (model, _) in zip(axes, page):
         sub = multi[multi.model == model]
         style = "precision" if sub.precision.nunique() > 1 else None
         sns.lineplot(
-            data=sub,
-            x="world_size",
-            y="tokens_per_s",
-            hue="series",
-            style=style,
-            marker="o",
-            ax=ax,
-            errorbar=None,
+            data=sub, x="world_size", y="tokens_per_s", hue="series", style=style, marker="o", ax=ax, errorbar=None
         )
         one = ok[(ok.model == model) & (ok.world_size == 1)].tokens_per_s.max()
         if one == one and one:
             ws = sorted(sub.world_size.unique())
             ax.plot(ws, [one * w for w in ws], "k--", lw=0.8, label="linear from 1 device")
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+        _top_legend(ax, *ax.get_legend_handles_labels(), model)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(sorted(sub.world_size.unique()))
         ax.set_xlabel("devices")
         ax.set_ylabel("tokens/s (global)")
-        ax.set_title(model)
-    return [
-        figure_entry(
-            "scaling",
-            "Scaling across device counts",
-            "One line per strategy and micro-batch that ran at two device counts or more (1 device included). "
-            "Dashed: linear scaling from the best one-device run of the model.",
-            fig,
-        )
-    ]
+    return fig
 
 
 def memory(ok: pd.DataFrame) -> list[dict]:
@@ -260,7 +320,8 @@ def memory(ok: pd.DataFrame) -> list[dict]:
             line=sized.variant + " w" + sized.world_size.astype(str) + " mb" + sized.micro_batch.astype(str)
         )
         n = sized.line.nunique()
-        fig, ax = plt.subplots(figsize=(10, 4.5 + 0.17 * (n + 2) / 3), layout="constrained")
+        ncol = legend_cols(list(sized.line.unique()), 10.5)
+        fig, ax = plt.subplots(figsize=(11, 4.5 + LEGEND_ROW_IN * (n + 2) / ncol), layout="constrained")
         sns.lineplot(
             data=sized,
             x="params",
@@ -279,7 +340,7 @@ def memory(ok: pd.DataFrame) -> list[dict]:
         ax.plot([], [], "k--", lw=1, label="analytic model state (dashed)")
         handles, labels = ax.get_legend_handles_labels()
         ax.get_legend().remove()
-        fig.legend(handles, labels, loc="outside lower center", ncol=3, frameon=False)
+        fig.legend(handles, labels, loc="outside upper center", ncol=ncol, frameon=False)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("parameters (count, log scale)")
@@ -293,61 +354,60 @@ def memory(ok: pd.DataFrame) -> list[dict]:
                 fig,
             )
         )
-    # breakdown per model
-    cols = {
-        "peak_mem_MiB": "peak (measured)",
-        "model_state_MiB": "model state (measured)",
-        "theory_state_MiB": "model state (analytic)",
-        "paper_state_MiB": "ZeRO paper formula",
-    }
-    long = (
-        ok.assign(order_MiB=ok.peak_mem_MiB)
-        .melt(
-            id_vars=["panel", "params", "bar", "micro_batch", "order_MiB"],
-            value_vars=list(cols),
-            var_name="figure",
-            value_name="MiB",
-        )
-        .dropna(subset=["MiB"])
+    return figs + memory_parts(ok)
+
+
+MEMORY_PARTS = {
+    "peak_mem_MiB": ("peak (measured)", "#4c72b0"),
+    "model_state_MiB": ("model state (measured)", "#55a868"),
+    "theory_state_MiB": ("model state (analytic)", "#8172b3"),
+    "paper_state_MiB": ("ZeRO paper formula", "#937860"),
+}
+
+
+def _value_text(v) -> str:
+    return "–" if v != v else (_plain_number(v) if abs(v) >= 1e3 else f"{v:.3g}")
+
+
+def memory_parts(ok: pd.DataFrame) -> list[dict]:
+    """One panel per memory component, side by side, each on its own scale with its values written
+    beside the bars: a model state of 0.5 MiB beside a resident set of 400 MiB (CPU) stays visible."""
+    parts = [c for c in MEMORY_PARTS if c in ok and ok[c].notna().any()]
+    if not parts:
+        return []
+    ok = ok.dropna(subset=parts, how="all")
+    pieces = [(p, _bar_order(ok[ok.panel == p].assign(order_MiB=ok.peak_mem_MiB), "order_MiB")) for p in _panels(ok)]
+    width = min(MAX_WIDTH_IN, 0.08 * max(len(str(b)) for b in ok.bar) + 0.6 + 2.4 * len(parts))
+    figs = []
+    for page in pages(pieces):
+        fig, grid = _column([len(sub) for _, sub in page], width=width, ncols=len(parts))
+        for i, (row, (panel, sub)) in enumerate(zip(grid, page)):
+            ys = list(range(len(sub)))[::-1]
+            for ax, part in zip(row, parts):
+                name, colour = MEMORY_PARTS[part]
+                vals = sub[part].astype(float)
+                ax.barh(ys, vals.fillna(0), color=colour, height=0.75)
+                for y, v in zip(ys, vals):
+                    ax.text(0 if v != v else v, y, " " + _value_text(v), va="center", ha="left")
+                top = vals.max()
+                ax.set_xlim(0, top * 1.45 if top == top and top > 0 else 1)
+                ax.set_ylim(-0.6, len(sub) - 0.4)
+                ax.xaxis.set_major_formatter(FuncFormatter(_plain_number))
+                ax.set_title(name if i == 0 else "")
+                ax.set_xlabel("MiB per rank")
+            row[0].set_yticks(ys)
+            row[0].set_yticklabels(sub.bar)
+            row[0].set_ylabel(panel)
+        figs.append(fig)
+    return figure_entries(
+        "memory",
+        "Memory per rank: measured peak, model state, analytic",
+        "One row per case, one panel per component, each panel on its own scale (the values are written "
+        "beside the bars): the largest rank's peak (the CUDA allocator's on GPUs, the resident set on CPUs, "
+        "which includes the framework, so it is far above the model state on tiny models), the parameters, "
+        "gradients and optimizer states it held, their analytic layout, and the ZeRO paper's formula.",
+        figs,
     )
-    if long.empty:
-        return figs
-    long["figure"] = long.figure.map(cols)
-    panels = _panels(long)
-    sizes = [long[long.panel == p].bar.nunique() * 2 for p in panels]
-    fig, axes = _column(sizes, width=_width(long.bar))
-    for ax, panel in zip(axes, panels):
-        sub = long[long.panel == panel]
-        order = list(dict.fromkeys(_bar_order(sub, "order_MiB").bar))
-        sns.barplot(
-            data=sub,
-            y="bar",
-            x="MiB",
-            hue="figure",
-            hue_order=list(cols.values()),
-            order=order,
-            ax=ax,
-            errorbar=None,
-            legend=ax is axes[0],
-        )
-        ax.tick_params(axis="y", labelsize=7)
-        ax.set_title(panel)
-        ax.set_ylabel("")
-        ax.set_xlabel("MiB per rank (largest rank)")
-    if axes[0].get_legend():
-        handles, labels = axes[0].get_legend_handles_labels()
-        axes[0].get_legend().remove()
-        fig.legend(handles, labels, loc="outside lower center", ncol=4, frameon=False)
-    figs.append(
-        figure_entry(
-            "memory",
-            "Memory per rank: measured peak, model state, analytic",
-            "Peak is the CUDA allocator's on GPUs and the resident set on CPUs (which includes the "
-            "framework, so it is far above the model state on tiny models). One group of bars per case.",
-            fig,
-        )
-    )
-    return figs
 
 
 def efficiency(ok: pd.DataFrame) -> list[dict]:
@@ -356,25 +416,19 @@ def efficiency(ok: pd.DataFrame) -> list[dict]:
     if sub.empty:
         return []
     if col == "mfu_pct":
-        fig = _bars(sub, col, "MFU (% of the device's dense peak)")
-        return [
-            figure_entry(
-                "mfu",
-                "Model FLOPs utilisation (% of dense peak)",
-                "One bar per case. Model FLOPs per token 6N + 12·L·s·d (PaLM app. B) over the device's dense peak.",
-                fig,
-            )
-        ]
-    fig = _bars(sub, col, "achieved model FLOP/s (% of a measured matmul rate)")
-    return [
-        figure_entry(
+        return figure_entries(
             "mfu",
-            "Achieved model FLOP/s as % of a measured matmul rate",
-            "No dense peak is known for this device (CPU), so no MFU: the fraction of a matmul rate "
-            "measured on the spot instead. One bar per case.",
-            fig,
+            "Model FLOPs utilisation (% of dense peak)",
+            "One bar per case. Model FLOPs per token 6N + 12·L·s·d (PaLM app. B) over the device's dense peak.",
+            _bars(sub, col, "MFU (% of the device's dense peak)"),
         )
-    ]
+    return figure_entries(
+        "mfu",
+        "Achieved model FLOP/s as % of a measured matmul rate",
+        "No dense peak is known for this device (CPU), so no MFU: the fraction of a matmul rate "
+        "measured on the spot instead. One bar per case.",
+        _bars(sub, col, "achieved model FLOP/s (% of a measured matmul rate)"),
+    )
 
 
 def communication(comm_rows: list[dict]) -> list[dict]:
@@ -394,56 +448,108 @@ def communication(comm_rows: list[dict]) -> list[dict]:
             if r[key] is not None:
                 long.append({"model": r["model"], "case": y, "source": src, "MiB": r[key]})
     df = pd.DataFrame(long)
-    models = sorted(df.model.unique())
-    sizes = [df[df.model == m].case.nunique() * 2 for m in models]
-    fig, axes = _column(sizes, width=_width(df.case))
-    for ax, model in zip(axes, models):
-        sub = df[df.model == model]
-        sns.barplot(
-            data=sub,
-            y="case",
-            x="MiB",
-            hue="source",
-            hue_order=["measured", "theory"],
-            order=sorted(sub.case.unique()),
-            ax=ax,
-            errorbar=None,
-            legend=ax is axes[0],
-        )
-        ax.tick_params(axis="y", labelsize=7)
+    wide = df.pivot_table(index=["model", "case"], columns="source", values="MiB", aggfunc="first").reset_index()
+    for src in ("measured", "theory"):
+        if src not in wide:
+            wide[src] = float("nan")
+    pieces = [(m, wide[wide.model == m].sort_values("case")) for m in sorted(wide.model.unique())]
+    figs = [_comm_page(page, _width(wide.case)) for page in pages(pieces)]
+    return figure_entries(
+        "comm",
+        "Communication per step: measured vs theory, by kind",
+        "Payload bytes seen at the c10d dispatcher on one instrumented step (bar), against the analytic "
+        "volume (black tick). [≠ theory] marks kinds off by more than the check's allowance; [range]: theory "
+        "allows a range, the tick shows its upper end.",
+        figs,
+    )
+
+
+def _comm_page(page, width):
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    fig, axes = _column([len(sub) for _, sub in page], width=width)
+    for ax, (model, sub) in zip(axes, page):
+        ys = list(range(len(sub)))[::-1]
+        ax.barh(ys, sub.measured.fillna(0), color="#4c72b0", height=0.7)
+        ax.plot(sub.theory, ys, "|", color="black", ms=13, mew=2.2)
+        ax.set_yticks(ys)
+        ax.set_yticklabels(sub.case)
+        ax.set_ylim(-0.6, len(sub) - 0.4)
+        ax.xaxis.set_major_formatter(FuncFormatter(_plain_number))
         ax.set_title(model)
-        ax.set_ylabel("")
         ax.set_xlabel("payload MiB per step, rank 0")
-    if axes[0].get_legend():
-        handles, labels = axes[0].get_legend_handles_labels()
-        axes[0].get_legend().remove()
-        fig.legend(handles, labels, loc="outside lower center", ncol=2, frameon=False)
-    return [
-        figure_entry(
-            "comm",
-            "Communication per step: measured vs theory, by kind",
-            "Payload bytes seen at the c10d dispatcher on one instrumented step, against the analytic "
-            "volume. [≠ theory] marks kinds off by more than the check's allowance; [range]: theory allows a "
-            "range, the bar shows its upper end.",
-            fig,
-        )
+    handles = [
+        Patch(color="#4c72b0", label="measured"),
+        Line2D([], [], color="black", marker="|", ls="", ms=13, mew=2.2, label="theory"),
     ]
+    fig.legend(handles=handles, loc="outside upper center", ncol=2, frameon=False)
+    return fig
 
 
-def losses(ok: pd.DataFrame) -> list[dict]:
-    pts = []
-    for _, r in ok.iterrows():
-        for i, v in enumerate(r.losses or []):
-            if isinstance(v, (int, float)):
-                pts.append({"panel": r.panel, "params": r.params, "step": i, "loss": v, "case": r.bar, "kind": r.kind})
-    if not pts:
-        return []
-    df = pd.DataFrame(pts)
-    panels = _panels(df)
-    fig, axes = _grid(len(panels), 11.0, 3.4, ncols=1)
-    for ax, panel in zip(axes, panels):
+LEGEND_ROW_IN = 0.21
+LINE_PANEL_IN = 2.8  # the plot of a line chart's panel, without its legend
+LINE_WIDTH_IN = 11.0
+CHAR_IN = 0.075  # the width of a character at MIN_TEXT_PT, generously
+
+
+def legend_cols(labels, width_in: float = LINE_WIDTH_IN) -> int:
+    """As many legend columns as labels this long fit across ``width_in``, at most 4."""
+    longest = max((len(str(x)) for x in labels), default=10)
+    return max(1, min(4, int(width_in / (CHAR_IN * longest + 0.7))))
+
+
+def _legend_rows_in(labels) -> float:
+    return LEGEND_ROW_IN * -(-len(labels) // legend_cols(labels)) + 0.35
+
+
+def _pack(panels: list[tuple[str, list]]) -> list[list[tuple[str, list]]]:
+    """Line-chart panels ``(title, legend labels)`` packed into figures of at most ``MAX_HEIGHT_IN``,
+    each panel a plot with its legend on top."""
+    out, used = [], 0.0
+    for title, labels in panels:
+        need = LINE_PANEL_IN + _legend_rows_in(labels)
+        if out and used + need <= MAX_HEIGHT_IN:
+            out[-1].append((title, labels))
+            used += need
+        else:
+            out.append([(title, labels)])
+            used = need
+    return out
+
+
+def _line_panels(page):
+    heights = [LINE_PANEL_IN + _legend_rows_in(labels) for _, labels in page]
+    fig, axes = plt.subplots(
+        len(page),
+        1,
+        figsize=(LINE_WIDTH_IN, sum(heights)),
+        squeeze=False,
+        layout="constrained",
+        gridspec_kw={"height_ratios": heights},
+    )
+    return fig, axes.ravel()
+
+
+def _top_legend(ax, handles, labels, title: str) -> None:
+    """The panel's legend above its plot, titled with the panel's name (no separate axes title)."""
+    ax.legend(
+        handles,
+        labels,
+        loc="lower left",
+        bbox_to_anchor=(0, 1.01),
+        ncol=legend_cols(labels),
+        frameon=False,
+        title=title,
+        alignment="left",
+    )
+
+
+def _loss_page(df: pd.DataFrame, page) -> object:
+    fig, axes = _line_panels(page)
+    for ax, (panel, labels) in zip(axes, page):
+        n = len(labels)
         sub = df[df.panel == panel]
-        n = sub.case.nunique()
         # one line per case; references dashed, so 20 colours serve 40 cases
         sns.lineplot(
             data=sub,
@@ -459,29 +565,30 @@ def losses(ok: pd.DataFrame) -> list[dict]:
         )
         handles, labels = ax.get_legend_handles_labels()
         keep = [(h, lab) for h, lab in zip(handles, labels) if lab in set(sub.case)]
-        ax.legend(
-            [h for h, _ in keep],
-            [lab for _, lab in keep],
-            loc="upper left",
-            bbox_to_anchor=(1.01, 1),
-            frameon=False,
-            ncol=1 if n <= 18 else 2,
-            title="dashed: reference",
-            title_fontsize=7,
-        )
-        ax.set_title(panel)
+        _top_legend(ax, [h for h, _ in keep], [lab for _, lab in keep], f"{panel} (dashed: reference)")
         ax.set_xlabel("step")
         ax.set_ylabel("loss (cross-entropy, nats)")
-    return [
-        figure_entry(
-            "losses",
-            "Loss curves",
-            "Every step's loss (warm-up, timed and instrumented steps), mean over data-parallel replicas, one "
-            "line per case. Same model, data and seed: the curves of equivalent strategies lie on top of "
-            "each other.",
-            fig,
-        )
-    ]
+    return fig
+
+
+def losses(ok: pd.DataFrame) -> list[dict]:
+    pts = []
+    for _, r in ok.iterrows():
+        for i, v in enumerate(r.losses or []):
+            if isinstance(v, (int, float)):
+                pts.append({"panel": r.panel, "params": r.params, "step": i, "loss": v, "case": r.bar, "kind": r.kind})
+    if not pts:
+        return []
+    df = pd.DataFrame(pts)
+    figs = [_loss_page(df, page) for page in _pack([(p, list(df[df.panel == p].case.unique())) for p in _panels(df)])]
+    return figure_entries(
+        "losses",
+        "Loss curves",
+        "Every step's loss (warm-up, timed and instrumented steps), mean over data-parallel replicas, one "
+        "line per case. Same model, data and seed: the curves of equivalent strategies lie on top of "
+        "each other.",
+        figs,
+    )
 
 
 def loss_scale(points: list[dict]) -> list[dict]:
@@ -494,7 +601,7 @@ def loss_scale(points: list[dict]) -> list[dict]:
     sk = df[df.skipped]
     if not sk.empty:
         ax.scatter(sk.step, sk.scale, marker="x", color="red", zorder=5, label="skipped step")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    _top_legend(ax, *ax.get_legend_handles_labels(), "")
     ax.set_yscale("log", base=2)
     ax.set_xlabel("step")
     ax.set_ylabel("loss scale (log2)")
@@ -558,10 +665,9 @@ def collectives(rows: list[dict]) -> list[dict]:
         )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_title(op)
         ax.set_xlabel("message size (bytes)")
         ax.set_ylabel("bus bandwidth (GB/s)")
-        sns.move_legend(ax, "upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, frameon=False)
+        sns.move_legend(ax, "lower left", bbox_to_anchor=(0, 1.01), ncol=2, frameon=False, title=op)
     return [
         figure_entry(
             "collectives",

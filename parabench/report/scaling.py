@@ -230,7 +230,7 @@ def _series_figure(model, precision, mode, members, several_runs, plt, figure_en
             if lab not in labels:
                 handles.append(h)
                 labels.append(lab)
-    fig.legend(handles, labels, loc="outside lower center", ncol=2, frameon=False, fontsize=7)
+    fig.legend(handles, labels, loc="outside upper center", ncol=2, frameon=False)
     what = "global batch fixed" if mode == "strong" else "micro-batch per rank fixed"
     return figure_entry(
         f"scaling-{mode}-{model}-{precision}",
@@ -285,7 +285,7 @@ def _memory_figure(rows, several_runs, plt, figure_entry) -> dict | None:
         ax.set_xlabel("data-parallel ranks N")
         ax.set_ylabel(f"model state per rank ({unit_name})")
         ax.set_title(f"{model} · {precision} · Ψ = {psi / 1e6:,.2f} M parameters")
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False, fontsize=7)
+        ax.legend(loc="lower left", bbox_to_anchor=(0, 1.08), ncol=2, frameon=False)
     return figure_entry(
         "scaling-memory",
         "Model state per rank against the ZeRO lines",

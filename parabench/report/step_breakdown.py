@@ -177,12 +177,12 @@ def figures(runs) -> list[dict]:
     ax.barh(ys, rest, left=[a + b for a, b in zip(compute, exposed)], color="#cccccc", label="idle / other")
     for y, r in zip(ys, rows):
         if r["overlap_pct"] is not None:
-            ax.text(1, y, f"overlap {r['overlap_pct']:.0f}%", va="center", ha="left", fontsize=7, color="white")
+            ax.text(1, y, f"overlap {r['overlap_pct']:.0f}%", va="center", ha="left", color="white")
     ax.set_yticks(ys)
     ax.set_yticklabels(labels)
     ax.set_xlim(0, 100)
     ax.set_xlabel("% of the profiled step (mean over ranks)")
-    ax.legend(fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)
     return [
         figure_entry(
             "step-breakdown",
