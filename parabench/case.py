@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 
 from parabench.recipes import RECIPES, recipe_name
@@ -180,3 +181,29 @@ def launch_key(case_hash: str, repeat: int = 0) -> str:
     keeps the layout every earlier run has (``cases/<hash>.json``), and raising repeats on
     ``--resume`` adds launches beside the one already recorded."""
     return case_hash if not repeat else f"{case_hash}.r{repeat}"
+
+
+# The largest value a case field may take: beyond them a case cannot be what anyone meant, and the
+# runner would spend minutes and gigabytes on the case list (one entry per launch) or a world of
+# processes before anything ran. The CPU world is bounded by the host as well (runner.too_many_cpu_ranks).
+FIELD_MAXIMA = {
+    "world_size": 65536,
+    "micro_batch": 65536,
+    "grad_accum": 65536,
+    "global_batch": 1 << 24,
+    "seq_len": 1 << 21,
+    "steps": 100000,
+    "warmup": 100000,
+    "repeats": 100,
+    "timeout_s": 7 * 24 * 3600,
+}
+
+
+def check_field_maximum(key: str, value) -> str | None:
+    """Why a case field is above its FIELD_MAXIMA entry, or None."""
+    high = FIELD_MAXIMA.get(key)
+    if high is None or not isinstance(value, (int, float)) or isinstance(value, bool) or value <= high:
+        return None
+    if isinstance(value, float) and math.isnan(value):  # not finite: its own message (suite._check_value)
+        return None
+    return f"must be <= {high}, got {value!r}"

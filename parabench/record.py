@@ -488,7 +488,7 @@ def validate_record(rec) -> list[str]:
     for key in ("repeat", "warmup"):
         if key in case and case[key] < 0:
             raise RecordProblem(f"case.{key}", f"must not be negative, found {case[key]}")
-    from parabench.suite import check_field_maximum
+    from parabench.case import check_field_maximum
 
     for key, value in case.items():
         too_big = check_field_maximum(key, value)  # what a suite may hold, a record may hold

@@ -59,7 +59,7 @@ from pathlib import Path
 
 import tomllib
 
-from parabench.case import SCALING_MODES, Case
+from parabench.case import FIELD_MAXIMA, SCALING_MODES, Case, check_field_maximum
 from parabench.fp8 import filter_option_error
 from parabench.recipes import RECIPES
 from parabench.registry import STRATEGIES, get_strategy
@@ -365,32 +365,8 @@ def _excludes(case: Case, key: str, wanted) -> bool:
     return _matches(getattr(case, key), wanted)
 
 
-# The largest value a case field may take: beyond them a case cannot be what anyone meant, and the
-# runner would spend minutes and gigabytes on the case list (one entry per launch) or a world of
-# processes before anything ran. The CPU world is bounded by the host as well (runner.too_many_cpu_ranks).
-FIELD_MAXIMA = {
-    "world_size": 65536,
-    "micro_batch": 65536,
-    "grad_accum": 65536,
-    "global_batch": 1 << 24,
-    "seq_len": 1 << 21,
-    "steps": 100000,
-    "warmup": 100000,
-    "repeats": 100,
-    "timeout_s": 7 * 24 * 3600,
-}
 # The most cases one [[matrix]] may expand to (the product of its lists' lengths)
 MAX_MATRIX_CASES = 10000
-
-
-def check_field_maximum(key: str, value) -> str | None:
-    """Why a case field is above its FIELD_MAXIMA entry, or None."""
-    high = FIELD_MAXIMA.get(key)
-    if high is None or not isinstance(value, (int, float)) or isinstance(value, bool) or value <= high:
-        return None
-    if isinstance(value, float) and math.isnan(value):  # not finite: its own message (_check_value)
-        return None
-    return f"must be <= {high}, got {value!r}"
 
 
 def _check_value(key: str, value, fail) -> None:
