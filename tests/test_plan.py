@@ -102,9 +102,7 @@ def test_model_states_are_the_theory_layout(strategy):
 
     cfg = model_config("gpt-350m")
     w = for_config(model="gpt-350m", cfg=cfg, strategy=strategy, world_size=4, micro_batch=1)
-    exp = expected(
-        Case(model="gpt-350m", strategy=strategy, world_size=4, precision="bf16", micro_batch=1), cfg, 4
-    )
+    exp = expected(Case(model="gpt-350m", strategy=strategy, world_size=4, precision="bf16", micro_batch=1), cfg, 4)
     assert w.state_bytes == sum(exp["state_bytes"].values())
     assert w.state_parts == {k: float(v) for k, v in exp["state_bytes"].items()}
 
@@ -1064,14 +1062,19 @@ def _run_folder(root: Path, name: str, shared: str | None) -> None:
     (run / "cases").mkdir(parents=True)
     env = {"PARABENCH_HOST_SHARED": shared} if shared is not None else {}
     (run / "manifest.json").write_text(json.dumps({"schema_version": 1, "kind": "run", "env": env}))
+    from parabench.case import Case
+
+    case = Case(model="tiny", strategy="single", world_size=1)
     record = {
         "schema_version": 1,
-        "label": "a",
+        "kind": "case",
+        "case_hash": case.case_hash,
+        "label": case.label,
         "status": "ok",
         "device": {"name": "NVIDIA H100 80GB HBM3"},
-        "case": {},
+        "case": case.to_dict(),
     }
-    (run / "cases" / "a.json").write_text(json.dumps(record))
+    (run / "cases" / f"{case.case_hash}.json").write_text(json.dumps(record))
 
 
 def test_runs_on_a_shared_host_stay_out_of_the_calibration(tmp_path):
