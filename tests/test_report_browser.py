@@ -1,5 +1,7 @@
 """The HTML report in a real browser (headless Chromium): every figure decodes, every table is
-there, sorting works, nothing from a result file executes, and the page opens offline.
+there, sorting works, nothing from a result file executes, the page opens offline, and at 1,280 px
+it fits the screen: no table wider than the page, no figure taller than 1,200 px or shown scaled
+down (its text would shrink below 11 px).
 
 Needs the Debian packages ``chromium`` and ``chromium-driver``: ``.ci/install-chromium`` installs
 them when no chromium is on PATH (the README's test command and ``.ci/run`` start with it). Without a
@@ -24,6 +26,11 @@ from parabench.report import write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_RUN = ROOT / "results" / "gpu-spine" / "20261126-020214"
+# the committed 2x H100 baseline: 73 cases, the widest tables and the tallest figures of any run
+LARGE_GPU_RUN = ROOT / "results" / "baselines" / "h100x2"
+CPU_SMOKE_RUN = ROOT / "results" / "baselines" / "cpu-smoke"
+PAGE_PX = 1280
+MAX_FIGURE_PX = 1200
 # the run the README's screenshot shows
 SCREENSHOT_RUN = ROOT / "results" / "h100x2" / "20261126-093352"
 ARTIFACTS = ROOT / "tests" / "artifacts"
@@ -50,7 +57,13 @@ window.addEventListener("load", function () {
     broken: imgs.filter(function (i) { return !(i.complete && i.naturalWidth > 0); }).map(function (i) { return i.alt; }),
     widths: imgs.map(function (i) { return i.naturalWidth; }),
     tables: Array.from(document.querySelectorAll("table")).map(function (t) {
-      return {id: t.id, rows: t.tBodies.length ? t.tBodies[0].rows.length : 0}; }),
+      return {id: t.id, rows: t.tBodies.length ? t.tBodies[0].rows.length : 0,
+              right: Math.ceil(t.getBoundingClientRect().right)}; }),
+    page_width: document.documentElement.clientWidth,
+    shown: imgs.map(function (i) {
+      var box = i.getBoundingClientRect();
+      return {id: i.closest("figure") ? i.closest("figure").id : i.alt, width: Math.round(box.width),
+              height: Math.round(box.height), natural_width: i.naturalWidth}; }),
     height: document.documentElement.scrollHeight,
     external: Array.from(document.querySelectorAll("[src],link[href]")).map(function (e) {
       return e.getAttribute("src") || e.getAttribute("href"); }).filter(function (u) { return !/^data:/.test(u); }),
@@ -104,7 +117,7 @@ def probe(browser: str, report: Path, tmp: Path) -> dict:
     """Open a copy of the report with the probe script appended; return what the probe saw."""
     probed = tmp / (report.stem + ".probed.html")
     probed.write_text(report.read_text().replace("</body>", PROBE + "</body>"))
-    res = _run_chromium(browser, tmp, "--dump-dom", probed.as_uri())
+    res = _run_chromium(browser, tmp, f"--window-size={PAGE_PX},1000", "--dump-dom", probed.as_uri())
     m = re.search(r'<pre id="pb-probe">(.*?)</pre>', res.stdout, re.S)
     assert m, f"no probe output; chromium rc={res.returncode}\n{res.stderr[-2000:]}"
     return json.loads(html.unescape(m.group(1)))
@@ -134,6 +147,18 @@ def _check_common(seen: dict, expect_figures: set[str], expect_tables: set[str])
     assert vals and vals == sorted(vals, reverse=True), "clicking a header twice sorts descending"
 
 
+def _check_fits_the_screen(seen: dict):
+    """At 1,280 px: every table inside the page, every figure at most one screen tall and shown at its
+    own size (a figure scaled down to fit would shrink its 11 px text)."""
+    assert seen["page_width"] == PAGE_PX
+    wide = {t["id"]: t["right"] for t in seen["tables"] if t["right"] > seen["page_width"]}
+    assert not wide, f"tables wider than the {PAGE_PX} px page (right edge, px): {wide}"
+    tall = {f["id"]: f["height"] for f in seen["shown"] if f["height"] > MAX_FIGURE_PX}
+    assert not tall, f"figures taller than {MAX_FIGURE_PX} px: {tall}"
+    shrunk = {f["id"]: (f["width"], f["natural_width"]) for f in seen["shown"] if f["width"] < f["natural_width"] - 2}
+    assert not shrunk, f"figures scaled down to fit the page (shown, drawn px): {shrunk}"
+
+
 CORE_FIGURES = {"fig-throughput", "fig-memory", "fig-mfu", "fig-comm", "fig-losses"}
 CORE_TABLES = {"tbl-overview", "tbl-cases", "tbl-memory-table", "tbl-comm-table", "tbl-environment"}
 
@@ -142,6 +167,7 @@ def test_gpu_report_in_browser(browser, tmp_path):
     report = write_report([GPU_RUN], tmp_path / "gpu-report.html")
     seen = probe(browser, report, tmp_path)
     _check_common(seen, CORE_FIGURES, CORE_TABLES)
+    _check_fits_the_screen(seen)
     shot = screenshot(browser, report, tmp_path, ARTIFACTS / "gpu-report.png", height=min(seen["height"], 12000))
     if os.environ.get("PARABENCH_UPDATE_SCREENSHOT"):
         shown = write_report([SCREENSHOT_RUN], tmp_path / "h100x2-report.html")
@@ -154,7 +180,30 @@ def test_smoke_report_in_browser(browser, smoke_run, tmp_path):
     assert report.stat().st_size < 3_000_000
     seen = probe(browser, report, tmp_path)
     _check_common(seen, CORE_FIGURES, CORE_TABLES)
+    _check_fits_the_screen(seen)
     screenshot(browser, report, tmp_path, ARTIFACTS / "smoke-report.png", height=min(seen["height"], 12000))
+
+
+@pytest.mark.parametrize("run", [LARGE_GPU_RUN, CPU_SMOKE_RUN], ids=["gpu-h100x2", "cpu-smoke"])
+def test_committed_report_fits_the_screen(browser, run, tmp_path):
+    """The largest committed GPU run and the committed CPU smoke run, rendered by this code, at 1,280 px.
+    The first screen answers (the chosen configuration's time per million tokens beside its memory),
+    and a section with no data is left out: no CPU run has predictions."""
+    report = write_report([run], tmp_path / f"{run.name}.html")
+    seen = probe(browser, report, tmp_path)
+    _check_fits_the_screen(seen)
+    tables = {t["id"]: t["rows"] for t in seen["tables"]}
+    assert tables.get("tbl-overview-choice", 0) > 0, sorted(tables)
+    assert all(rows > 0 for rows in tables.values()), tables
+    choice = report.read_text().split('id="tbl-overview-choice"', 1)[1].split("</table>", 1)[0]
+    assert "s per 1M tokens" in choice and "peak memory GiB" in choice
+    if run == CPU_SMOKE_RUN:
+        assert "tbl-predicted" not in tables
+        assert "gloo timings on a shared CPU are not a ranking" in choice
+        assert "Energy: not recorded" in report.read_text()
+    else:
+        assert "Wh per 1M tokens" in choice
+    screenshot(browser, report, tmp_path, ARTIFACTS / f"{run.name}-1280.png", width=PAGE_PX, height=2400)
 
 
 def test_multi_run_report_compares_and_stays_inert(browser, smoke_run, tmp_path):

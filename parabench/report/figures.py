@@ -83,7 +83,10 @@ def _png(fig) -> str:
                 _log_ticks(axis)
     _readable(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
+    # the layout engine keeps labels and legends inside the figure: no second, "tight" drawing pass
+    if fig.get_layout_engine() is None:
+        fig.set_layout_engine("constrained")
+    fig.savefig(buf, format="png", dpi=DPI)
     plt.close(fig)
     return "data:image/png;base64," + base64.b64encode(_small_png(buf.getvalue())).decode()
 
