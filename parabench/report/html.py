@@ -37,6 +37,8 @@ TEMPLATE_DIR = Path(__file__).parent / "templates"
 LABEL_KEYS = {"label", "variant", "best_peer", "short", "case", "run"}
 # a text column whose longest value has more characters than this wraps too
 WRAP_CHARS = 28
+# a table of more columns than this gets a smaller font, and headers that may break inside a word
+DENSE_COLUMNS = 13
 # column key -> (header, format): format "int", "f1", "f2", "f3", "g4", "pct", "str", "wrap" (text that wraps),
 # "bytes" (a byte count, or a [low, high] range, in binary units; the exact count in the cell's title)
 CASE_COLUMNS = [
@@ -199,6 +201,7 @@ def _table(
         "headers": [h for _, h, _ in columns],
         "rows": body,
         "footer": footer,
+        "dense": len(columns) > DENSE_COLUMNS,
     }
 
 
