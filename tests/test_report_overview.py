@@ -210,7 +210,8 @@ def test_cpu_groups_are_ordered_by_deterministic_bytes_not_ranked_by_time():
     faster = [{**r, "tokens_per_s_per_device": r["tokens_per_s_per_device"] * f} for r, f in zip(rows, (3, 0.5, 1))]
     assert [r["variant"] for r in overview.peer_rows(faster)] == [r["variant"] for r in peer]
     (choice,) = overview.choice_rows(peer)
-    assert "not a ranking" in choice["chosen"]
+    assert (choice["chosen"], choice["ties"]) == ("torch.fsdp2", "–")
+    assert "not a ranking" in choice["chosen_by"]
     ref = {**case("ref.zero3", 20000.0), "device": "cpu (x86_64)"}
     assert overview.reference_rows(rows + [ref])[0]["verdict"] == "not judged (CPU)"
 

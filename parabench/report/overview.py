@@ -133,10 +133,14 @@ def _order(rows: list[dict]) -> tuple:
     )
 
 
+def _bytes_key(r: dict) -> tuple:
+    big = float("inf")
+    return (r.get("model_state_MiB") or big, r.get("comm_MiB") or big)
+
+
 def _deterministic_order(rs: list[dict]) -> list[dict]:
     """A CPU group, unranked: least model state per rank first, then least communication."""
-    big = float("inf")
-    out = sorted(rs, key=lambda r: (r.get("model_state_MiB") or big, r.get("comm_MiB") or big, r["variant"]))
+    out = sorted(rs, key=lambda r: (*_bytes_key(r), r["variant"]))
     return [
         {**r, "rank": None, "rank_text": "not ranked (CPU)", "vs_fastest_pct": None, "ranked_on": "CPU"} for r in out
     ]
@@ -162,13 +166,14 @@ def choice_rows(peer: list[dict]) -> list[dict]:
             continue
         group = peer[i : i + r["group_size"]]
         if r["rank"] is None:
-            chosen = "none by time: gloo timings on a shared CPU are not a ranking"
-            ties = f"least model state: {r['variant']}"
+            by = CPU_CHOICE
+            others = [o["variant"] for o in group[1:] if _bytes_key(o) == _bytes_key(r)]
         else:
-            chosen = r["variant"]
+            by = "median tokens/s per device"
             others = [o["variant"] for o in group[1:] if o["rank"] == 1]
-            ties = ", ".join(others) if others else "–"
-        out.append({**r, "chosen": chosen, "ties": ties, "group_start": False})
+        out.append(
+            {**r, "chosen": r["variant"], "chosen_by": by, "ties": ", ".join(others) or "–", "group_start": False}
+        )
     return out
 
 
@@ -218,8 +223,10 @@ PEER_COLUMNS = [
     ("wh_per_mtok", "Wh per 1M tokens", "f2"),
     ("launches", "launches", "int"),
 ]
+CPU_CHOICE = "least model state, then communication: gloo timings on a shared CPU are not a ranking"
 CHOICE_COLUMNS = [
     ("chosen", "chosen library strategy", "wrap"),
+    ("chosen_by", "chosen by", "wrap"),
     ("ties", "tied with it", "wrap"),
     ("tokens_per_s_per_device", "tok/s/device", "int"),
     ("s_per_mtok", "s per 1M tokens", "f1"),
@@ -250,7 +257,8 @@ PEER_NOTE = (
 CHOICE_NOTE = (
     "The answer for each model, device count, recipe and micro-batch: the fastest production library "
     "(and those the launches cannot tell apart from it, ranked below), what a million tokens costs it in "
-    "time (all its devices together) and energy, and its peak memory per device."
+    "time (all its devices together) and energy, and its peak memory per device. On CPU: the least model "
+    "state per rank, then the least communication, and those with the same bytes."
 )
 NO_ENERGY = "Energy: not recorded in this run (the power telemetry, NVML, exists on GPUs only)."
 CPU_NOTE = (
