@@ -64,6 +64,12 @@ BUBBLE_COLUMNS = [
     ("worst_stage", "furthest stage", "int"),
     ("worst_difference_pct", "its difference, points", "f2"),
     ("agrees", f"within {frames.BUBBLE_TOLERANCE:g}", "str"),
+]
+# the measured bubble taken apart against its schedule replayed: a table of its own, so that each fits the page
+BUBBLE_PART_COLUMNS = [
+    ("label", "case", "str"),
+    ("measured_pct", "bubble % measured", "f2"),
+    ("theory_pct", "theory %", "f2"),
     ("equal_stages_pct", "simulated %, equal stages", "f2"),
     ("simulated_pct", "simulated %, measured op times", "f2"),
     ("op_ratio_pct", "op-time ratio, points", "f2"),
@@ -80,7 +86,10 @@ BUBBLE_NOTE = (
     "1F1B. A mean more than "
     f"{frames.BUBBLE_TOLERANCE:g} ({frames.BUBBLE_TOLERANCE * 100:g} points) from theory is flagged; "
     "the furthest stage shows how evenly the idle time is spread. A dash: the strategy records no "
-    "measured bubble (a library's schedule). Simulated: the case's own schedule replayed with free "
+    "measured bubble (a library's schedule)."
+)
+BUBBLE_PART_NOTE = (
+    "The measured bubble of each pipeline case above, taken apart. Simulated: the case's own schedule replayed with free "
     "messages (parabench.pipeline_sim), each op lasting what it measured on the timeline, or, for equal "
     "stages, its kind's mean over all stages. measured = theory + op-time ratio (equal stages − theory; "
     "non-zero where the theory assumes T_F = T_B = T_W) + stage imbalance (measured op times − equal "
@@ -124,6 +133,17 @@ def table_specs(runs, run_col: list) -> list[dict]:
                     if flagged
                     else ""
                 ),
+            }
+        )
+        specs.append(
+            {
+                "id_": "pipeline-bubble-parts",
+                "title": "Pipeline bubble taken apart: op times, stage imbalance, the rest",
+                "columns": run_col + BUBBLE_PART_COLUMNS,
+                "rows": bubbles,
+                "note": BUBBLE_PART_NOTE,
+                "row_class": lambda b: "bad-row" if b["agrees_simulated"] is False else "",
+                "drop_empty": True,
             }
         )
     return specs
