@@ -224,4 +224,5 @@ def test_multi_run_report_compares_and_stays_inert(browser, smoke_run, tmp_path)
     assert "<script>document.body" not in text and "<img src=x" not in text
     seen = probe(browser, report, tmp_path)
     _check_common(seen, CORE_FIGURES, CORE_TABLES | {"tbl-cmp-1", "tbl-cmp-2", "tbl-failed"})
+    _check_fits_the_screen(seen)
     screenshot(browser, report, tmp_path, ARTIFACTS / "multi-report.png", height=min(seen["height"], 12000))
