@@ -5,14 +5,16 @@ it never imports training code. Figures are seaborn PNGs embedded as data URIs, 
 HTML with a few lines of inline script for sorting and filtering, so the file opens offline (no
 CDN). Every string from a result file goes through Jinja's autoescaping: results are untrusted text.
 
-Sections: overview (production libraries ranked per model, device count, recipe and micro-batch,
-then the references against the fastest of them: ``overview``), figures, all cases,
+Sections: overview (the configuration chosen per model, device count, recipe and micro-batch with
+its time, energy and memory per million tokens, the production libraries ranked, then the references
+against the fastest of them: ``overview``), figures, all cases,
 memory, communication vs theory, pipeline, ring-attention balance (``cp_balance``), expert routing
 of the MoE strategies (``moe_routing``), run-to-run
 spread of repeated cases (``spread``), peer fidelity (``fidelity``), links to traces and memory
 snapshots (``traces``), collectives,
 cross-run comparison (same case hash, ``parabench.compare``'s verdicts), failed and skipped
-cases, environment.
+cases, environment. A section with no data is left out, and every table and figure fits a 1,280 px
+page (long columns wrap; figures split into parts of one screen: ``figures``).
 """
 
 from __future__ import annotations
