@@ -467,7 +467,8 @@ def communication(comm_rows: list[dict]) -> list[dict]:
     )
 
 
-def _comm_page(page, width):
+def _comm_page(page, width, xlabel="payload MiB per step, rank 0"):
+    """Panels of measured bars, each with its theory as a black tick on the same row."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -481,7 +482,7 @@ def _comm_page(page, width):
         ax.set_ylim(-0.6, len(sub) - 0.4)
         ax.xaxis.set_major_formatter(FuncFormatter(_plain_number))
         ax.set_title(model)
-        ax.set_xlabel("payload MiB per step, rank 0")
+        ax.set_xlabel(xlabel)
     handles = [
         Patch(color="#4c72b0", label="measured"),
         Line2D([], [], color="black", marker="|", ls="", ms=13, mew=2.2, label="theory"),
@@ -615,35 +616,20 @@ def pipeline(ok: pd.DataFrame) -> list[dict]:
     pts = []
     for _, r in ok.iterrows():
         for p in r.pipeline or []:
-            name = f"{r.model} · {r.bar} · stage {p.get('stage')}"
-            for src in ("measured", "theory"):
-                if p.get(src) is not None:
-                    pts.append({"case": name, "source": src, "bubble %": p[src] * 100})
+            pct = {src: p[src] * 100 if p.get(src) is not None else float("nan") for src in ("measured", "theory")}
+            if pct["measured"] == pct["measured"] or pct["theory"] == pct["theory"]:
+                pts.append({"model": r.panel, "case": f"{r.bar} · stage {p.get('stage')}", **pct})
     if not pts:
         return []
     df = pd.DataFrame(pts)
-    fig, ax = plt.subplots(figsize=(8, max(2.5, 0.42 * df.case.nunique() + 0.8)), layout="constrained")
-    sns.barplot(
-        data=df,
-        y="case",
-        x="bubble %",
-        hue="source",
-        hue_order=["measured", "theory"],
-        order=sorted(df.case.unique()),
-        ax=ax,
-        errorbar=None,
+    pieces = [(m, df[df.model == m].sort_values("case")) for m in sorted(df.model.unique())]
+    figs = [_comm_page(page, _width(df.case), "bubble (% of the step)") for page in pages(pieces)]
+    return figure_entries(
+        "pipeline",
+        "Pipeline bubble per stage: measured vs theory",
+        "Measured (bar): the stage's idle (waiting) share of the step; theory (black tick): (p−1)/(m+p−1).",
+        figs,
     )
-    ax.set_ylabel("")
-    ax.set_xlabel("bubble (% of the step)")
-    sns.move_legend(ax, "lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, title=None, frameon=False)
-    return [
-        figure_entry(
-            "pipeline",
-            "Pipeline bubble per stage: measured vs theory",
-            "Measured: the stage's idle (waiting) share of the step; theory: (p−1)/(m+p−1).",
-            fig,
-        )
-    ]
 
 
 def collectives(rows: list[dict]) -> list[dict]:
