@@ -285,7 +285,7 @@ def tie_note(validation_path: Path) -> str | None:
     )
 
 
-# The one measured remedy for a trainer's launch spread (docs/results.md, "2026-11-28 morning"):
+# The one measured remedy for a trainer's launch spread (results/studies/gc-peers-h100x4/20261128-031009):
 # compiled torch.fsdp2's ranks each pause for a full garbage collection at a different step.
 FSDP2_GC_REMEDY = (
     "Where compiled torch.fsdp2 was measured both ways (gpt-1.3b, 4 GPUs), its spread was Python's garbage "
