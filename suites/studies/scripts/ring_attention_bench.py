@@ -12,7 +12,7 @@ Per rank it reports:
 
 ``--impl FILE`` loads ``ring_attention`` from another copy of the module, e.g. the version before
 the fused ring (``git show 13bb0d7^:reference_impls/context_parallel.py > /tmp/ring_old.py``), to
-compare before/after on the same shapes (numbers in docs/ring-attention-notes.md):
+compare before/after on the same shapes (numbers in results/cp-ep-gpu/20261126-063819/NOTES.md):
 
     PYTHONPATH=. python3 suites/studies/scripts/ring_attention_bench.py --seq-len 4096 --heads 4 --split zigzag
     PYTHONPATH=. python3 suites/studies/scripts/ring_attention_bench.py --seq-len 4096 --heads 4 --impl /tmp/ring_old.py
