@@ -714,7 +714,7 @@ def reserve_run_dir(run_dir: Path) -> Path:
         except FileExistsError:
             continue
         except OSError as exc:
-            raise OutputError(f"cannot create the run folder {candidate}: {exc.strerror or exc}") from None
+            raise OutputError(f"output folder {candidate} is not writable: {exc.strerror or exc}") from None
         return candidate
     raise OutputError(f"no free run folder name beside {run_dir}; give --run-id")
 

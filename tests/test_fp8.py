@@ -9,6 +9,7 @@ import torch
 
 import parabench.fp8 as fp8
 from parabench.case import Case
+from parabench.families import ROWS
 from parabench.launch import LaunchOptions
 from parabench.models import MODEL_LADDER, build_model
 from parabench.recipes import recipe_name
@@ -22,6 +23,9 @@ BLOCK_LINEARS = ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc", "mlp.proj"
 
 
 # the strategies that declare the fp8 recipe
+# parabench's own rows: a test may register a strategy of its own (tests/test_add_strategy.py does,
+# when its module is collected) and the registry then holds it in every test of the session
+BUILT_IN = {row.name: row for row in ROWS}
 FP8_STRATEGIES = {"single", "torch.ddp", "torch.fsdp2", "ref.ddp", "ref.zero1", "ref.zero2", "ref.zero3", "ref.fsdp"}
 
 
@@ -41,7 +45,7 @@ def test_fp8_is_a_named_hashed_bf16_recipe_of_the_strategies_that_declare_it():
     assert expected(f, cfg, 2)["comm_payload_bytes"] == expected(amp, cfg, 2)["comm_payload_bytes"]
     spec = TrainSpec(cfg, 0, torch.device("cpu"), "bf16", Topology(2, 0, 2), 2, recipe="fp8")
     assert spec.param_dtype == torch.float32 and spec.autocast_on
-    declared = {n for n, s in STRATEGIES.items() if "fp8" in s.recipes_for("bf16")}
+    declared = {n for n, s in BUILT_IN.items() if "fp8" in s.recipes_for("bf16")}
     assert declared == FP8_STRATEGIES
     assert all("fp8" not in s.recipes_for("fp16") for s in STRATEGIES.values())
     with pytest.raises(SuiteError, match="does not train fp16 in the 'fp8' recipe"):
@@ -296,7 +300,7 @@ def _converted_by_every_fp8_strategy(fp8_filter: str) -> dict:
     cfg = dataclasses.replace(MODEL_LADDER["gpt-350m"], n_layers=1, vocab_size=256, seq_len=16)
     topo = build_topology("cpu")
     out = {}
-    for name in sorted(n for n, s in STRATEGIES.items() if "fp8" in s.recipes_for("bf16")):
+    for name in sorted(n for n, s in BUILT_IN.items() if "fp8" in s.recipes_for("bf16")):
         opts = {"fp8_filter": fp8_filter}
         spec = TrainSpec(cfg, 0, torch.device("cpu"), "bf16", topo, 1, options=opts, recipe="fp8")
         with fp8.recorded_conversions() as conversions:

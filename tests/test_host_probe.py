@@ -42,15 +42,15 @@ def test_probe_sees_a_slower_host():
 
 def test_cpu_use_tells_a_busy_thread_from_a_blocked_one():
     start = host.cpu_times()
-    end = time.perf_counter() + 0.2
-    while time.perf_counter() < end:
+    end = time.thread_time() + 0.2  # 0.2 s of this thread's CPU, however long a contended host takes
+    while time.thread_time() < end:
         pass
     busy = host.cpu_use(start, host.cpu_times(), steps=2)
     start = host.cpu_times()
     time.sleep(0.2)
     blocked = host.cpu_use(start, host.cpu_times(), steps=2)
-    # a busy loop owns its CPU unless the machine is contended (CI shares two cores): a margin, not 1
-    assert busy["thread_cpu_share"] > 0.3 and blocked["thread_cpu_share"] < 0.1
+    # the busy loop's CPU seconds are its own; its share of the wall time depends on the machine's load
+    assert busy["thread_cpu_share"] * busy["wall_s"] >= 0.19 and blocked["thread_cpu_share"] < 0.1
     assert busy["wall_s"] >= 0.2 and blocked["voluntary_switches_per_step"] >= 0.5  # the sleep blocked once
     assert all(isinstance(c, int) for c in busy["cpus"])
     assert host.cpu_use(None, host.cpu_times(), steps=2) is None

@@ -5,6 +5,7 @@ failed MoE cases with their diagnosis; from synthetic records and from the commi
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -42,6 +43,7 @@ def _record(
         "precision": "fp32",
         "micro_batch": 2,
         "grad_accum": 1,
+        "steps": 2,
         "seq_len": 64,
         "options": {},
     }
@@ -49,7 +51,7 @@ def _record(
         "schema_version": 1,
         "kind": "case",
         "case": case,
-        "case_hash": label.replace(" ", "-"),
+        "case_hash": hashlib.sha256(label.encode()).hexdigest()[:16],
         "label": label,
         "status": status,
         "error": error,
@@ -58,6 +60,8 @@ def _record(
             "config": {
                 "n_layers": 4,
                 "d_model": 32,
+                "n_heads": 4,
+                "vocab_size": 256,
                 "seq_len": 64,
                 "n_experts": n_experts,
                 "top_k": top_k,
@@ -84,8 +88,8 @@ def _write_run(root: Path, run_id: str, records: list[dict]) -> Path:
     (run / "manifest.json").write_text(
         json.dumps({"schema_version": 1, "kind": "manifest", "suite": "moe-test", "run_id": run_id, "devices": []})
     )
-    for i, r in enumerate(records):
-        (run / "cases" / f"{i:02d}.json").write_text(json.dumps(r))
+    for r in records:
+        (run / "cases" / f"{r['case_hash']}.json").write_text(json.dumps(r))
     return run
 
 
@@ -169,8 +173,17 @@ DENSE = {
     "schema_version": 1,
     "kind": "case",
     "label": "ref.ddp tiny w2 fp32 mb2",
+    "case_hash": hashlib.sha256(b"ref.ddp tiny w2 fp32 mb2").hexdigest()[:16],
     "status": "ok",
-    "case": {"model": "tiny", "strategy": "ref.ddp", "world_size": 2, "precision": "fp32", "micro_batch": 2},
+    "case": {
+        "model": "tiny",
+        "strategy": "ref.ddp",
+        "world_size": 2,
+        "precision": "fp32",
+        "micro_batch": 2,
+        "grad_accum": 1,
+        "steps": 2,
+    },
     "metrics": {"tokens_per_s": 1000.0, "step_time_s_median": 0.01},
     "per_rank": [{"rank": 0, "strategy_stats": {"ep": 2, "moe_layers": {"1": _ep([1, 0])}}}],
 }
