@@ -655,6 +655,26 @@ def _scaled_time(source: dict, ratio: float) -> dict:
     return {k: v * ratio if k in M.MEMORY_BOUND_TIME_CONSTANTS else v for k, v in source["time"].items()}
 
 
+# Predicted steps under a scaled calibration, by (calibration, ratio, workload): leaving each of a
+# part's configurations out in turn (``validate.derived_parts``) fits the ratio again over the others,
+# whose predictions at each ratio do not change. The workload object is kept beside its step, so an
+# id is never read for another object.
+_SCALED_STEPS: dict[tuple, tuple[object, float]] = {}
+_SCALED_STEPS_MAX = 100_000
+
+
+def _scaled_step_s(source_key: str, ratio: float, cal: dict, workload) -> float:
+    key = (source_key, ratio, id(workload))
+    hit = _SCALED_STEPS.get(key)
+    if hit is not None and hit[0] is workload:
+        return hit[1]
+    if len(_SCALED_STEPS) >= _SCALED_STEPS_MAX:
+        _SCALED_STEPS.clear()
+    step_s = M.predict(workload, cal).step_s
+    _SCALED_STEPS[key] = (workload, step_s)
+    return step_s
+
+
 def fit_hbm_ratio(source: dict, own: list[Observation]) -> float | None:
     """The memory-bound time constants' factor (in ``HBM_RATIO_RANGE``, to 0.01: a 0.05 grid, then
     0.01 steps around its best) with the least summed |log error| over ``own``'s configurations
@@ -663,9 +683,11 @@ def fit_hbm_ratio(source: dict, own: list[Observation]) -> float | None:
     if len(device_bound) < HBM_RATIO_MIN_CONFIGURATIONS:
         return None
 
+    source_key = json.dumps(source, sort_keys=True, default=str)
+
     def loss(ratio: float) -> float:
         cal = {**source, "time": _scaled_time(source, ratio)}
-        return sum(abs(math.log(M.predict(o.workload, cal).step_s / o.step_s)) for o in device_bound)
+        return sum(abs(math.log(_scaled_step_s(source_key, ratio, cal, o.workload) / o.step_s)) for o in device_bound)
 
     lo, hi = HBM_RATIO_RANGE
     coarse = min((round(lo + 0.05 * i, 2) for i in range(int(round((hi - lo) / 0.05)) + 1)), key=loss)
