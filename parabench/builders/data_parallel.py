@@ -126,3 +126,19 @@ def build_ddp(spec: TrainSpec):
         ),
         o,
     )
+
+
+def build_ps_async(spec: TrainSpec):
+    from parabench.families.data_parallel import AsyncPSOptions
+    from reference_impls.async_ps import AsyncParameterServer
+
+    o = AsyncPSOptions.read(spec.options)
+    trainer = as_trainer(AsyncParameterServer)(
+        reference_model(spec, o),
+        lm_loss,
+        spec.topology.dp_group,
+        max_staleness=int(o.max_staleness),
+        **common_kwargs(spec, o),
+    )
+    trainer.strategy_stats = trainer.staleness_stats
+    return with_lr_spike(trainer, o)

@@ -64,6 +64,13 @@ class DDPPeerOptions(DataParallelOptions):
     RECORDED_DEFAULTS: ClassVar[tuple[str, ...]] = ("profile",)
 
 
+@dataclass(frozen=True)
+class AsyncPSOptions(DataParallelOptions):
+    # ref.ps_async: how many updates old the parameters a gradient is computed on may be (the bounded
+    # delay τ of Li et al. 2014, Sec. 3); 0 is the synchronous parameter server, bit for bit
+    max_staleness: int = 1
+
+
 # --- expectations -------------------------------------------------------------------------------
 
 
@@ -125,6 +132,28 @@ def expect_ref_ps(cfg, case, o, dp):
         "main gradient in bf16), master and Adam moments; it receives (N-1) gradients per step. A worker "
         "holds bΨ params + bΨ grads, no optimizer state, and moves send bΨ + broadcast bΨ.",
     )
+
+
+def expect_ref_ps_async(cfg, case, o, dp):
+    p, b, mixed = psi(cfg), BYTES[case.param_precision], case.param_precision != "fp32"
+    server_comm = {"recv": (dp - 1) * b * p, "send": (dp - 1) * b * p} if dp > 1 else {}
+    return Expectation(
+        # the server's snapshots in flight and a worker's versions received per step vary with timing
+        state_bytes=None,
+        comm_payload_bytes=server_comm,
+        paper_state_bytes=zero_paper_state_bytes(0, p, dp),
+        notes="server (rank 0), per step: receives (N-1) gradients and sends each worker the new parameters, "
+        f"(N-1)·bΨ each way (b = {b}); it holds the fp32 master{' and main gradient' if mixed else ''}, Adam moments "
+        "and up to max_staleness + 1 parameter snapshots in flight. A worker sends bΨ and receives 0 to "
+        "max_staleness + 1 versions in a step (bΨ each), so its traffic per step is not fixed.",
+    )
+
+
+def validate_ps_async(case, o, cfg) -> None:
+    if case.precision == "fp16":
+        raise ValueError("ref.ps_async has no loss scaling: train it in fp32 or bf16")
+    if int(o.max_staleness) < 0:
+        raise ValueError(f"ref.ps_async: max_staleness must be >= 0, not {o.max_staleness}")
 
 
 def validate_single(case, o, cfg) -> None:
@@ -207,6 +236,21 @@ ROWS = (
         "reference parameter server: gradients sent to rank 0, AdamW there, parameters broadcast",
         expect_ref_ps,
         compile_unsupported=None,
+        plan=PlanFacts(
+            family="data_parallel",
+            persistent_grads="server",
+        ),
+    ),
+    _row(
+        "ref.ps_async",
+        "parabench.builders.data_parallel:build_ps_async",
+        "reference",
+        "reference asynchronous parameter server: bounded staleness (option max_staleness), no barrier; "
+        "the staleness histogram in strategy_stats",
+        expect_ref_ps_async,
+        compile_unsupported=None,
+        options=AsyncPSOptions,
+        validate=validate_ps_async,
         plan=PlanFacts(
             family="data_parallel",
             persistent_grads="server",
