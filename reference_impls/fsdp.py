@@ -57,6 +57,17 @@ blocks, each outstanding one with a unit/N receive shard in 16-bit (``parabench.
 bound). ZeRO-3 (Rajbhandari et al. 2020, Sec. 5.3) counts the model state only; FSDP (Zhao et al.
 2023, Sec. 3.2) the same layout: the peak is the model state plus this working set plus activations.
 
+Gradient accumulation (``reduce_every_micro_batch``). True (the default, as FSDP2's default
+``set_requires_gradient_sync(True)`` and DeepSpeed's stage 3): every micro-batch reduce-scatters
+each unit's gradient, so per step A·bΨp of reduce-scatter payload (A = grad_accum) and no
+full-size gradient outlives its unit's backward. False (accumulation without communication, the
+FSDP paper's ``no_sync``, Zhao et al. 2023 Sec. 3.3.4; FSDP2's ``set_requires_gradient_sync(False)``
+on all micro-batches but the last): a unit's flat gradient buffer is kept, unsharded, from the
+first micro-batch and autograd accumulates into it; only the last micro-batch reduce-scatters it.
+Per step bΨp of reduce-scatter payload, A times less; all-gathers are unchanged (parameters are
+still freed after each use), and every unit's unsharded gradient, bΨp in all, is held across the
+accumulation window: the memory ZeRO-3 set out to save (Sec. 5.2), traded for the traffic.
+
 Averaging: the loss is multiplied by 1/(grad_accum x N_total) before backward.
 """
 
@@ -111,8 +122,11 @@ class FSDP:
         adam: dict,
         grad_scaler=None,
         in_flight: int = 2,
+        reduce_every_micro_batch: bool = True,
     ):
         self.model, self.loss_fn, self.group, self.replicate_group = model, loss_fn, group, replicate_group
+        self.reduce_every_micro_batch = reduce_every_micro_batch
+        self._sync = True  # this micro-batch reduce-scatters (False: accumulate into the unsharded buffers)
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.dp_total = self.world * (dist.get_world_size(replicate_group) if replicate_group is not None else 1)
         self.grad_accum, self.grad_scaler, self.prefetch = grad_accum, grad_scaler, prefetch
@@ -222,6 +236,8 @@ class FSDP:
         u.ready = 0
         self._free(u)  # every use of these parameters in backward is done: free before the root's buffer
         flat = self._grad_buffer(u)
+        if not self._sync:  # accumulating without communication: the buffer is kept for the next micro-batch
+            return
         direct = not self._written[u.index] and flat.dtype == torch.float32
         out = self._main_shard(u) if direct else flat.new_empty(u.shard_numel)
         work = reduce_scatter_into(out, flat, group=self.group, async_op=True)
@@ -253,10 +269,14 @@ class FSDP:
         scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
         mult = scale / (self.grad_accum * self.dp_total)
         self._written = [False] * len(self.units)
-        for x, y in zip(inputs.chunk(self.grad_accum), targets.chunk(self.grad_accum)):
+        held = 0
+        for i, (x, y) in enumerate(zip(inputs.chunk(self.grad_accum), targets.chunk(self.grad_accum))):
+            self._sync = self.reduce_every_micro_batch or i == self.grad_accum - 1
             loss = self.loss_fn(self.model(x), y)
             (loss * mult).backward()
             total += loss.detach()
+            if not self._sync and self.measure_state:  # the unsharded gradients kept for the next micro-batch
+                held = tensor_bytes(u.grad_buf for u in self.units if u.grad_buf is not None)
             self._drain()
             for u in self.units:  # a unit whose parameters got no gradient is still gathered
                 if u.gathered:
@@ -270,7 +290,7 @@ class FSDP:
             for w in works:
                 w.wait()
         if self.measure_state:
-            self._grad_bytes = tensor_bytes(grads)
+            self._grad_bytes = tensor_bytes(grads) + held
         applied = True
         if self.grad_scaler is not None:  # seam: unscale the owned shards, agree on inf over all ranks
             applied = self.grad_scaler.unscale_and_check(grads, self.group)

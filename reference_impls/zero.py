@@ -14,6 +14,20 @@ Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Pa
   gradient accumulation this happens on every micro-batch (ZeRO-1 accumulates the full
   gradient locally and communicates on the last micro-batch only).
 
+Two forms of gradient accumulation at stage 2 (``reduce_every_micro_batch``):
+
+* True (the default, as DeepSpeed's ZeRO-2: engine.py ``allreduce_gradients``, "ZeRO stage >= 2
+  communicates during non gradient accumulation boundaries as well"): every micro-batch
+  reduce-scatters its buckets, so no rank ever holds the whole gradient. Per step A·bΨp of
+  reduce-scatter payload (A = grad_accum); gradient memory 4Ψp/N plus at most in_flight + 1
+  buckets alive during backward.
+* False (accumulation without communication, DDP's ``no_sync``, Li et al. 2020 Sec. 3.2.5;
+  DeepSpeed's ``engine.coalesce_grad_reduction()``): earlier micro-batches only accumulate into
+  the full-size buckets; the last one reduce-scatters them once. Per step bΨp of reduce-scatter
+  payload, A times less, at the price of holding the whole gradient bΨp from the first
+  micro-batch to the last: ZeRO-1's gradient memory, bΨp + 4Ψp/N (the paper's Sec. 5.2 saving
+  of gradient memory is given up for the accumulation window).
+
 Layout (see ``dp_common.py``): the flat buffer is cut into buckets (bucket_mb of the compute
 dtype, last parameters first) and **each bucket is padded to a multiple of N and split into N
 equal shards**, rank r owning shard r of every bucket (Megatron-core's distributed optimizer
@@ -65,12 +79,15 @@ class ZeRO:
         adam: dict,
         grad_scaler=None,
         in_flight: int = 2,
+        reduce_every_micro_batch: bool = True,
     ):
         assert stage in (1, 2)
         self.model, self.loss_fn, self.group, self.stage = model, loss_fn, group, stage
+        # Stage 1 always accumulates locally; stage 2 does when told (see the module docstring).
+        self.reduce_every_micro_batch = stage == 2 and reduce_every_micro_batch
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.grad_accum, self.grad_scaler = grad_accum, grad_scaler
-        self.measure_state, self._grad_bytes = False, 0
+        self.measure_state, self._grad_bytes, self._held_grad_bytes = False, 0, 0
         elem = torch.empty((), dtype=compute_dtype).element_size()
         self.buckets = plan_buckets(model.parameters(), bucket_mb * MiB, elem, pad_to=self.world)
 
@@ -198,13 +215,16 @@ class ZeRO:
         scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
         mult = scale / (self.grad_accum * self.world)
         self._written = [False] * len(self.buckets)
+        self._held_grad_bytes = 0
         for i, (x, y) in enumerate(zip(inputs.chunk(self.grad_accum), targets.chunk(self.grad_accum))):
             last = i == self.grad_accum - 1
-            self._sync = last or self.stage == 2
+            self._sync = last or self.reduce_every_micro_batch
             self._ready, self._next = [0] * len(self.buckets), 0
             loss = self.loss_fn(self.model(x), y)
             (loss * mult).backward()
             total += loss.detach()
+            if not self._sync and self.measure_state:  # the whole gradient, held until the last micro-batch
+                self._held_grad_bytes = tensor_bytes(g for g in self._gbuf if g is not None)
             if self._sync:
                 for b in self.buckets[self._next :]:  # buckets with unused parameters
                     self._launch(b)
@@ -218,7 +238,8 @@ class ZeRO:
     def _step(self):
         if self.measure_state:  # stage 1: the full gradient, bucket by bucket (each freed once reduced)
             full = sum(b.numel for b in self.buckets) * self.flat_param.element_size() if self.stage == 1 else 0
-            self._grad_bytes = tensor_bytes(self.main_grads or []) + full
+            # stage 2 accumulating locally: the buckets measured after an earlier micro-batch
+            self._grad_bytes = tensor_bytes(self.main_grads or []) + max(full, self._held_grad_bytes)
         applied = True
         if self.grad_scaler is not None:  # seam: unscale the owned shard, agree on inf across the group
             applied = self.grad_scaler.unscale_and_check(self.main_grads, self.group)

@@ -24,6 +24,11 @@ class ShardedOptions(DataParallelOptions):
     in_flight: int = 2  # reference FSDP/ZeRO-3: gradient reduce-scatters outstanding at once
     reshard_after_forward: bool = True  # torch FSDP2: free gathered parameters after forward
     zero: dict = field(default_factory=dict)  # DeepSpeed: extra zero_optimization config keys
+    # With grad_accum > 1: reduce(-scatter) the gradients of every micro-batch (true, DeepSpeed's and
+    # FSDP2's default), or accumulate them locally in full size and reduce once per step (false:
+    # FSDP2's set_requires_gradient_sync(False), DeepSpeed's coalesce_grad_reduction); rows in
+    # ACCUMULATES_LOCALLY only
+    reduce_every_micro_batch: bool = True
 
 
 @dataclass(frozen=True)
@@ -167,7 +172,7 @@ def expect_torch_fsdp2(cfg, case, o, dp):
             # compute dtype under the matched profile).
             "all_gather": accum * (2 * p - fsdp2_kept_after_forward(cfg, case, o)) * pbytes
             - fsdp2_float8_gather_saving(cfg, case, o, pbytes),
-            "reduce_scatter": accum * p * fsdp2_reduce_bytes(case, o),
+            "reduce_scatter": (accum if o.reduce_every_micro_batch else 1) * p * fsdp2_reduce_bytes(case, o),
         }
         if dp > 1
         else {}
@@ -223,7 +228,8 @@ def deepspeed_expectation(stage: int):
             comm = {
                 0: {"all_reduce": b * p},
                 1: {"all_reduce": b * p, "all_gather": b * p},
-                2: {"all_reduce": accum * b * p, "all_gather": b * p},
+                # coalesce_grad_reduction (reduce_every_micro_batch false): one reduction pass a step
+                2: {"all_reduce": (accum if o.reduce_every_micro_batch else 1) * b * p, "all_gather": b * p},
                 3: {
                     "all_gather": [b * (accum * (p - kept) + kept), b * (accum * 2 * (p - kept) + kept)],
                     "reduce_scatter": accum * b * p,
@@ -326,11 +332,14 @@ def ref_zero_expectation(stage: int):
         p, b, mixed = psi(cfg), BYTES[case.param_precision], case.param_precision != "fp32"
         buckets = ref_bucket_sizes(cfg, b, float(o.bucket_mb), dp)
         psi_p, shard = sum(buckets), sum(buckets) // dp
-        rs_rounds = 1 if stage == 1 else case.grad_accum
+        local = stage == 1 or not o.reduce_every_micro_batch  # gradients accumulated locally, reduced once
+        rs_rounds = 1 if local else case.grad_accum
+        # the whole gradient bΨp: ZeRO-1's buckets (counted always), or ZeRO-2's held over a micro-batch
+        whole = stage == 1 or (local and case.grad_accum > 1)
         return Expectation(
             state_bytes={
                 "params": b * psi_p,
-                "grads": (b * psi_p if stage == 1 else 0) + 4 * shard,
+                "grads": (b * psi_p if whole else 0) + 4 * shard,
                 "optimizer": 8 * shard + (4 * shard if mixed else 0),
             },
             comm_payload_bytes={
@@ -342,16 +351,15 @@ def ref_zero_expectation(stage: int):
             + (
                 "ZeRO-1: full gradient buffer bΨp + fp32 main-gradient shard 4Ψp/N; "
                 if stage == 1
+                else "ZeRO-2 accumulating locally: the full gradient buckets bΨp, held from the first micro-batch "
+                "to the last, + the fp32 main-gradient shard 4Ψp/N; "
+                if whole
                 else "ZeRO-2: only the fp32 main-gradient shard 4Ψp/N at update time (buckets freed); "
             )
             + "Adam 8Ψp/N, + fp32 master shard 4Ψp/N in bf16 (in fp32 the owned part of the parameter "
             "buffer is the master). bf16: 2Ψ + 16Ψ/N (stage 2) vs the paper's 2Ψ + 14Ψ/N, the difference being "
             "the fp32 gradient shard (as DeepSpeed holds). Reduce-scatter and all-gather in the compute dtype"
-            + (
-                ", reduce-scatter on every micro-batch."
-                if stage == 2
-                else ", communication on the last micro-batch only."
-            ),
+            + (", communication on the last micro-batch only." if local else ", reduce-scatter on every micro-batch."),
         )
 
     return fn
@@ -365,15 +373,18 @@ def ref_sharded_expectation(variant: str):
         units = [root] + [block] * cfg.n_layers
         psi_p, shard = sum(units), sum(units) // n
         regathered = units[1:] + ([root] if variant == "zero3" else [])
+        # Accumulating locally (option reduce_every_micro_batch false): one reduce-scatter per unit per
+        # step, and every unit's unsharded gradient bΨp held from the first micro-batch to the last.
+        held = not o.reduce_every_micro_batch and case.grad_accum > 1
         comm = {
             "all_gather": case.grad_accum * volume(b * u for u in units + regathered),
-            "reduce_scatter": case.grad_accum * volume(b * u for u in units),
+            "reduce_scatter": (case.grad_accum if o.reduce_every_micro_batch else 1) * volume(b * u for u in units),
         }
         if variant == "hsdp":  # one all-reduce per unit's fp32 gradient shard
             comm["all_reduce"] = volume(4 * u // n for u in units)
         in_flight = o.in_flight
         return Expectation(
-            state_bytes={"params": 4 * shard, "grads": 4 * shard, "optimizer": 8 * shard},
+            state_bytes={"params": 4 * shard, "grads": 4 * shard + (b * psi_p if held else 0), "optimizer": 8 * shard},
             comm_payload_bytes=comm,
             paper_state_bytes=zero_paper_state_bytes(3, p, n),
             # Transient, on top of the model state, in the compute dtype: the gathered units alive at
@@ -384,7 +395,7 @@ def ref_sharded_expectation(variant: str):
             # in_flight outstanding reduce-scatters has a receive shard too.
             working_set_bytes={
                 "gathered_params": b * (root + 3 * block),
-                "grad_buffers": b * (2 * root + (in_flight + 1) * block)
+                "grad_buffers": (b * psi_p if held else b * (2 * root + (in_flight + 1) * block))
                 + (b * in_flight * max(root, block) // n if mixed else 0),
             },
             notes=f"units (root + one per block) padded to a multiple of {'S' if variant == 'hsdp' else 'N'} "
@@ -394,7 +405,12 @@ def ref_sharded_expectation(variant: str):
             "8Ψp/n: 16Ψp/n (paper 16Ψ/N). Per micro-batch: "
             "all-gather of every unit for forward and of every block again for backward"
             + (" and of the root too" if variant == "zero3" else " (the root stays gathered)")
-            + ", reduce-scatter of every unit, in the compute dtype"
+            + (
+                ", reduce-scatter of every unit, in the compute dtype"
+                if o.reduce_every_micro_batch
+                else "; gradients accumulate in every unit's unsharded flat buffer (bΨp held, counted in the "
+                "gradient state) and each unit is reduce-scattered once per step, in the compute dtype"
+            )
             + (
                 "; once per step an fp32 all-reduce of each unit's gradient shard across the N/S replicas"
                 if variant == "hsdp"
@@ -599,6 +615,26 @@ def validate_fp8_all_gather(case, o, cfg) -> None:
         raise ValueError("option fp8_all_gather needs strategy torch.fsdp2 and recipe fp8")
 
 
+# The rows that take option reduce_every_micro_batch = false: the references whose trainers accumulate
+# without communication when told, and the peers with the matching mode (FSDP2's
+# set_requires_gradient_sync, DeepSpeed ZeRO-2's coalesce_grad_reduction).
+ACCUMULATES_LOCALLY = ("ref.zero2", "ref.zero3", "ref.fsdp", "torch.fsdp2", "deepspeed.zero2")
+
+
+def _with_accumulation_check(name, validate):
+    """``validate`` and, for a row outside ACCUMULATES_LOCALLY, a refusal of reduce_every_micro_batch false."""
+
+    def check(case, o, cfg):
+        if validate is not None:
+            validate(case, o, cfg)
+        if not o.reduce_every_micro_batch and name not in ACCUMULATES_LOCALLY:
+            raise ValueError(
+                f"{name}: option reduce_every_micro_batch = false is implemented by {', '.join(ACCUMULATES_LOCALLY)} only"
+            )
+
+    return check
+
+
 def _row(name, builder, kind, description, expect, fp8=False, **kw):
     """A sharded row; ``fp8``: its builder converts the linears (``parabench.fp8.convert``). DeepSpeed's
     engines keep 16-bit parameters with fp32 masters and refuse option compile."""
@@ -608,6 +644,7 @@ def _row(name, builder, kind, description, expect, fp8=False, **kw):
     recipes = with_fp8(recipes) if fp8 else recipes
     if kind == "peer":
         kw.setdefault("validate", validate_fp8_all_gather)
+    kw["validate"] = _with_accumulation_check(name, kw.get("validate"))
     return StrategySpec(
         name,
         "sharded",

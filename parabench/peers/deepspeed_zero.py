@@ -294,11 +294,25 @@ class DeepSpeedTrainer(Trainer):
             saved = [g["lr"] for g in groups]
             for g in groups:
                 g["lr"] *= float(spike.get("factor", 10.0))
-        for x, y in zip(inputs.chunk(accum), targets.chunk(accum)):
-            loss = lm_loss(self.engine(x), y)
-            self.engine.backward(loss)
+        if ShardedOptions.read(self.spec.options).reduce_every_micro_batch:
+            for x, y in zip(inputs.chunk(accum), targets.chunk(accum)):
+                loss = lm_loss(self.engine(x), y)
+                self.engine.backward(loss)
+                self.engine.step()
+                total += loss.detach() / accum
+        else:
+            # Accumulation without communication (ZeRO-2): DeepSpeed 0.19's coalesce_grad_reduction
+            # leaves every micro-batch's gradients on the parameters and reduces them once, when the
+            # block exits; engine.step() is illegal inside it, so the one step follows, at a boundary
+            # set by hand (the block restores the flag it found on entry).
+            with self.engine.coalesce_grad_reduction():
+                for i, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
+                    loss = lm_loss(self.engine(x), y)
+                    self.engine.set_gradient_accumulation_boundary(i == accum - 1)
+                    self.engine.backward(loss)
+                    total += loss.detach() / accum
+            self.engine.set_gradient_accumulation_boundary(True)
             self.engine.step()
-            total += loss.detach() / accum
         if saved is not None:
             for g, lr in zip(groups, saved):
                 g["lr"] = lr

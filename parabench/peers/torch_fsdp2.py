@@ -33,6 +33,7 @@ every block in both profiles.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
@@ -89,9 +90,27 @@ def build(spec: TrainSpec, offload: bool = False, mesh=None) -> FSDP2Trainer:
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=o.reshard_after_forward, **extra)
     # With offload the parameters (and the AdamW step) are on the CPU: no fused CUDA kernel there.
     opt_spec = replace(spec, device=torch.device("cpu")) if offload else spec
-    trainer = FSDP2Trainer(spec, model, adamw(model.parameters(), opt_spec), autocast_enabled=spec.autocast_on)
+    trainer = FSDP2Trainer(
+        spec,
+        model,
+        adamw(model.parameters(), opt_spec),
+        no_sync=None if o.reduce_every_micro_batch else lambda: without_gradient_sync(model),
+        autocast_enabled=spec.autocast_on,
+    )
     trainer.precompute_float8_scales = spec.recipe == "fp8" and o.fp8_all_gather
     return trainer
+
+
+@contextlib.contextmanager
+def without_gradient_sync(model):
+    """Option reduce_every_micro_batch false: FSDP2's accumulation without communication
+    (``set_requires_gradient_sync(False)`` on every micro-batch but the last, recursively on every
+    fully_shard module): gradients accumulate unsharded, the last backward reduce-scatters them."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def mixed_precision_policy(spec: TrainSpec, o: ShardedPeerOptions) -> MixedPrecisionPolicy:
