@@ -101,6 +101,14 @@ def validate(case, o: ModelParallelOptions, cfg: GPTConfig) -> None:
         check_zero_bubble(pp, o.n_microbatches)
         if tp != 1 or o.sp:
             raise ValueError(f"{case.strategy} runs a plain pipeline (x dp): tp must be 1 and sp off (got tp={tp})")
+    if case.strategy == "ref.pp_2bw":
+        if tp != 1 or o.sp:
+            raise ValueError(f"ref.pp_2bw runs a plain pipeline (x dp): tp must be 1 and sp off (got tp={tp})")
+        if o.n_microbatches * case.grad_accum < pp:
+            raise ValueError(
+                f"ref.pp_2bw keeps two weight versions only with micro-batches >= pp: "
+                f"{o.n_microbatches * case.grad_accum} micro-batches for pp={pp}"
+            )
     if case.strategy == "torch.pp_zb" and pp > 1:
         # ScheduleInterleavedZeroBubble takes the micro-batches in max(1, m // pp) equal rounds
         m = o.n_microbatches * case.grad_accum
@@ -331,6 +339,33 @@ def model_parallel_expectation(sequence_parallel: bool | None, schedule: str | N
         return out
 
     return fn
+
+
+def expect_pp_2bw(cfg, case, o, dp):
+    """PipeDream-2BW: two fp32 weight versions per stage (Narayanan et al. 2021, Sec. 3.1), one gradient,
+    Adam's two moments; PipeDream's weight stashing would hold ``p - stage`` versions."""
+    p = o.pp
+    state, pipedream = [], []
+    for r in range(case.world_size):
+        stage = r % p  # the rank grid is (dp, pp, tp) with tp = 1
+        n = sum(_mp_local_params(cfg, 1, *c) for c in rank_chunks(cfg, p, 1, stage, o.stage_layers))
+        state.append({"params": 2 * 4 * n, "grads": 4 * n, "optimizer": 8 * n})
+        pipedream.append((p - stage) * 4 * n)
+    return Expectation(
+        state_bytes=state,
+        comm_payload_bytes=None,
+        paper_state_bytes=None,
+        pipeline={
+            "schedule": "2bw",
+            "microbatches": o.n_microbatches * case.grad_accum,
+            "weight_versions": 2,
+            "pipedream_stashed_weight_bytes_per_rank": pipedream,
+        },
+        notes="fp32, per stage: 2 x 4Ψ_stage weights (W(b-1) for the batch in flight, W(b) the newest), 4Ψ_stage "
+        "gradient, 8Ψ_stage Adam = 16Ψ_stage + 4Ψ_stage for the second version. No flush: a step's traffic "
+        "depends on how many backwards of the previous batch fall into it (fewer in the first step), so it "
+        "is not checked per step.",
+    )
 
 
 # --- PyTorch DTensor tensor parallel (parabench/peers/torch_tp.py) ------------------------------
@@ -772,6 +807,16 @@ ROWS = (
             done_graphs_kept_versions=("1",),
         ),
         peers=("torch.pp_zb",),
+    ),
+    _row(
+        "ref.pp_2bw",
+        "parabench.builders.pipeline_2bw:build_pp_2bw",
+        "reference",
+        "PipeDream-2BW over send/recv (Narayanan et al. 2021): no flush, two weight versions per stage, "
+        "the update delayed one step; micro-batches >= pp (options pp, microbatches; x dp)",
+        expect_pp_2bw,
+        compile_unsupported=None,
+        precisions=("fp32",),  # the two flat weight versions are fp32; no master-weight or autocast variant yet
     ),
     _row(
         "torch.tp",
