@@ -589,6 +589,7 @@ def compare_runs(
             "loss_tolerance": LOSS_TOLERANCE,
         },
         "counts": counts,
+        "common": len(bmap.keys() & cmap.keys()),
         "regression": any(counts.get(v, 0) for v in FAILING) or (fail_unjudged and counts.get("unjudged", 0) > 0),
         "notes": notes,
         "cases": [case_as_dict(c) for c in cases],
@@ -614,18 +615,28 @@ def missing_data(baseline: tuple[dict, list[dict]], candidate: tuple[dict, list[
         problems.append("the baseline has no cases: nothing to compare")
     if not crecs:
         problems.append("the candidate has no cases")
-    absent = [r.get("label") or r.get("case_hash") for r in brecs if r.get("case_hash") not in cmap]
+    # Counted in cases, as the summary counts them: a case of 3 launches is one case, not three.
+    bcases = list({r.get("case_hash"): r for r in brecs}.values())
+    absent = [r.get("label") or r.get("case_hash") for r in bcases if r.get("case_hash") not in cmap]
     if absent and crecs:
-        matched = len(brecs) - len(absent)
+        matched = len(bcases) - len(absent)
+        clabels = {r.get("label") for r in crecs}
+        renamed = sum(label in clabels for label in absent)
+        why = (
+            f"{renamed} of them under a label the candidate holds with another case hash: "
+            "a case field or the strategy's version changed"
+            if renamed
+            else "another suite or changed case hashes?"
+        )
         problems.append(
-            f"{len(absent)} of {len(brecs)} baseline cases are not in the candidate"
-            + (" (no case in common: another suite or changed case hashes?)" if not matched else "")
+            f"{len(absent)} of {len(bcases)} baseline cases are not in the candidate"
+            + (f" (no case in common: {why})" if not matched else f" ({why})" if renamed else "")
             + ": "
             + ", ".join(map(str, absent[:5]))
             + (", ..." if len(absent) > 5 else "")
         )
     elif absent:
-        problems.append(f"all {len(brecs)} baseline cases are missing from the candidate")
+        problems.append(f"all {len(bcases)} baseline cases are missing from the candidate")
     gated = [name for name, _, rule, _ in METRICS if rule != "info"]
     for base in brecs:
         cand = cmap.get(base.get("case_hash"))
@@ -639,7 +650,7 @@ def missing_data(baseline: tuple[dict, list[dict]], candidate: tuple[dict, list[
             lost = [n for n in gated if metric_value(base, n) is not None and metric_value(cand, n) is None]
             if lost:
                 problems.append(f"{label}: the candidate lacks {', '.join(lost)} (measured in the baseline)")
-    return problems
+    return list(dict.fromkeys(problems))  # a case's launches that lack the same figure: one problem
 
 
 # --- output -----------------------------------------------------------------------------------
@@ -702,12 +713,38 @@ def format_table(result: dict, everything: bool = False) -> str:
 
 def _summary(result: dict) -> str:
     b, c = result["baseline"], result["candidate"]
-    counts = ", ".join(f"{v} {k}" for k, v in sorted(result["counts"].items()))
     s = result["settings"]
+    if result.get("common", 1) == 0:
+        only = result["counts"]
+        counts = (
+            f"no case in common, nothing compared ({only.get('only-baseline', 0)} baseline cases, "
+            f"{only.get('only-candidate', 0)} candidate cases)"
+        )
+    else:
+        counts = ", ".join(f"{v} {k}" for k, v in sorted(result["counts"].items()))
     return (
         f"baseline {b['suite']}/{b['run_id']} vs candidate {c['suite']}/{c['run_id']}: {counts} "
         f"(threshold {s['threshold'] * 100:g}%, memory {s['mem_threshold'] * 100:g}%, alpha {s['alpha']})"
     )
+
+
+def gate_verdict(result: dict, allow_missing: bool = False) -> tuple[str, int]:
+    """The gate's one closing line and its exit status. A comparison that failed for missing data
+    never reads "no regression": it compared less than the baseline holds, so it cannot vouch for it."""
+    missing = result.get("missing") or []
+    if result["regression"]:
+        return "REGRESSION", 1
+    if missing and not allow_missing:
+        what = (
+            "no case in common, nothing was compared (another suite, or changed case hashes?)"
+            if result.get("common", 1) == 0
+            else f"the candidate lacks what the baseline measured ({len(missing)} "
+            f"problem{'s' if len(missing) != 1 else ''}, listed above)"
+        )
+        return f"MISSING DATA: {what}; --allow-missing accepts that", 1
+    if result.get("common", 1) == 0:
+        return "nothing compared: no case in common (allowed by --allow-missing)", 0
+    return "no regression", 0
 
 
 def format_markdown(result: dict) -> str:
@@ -716,8 +753,10 @@ def format_markdown(result: dict) -> str:
 
     out = ["## parabench compare", "", esc(_summary(result)), ""]
     out += [f"> {esc(n)}" for n in result["notes"]]
-    verdict = "**REGRESSION**" if result["regression"] else "no regression"
-    out += [f"Result: {verdict}", "", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    verdict = result.get("verdict") or gate_verdict(result)[0]
+    if verdict != "no regression":
+        verdict = f"**{verdict}**"
+    out += [f"Result: {esc(verdict)}", "", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     for r in _rows(result):
         out.append("| " + " | ".join(esc(x) for x in r) + " |")
     return "\n".join(out) + "\n"
@@ -801,6 +840,7 @@ def main(args) -> int:
     allow_missing = getattr(args, "allow_missing", False)
     result["missing"] = missing_data(base, cand)
     result["notes"] += [f"missing data{' (allowed)' if allow_missing else ''}: {m}" for m in result["missing"]]
+    result["verdict"], status = gate_verdict(result, allow_missing)
     print(_summary(result))
     for n in result["notes"]:
         print(f"note: {n}")
@@ -811,15 +851,11 @@ def main(args) -> int:
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(format_markdown(result))
-    print("parabench compare: REGRESSION" if result["regression"] else "parabench compare: no regression")
-    if result["missing"] and not allow_missing:
-        print(
-            f"parabench compare: MISSING DATA: the candidate lacks what the baseline measured "
-            f"({len(result['missing'])} problems, listed above); --allow-missing accepts that",
-            file=sys.stderr,
-        )
-        return 1
-    return 1 if result["regression"] else 0
+    if result["regression"] and result["missing"] and not allow_missing:
+        print(f"parabench compare: {gate_verdict({**result, 'regression': False})[0]}", file=sys.stderr)
+    missing_failed = result["verdict"].startswith("MISSING DATA")
+    print(f"parabench compare: {result['verdict']}", file=sys.stderr if missing_failed else sys.stdout)
+    return status
 
 
 if __name__ == "__main__":
