@@ -9,9 +9,11 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 
+from parabench.names import unknown_name
 from parabench.recipes import RECIPES, recipe_name
 from parabench.registry import STRATEGIES, get_strategy
 from parabench.shapes import LAYOUTS
+from parabench.strategies import DP_PRECISIONS
 from parabench.topology import Topology
 
 SCALING_MODES = ("strong", "weak")
@@ -64,17 +66,19 @@ class Case:
         modes = (self.scaling,) if isinstance(self.scaling, str) else tuple(self.scaling or ())
         unknown = [m for m in modes if m not in SCALING_MODES]
         if unknown:
-            raise ValueError(f"unknown scaling mode {unknown[0]!r}; valid modes: {', '.join(SCALING_MODES)}")
+            raise unknown_name("scaling mode", unknown[0], SCALING_MODES, plural="modes")
         object.__setattr__(self, "scaling", tuple(sorted(set(modes))))
         if self.layout not in LAYOUTS:
-            raise ValueError(f"unknown model layout {self.layout!r}; valid layouts: {', '.join(LAYOUTS)}")
+            raise unknown_name("model layout", self.layout, LAYOUTS, plural="layouts")
+        if self.precision not in DP_PRECISIONS:
+            raise unknown_name("precision", self.precision, DP_PRECISIONS)
+        if self.recipe is not None and self.recipe not in RECIPES:  # a misspelt recipe, even where fp32 drops it
+            raise unknown_name("recipe", self.recipe, RECIPES)
         if self.precision == "fp32":  # nothing to choose (a suite's recipe axis collapses here)
             object.__setattr__(self, "recipe", None)
         elif self.recipe is None:
             spec = STRATEGIES.get(self.strategy)
             object.__setattr__(self, "recipe", spec.recipes_for(self.precision)[0] if spec is not None else RECIPES[0])
-        elif self.recipe not in RECIPES:
-            raise ValueError(f"unknown recipe {self.recipe!r}; valid recipes: {', '.join(RECIPES)}")
         # Options whose default changed what a strategy measures (a peer's ``profile``) are written
         # into the case itself, so its hash, label and record name the value that ran, and a record
         # made before the option existed (which lacks it) never pairs with a case made now.

@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 
 from parabench.case import Case
+from parabench.names import error_text
 from parabench.results import SchemaError, UnsafeNameError, check_path_component
+from parabench.shapes import model_config
 from parabench.suite import Suite, SuiteError, list_suites, load_suite, validate_case
 
 # Local runs land in a git-ignored folder, so running a suite never dirties the tracked tree (and
@@ -283,8 +285,10 @@ def _run_collectives(suite: Suite, run_dir: Path) -> dict:
 def cmd_run_suite(args) -> int:
     try:
         suite = load_suite(args.suite)
+        if args.proxy_model:
+            model_config(args.proxy_model)
     except (SuiteError, KeyError) as exc:
-        print(f"parabench: error: {exc}", file=sys.stderr)
+        print(f"parabench: error: {error_text(exc)}", file=sys.stderr)
         return 2
     if args.filter:
         suite.cases = [c for c in suite.cases if all(f in c.label for f in args.filter)]
@@ -367,7 +371,7 @@ def cmd_run_case(args) -> int:
         model_config(case.model)
         validate_case(case)
     except (SuiteError, KeyError, ValueError) as exc:
-        print(f"parabench: error: {exc}", file=sys.stderr)
+        print(f"parabench: error: {error_text(exc)}", file=sys.stderr)
         return 2
     suite = Suite(name=args.name, path=Path(__file__), description="ad-hoc case from the command line", cases=[case])
     return _run_suite(suite, args)

@@ -6,6 +6,7 @@ Reading the registry imports no torch; a row's builder is imported only when a t
 from __future__ import annotations
 
 from parabench.families import ROWS
+from parabench.names import unknown_name
 from parabench.strategies import StrategySpec
 from parabench.theory import Expectation
 
@@ -25,7 +26,7 @@ STRATEGIES: dict[str, StrategySpec] = _by_name(ROWS)
 
 def get_strategy(name: str) -> StrategySpec:
     if name not in STRATEGIES:
-        raise KeyError(f"unknown strategy {name!r}; valid strategies: {', '.join(sorted(STRATEGIES))}")
+        raise unknown_name("strategy", name, sorted(STRATEGIES))
     return STRATEGIES[name]
 
 

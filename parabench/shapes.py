@@ -10,6 +10,8 @@ import math
 import re
 from dataclasses import asdict, dataclass, replace
 
+from parabench.names import UnknownName, unknown_name, unknown_name_message
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -37,7 +39,7 @@ class GPTConfig:
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
-            raise ValueError(f"unknown model layout {self.layout!r}; valid layouts: {', '.join(LAYOUTS)}")
+            raise unknown_name("model layout", self.layout, LAYOUTS, plural="layouts")
 
     @property
     def head_dim(self) -> int:
@@ -136,7 +138,7 @@ def is_model_name(name) -> bool:
 
 
 def unknown_model_message(name) -> str:
-    return f"unknown model {name!r}; valid models: {', '.join(MODEL_LADDER)}, or {CUSTOM_MODEL_FORM}"
+    return unknown_name_message("model", name, MODEL_LADDER, also=CUSTOM_MODEL_FORM)
 
 
 def _custom_shape(name: str) -> GPTConfig:
@@ -155,7 +157,7 @@ def model_config(
     elif name in MODEL_LADDER:
         cfg = MODEL_LADDER[name]
     else:
-        raise KeyError(unknown_model_message(name))
+        raise UnknownName(unknown_model_message(name))
     if seq_len is not None:
         cfg = replace(cfg, seq_len=seq_len)
     if vocab_size is not None:

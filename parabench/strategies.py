@@ -17,6 +17,7 @@ import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Callable, ClassVar, Literal
 
+from parabench.names import closest_names
 from parabench.recipes import RECIPE_PRECISIONS, RECIPES, recipe_name  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
@@ -181,7 +182,10 @@ class CommonOptions:
                     f"{', '.join(sorted(known))}"
                 )
             if not _fits(value, hints[key]):
-                raise ValueError(f"option {key} must be {_type_name(hints[key])}, got {value!r}")
+                choices = [a for a in typing.get_args(hints[key]) if isinstance(a, str)]
+                close = closest_names(value, choices) if isinstance(value, str) else []
+                hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+                raise ValueError(f"option {key} must be {_type_name(hints[key])}, got {value!r}{hint}")
             check_option_range(key, value)
         return cls(**options)
 

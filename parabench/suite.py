@@ -61,6 +61,7 @@ import tomllib
 
 from parabench.case import FIELD_MAXIMA, SCALING_MODES, Case, check_field_maximum
 from parabench.fp8 import filter_option_error
+from parabench.names import unknown_name_message
 from parabench.recipes import RECIPES
 from parabench.registry import STRATEGIES, get_strategy
 from parabench.results import UnsafeNameError, check_path_component
@@ -191,9 +192,11 @@ def resolve_suite_path(name_or_path: str) -> Path:
     for candidate in (SUITES_DIR / f"{name_or_path}.toml", STUDIES_DIR / f"{name_or_path}.toml"):
         if candidate.is_file():
             return candidate
+    studies = [name.removeprefix("studies/") for name in list_suites(studies=True)]
     raise SuiteError(
-        f"unknown suite {name_or_path!r}; valid suites: {', '.join(list_suites())} "
-        f"(and {len(list_suites(studies=True))} studies: parabench list --all)"
+        unknown_name_message(
+            "suite", name_or_path, list_suites() + studies, listing="`parabench list`, studies `parabench list --all`"
+        )
     )
 
 
@@ -365,6 +368,7 @@ def _excludes(case: Case, key: str, wanted) -> bool:
     return _matches(getattr(case, key), wanted)
 
 
+DEVICES = ("auto", "cpu", "cuda")
 # The most cases one [[matrix]] may expand to (the product of its lists' lengths)
 MAX_MATRIX_CASES = 10000
 
@@ -376,17 +380,17 @@ def _check_value(key: str, value, fail) -> None:
     if key == "model" and not is_model_name(value):
         fail(unknown_model_message(value))
     if key == "strategy" and value not in STRATEGIES:
-        fail(f"unknown strategy {value!r}; valid strategies: {', '.join(sorted(STRATEGIES))}")
+        fail(unknown_name_message("strategy", value, sorted(STRATEGIES)))
     if key == "precision" and value not in DP_PRECISIONS:
-        fail(f"unknown precision {value!r}; valid precisions: {', '.join(DP_PRECISIONS)}")
+        fail(unknown_name_message("precision", value, DP_PRECISIONS))
     if key == "scaling" and value not in SCALING_MODES:
-        fail(f"unknown scaling mode {value!r}; valid modes: {', '.join(SCALING_MODES)}")
+        fail(unknown_name_message("scaling mode", value, SCALING_MODES, plural="modes"))
     if key == "recipe" and value not in RECIPES:
-        fail(f"unknown recipe {value!r}; valid recipes: {', '.join(RECIPES)}")
+        fail(unknown_name_message("recipe", value, RECIPES))
     if key == "layout" and value not in LAYOUTS:
-        fail(f"unknown model layout {value!r}; valid layouts: {', '.join(LAYOUTS)}")
-    if key == "device" and value not in ("auto", "cpu", "cuda"):
-        fail(f"unknown device {value!r}; valid devices: auto, cpu, cuda")
+        fail(unknown_name_message("model layout", value, LAYOUTS, plural="layouts"))
+    if key == "device" and value not in DEVICES:
+        fail(unknown_name_message("device", value, DEVICES))
     if (
         key in ("world_size", "micro_batch", "grad_accum", "steps", "seq_len", "repeats", "global_batch")
         and isinstance(value, int)

@@ -177,10 +177,10 @@ def test_malformed_toml_names_file_and_line(tmp_path):
     assert str(p) in str(err.value) and "line 2" in str(err.value)
 
 
-def test_unknown_suite_lists_valid_ones():
+def test_unknown_suite_names_the_closest_ones_and_the_listing():
     with pytest.raises(SuiteError) as err:
-        load_suite("no-such-suite")
-    assert "smoke" in str(err.value)
+        load_suite("smok")
+    assert "closest: smoke" in str(err.value) and "`parabench list`" in str(err.value)
 
 
 def test_loading_refuses_another_schema_version(tmp_path):
