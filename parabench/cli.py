@@ -120,6 +120,9 @@ def _launch_options(args):
         node_rank=args.node_rank,
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=args.rdzv_id,
+        rdzv_timeout_s=args.rdzv_timeout,
+        emulate_link=args.emulate_link,
+        gpus_per_node=args.gpus_per_node,
         extra_args=args.torchrun_arg or [],
         batch=not args.no_batch,
     )
@@ -131,6 +134,13 @@ def _add_launch_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--node-rank", type=_int_at_least(0), default=None)
     g.add_argument("--rdzv-endpoint", default=None, help="host:port of the c10d rendezvous (multi-node)")
     g.add_argument("--rdzv-id", default="parabench")
+    g.add_argument("--rdzv-timeout", type=_int_at_least(1), default=None, help="seconds a launch waits for every node")
+    g.add_argument(
+        "--emulate-link",
+        choices=["socket"],
+        help="the nodes are GPU slices of one host, their traffic forced through sockets (recorded as an emulation)",
+    )
+    g.add_argument("--gpus-per-node", type=_int_at_least(1), default=None, help="with --emulate-link: GPUs per node")
     g.add_argument("--torchrun-arg", action="append", help="extra torchrun argument (repeatable)")
     g.add_argument(
         "--max-cpu-ranks",
@@ -234,7 +244,7 @@ def _run_suite(suite: Suite, args) -> int:
                     print(f"parabench: report of the finished cases: {path}")
             return _interrupted(exc)
         print("parabench: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v), flush=True)
-    if not args.no_report:
+    if not args.no_report and not getattr(args, "node_rank", None):  # the report is node 0's, beside its records
         path = _write_run_report(run_dir)
         if path is None:
             return 2
@@ -704,6 +714,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     _plan_arguments(p)
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("slurm", help="write an sbatch script running a suite on N nodes (srun + torchrun rendezvous)")
+    from parabench.slurm import add_arguments as _slurm_arguments
+    from parabench.slurm import slurm_main
+
+    _slurm_arguments(p)
+    p.set_defaults(func=slurm_main)
 
     p = sub.add_parser("env", help="versions, devices and recorded environment variables")
     p.set_defaults(func=cmd_env)

@@ -44,18 +44,32 @@ class RunFolderBusy(OutputError):
     """Another runner holds the run folder's lock."""
 
 
+class MultiNodeStop(OutputError):
+    """The nodes cannot go on together (another suite on one node, a node that did not arrive):
+    every node's runner stops with one message, finished records kept."""
+
+
 class Stopped(KeyboardInterrupt):
     """SIGTERM or SIGHUP reached the runner: handled like Ctrl-C (launch ended, records kept)."""
 
 
 @dataclass
 class LaunchOptions:
-    """How torchrun is invoked. Multi-node rendezvous is torchrun's: its flags pass through."""
+    """How torchrun is invoked. Multi-node rendezvous is torchrun's: its flags pass through.
+
+    With ``--node-rank`` the rendezvous is torchrun's ``static`` backend, so that torchrun's node
+    rank is the one given (``parabench.multinode`` says why); each launch has a rendezvous id of its
+    own (``<rdzv_id>-<launch number>``), and ``rdzv_timeout_s`` bounds how long it waits for every node.
+    ``emulate_link``: the nodes are slices of one GPU host, their traffic forced through sockets
+    (``parabench.multinode.emulation_env``), with ``gpus_per_node`` GPUs each."""
 
     nnodes: int = 1
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
     rdzv_id: str = "parabench"
+    rdzv_timeout_s: int | None = None
+    emulate_link: str | None = None
+    gpus_per_node: int | None = None
     extra_args: list[str] = field(default_factory=list)
     batch: bool = True
     # Cases per launch at most: a crash ends the launch, and the rest of it is launched again.
@@ -63,9 +77,24 @@ class LaunchOptions:
     max_batch: int = 8
     max_batch_cpu: int = 24
 
-    def torchrun_args(self, nproc: int) -> list[str]:
+    def torchrun_args(self, nproc: int, launch_number: int | None = None) -> list[str]:
         if self.nnodes == 1 and not self.rdzv_endpoint:
             base = ["--standalone", "--nnodes", "1"]
+        elif self.node_rank is not None:
+            base = [
+                "--nnodes",
+                str(self.nnodes),
+                "--rdzv-backend",
+                "static",
+                "--rdzv-endpoint",
+                self.rdzv_endpoint or "",
+                "--rdzv-id",
+                self.rdzv_id if launch_number is None else f"{self.rdzv_id}-{launch_number}",
+                "--node-rank",
+                str(self.node_rank),
+            ]
+            if self.rdzv_timeout_s:
+                base += ["--rdzv-conf", f"timeout={self.rdzv_timeout_s}"]
         else:
             base = [
                 "--nnodes",

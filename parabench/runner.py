@@ -45,8 +45,9 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from parabench import multinode
 from parabench.case import Case
-from parabench.launch import LaunchOptions, LaunchOwner, OutputError, end_launch
+from parabench.launch import LaunchOptions, LaunchOwner, MultiNodeStop, OutputError, end_launch
 from parabench.progress import LiveLine, read_status, status_path
 from parabench.record import build_record
 from parabench.registry import get_strategy
@@ -302,6 +303,11 @@ class Runner(LaunchOwner):
             self.live.clear()
             echo(text)
 
+        self.node_rank = launch.node_rank or 0
+        if launch.nnodes > 1 and launch.node_rank is None:
+            raise OutputError(f"--nnodes {launch.nnodes} needs --node-rank (this node's rank, 0 writes the records)")
+        if self.node_rank > 0:  # the records are node 0's: this node keeps its logs and scratch apart
+            run_dir = Path(run_dir) / "nodes" / str(self.node_rank)
         super().__init__(run_dir, say)
         self.suite, self.launch = suite, launch
         # The label column fits the suite's longest label, up to LABEL_WIDTH_MAX (longer ones are
@@ -318,6 +324,13 @@ class Runner(LaunchOwner):
 
     # -- set-up -------------------------------------------------------------------------
     def prepare(self) -> None:
+        if self.node_rank > 0:
+            try:
+                for d in (self.scratch, self.logs):
+                    d.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise OutputError(f"output folder {self.run_dir} is not writable: {exc}") from None
+            return
         try:
             for d in (self.run_dir / "cases", self.scratch, self.logs):
                 d.mkdir(parents=True, exist_ok=True)
@@ -328,7 +341,7 @@ class Runner(LaunchOwner):
             raise OutputError(f"output folder {self.run_dir} is not writable: {exc}") from None
         manifest_path = self.run_dir / "manifest.json"
         if not manifest_path.exists():
-            self._save(manifest_path, make_manifest(self.suite, self.run_dir.name, sys.argv), "the manifest")
+            self._save(manifest_path, self._manifest(), "the manifest")
         elif self.resume:
             # Cases recorded from now on may run another commit or suite file than the manifest's:
             # each resumption is kept beside it (the records' started_at says which cases it ran).
@@ -338,6 +351,34 @@ class Runner(LaunchOwner):
                 {k: now[k] for k in ("created_at", "git", "suite_file_sha256", "versions", "argv", "n_cases")}
             )
             self._save(manifest_path, manifest, "the manifest")
+
+    def _manifest(self) -> dict:
+        manifest = make_manifest(self.suite, self.run_dir.name, sys.argv)
+        if self.launch.nnodes > 1:
+            manifest["nodes"] = {
+                "nnodes": self.launch.nnodes,
+                "rdzv_endpoint": self.launch.rdzv_endpoint,
+                "rdzv_backend": "static",
+                "suite_fingerprint": multinode.suite_fingerprint(self.suite.cases),
+                "records_from": "node 0; the other nodes keep their logs in their own nodes/<rank>/ folder",
+            }
+        if self.launch.emulate_link:
+            manifest["emulation"] = multinode.emulation_manifest(
+                self.launch.nnodes, self.launch.gpus_per_node or 1, self.launch.emulate_link
+            )
+        return manifest
+
+    def _node_env(self) -> dict:
+        """What every rank of this node's launches needs to know of the other nodes."""
+        if self.launch.nnodes == 1:
+            return {}
+        env = {
+            multinode.SUITE_ENV: multinode.suite_fingerprint(self.suite.cases),
+            multinode.SUITE_CASES_ENV: str(len(self.suite.cases)),
+        }
+        if self.launch.emulate_link:
+            env.update(multinode.emulation_env(self.node_rank, self.launch.gpus_per_node or 1, self.launch.emulate_link))
+        return env
 
     def _recorded(self, case: Case) -> bool:
         path = case_record_path(self.run_dir, case.record_key)
@@ -427,7 +468,7 @@ class Runner(LaunchOwner):
         nproc = batch[0].world_size // self.launch.nnodes
         device = resolve_device(batch[0])
         tag = batch[0].record_key
-        env = self.launch_env(device)
+        env = {**self.launch_env(device), **self._node_env()}
         self.n_launches += 1
         # A folder per launch: a result, error or start stamp is only ever read from the launch
         # that wrote it.
@@ -452,7 +493,7 @@ class Runner(LaunchOwner):
             sys.executable,
             "-m",
             "torch.distributed.run",
-            *self.launch.torchrun_args(nproc),
+            *self.launch.torchrun_args(nproc, self.n_launches),
             "-m",
             "parabench.worker",
             "--cases",
@@ -466,6 +507,7 @@ class Runner(LaunchOwner):
             "batch_size": len(batch),
             "nproc_per_node": nproc,
             "nnodes": self.launch.nnodes,
+            **({"node_rank": self.node_rank} if self.launch.nnodes > 1 else {}),
             "device": device,
             "log": str(log_path.relative_to(self.run_dir)),
             **({"relaunched_after_startup_crash": relaunch_of} if relaunch_of else {}),
@@ -486,20 +528,18 @@ class Runner(LaunchOwner):
                 if case.record_key in finished:
                     continue
                 result = launch.folder / f"{case.record_key}.json"
-                if result.exists():
+                if self.node_rank > 0 and (launch.folder / f"{case.record_key}.done").exists():
+                    self._followed(case)
+                    finished.add(case.record_key)
+                    current_start = time.time()
+                elif result.exists():
                     raw = self._keep_traces(json.loads(result.read_text()), launch)
                     started = self._started_at(case, launch) or current_start
-                    self._write(
-                        case,
-                        build_record(
-                            case,
-                            "ok",
-                            raw=raw,
-                            started_at=started,
-                            duration_s=time.time() - started,
-                            launch=launch.info,
-                        ),
+                    record = build_record(
+                        case, "ok", raw=raw, started_at=started, duration_s=time.time() - started, launch=launch.info
                     )
+                    multinode.link_check(record, case)
+                    self._write(case, record)
                     finished.add(case.record_key)
                     current_start = time.time()
             if rc is not None:
@@ -532,6 +572,8 @@ class Runner(LaunchOwner):
             launch.timed_out_after_s if timed_out and launch.timed_out_after_s is not None else time.time() - started
         )
         log_tail = _tail(launch.log_path, 20000)
+        if self.launch.nnodes > 1:
+            self._stop_if_nodes_apart(launch, batch, culprit, log_tail, started, elapsed, timed_out)
         oom_kills = _delta(launch.oom_kills_at_start, kernel_oom_kills())
         full = out_of_space(self.run_dir)
         if full:
@@ -555,6 +597,15 @@ class Runner(LaunchOwner):
                 return batch
         culprit = culprit or unfinished[0]
         status, error = _classify(culprit, launch.folder, rc, timed_out, log_tail, elapsed, oom_kills)
+        lost = multinode.lost_node_message(
+            [log_tail, error.get("message", ""), error.get("traceback_tail", "")],
+            self.launch.nnodes,
+            self.node_rank,
+            launch.info["nproc_per_node"],
+        )
+        if lost and status in ("crashed", "timeout"):
+            error["lost_node"] = lost
+            error["message"] = f"{lost}; here: {error['message']}"
         if culprit.record_key in self.startup_crashes:
             error["earlier_startup_crash"] = self.startup_crashes[culprit.record_key]
         self._write(
@@ -562,6 +613,49 @@ class Runner(LaunchOwner):
             build_record(culprit, status, error=error, started_at=started, duration_s=elapsed, launch=launch.info),
         )
         return [c for c in unfinished if c is not culprit]
+
+    def _stop_if_nodes_apart(
+        self, launch: _Launch, batch: list[Case], culprit, log_tail: str, started: float, elapsed: float, timed_out: bool
+    ) -> None:
+        """Stop the suite (``MultiNodeStop``, on every node alike) when the nodes ran different
+        suites or cases, or when the launch's rendezvous did not form; in the latter case the case
+        that could not start is recorded as ``timeout`` with the missing node named."""
+        for p in sorted(launch.folder.glob("*.rank*.error.json")):
+            try:
+                error = json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue
+            if error.get("type") == multinode.NodesDisagree.__name__:
+                raise MultiNodeStop(f"{error['message']}; nothing of this launch was recorded, the suite stopped")
+        if culprit is not None:
+            return
+        why = multinode.rendezvous_failure(log_tail, self.launch.nnodes, self.node_rank, self.launch.rdzv_endpoint)
+        if why is None and timed_out:
+            why = f"the rendezvous of the {self.launch.nnodes} nodes did not form within the case's {elapsed:.0f} s"
+        if why is None:
+            return
+        case = batch[0]
+        self._write(
+            case,
+            build_record(
+                case,
+                "timeout",
+                error={"message": why, "rendezvous": self.launch.rdzv_endpoint, "log_tail": log_tail[-1500:]},
+                started_at=started,
+                duration_s=elapsed,
+                launch=launch.info,
+            ),
+        )
+        raise MultiNodeStop(
+            f"{why}; the suite stopped, as no later launch can form without it (finished records are kept: start "
+            "every node again with --resume on node 0)"
+        )
+
+    def _followed(self, case: Case) -> None:
+        """A case this node took part in and node 0 recorded: a line in this node's output only."""
+        self.done += 1
+        self.counts["ok"] += 1
+        self.echo(self._progress(f"{'ok':<7} {_fit(case.label, self.label_width)}  (recorded by node 0)"))
 
     def _note_leftover(self, retired: dict, n_relaunched: int) -> None:
         """The case after which the worker ended its launch (memory still allocated) gets a caveat
@@ -610,7 +704,8 @@ class Runner(LaunchOwner):
             return None
 
     def _write(self, case: Case, record: dict) -> None:
-        self._save(case_record_path(self.run_dir, case.record_key), record, f"the record of {case.label}")
+        if self.node_rank == 0:  # the other nodes only say it in their logs
+            self._save(case_record_path(self.run_dir, case.record_key), record, f"the record of {case.label}")
         self.done += 1
         self.counts[record["status"]] += 1
         if off_theory(record):

@@ -51,6 +51,7 @@ from parabench.meters import flight_recorder, host, memory, telemetry
 from parabench.meters.comm import CommMeter
 from parabench.meters.traces import TraceFiles
 from parabench.models import global_batch
+from parabench.multinode import check_nodes_agree
 from parabench.progress import PhaseReporter, status_path
 from parabench.registry import get_strategy
 from parabench.results import write_json_atomic
@@ -533,12 +534,15 @@ def main(argv: list[str] | None = None) -> int:
     # watchdog's error naming the stuck collective (op, sequence number, sizes) in the case's log
     # rather than in a bare kill.
     init_process_group(device, timeout_s=max(30.0, 0.8 * min(c.timeout_s for c in cases)))
+    check_nodes_agree(keys)  # several nodes: the same suite and the same cases, or every node stops
     rank = dist.get_rank()
+    # Every node's runner reads its own node's files: its local rank 0 stamps what the launch started and finished.
+    node_leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
     for i, (case, key) in enumerate(zip(cases, keys)):
         leftover = leftover_bytes(device)
         if i > 0 and _retire_launch(leftover, cases[i - 1], keys[i - 1], args.retired):
             break
-        if rank == 0:
+        if node_leader:
             with open(os.path.join(args.scratch, f"{key}.started"), "w") as f:
                 f.write(repr(time.time()))
         try:
@@ -560,6 +564,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if result is not None:
             write_json_atomic(os.path.join(args.scratch, f"{key}.json"), result)
+        elif node_leader and rank != 0:
+            with open(os.path.join(args.scratch, f"{key}.done"), "w") as f:
+                f.write(repr(time.time()))
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -573,7 +580,7 @@ def _retire_launch(leftover: int | None, previous: Case, previous_key: str, reti
     worst = max(range(len(everyone)), key=lambda r: everyone[r])
     if everyone[worst] <= LEFTOVER_LIMIT_BYTES:
         return False
-    if dist.get_rank() == 0 and retired_path:
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and retired_path:
         write_json_atomic(
             retired_path,
             {

@@ -11,6 +11,14 @@ The *wire* bytes estimate what one rank sends with bandwidth-optimal algorithms:
 all-reduce 2(n-1)/n x payload, all-gather / reduce-scatter / all-to-all (n-1)/n x payload,
 broadcast and point-to-point 1 x payload.
 
+Intra- and inter-node bytes (``by_link``): each collective is attributed by its group's node span
+(``parabench.multinode.NodeLayout``, from torchrun's LOCAL_WORLD_SIZE). A group inside one node
+sends every wire byte inside it. A group of n ranks over k > 1 nodes, each node's ranks adjacent in
+the ring, sends k/n of the wire bytes across nodes (the ring crosses k links of n) and the rest inside;
+an all-to-all sends to the peers on other nodes, (n - n/k)/(n - 1) of its wire bytes. Point-to-point
+ops go across when their peer is on another node. The same convention is the theory's
+(``parabench.multinode.theory_by_link``), so the two compare exactly.
+
 Point-to-point ``send``/``recv`` (and their ``isend``/``irecv``/batched forms) pass the same
 dispatcher and are recorded as kinds ``send`` and ``recv`` on the rank that issues them.
 The meter costs Python time on every op, so the runner enables it only on a dedicated untimed
@@ -78,22 +86,54 @@ def _tensors(x) -> list[torch.Tensor]:
     return []
 
 
-def _group_size(args, kwargs) -> int:
+def _process_group(args, kwargs):
+    """The op's process group, None for the default (world) group or when none is found."""
     for a in list(args) + list(kwargs.values()):
         if isinstance(a, dist.ProcessGroup):
-            return a.size()
+            return a
         # Eager c10d ops receive the group boxed as a TorchScript object, not a ProcessGroup:
         # without unboxing, every subgroup (TP, PP, expert-data-parallel) read as the world.
         if isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith("c10d.ProcessGroup"):
-            return dist.ProcessGroup.unbox(a).size()
+            return dist.ProcessGroup.unbox(a)
         if isinstance(a, str):  # functional collectives name the group
             try:
                 from torch._C._distributed_c10d import _resolve_process_group
 
-                return _resolve_process_group(a).size()
+                return _resolve_process_group(a)
             except Exception:
                 continue
+    return None
+
+
+def _group_size(args, kwargs) -> int:
+    group = _process_group(args, kwargs)
+    if group is not None:
+        return group.size()
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _group_ranks(group) -> list[int]:
+    """Global ranks of ``group`` in group-rank order (the world when None or unknown)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if group is None or not dist.is_initialized():
+        return list(range(world))
+    try:
+        return dist.get_process_group_ranks(group)
+    except Exception:  # a group this rank does not know by handle (some library-made groups)
+        return list(range(group.size())) if group.size() == world else [dist.get_rank()] * group.size()
+
+
+def inter_node_fraction(kind: str, ranks: list[int], layout, peer: int | None = None, me: int | None = None) -> float:
+    """Share of the wire bytes of one op over the group ``ranks`` that crosses nodes (see the
+    module's docstring for the convention)."""
+    if kind in ("send", "recv") and peer is not None and me is not None:
+        return float(layout.node_of(peer) != layout.node_of(me))
+    n, k = len(ranks), layout.span(ranks)
+    if k <= 1 or n <= 1:
+        return 0.0
+    if kind == "all_to_all":
+        return (n - n / k) / (n - 1)
+    return k / n
 
 
 @dataclass
@@ -102,6 +142,7 @@ class CommEvent:
     payload_bytes: int
     dtype: str
     group_size: int
+    inter_node_fraction: float = 0.0
 
     @property
     def wire_bytes(self) -> float:
@@ -114,6 +155,9 @@ class CommMeter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.events: list[CommEvent] = []
+        from parabench.multinode import NodeLayout
+
+        self.layout = NodeLayout.from_env()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -128,7 +172,15 @@ class CommMeter(TorchDispatchMode):
 
     def _record(self, op: tuple[str, str], args, kwargs) -> None:
         kind, where = op
-        n = _group_size(args, kwargs)
+        group = _process_group(args, kwargs)
+        n = group.size() if group is not None else (dist.get_world_size() if dist.is_initialized() else 1)
+        inter = 0.0
+        if self.layout.nnodes > 1:
+            ranks = _group_ranks(group)
+            peer = None
+            if kind in ("send", "recv") and len(args) > 2 and isinstance(args[2], int) and args[2] < len(ranks):
+                peer = ranks[args[2]]
+            inter = inter_node_fraction(kind, ranks, self.layout, peer, dist.get_rank())
         if where == "allgather_fn":  # functional all-gather: output is input x group size
             tensors = _tensors(args[0])
             n = args[1] if len(args) > 1 and isinstance(args[1], int) else n
@@ -138,7 +190,7 @@ class CommMeter(TorchDispatchMode):
             tensors = _tensors(args[pos]) if len(args) > pos else []
             payload = sum(t.numel() * t.element_size() for t in tensors)
         dtype = str(tensors[0].dtype) if tensors else "?"
-        self.events.append(CommEvent(kind, payload, dtype, n))
+        self.events.append(CommEvent(kind, payload, dtype, n, inter))
 
     def summary(self) -> dict:
         """Per kind: calls, payload and wire bytes, dtypes and group sizes; tiny scalar ops apart."""
@@ -146,11 +198,13 @@ class CommMeter(TorchDispatchMode):
             lambda: {"calls": 0, "payload_bytes": 0, "wire_bytes": 0.0, "dtypes": set(), "group_sizes": set()}
         )
         scalars: dict[str, dict] = defaultdict(lambda: {"calls": 0, "payload_bytes": 0})
+        inter_wire = 0.0
         for e in self.events:
             if e.payload_bytes <= SCALAR_BYTES:
                 scalars[e.kind]["calls"] += 1
                 scalars[e.kind]["payload_bytes"] += e.payload_bytes
                 continue
+            inter_wire += e.wire_bytes * e.inter_node_fraction
             s = out[e.kind]
             s["calls"] += 1
             s["payload_bytes"] += e.payload_bytes
@@ -166,9 +220,17 @@ class CommMeter(TorchDispatchMode):
             }
             for k, v in sorted(out.items())
         }
+        wire = sum(v["wire_bytes"] for v in by_kind.values())
+        inter = int(round(inter_wire))
         return {
             "by_kind": by_kind,
             "scalar_ops": dict(sorted(scalars.items())),
             "payload_bytes": sum(v["payload_bytes"] for v in by_kind.values()),
-            "wire_bytes": sum(v["wire_bytes"] for v in by_kind.values()),
+            "wire_bytes": wire,
+            "by_link": {
+                "nodes": self.layout.nnodes,
+                "ranks_per_node": self.layout.local_world_size,
+                "intra_node": {"wire_bytes": wire - inter},
+                "inter_node": {"wire_bytes": inter},
+            },
         }
