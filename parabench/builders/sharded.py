@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from parabench.builders.data_parallel import common_kwargs, dp_groups, reference_model, with_lr_spike
-from parabench.families.sharded import ShardedOptions, ZeroPPOptions, hsdp_groups
+from parabench.families.sharded import ShardedOptions, ZeroInfinityOptions, ZeroPPOptions, hsdp_groups
 from parabench.models import lm_loss
 from parabench.trainer import TrainSpec, as_trainer
 
@@ -84,6 +84,37 @@ def build_zero3(spec: TrainSpec):
 
 def build_fsdp(spec: TrainSpec):
     return _fsdp(spec, reshard_root=False)
+
+
+def build_zero3_nvme(spec: TrainSpec):
+    """ref.zero3_nvme: the swap files go to a folder of this rank's own under ``nvme_path``, else under
+    the case's scratch folder (the runner's), else the system's temporary folder; removed at close."""
+    import os
+    import tempfile
+
+    from reference_impls.zero_infinity import ZeROInfinity
+
+    o = ZeroInfinityOptions.read(spec.options)
+    scratch = os.environ.get("PARABENCH_CASE_SCRATCH")
+    root = o.nvme_path or (scratch + ".nvme" if scratch else tempfile.gettempdir())
+    os.makedirs(root, exist_ok=True)
+    folder = tempfile.mkdtemp(prefix=f"ref-zero3-nvme-rank{spec.topology.rank}-", dir=root)
+    model = reference_model(spec, o)
+    group = spec.topology.dp_group
+    return with_lr_spike(
+        as_trainer(ZeROInfinity)(
+            model,
+            lm_loss,
+            list(model.blocks),
+            group,
+            folder=folder,
+            io_threads=o.io_threads,
+            prefetch=bool(o.prefetch),
+            in_flight=o.in_flight,
+            **common_kwargs(spec, o, [group or dist.group.WORLD]),
+        ),
+        o,
+    )
 
 
 def build_zeropp(spec: TrainSpec):

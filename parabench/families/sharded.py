@@ -70,6 +70,14 @@ class DeepSpeedZeroPPOptions(DeepSpeedZeroOptions, ZeroPPSwitches):
 
 
 @dataclass(frozen=True)
+class ZeroInfinityOptions(ShardedOptions):
+    # swap folder root; empty: the case's scratch folder (the runner's), else the system's temporary
+    # folder; each rank writes into a folder of its own there, removed when the case ends
+    nvme_path: str = ""
+    io_threads: int = 2  # threads reading and writing the swap files
+
+
+@dataclass(frozen=True)
 class DeepSpeedNVMeOptions(DeepSpeedZeroOptions):
     nvme_path: str = ""  # swap folder root; empty: a per-case folder in the launch's scratch (deleted after)
     offload_param: dict = field(default_factory=dict)  # keys over peers.deepspeed_nvme.nvme_config's
@@ -581,6 +589,32 @@ def expect_deepspeed_zero3_nvme(cfg, case, o, dp):
     )
 
 
+def expect_ref_zero3_nvme(cfg, case, o, dp):
+    """ref.zero3_nvme (reference_impls/zero_infinity.py): ref.zero3's units and collectives; per rank
+    on disk the compute-dtype parameter shard bΨp/N and the fp32 master and Adam moments 12Ψp/N. Per
+    step the parameter shard of every unit is read for each of its two gathers a micro-batch
+    (2·A·bΨp/N), the optimizer state read once (12Ψp/N); the state and the updated parameter shard
+    are written once (12Ψp/N + bΨp/N). On the device: the fp32 gradient shard 4Ψp/N at the update,
+    no parameters or optimizer state between steps."""
+    base = ref_sharded_expectation("zero3")(cfg, case, o, dp)
+    b = BYTES[case.param_precision]
+    root, block = _ref_units(cfg, dp)
+    shard = (root + block * cfg.n_layers) // dp
+    return Expectation(
+        state_bytes={"params": 0, "grads": 4 * shard, "optimizer": 0},
+        comm_payload_bytes=base["comm_payload_bytes"],
+        paper_state_bytes=0,
+        device_state_bytes={"params": 0, "grads": 4 * shard, "optimizer": 0},
+        nvme_state_bytes={"params": b * shard, "grads": 0, "optimizer": 12 * shard},
+        nvme_io_bytes_per_step={"read": 2 * case.grad_accum * b * shard + 12 * shard, "write": 12 * shard + b * shard},
+        working_set_bytes=base["working_set_bytes"],
+        notes="ZeRO-Infinity over ref.zero3: parameter shards (compute dtype) and fp32 master + Adam moments in "
+        "files per unit, read ahead of each gather and streamed unit by unit through a CPU AdamW; the fp32 "
+        "gradient shard stays in memory. Bytes are those the reference's file path read and wrote (plain "
+        "buffered I/O: the page cache may serve reads). Same collectives as ref.zero3.",
+    )
+
+
 def nvme_unsupported(case, device_type: str) -> str | None:
     """The runner's question before launching a deepspeed.zero3_nvme case: why DeepSpeed's async
     I/O op cannot run on this machine's ``device_type`` (its builder's verdict), or None."""
@@ -974,6 +1008,23 @@ ROWS = (
             offload="nvme",
             host_bound=True,
         ),
+        report_sections=("nvme",),
+    ),
+    _row(
+        "ref.zero3_nvme",
+        f"{_REF}:build_zero3_nvme",
+        "reference",
+        "reference ZeRO-Infinity: ref.zero3 with parameter shards and optimizer state in files, read ahead by threads",
+        expect_ref_zero3_nvme,
+        compile_unsupported=None,
+        options=ZeroInfinityOptions,
+        version="1",
+        plan=PlanFacts(
+            zero_stage=3,
+            offload="nvme",
+            host_bound=True,
+        ),
+        peers=("deepspeed.zero3_nvme",),
         report_sections=("nvme",),
     ),
     _row(
