@@ -35,28 +35,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from reference_impls.pipeline_checks import check_stage_layers
+
 TAG_ACT, TAG_GRAD = 0, 1
 
 
 # --- partition and schedules ---------------------------------------------------------------------
-
-
-def check_stage_layers(stage_layers, n_layers: int, n_stages: int) -> None:
-    """Raise a ValueError unless ``stage_layers`` gives one block count per stage, each at least
-    one, summing to the model's ``n_layers``."""
-    ok = (
-        isinstance(stage_layers, (list, tuple))
-        and len(stage_layers) == n_stages
-        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in stage_layers)
-        and sum(stage_layers) == n_layers
-    )
-    if not ok:
-        shown = list(stage_layers) if isinstance(stage_layers, (list, tuple)) else stage_layers
-        raise ValueError(
-            f"option stage_layers={shown!r} "
-            f"must list the blocks of each of the {n_stages} pipeline stages: {n_stages} integers, "
-            f"each >= 1, summing to the model's {n_layers} layers"
-        )
 
 
 def partition_layers(n_layers: int, n_stages: int, stage_layers=None) -> list[tuple[int, int]]:

@@ -37,18 +37,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from reference_impls.pipeline import StageClock, partition_layers, stage_head_loss
+from reference_impls.pipeline_checks import check_interleaving
 
 # --- schedule -------------------------------------------------------------------------------------
-
-
-def check_interleaving(n_stages: int, virtual_stages: int, m: int) -> None:
-    if virtual_stages < 2:
-        raise ValueError(f"interleaved 1F1B needs virtual_stages >= 2 (got {virtual_stages}); one chunk is plain 1F1B")
-    if m < 1 or m % n_stages:
-        raise ValueError(
-            f"interleaved 1F1B needs the micro-batches to be a multiple of the pipeline stages "
-            f"(Megatron-LM's schedule takes them in groups of p): {m} micro-batches, p={n_stages}"
-        )
 
 
 def warmup_units(stage: int, n_stages: int, virtual_stages: int, m: int) -> int:

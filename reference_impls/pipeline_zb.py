@@ -62,16 +62,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from reference_impls.pipeline import TAG_ACT, TAG_GRAD, StageClock, stage_head_loss
+from reference_impls.pipeline_checks import check_zero_bubble
 
 # --- schedule and theory -------------------------------------------------------------------------
-
-
-def check_zero_bubble(n_stages: int, m: int) -> None:
-    if m < n_stages:
-        raise ValueError(
-            f"ZB-H1 needs at least as many micro-batches as pipeline stages (the paper's setting; "
-            f"its bubble formula assumes it): {m} micro-batches, p={n_stages}"
-        )
 
 
 def zb_h1_order(stage: int, n_stages: int, m: int) -> list[tuple[str, int]]:

@@ -1,7 +1,12 @@
 """Messages a person reads at the command line: an unknown name is one line that names the closest
-valid names (``parabench.names``) and points to `parabench list` instead of printing every name."""
+valid names (``parabench.names``) and points to `parabench list` instead of printing every name;
+`parabench list` itself imports nothing heavy."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +25,9 @@ def cli(capsys, *argv) -> tuple[int, str, str]:
     return rc, captured.out, captured.err
 
 
+ROOT = Path(__file__).resolve().parent.parent
 TINY = ["run", "case", "--model", "tiny", "--device", "cpu"]
+HEAVY = {"torch", "deepspeed", "torchao", "pandas", "numpy", "pyarrow"}
 
 
 @pytest.mark.parametrize(
@@ -77,3 +84,21 @@ def test_a_suite_file_names_its_line_and_the_closest_strategy(tmp_path):
     message = str(exc.value)
     assert message.startswith(f"{bad}:6: field 'strategy'") and "closest: torch.ddp" in message
     assert "\n" not in message and "valid strategies: `parabench list`" in message and "ref.zeropp" not in message
+
+
+def test_list_imports_no_torch_even_for_suites_whose_cases_are_pipelines():
+    """Listing loads every suite, gpu-mp and h100x4 (interleaved and zero-bubble pipelines) among
+    them; their schedule checks are plain Python (``reference_impls.pipeline_checks``)."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "parabench", "list", "--all"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "parabench.suite" in imported  # the probe sees parabench's own imports
+    assert not HEAVY & imported, sorted(HEAVY & imported)
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith("  ")}
+    assert "cases" in rows["gpu-mp"] and "INVALID" not in rows["gpu-mp"] and "INVALID" not in rows["h100x4"]

@@ -110,11 +110,11 @@ def test_every_study_is_valid_and_its_committed_runs_sit_under_results_studies()
     assert (ROOT / "results" / "studies" / STUDY).is_dir()
 
 
-def test_an_unknown_suite_names_the_user_suites_and_points_to_the_studies():
+def test_an_unknown_suite_names_the_closest_suites_and_points_to_the_studies():
     with pytest.raises(SuiteError) as err:
-        load_suite("no-such-suite")
+        load_suite("smok")
     message = str(err.value)
-    assert "smoke" in message and STUDY not in message and "parabench list --all" in message
+    assert "closest: smoke" in message and STUDY not in message and "parabench list --all" in message
 
 
 def test_a_suite_name_resolves_to_suites_before_studies(tmp_path, monkeypatch):

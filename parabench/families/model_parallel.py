@@ -84,7 +84,7 @@ def validate(case, o: ModelParallelOptions, cfg: GPTConfig) -> None:
                 f"but interleaving cuts pp x virtual_stages = {pp * o.virtual_stages} chunks; "
                 f"drop stage_layers (interleaved chunks are split equally)"
             )
-        from reference_impls.pipeline import check_stage_layers
+        from reference_impls.pipeline_checks import check_stage_layers
 
         check_stage_layers(o.stage_layers, cfg.n_layers, pp)
     if case.strategy in INTERLEAVED_STRATEGIES:
@@ -92,11 +92,11 @@ def validate(case, o: ModelParallelOptions, cfg: GPTConfig) -> None:
         if pp * v > cfg.n_layers:
             raise ValueError(f"pp={pp} x virtual_stages={v} chunks for a model of {cfg.n_layers} layers")
     if case.strategy == "ref.pp_interleaved" and pp > 1:
-        from reference_impls.pipeline_interleaved import check_interleaving
+        from reference_impls.pipeline_checks import check_interleaving
 
         check_interleaving(pp, o.virtual_stages, o.n_microbatches)
     if case.strategy in ZERO_BUBBLE_STRATEGIES and pp > 1:
-        from reference_impls.pipeline_zb import check_zero_bubble
+        from reference_impls.pipeline_checks import check_zero_bubble
 
         check_zero_bubble(pp, o.n_microbatches)
         if tp != 1 or o.sp:
