@@ -669,7 +669,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="+", help="run folders, or folders holding run folders")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--csv", metavar="PATH", help="write CSV here (list and dict cells as JSON text)")
-    where.add_argument("--parquet", metavar="PATH", help="write Parquet here (needs pyarrow: pip install pyarrow)")
+    where.add_argument(
+        "--parquet", metavar="PATH", help="write Parquet here (needs pyarrow: pip install 'parabench[parquet]')"
+    )
     p.add_argument("--per-rank", action="store_true", help="one row per case launch and rank")
     p.set_defaults(func=cmd_export)
 
