@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -483,8 +484,15 @@ def cmd_report(args) -> int:
 
 
 def cmd_recheck(args) -> int:
+    from parabench.names import unknown_name_message
     from parabench.recheck import recheck_run
+    from parabench.registry import STRATEGIES
 
+    unknown = [s for s in args.strategy or [] if not s.endswith("*") and s not in STRATEGIES]
+    if unknown:  # a misspelt filter would otherwise recheck nothing, silently
+        message = unknown_name_message("strategy", unknown[0], sorted(STRATEGIES))
+        print(f"parabench: error: --strategy: {message}", file=sys.stderr)
+        return 2
     for run in args.runs:
         try:
             changes = recheck_run(Path(run), args.strategy)
@@ -733,7 +741,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:
+        # the reader stopped early (`parabench list | head`): what it read is all it wanted, and the
+        # interpreter's last flush must not fail again on the closed pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # SIGPIPE's status, as a shell reports a writer it stopped
 
 
 if __name__ == "__main__":

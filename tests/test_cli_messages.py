@@ -102,3 +102,10 @@ def test_list_imports_no_torch_even_for_suites_whose_cases_are_pipelines():
     assert not HEAVY & imported, sorted(HEAVY & imported)
     rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith("  ")}
     assert "cases" in rows["gpu-mp"] and "INVALID" not in rows["gpu-mp"] and "INVALID" not in rows["h100x4"]
+
+
+def test_recheck_refuses_a_misspelt_strategy_filter_instead_of_rechecking_nothing(tmp_path, capsys):
+    rc, out, err = cli(capsys, "recheck", tmp_path, "--strategy", "torch.dpp")
+    assert rc == 2 and not out and err.count("\n") == 1
+    assert err.startswith("parabench: error: --strategy: unknown strategy 'torch.dpp'; closest: torch.ddp")
+    assert "(valid strategies: `parabench list`)" in err
