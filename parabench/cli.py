@@ -290,6 +290,11 @@ def _run_collectives(suite: Suite, run_dir: Path) -> dict:
             except RuntimeError as exc:
                 print(f"parabench: collectives w{n} failed: {exc}", file=sys.stderr)
                 counts["crashed"] += 1
+    from parabench.collectives_scaling import FIT_FILE, fit_run
+
+    scaling = fit_run(run_dir)  # time against the number of ranks, fitted to each algorithm's law
+    if scaling is not None:
+        write_json_atomic(run_dir / FIT_FILE, scaling)
     return counts
 
 

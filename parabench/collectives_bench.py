@@ -6,7 +6,10 @@ Run on every rank under torchrun (gloo on CPU, NCCL on GPU)::
         -m parabench.collectives_bench --config CONFIG.json --out RESULT.json
 
 or from Python: :func:`run_collectives_suite` (one torchrun launch per world size of a suite
-with ``[suite] kind = "collectives"``).
+with ``[suite] kind = "collectives"``). With results at several world sizes in one run folder,
+``python -m parabench.collectives_bench --fit RUN_DIR`` (and ``parabench run`` after its launches) writes
+``collectives-scaling.json``: time against the number of ranks fitted to each algorithm's law
+(``parabench.collectives_scaling``).
 
 Config contract (``CONFIG.json``: one JSON object; the ``[collectives]`` table of a suite file
 maps onto it key for key; unknown keys are an error)
@@ -436,9 +439,26 @@ def _nccl_version(device: torch.device):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m parabench.collectives_bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="JSON object (see the module docstring)")
-    parser.add_argument("--out", required=True, help="result JSON, written by rank 0")
+    parser.add_argument("--config", help="JSON object (see the module docstring)")
+    parser.add_argument("--out", help="result JSON, written by rank 0")
+    parser.add_argument(
+        "--fit",
+        metavar="RUN_DIR",
+        help="no benchmark: fit the run folder's collectives-w<K>.json against K (parabench.collectives_scaling) "
+        "and write its collectives-scaling.json",
+    )
     args = parser.parse_args(argv)
+    if args.fit:
+        from parabench.collectives_scaling import FIT_FILE, fit_run
+
+        scaling = fit_run(Path(args.fit))
+        if scaling is None:
+            print(f"collectives_bench: {args.fit} has results at fewer than two world sizes", file=sys.stderr)
+            return 2
+        write_json_atomic(Path(args.fit) / FIT_FILE, scaling)
+        return 0
+    if not (args.config and args.out):
+        parser.error("--config and --out are required (or --fit RUN_DIR)")
     cfg = validate_config(json.loads(Path(args.config).read_text()))
     device = pick_device(cfg["device"])
     init_process_group(device, timeout_s=cfg["timeout_s"])

@@ -24,7 +24,8 @@ from pathlib import Path
 import jinja2
 
 from parabench.compare import DEFAULT_THRESHOLD, METRICS, compare_runs
-from parabench.report import cp_balance, frames, moe_routing, nvme, overview, recipe_effect, spread
+from parabench.matmul_ceiling import ceiling_note
+from parabench.report import collective_scaling, cp_balance, frames, moe_routing, nvme, overview, recipe_effect, spread
 from parabench.report import fidelity as fidelity_section
 from parabench.report import predicted as predicted_section
 from parabench.report import scaling as scaling_section
@@ -56,6 +57,7 @@ CASE_COLUMNS = [
     ("step_time_ms_p10", "p10 ms", "f2"),
     ("step_time_ms_p90", "p90 ms", "f2"),
     ("mfu_pct", "MFU %", "f2"),
+    ("mfu_ceiling_pct", "MFU of measured ceiling %", "f2"),
     ("roofline_pct", "roofline %", "f2"),
     ("peak_mem_MiB", "peak MiB", "f1"),
     ("model_state_MiB", "state MiB", "f2"),
@@ -463,7 +465,8 @@ def render_report(
                 "launches: 75 %), CV the launch-to-launch standard deviation over the mean; "
                 "memory the largest rank's peak; "
                 "communication one rank's payload over one instrumented step. "
-                "% of 1 device: tokens/s per device relative to the single-device run of the same model.",
+                "% of 1 device: tokens/s per device relative to the single-device run of the same model. "
+                + ceiling_note(manifests),
                 row_class=lambda r: "" if r["status"] == "ok" else "bad-row",
                 drop_empty=True,
             )
@@ -530,6 +533,8 @@ def render_report(
         tables.append(_table(**spec))
     for spec in predicted_section.table_specs(runs, run_col):  # the planner's prediction beside each case
         tables.append(_table(**spec))
+    for spec in collective_scaling.table_specs(run_dirs, run_col):  # time against K, fitted to each law
+        tables.append(_table(**spec))
     if coll_rows:
         tables.append(
             _table("collectives-table", "Collectives: bus bandwidth", COLL_COLUMNS, _collectives_summary(coll_rows))
@@ -542,6 +547,7 @@ def render_report(
         figures = all_figures(rows, comm_rows, coll_rows, frames.loss_scale_points(rows))
         figures += step_breakdown_section.figures(runs)  # compute, exposed communication, the rest
         figures += scaling_section.figures(runs)  # efficiency, communication share, ZeRO lines against N
+        figures += collective_scaling.figures(run_dirs)  # all-reduce time against K with each law's line
 
     failed = [
         {
