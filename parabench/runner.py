@@ -353,7 +353,11 @@ class Runner(LaunchOwner):
             self._save(manifest_path, manifest, "the manifest")
 
     def _manifest(self) -> dict:
+        from parabench import matmul_ceiling
+
         manifest = make_manifest(self.suite, self.run_dir.name, sys.argv)
+        # the machine's bf16 matmul rate, before the first case: the report's MFU against what it reaches
+        manifest["matmul_ceiling"] = matmul_ceiling.for_run(self.suite.cases)
         if self.launch.nnodes > 1:
             manifest["nodes"] = {
                 "nnodes": self.launch.nnodes,

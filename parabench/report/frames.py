@@ -11,6 +11,7 @@ from pathlib import Path
 
 from parabench import pipeline_sim
 from parabench.data import case_row
+from parabench.matmul_ceiling import fraction_of_ceiling
 from parabench.recipes import recipe_name
 from parabench.record import byte_high, pipeline_stages, rank0_comm
 from parabench.registry import recipe_of
@@ -136,6 +137,8 @@ def case_rows(runs) -> list[dict]:
                     "step_time_ms_p90": _ms(d.get("step_time_s_p90")),
                     "step_times_s": d.get("step_times_s"),
                     "mfu_pct": _pct(d.get("mfu")),
+                    # against the bf16 matmul rate probed at the run's start, not the datasheet's peak
+                    "mfu_ceiling_pct": _pct(fraction_of_ceiling(manifest, r)),
                     "roofline_pct": _pct(d.get("roofline_fraction")),
                     "peak_mem_MiB": _mib(peak),
                     "peak_mem_GiB": peak / 2**30 if peak is not None else None,
