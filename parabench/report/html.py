@@ -24,6 +24,7 @@ from pathlib import Path
 import jinja2
 
 from parabench.compare import DEFAULT_THRESHOLD, METRICS, compare_runs
+from parabench.matmul_ceiling import ceiling_note
 from parabench.report import collective_scaling, cp_balance, frames, moe_routing, nvme, overview, recipe_effect, spread
 from parabench.report import fidelity as fidelity_section
 from parabench.report import predicted as predicted_section
@@ -56,6 +57,7 @@ CASE_COLUMNS = [
     ("step_time_ms_p10", "p10 ms", "f2"),
     ("step_time_ms_p90", "p90 ms", "f2"),
     ("mfu_pct", "MFU %", "f2"),
+    ("mfu_ceiling_pct", "MFU of measured ceiling %", "f2"),
     ("roofline_pct", "roofline %", "f2"),
     ("peak_mem_MiB", "peak MiB", "f1"),
     ("model_state_MiB", "state MiB", "f2"),
@@ -463,7 +465,8 @@ def render_report(
                 "launches: 75 %), CV the launch-to-launch standard deviation over the mean; "
                 "memory the largest rank's peak; "
                 "communication one rank's payload over one instrumented step. "
-                "% of 1 device: tokens/s per device relative to the single-device run of the same model.",
+                "% of 1 device: tokens/s per device relative to the single-device run of the same model. "
+                + ceiling_note(manifests),
                 row_class=lambda r: "" if r["status"] == "ok" else "bad-row",
                 drop_empty=True,
             )
