@@ -10,11 +10,12 @@ and its runner starts one torchrun agent per launch, as on one node. What parabe
   the nodes by hostname and agent pid, so "node 0 writes the records" would name whichever node
   sorts first; with ``static`` torchrun's GROUP_RANK is ``--node-rank`` and node 0's agent hosts
   the store. ``--rdzv-timeout`` bounds how long a launch waits for every node.
-- **agreement**: the first thing every launch does once the process group forms is a tiny
-  exchange (``check_nodes_agree``): each node's suite fingerprint (the case hashes in suite order)
-  and the cases of this launch. A node that runs another suite, other filters or another commit
-  stops every node with one message naming both sides (``NodesDisagree``); the runners stop the
-  suite there (``MultiNodeStop``).
+- **agreement**: before the first launch the runners meet on a ``torch.distributed`` TCPStore at
+  the rendezvous endpoint and compare their suite fingerprints (the case hashes in suite order,
+  ``handshake``); then every launch, once its process group forms, compares the cases it runs on
+  each node (``check_nodes_agree``: one tiny all-gather). A node that runs another suite, other
+  filters or another commit, or resumed other cases, stops every node with one message naming both
+  sides; the runners stop the suite there (``MultiNodeStop``).
 - **who writes what**: node 0's runner writes the manifest and the records; every other node's
   runner keeps only its logs and scratch in ``<run folder>/nodes/<R>/``. Each node's local rank 0
   stamps the cases its launch started and finished, so every runner takes the same decisions
@@ -119,11 +120,55 @@ def disagreement(views: list[dict]) -> str | None:
     return None
 
 
-def check_nodes_agree(keys: list[str]) -> None:
+class HandshakeFailed(RuntimeError):
+    """The nodes did not meet before the suite, or do not run the same suite."""
+
+
+def handshake(
+    endpoint: str, nnodes: int, node_rank: int, rdzv_id: str, fingerprint: str, n_cases: int, timeout_s: float
+) -> None:
+    """Before the first launch: every node's runner meets the others on a ``torch.distributed``
+    TCPStore at the rendezvous endpoint (node 0 hosts it, for this exchange only; torchrun's agent
+    takes the port over for each launch) and publishes its suite fingerprint. Raises
+    ``HandshakeFailed`` naming the node that did not arrive within ``timeout_s``, or both sides of
+    a different suite, on every node alike; nothing has run then."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    host, _, port = endpoint.rpartition(":")
+    try:
+        store = TCPStore(host, int(port), nnodes, node_rank == 0, datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError) as exc:  # DistStoreError, DistNetworkError
+        why = rendezvous_failure(str(exc), nnodes, node_rank, endpoint)
+        raise HandshakeFailed(why or f"the nodes could not meet at {endpoint}: {exc}") from None
+    prefix = f"parabench/{rdzv_id}"
+    mine = {"node": node_rank, "host": socket.gethostname(), "suite": fingerprint, "n_cases": n_cases, "cases": []}
+    try:
+        store.set(f"{prefix}/suite/{node_rank}", json.dumps(mine))
+        views = [json.loads(store.get(f"{prefix}/suite/{r}")) for r in range(nnodes)]
+        store.set(f"{prefix}/read/{node_rank}", "1")
+        if node_rank == 0:  # the store goes with this process: not before every node has read it
+            store.wait([f"{prefix}/read/{r}" for r in range(nnodes)])
+    except (RuntimeError, ValueError) as exc:
+        raise HandshakeFailed(f"the nodes lost each other while comparing their suites at {endpoint}: {exc}") from None
+    finally:
+        del store
+    why = disagreement(views)
+    if why:
+        raise HandshakeFailed(why)
+
+
+def check_nodes_agree(keys: list[str], scratch: str) -> None:
     """On every rank of a launch, right after the process group forms: raise ``NodesDisagree``
-    on every rank alike when the nodes do not run the same suite and cases. One all-gather of a
-    few hundred bytes, before any case is measured; nothing on one node."""
+    on every rank alike when the nodes do not run the same suite and cases, its message in
+    ``<scratch>/nodes.rank<r>.error.json`` for the runner. One all-gather of a few hundred bytes,
+    before any case is measured; nothing on one node."""
+    import time
+
     import torch.distributed as dist
+
+    from parabench.results import write_json_atomic
 
     if int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
         return
@@ -138,6 +183,9 @@ def check_nodes_agree(keys: list[str]) -> None:
     dist.all_gather_object(views, mine)
     why = disagreement(views)
     if why:
+        rank = dist.get_rank()
+        error = {"rank": rank, "type": NodesDisagree.__name__, "message": why, "traceback": "", "time": time.time()}
+        write_json_atomic(os.path.join(scratch, f"nodes.rank{rank}.error.json"), error)
         raise NodesDisagree(why)
 
 

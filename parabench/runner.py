@@ -402,6 +402,19 @@ class Runner(LaunchOwner):
 
     def _run_cases(self) -> dict:
         self.prepare()
+        if self.launch.nnodes > 1:
+            try:
+                multinode.handshake(
+                    self.launch.rdzv_endpoint or "",
+                    self.launch.nnodes,
+                    self.node_rank,
+                    self.launch.rdzv_id,
+                    multinode.suite_fingerprint(self.suite.cases),
+                    len(self.suite.cases),
+                    self.launch.rdzv_timeout_s or multinode.RDZV_TIMEOUT_S,
+                )
+            except multinode.HandshakeFailed as exc:
+                raise MultiNodeStop(f"{exc}; nothing was run") from None
         # one entry per launch, round-robin over the suite: every case's launch 0, then launch 1...
         cases = [
             replace(c, repeat=k) if k else c

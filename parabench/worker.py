@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     # watchdog's error naming the stuck collective (op, sequence number, sizes) in the case's log
     # rather than in a bare kill.
     init_process_group(device, timeout_s=max(30.0, 0.8 * min(c.timeout_s for c in cases)))
-    check_nodes_agree(keys)  # several nodes: the same suite and the same cases, or every node stops
+    check_nodes_agree(keys, args.scratch)  # several nodes: the same suite and the same cases, or every node stops
     rank = dist.get_rank()
     # Every node's runner reads its own node's files: its local rank 0 stamps what the launch started and finished.
     node_leader = int(os.environ.get("LOCAL_RANK", "0")) == 0

@@ -45,6 +45,8 @@ __all__ = [
     "tree_allreduce",
     "ring_allgather",
     "ring_reduce_scatter",
+    "node_groups",
+    "hierarchical_allreduce",
 ]
 
 
@@ -325,3 +327,49 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None) -
         torch.add(shard(rank - s - 2), incoming, out=dst)
         send = dst
     return output
+
+
+# --------------------------------------------------------------------------- hierarchical all-reduce
+
+
+def node_groups(nnodes: int, ranks_per_node: int):
+    """(this rank's intra-node group, its inter-node group) for nodes of ``ranks_per_node``
+    consecutive ranks (torchrun's layout: LOCAL_WORLD_SIZE, GROUP_RANK). The inter-node group joins
+    the ranks with the same local rank, one per node. Every rank creates every group, in the same
+    order, as ``new_group`` requires."""
+    world = nnodes * ranks_per_node
+    if dist.get_world_size() != world:
+        raise ValueError(f"{nnodes} nodes x {ranks_per_node} ranks is not the world of {dist.get_world_size()}")
+    rank = dist.get_rank()
+    intra = inter = None
+    for node in range(nnodes):
+        group = dist.new_group(list(range(node * ranks_per_node, (node + 1) * ranks_per_node)))
+        if rank // ranks_per_node == node:
+            intra = group
+    for local in range(ranks_per_node):
+        group = dist.new_group(list(range(local, world, ranks_per_node)))
+        if rank % ranks_per_node == local:
+            inter = group
+    return intra, inter
+
+
+def hierarchical_allreduce(tensor: torch.Tensor, intra_group, inter_group) -> torch.Tensor:
+    """All-reduce in three rings: reduce-scatter inside the node, all-reduce of each shard across
+    the nodes (between the ranks holding the same shard), all-gather inside the node.
+
+    With m ranks per node and k nodes, a rank sends 2(m-1)/m · N inside its node (the same as a
+    flat ring) and 2(k-1)/k · N/m across nodes: the slow link carries 1/m of what it carries in a
+    flat ring over n = mk ranks, where a node's last rank sends its whole 2(n-1)/n · N across.
+    The tensor is padded to a multiple of m for equal shards (the padding is sent, as in NCCL's
+    and Horovod's hierarchical forms)."""
+    flat = _flat(tensor)
+    m = dist.get_world_size(intra_group)
+    size = -(-flat.numel() // m)
+    padded = flat.new_zeros(size * m)
+    padded[: flat.numel()].copy_(flat)
+    shard = flat.new_empty(size)
+    ring_reduce_scatter(shard, padded, intra_group)
+    ring_allreduce(shard, inter_group)
+    ring_allgather(padded, shard, intra_group)
+    flat.copy_(padded[: flat.numel()])
+    return tensor

@@ -1,0 +1,168 @@
+"""The node-aware pieces without a launch: the hierarchical all-reduce and the intra/inter-node
+split of the communication meter (4 gloo processes laid out as 2 emulated nodes of 2), the
+theory of that split, the rendezvous-failure messages, the GPU emulation's environment and the
+sbatch script."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parabench import multinode
+from parabench.distributed import run_on_gloo
+from parabench.slurm import SlurmError, parse_sbatch, sbatch_script
+
+N = 4096  # elements all-reduced (fp32): 16 KiB
+
+
+def _allreduce_both() -> dict:
+    from parabench.meters.comm import CommMeter
+    from reference_impls.collectives import hierarchical_allreduce, node_groups, ring_allreduce
+
+    rank = dist.get_rank()
+    intra, inter = node_groups(2, 2)
+    x = torch.arange(N, dtype=torch.float32) * (rank + 1)
+    expected = torch.arange(N, dtype=torch.float32) * 10  # 1 + 2 + 3 + 4
+    out = {}
+    for name, fn in (
+        ("flat", lambda t: ring_allreduce(t)),
+        ("hier", lambda t: hierarchical_allreduce(t, intra, inter)),
+    ):
+        t = x.clone()
+        with CommMeter() as meter:
+            fn(t)
+        out[name] = {"ok": bool(torch.equal(t, expected)), "by_link": meter.summary()["by_link"]}
+    return out
+
+
+def test_hierarchical_allreduce_sends_less_across_nodes(monkeypatch):
+    monkeypatch.setenv("PARABENCH_NODE_SIZE", "2")  # 4 ranks as 2 nodes of 2 (the meter's layout)
+    results = run_on_gloo(_allreduce_both, 4)
+    nbytes = N * 4
+    for rank, res in enumerate(results):
+        assert res["flat"]["ok"] and res["hier"]["ok"], rank
+        hier = res["hier"]["by_link"]
+        assert hier["nodes"] == 2 and hier["ranks_per_node"] == 2
+        # the meter counts what a rank sends and what it receives (point-to-point kinds send, recv):
+        # inside, a reduce-scatter and an all-gather of N/2 each way; across, a 2-rank ring of the N/2 shard
+        assert hier["intra_node"]["wire_bytes"] == 2 * nbytes
+        assert hier["inter_node"]["wire_bytes"] == nbytes
+    # the flat ring over 4: each rank either sends to or receives from the other node, 2(n-1)/n N each step set
+    flat_inter = [r["flat"]["by_link"]["inter_node"]["wire_bytes"] for r in results]
+    assert flat_inter == [nbytes * 3 // 2] * 4
+    assert [r["flat"]["by_link"]["intra_node"]["wire_bytes"] for r in results] == [nbytes * 3 // 2] * 4
+
+
+def test_node_layout_and_fractions():
+    layout = multinode.NodeLayout.from_env({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "RANK": "5"})
+    assert (layout.nnodes, layout.local_world_size, layout.node_rank) == (2, 4, 1)
+    assert layout.span([0, 1, 2, 3]) == 1 and layout.span([0, 4]) == 2
+    from parabench.meters.comm import inter_node_fraction
+
+    assert inter_node_fraction("all_reduce", [0, 1, 2, 3], layout) == 0.0
+    assert inter_node_fraction("all_reduce", list(range(8)), layout) == 2 / 8
+    assert inter_node_fraction("all_to_all", list(range(8)), layout) == 4 / 7
+    assert inter_node_fraction("send", list(range(8)), layout, peer=4, me=3) == 1.0
+    assert inter_node_fraction("send", list(range(8)), layout, peer=2, me=3) == 0.0
+
+
+def test_theory_by_link_for_hsdp_and_ddp():
+    layout = multinode.NodeLayout(2, 2)
+    hsdp = SimpleNamespace(strategy="ref.hsdp", options={"shard_size": 2})
+    split = multinode.theory_by_link(hsdp, {"all_gather": 1000, "reduce_scatter": 1000, "all_reduce": 400}, layout)
+    # shards inside the node: (2-1)/2 of 2000; replicas across: 2(2-1)/2 of 400, all of it inter-node
+    assert split == {"intra_node": {"wire_bytes": 1000}, "inter_node": {"wire_bytes": 400}}
+    ddp = SimpleNamespace(strategy="ref.ddp", options={})
+    split = multinode.theory_by_link(ddp, {"all_reduce": 4000}, layout)
+    assert split["inter_node"]["wire_bytes"] == 3000 and split["intra_node"]["wire_bytes"] == 3000
+    assert (
+        multinode.theory_by_link(SimpleNamespace(strategy="ref.tp", options={"tp": 2}), {"all_reduce": 1}, layout)
+        is None
+    )
+    one = multinode.theory_by_link(ddp, {"all_reduce": 4000}, multinode.NodeLayout(1, 4))
+    assert one["inter_node"]["wire_bytes"] == 0
+
+
+def test_rendezvous_failure_names_the_node():
+    server = "torch.distributed.DistStoreError: Timed out after 4 seconds waiting for clients. 1/2 clients joined."
+    assert multinode.rendezvous_failure(server, 2, 0, "h:1").startswith("node 1 did not arrive")
+    three = multinode.rendezvous_failure(server.replace("1/2", "1/3"), 3, 0, "h:1")
+    assert three.startswith("2 of nodes 1, 2 did not arrive")
+    client = "The client socket has timed out after 3000ms while trying to connect to (10.0.0.1, 29500)."
+    assert multinode.rendezvous_failure(client, 2, 1, "10.0.0.1:29500").startswith(
+        "node 0 (the rendezvous host 10.0.0.1:29500)"
+    )
+    assert multinode.rendezvous_failure("RuntimeError: something else", 2, 0, "h:1") is None
+    lost = multinode.lost_node_message(["gloo: Connection closed by peer [127.0.0.1]:5"], 2, 0, 4)
+    assert lost.startswith("node 1 (ranks 4-7) was lost mid-case")
+    assert multinode.lost_node_message(["gloo: Connection closed by peer"], 1, 0, 4) is None
+
+
+def test_disagreement_names_both_sides():
+    a = {"node": 0, "host": "a", "suite": "s1", "n_cases": 3, "cases": ["x"]}
+    assert multinode.disagreement([a, {**a, "node": 1, "host": "b"}]) is None
+    why = multinode.disagreement([a, {**a, "node": 1, "host": "b", "suite": "s2", "n_cases": 2}])
+    assert "node 0 (a)" in why and "node 1 (b)" in why and "s2 (2 cases)" in why
+    why = multinode.disagreement([a, {**a, "node": 1, "host": "b", "cases": ["y"]}])
+    assert "launched different cases" in why
+
+
+def test_emulation_env_splits_the_gpus_and_forces_sockets():
+    env0, env1 = multinode.emulation_env(0, 2), multinode.emulation_env(1, 2)
+    assert env0["CUDA_VISIBLE_DEVICES"] == "0,1" and env1["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert env0["NCCL_HOSTID"] != env1["NCCL_HOSTID"]  # NCCL then sees two hosts: no P2P/SHM across
+    assert env0["NCCL_NET"] == "Socket" and env0["NCCL_IB_DISABLE"] == "1"
+    manifest = multinode.emulation_manifest(2, 2, "socket")
+    assert "emulation" in manifest["note"] and len(manifest["env_per_node"]) == 2
+    with pytest.raises(ValueError):
+        multinode.emulation_env(0, 2, "infiniband")
+
+
+def test_torchrun_args_static_rendezvous_per_launch():
+    from parabench.launch import LaunchOptions
+
+    opts = LaunchOptions(nnodes=2, node_rank=1, rdzv_endpoint="h:29500", rdzv_id="job", rdzv_timeout_s=30)
+    args = opts.torchrun_args(4, launch_number=3)
+    assert args[args.index("--rdzv-backend") + 1] == "static"
+    assert args[args.index("--node-rank") + 1] == "1" and args[args.index("--rdzv-id") + 1] == "job-3"
+    assert args[args.index("--rdzv-conf") + 1] == "timeout=30"
+    assert "--standalone" in LaunchOptions().torchrun_args(2)
+
+
+def test_sbatch_script_runs_the_suite_through_srun_and_torchrun():
+    text = sbatch_script("h100x8", nodes=4, gpus_per_node=8, partition="gpu", time_limit="02:00:00", rdzv_timeout_s=900)
+    parsed = parse_sbatch(text)
+    opts = parsed["options"]
+    assert opts["nodes"] == "4" and opts["ntasks-per-node"] == "1" and opts["gpus-per-node"] == "8"
+    assert opts["partition"] == "gpu" and opts["time"] == "02:00:00"
+    srun = parsed["srun"]
+    assert srun[0] == "srun" and "--nodes=4" in srun and "--ntasks-per-node=1" in srun
+    task = parsed["task"]
+    assert task[:4] == ["parabench", "run", "suite", "h100x8"]
+    flag = {task[i]: task[i + 1] for i in range(4, len(task) - 1) if task[i].startswith("--")}
+    assert flag["--nnodes"] == "4" and flag["--node-rank"] == "$SLURM_NODEID"
+    assert flag["--rdzv-endpoint"] == "$PARABENCH_RDZV_HOST:$PARABENCH_RDZV_PORT"
+    assert flag["--rdzv-timeout"] == "900" and flag["--run-id"] == "$PARABENCH_RUN_ID"
+    # the node-dependent parts are left to each task's shell: single-quoted in the srun line
+    line = next(line for line in text.splitlines() if line.startswith("srun "))
+    assert shlex.split(line)[-1].count("$SLURM_NODEID") == 1 and "'" in line
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in parsed["exports"]["PARABENCH_RDZV_HOST"]
+    assert text.startswith("#!/bin/bash\n") and "set -euo pipefail" in text
+    for bad in ({"time_limit": "2h"}, {"partition": "gpu;rm -rf"}, {"nodes": 0}):
+        with pytest.raises(SlurmError):
+            sbatch_script("smoke", **{"nodes": 2, "gpus_per_node": 8, **bad})
+
+
+def test_slurm_cli_writes_the_script(tmp_path, capsys):
+    from parabench.cli import main
+
+    path = tmp_path / "job.sbatch"
+    assert main(["slurm", "smoke", "--nodes", "2", "--gpus-per-node", "4", "-o", str(path)]) == 0
+    assert parse_sbatch(path.read_text())["options"]["nodes"] == "2"
+    assert main(["slurm", "smoke", "--nodes", "2", "--gpus-per-node", "4", "--time", "x"]) == 2
+    assert os.path.exists(path)
