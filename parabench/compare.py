@@ -74,7 +74,9 @@ dropped silently. Every compared metric has a direction and a decision rule (asv
 A status change from ``ok`` to anything else (failed, oom, timeout, skipped) is a regression;
 the reverse is an improvement. Exit status (``main``): 1 on any regression or on missing data
 (``missing_data``: baseline cases or gated metrics the candidate lacks; ``--allow-missing``
-accepts them), 0 otherwise, 2 on unreadable input.
+accepts them), 0 otherwise, 2 on unreadable input. The closing line names which (``gate_verdict``):
+REGRESSION, MISSING DATA and why (no case in common, or what the candidate lacks), or no regression,
+never the last on a comparison that failed. Missing cases are counted in cases, as the summary counts.
 
 This module reads result files only (``parabench.results``); the report imports it to build
 its cross-run comparison table.
