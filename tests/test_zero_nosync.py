@@ -19,7 +19,7 @@ from parabench.models import model_config, parameter_count
 from parabench.registry import expected, get_strategy
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-N_STEPS = 3
+N_STEPS = 2
 ACCUM = 2
 OPTIM = {"eps": 1e-6}
 REFS = ("ref.zero2", "ref.zero3", "ref.fsdp")

@@ -12,9 +12,20 @@ from typing import ClassVar, Literal
 from parabench.families.data_parallel import (
     DataParallelOptions,
 )
+from parabench.families.model_parallel import ModelParallelOptions, model_parallel_ops
+from parabench.families.model_parallel import validate as validate_model_parallel
 from parabench.shapes import parameter_count
 from parabench.strategies import ANY_LAYOUT, DP_PRECISIONS, MASTER_ONLY, PeerProfile, PlanFacts, StrategySpec, with_fp8
-from parabench.theory import BYTES, Expectation, psi, ref_bucket_sizes, shard_numel, volume, zero_paper_state_bytes
+from parabench.theory import (
+    BYTES,
+    Expectation,
+    psi,
+    ref_bucket_sizes,
+    shard_numel,
+    sum_ops,
+    volume,
+    zero_paper_state_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,16 @@ class ZeroInfinityOptions(ShardedOptions):
     # folder; each rank writes into a folder of its own there, removed when the case ends
     nvme_path: str = ""
     io_threads: int = 2  # threads reading and writing the swap files
+
+
+@dataclass(frozen=True)
+class ZeroROptions(ModelParallelOptions):
+    """ref.zero_r (ZeRO paper Sec. 6); the names of DeepSpeed's activation_checkpointing config keys."""
+
+    partition_activations: bool = True  # Pa: each block's checkpoint split over the TP group, all-gathered back
+    cpu_checkpointing: bool = False  # Pa+cpu: the checkpoints kept in CPU memory
+    contiguous_memory_optimization: bool = True  # MD: one activation arena, one contiguous gradient buffer
+    constant_buffer_mb: float = 25.0  # CB: the data-parallel gradient all-reduce in windows of this many MiB (fp32)
 
 
 @dataclass(frozen=True)
@@ -615,6 +636,54 @@ def expect_ref_zero3_nvme(cfg, case, o, dp):
     )
 
 
+def validate_zero_r(case, o, cfg) -> None:
+    validate_model_parallel(case, o, cfg)
+    if o.pp != 1 or o.tp < 2:
+        raise ValueError(f"ref.zero_r partitions activations over a tensor-parallel group: tp >= 2 and pp 1, not {o}")
+    if o.constant_buffer_mb <= 0:
+        raise ValueError("ref.zero_r: constant_buffer_mb must be positive")
+
+
+def expect_ref_zero_r(cfg, case, o, dp):
+    """ref.zero_r (reference_impls/zero_r.py), fp32, per rank (t = tp, L blocks, A = grad_accum micro-batches
+    of b = micro_batch samples, e = 4 bytes):
+
+    * activation checkpoints held at the peak (ZeRO Sec. 6.1): L·ceil(b·s·h/t)·e with Pa, L·b·s·h·e without
+      (every TP rank a replica), on the device, or in CPU memory with Pa+cpu;
+    * communication (Sec. 8): ref.tp's Megatron ops, plus per block and micro-batch the two ``g`` all-reduces
+      of the recomputed forward, and with Pa one all-gather of the checkpoint (t·ceil(b·s·h/t)·e); per step
+      the data-parallel gradient all-reduce in windows of at most the constant buffer (Sec. 6.2), run even
+      on a data-parallel group of one;
+    * model state: fp32 parameters, the contiguous gradient buffer (Sec. 6.3) and Adam moments of the TP shard.
+    """
+    from parabench.families.model_parallel import _mp_local_params
+
+    t, L = o.tp, cfg.n_layers
+    e, bsh = 4, case.micro_batch * cfg.seq_len * cfg.d_model
+    part = -(-bsh // t)
+    ops = model_parallel_ops(cfg, case, (0, 0, 0), False, step_ops=False)
+    for _ in range(case.grad_accum):
+        ops += [("all_reduce", bsh * e)] * 2 * L  # the recomputed forward's g
+        if o.partition_activations:
+            ops += [("all_gather", part * t * e)] * L
+    local = _mp_local_params(cfg, t, 0, L, True, True)
+    window = int(o.constant_buffer_mb * 2**20) // e
+    ops += [("all_reduce", min(window, local - start) * e) for start in range(0, local, window)]
+    held = L * (part if o.partition_activations else bsh) * e
+    return Expectation(
+        state_bytes={"params": e * local, "grads": e * local, "optimizer": 8 * local},
+        comm_payload_bytes=sum_ops(ops),
+        paper_state_bytes=None,
+        activation_checkpoint_bytes={"host" if o.cpu_checkpointing else "device": held},
+        activation_checkpoint_bytes_replicated=L * bsh * e,
+        grad_reduce_calls=-(-local // window),
+        notes="ZeRO-R over Megatron TP: Pa partitions each block's checkpoint over the TP group (1/t of "
+        "L·b·s·h·e per rank; Pa+cpu keeps it in CPU memory), CB reduces gradients over dp in windows of "
+        "constant_buffer_mb, MD keeps checkpoints in one arena and gradients in one buffer. "
+        + (expect_ref_zero_r.__doc__ or ""),
+    )
+
+
 def nvme_unsupported(case, device_type: str) -> str | None:
     """The runner's question before launching a deepspeed.zero3_nvme case: why DeepSpeed's async
     I/O op cannot run on this machine's ``device_type`` (its builder's verdict), or None."""
@@ -1026,6 +1095,19 @@ ROWS = (
         ),
         peers=("deepspeed.zero3_nvme",),
         report_sections=("nvme",),
+    ),
+    StrategySpec(
+        "ref.zero_r",
+        "model_parallel",
+        "parabench.builders.zero_r:build",
+        "reference",
+        "reference ZeRO-R over ref.tp: partitioned activation checkpoints (Pa, Pa+cpu), constant-size "
+        "gradient buffers, a contiguous activation arena and gradient buffer",
+        precisions=("fp32",),
+        options=ZeroROptions,
+        validate=validate_zero_r,
+        expect=expect_ref_zero_r,
+        version="1",
     ),
     _row(
         "torch.fsdp2_offload",
