@@ -189,6 +189,7 @@ def _row(name, builder, kind, description, expect, **kw):
         validate=validate,
         expect=expect,
         **(AMP_ONLY if kind == "peer" else {}),
+        report_sections=("compression_to_loss",),  # loss against bytes and time to DDP's loss
         **kw,
     )
 

@@ -216,6 +216,7 @@ ROWS = (
         compile_unsupported=None,
         options=DDPPeerOptions,
         validate=validate_torch_ddp,
+        report_sections=("compression_to_loss",),  # the plain baseline the compressors are measured against
         plan=PlanFacts(
             family="data_parallel",
             search=("data_parallel",),
@@ -275,5 +276,6 @@ ROWS = (
             device_copies="flat_grad_zero",
         ),
         peers=("torch.ddp", "deepspeed.zero0"),
+        report_sections=("compression_to_loss",),  # the plain baseline the compressors are measured against
     ),
 )
