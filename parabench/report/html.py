@@ -25,7 +25,17 @@ import jinja2
 
 from parabench.compare import DEFAULT_THRESHOLD, METRICS, compare_runs
 from parabench.matmul_ceiling import ceiling_note
-from parabench.report import collective_scaling, cp_balance, frames, moe_routing, nvme, overview, recipe_effect, spread
+from parabench.report import (
+    collective_scaling,
+    compression_to_loss,
+    cp_balance,
+    frames,
+    moe_routing,
+    nvme,
+    overview,
+    recipe_effect,
+    spread,
+)
 from parabench.report import fidelity as fidelity_section
 from parabench.report import predicted as predicted_section
 from parabench.report import scaling as scaling_section
@@ -535,6 +545,8 @@ def render_report(
         tables.append(_table(**spec))
     for spec in collective_scaling.table_specs(run_dirs, run_col):  # time against K, fitted to each law
         tables.append(_table(**spec))
+    for spec in compression_to_loss.table_specs(runs, run_col):  # compressors to DDP's loss: bytes and time
+        tables.append(_table(**spec))
     if coll_rows:
         tables.append(
             _table("collectives-table", "Collectives: bus bandwidth", COLL_COLUMNS, _collectives_summary(coll_rows))
@@ -548,6 +560,7 @@ def render_report(
         figures += step_breakdown_section.figures(runs)  # compute, exposed communication, the rest
         figures += scaling_section.figures(runs)  # efficiency, communication share, ZeRO lines against N
         figures += collective_scaling.figures(run_dirs)  # all-reduce time against K with each law's line
+        figures += compression_to_loss.figures(runs)  # loss against bytes sent and against wall time
 
     failed = [
         {
