@@ -70,7 +70,7 @@ for suite in "$@"; do
   if [ "$left" -lt 20 ]; then echo "device_run: no time left for $suite" | tee -a "$out/console.txt"; continue; fi
   timeout -s INT "$left" python3 -m parabench.cli run suite "$suite" --out "$work/res" $run_args "${suite_args[@]}" 2>&1 | tee -a "$out/console.txt"
   pack
-  name=${suite#studies/}
+  name=$(basename "$suite" .toml)  # a study by name (studies/NAME) or by path
   if [[ $name == peer-fidelity* ]]; then  # each peer case beside its library's minimal script (resumes too)
     folder=$work/res/$name  # a study's runs are under studies/ (parabench.suite.Suite.results_folder)
     [ -d "$folder" ] || folder=$work/res/studies/$name
