@@ -226,7 +226,11 @@ def lost_node_message(texts: list[str], nnodes: int, node_rank: int, local_world
     if nnodes <= 1 or not any(_PEER_LOST.search(t or "") for t in texts):
         return None
     others = [n for n in range(nnodes) if n != node_rank]
-    ranks = lambda n: f"ranks {n * local_world_size}-{(n + 1) * local_world_size - 1}"  # noqa: E731
+
+    def ranks(n: int) -> str:
+        first, last = n * local_world_size, (n + 1) * local_world_size - 1
+        return f"rank {first}" if first == last else f"ranks {first}-{last}"
+
     who = (
         f"node {others[0]} ({ranks(others[0])})"
         if len(others) == 1

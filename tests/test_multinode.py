@@ -165,7 +165,7 @@ def test_node_killed_mid_case(tmp_path):
     1 named, the suite goes on and stops cleanly at the next rendezvous, which cannot form."""
     mark, port = uuid.uuid4().hex, free_port()
     suite = _suite(tmp_path, "mn", "ref.ddp", hang_on_rank=1)
-    nodes = [_node(suite, tmp_path, r, port, mark, "--rdzv-timeout", "3") for r in (0, 1)]
+    nodes = [_node(suite, tmp_path, r, port, mark, "--rdzv-timeout", "2") for r in (0, 1)]
     scratch = tmp_path / "mn" / "t" / ".scratch"
     deadline = time.monotonic() + 90
     while not list(scratch.glob("*/launch-1/*.started")) and time.monotonic() < deadline:
@@ -181,7 +181,7 @@ def test_node_killed_mid_case(tmp_path):
     assert rc0 == 2, out0[-3000:]
     records = {r["label"]: r for r in _records(tmp_path / "mn" / "t").values()}
     crashed = [r for r in records.values() if r["status"] == "crashed"]
-    assert len(crashed) == 1 and "node 1 (ranks 1-1) was lost mid-case" in crashed[0]["error"]["message"], records
+    assert len(crashed) == 1 and "node 1 (rank 1) was lost mid-case" in crashed[0]["error"]["message"], records
     errors = [line for line in out0.splitlines() if line.startswith("parabench: error:")]
     assert len(errors) == 1 and "node 1 did not arrive" in errors[0], out0[-3000:]
     _no_orphans(mark)

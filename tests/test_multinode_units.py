@@ -166,3 +166,43 @@ def test_slurm_cli_writes_the_script(tmp_path, capsys):
     assert parse_sbatch(path.read_text())["options"]["nodes"] == "2"
     assert main(["slurm", "smoke", "--nodes", "2", "--gpus-per-node", "4", "--time", "x"]) == 2
     assert os.path.exists(path)
+
+
+def _candidate(strategy, dp, pp=1, tp=1, comm=None, options=None, step_s=1.0, tok=1000.0):
+    workload = SimpleNamespace(strategy=strategy, world_size=dp * pp * tp, dp=dp, pp=pp, tp=tp, comm_bytes=comm or {})
+    prediction = SimpleNamespace(step_s=step_s, tokens_per_s_per_gpu=tok)
+    return SimpleNamespace(workload=workload, prediction=prediction, options=options or {})
+
+
+def test_cluster_prices_only_what_crosses_nodes():
+    from parabench.plan.cluster import Cluster, ClusterError, price
+
+    cluster = Cluster(2, 8, 400.0)  # 50 GB/s per GPU between nodes
+    gb = 1e9
+    ddp = price(_candidate("ref.ddp", 16, comm={"all_reduce": 16 * gb}), cluster)
+    # a 16-rank ring over 2 nodes: 2 x 15/16 x 16 GB = 30 GB per rank at 50 GB/s, 2/16 of it across
+    assert ddp.inter_node_s == pytest.approx(0.6) and ddp.inter_node_bytes == pytest.approx(30 * gb / 8)
+    assert ddp.step_s == pytest.approx(1.6) and ddp.tokens_per_s_per_gpu == pytest.approx(1000 / 1.6)
+    # HSDP sharded inside the node (shard 8): only the replica all-reduce (2 ranks, one per node) crosses
+    hsdp = _candidate("ref.hsdp", 16, comm={"all_gather": 16 * gb, "all_reduce": gb}, options={"shard_size": 8})
+    p = price(hsdp, cluster)
+    assert p.spanning == ["all_reduce"] and p.inter_node_bytes == pytest.approx(gb)
+    assert p.inter_node_s == pytest.approx(gb / 50e9)
+    # tensor parallel inside a node, pipeline stages across: only the stage-to-stage sends cross
+    tp_pp = price(_candidate("torch.tp", 1, pp=2, tp=8, comm={"all_reduce": 9 * gb, "send": gb}), cluster)
+    assert tp_pp.spanning == ["send"] and tp_pp.inter_node_bytes == pytest.approx(gb)
+    # the link is a parameter: InfiniBand at 8x the bandwidth costs an eighth of the time
+    fast = price(_candidate("ref.ddp", 16, comm={"all_reduce": 16 * gb}), Cluster(2, 8, 3200.0))
+    assert fast.inter_node_s == pytest.approx(ddp.inter_node_s / 8)
+    assert price(_candidate("ref.ddp", 8, comm={"all_reduce": gb}), Cluster(1, 8, 400.0)).inter_node_s == 0
+    with pytest.raises(ClusterError):
+        Cluster(2, 8, 0.0)
+    with pytest.raises(ClusterError):
+        price(_candidate("ref.ddp", 8), cluster)
+
+
+def test_plan_cli_refuses_inconsistent_cluster(capsys):
+    from parabench.cli import main
+
+    assert main(["plan", "--model", "gpt-125m", "--gpus", "8", "--nodes", "2", "--gpus-per-node", "8"]) == 2
+    assert "--gpus 8 is not --nodes 2 x --gpus-per-node 8" in capsys.readouterr().err

@@ -112,6 +112,9 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--calibration", metavar="DIR", help="folder of <kind>.json calibrations (default results/calibration)"
     )
+    from parabench.plan.cluster import add_arguments as add_cluster_arguments
+
+    add_cluster_arguments(p)
 
 
 class PlanError(ValueError):
@@ -338,6 +341,9 @@ def plan_main(args) -> int:
         if args.write_suite:
             check_suite_target(Path(args.write_suite), getattr(args, "force", False))
         model, cfg = resolve_model(args)
+        from parabench.plan import cluster as CL
+
+        cluster = CL.from_args(args)  # None on one machine
         kind = S.GPUS[args.gpu][0]
         cal = C.load_kind(kind, args.calibration)
         if cal is None:
@@ -384,6 +390,8 @@ def plan_main(args) -> int:
     )
     print(f"{len(ok)} of {len(ok) + len(dropped)} configurations fit; predicted, ranked by tokens/s per GPU:\n")
     print(S.table(ok, args.top) if ok else "(none fits)")
+    if cluster and ok:
+        print("\n" + CL.table(CL.rank(ok, cluster), args.top, cluster))
     tie = tie_note(Path(args.calibration or C.CALIBRATION_DIR) / f"validation-{kind}.json")
     if ok and tie:
         print(f"\n{tie}")
