@@ -150,6 +150,19 @@ def expect_ref_local_sgd(cfg, case, o, dp):
     )
 
 
+def expect_torch_local_sgd(cfg, case, o, dp):
+    psi = psi_of(cfg)
+    synced = local_sgd_synced(case, case.warmup + case.steps)
+    return Expectation(
+        state_bytes={"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi},
+        comm_payload_bytes={"all_reduce": 4 * psi} if synced else {},
+        comm_payload_bytes_avg_per_step={"all_reduce": 4 * psi / o.sync_every},
+        paper_state_bytes=zero_paper_state_bytes(0, psi, dp),
+        notes=f"PeriodicModelAverager: every {o.sync_every} steps one all-reduce of the flattened fp32 parameters "
+        "(4Ψ); the optimizer's moments stay local. 4Ψ/H bytes per step on average.",
+    )
+
+
 def expect_torch_fp16_hook(cfg, case, o, dp):
     psi = psi_of(cfg)
     return Expectation(
@@ -237,6 +250,7 @@ ROWS = (
         "local SGD: ranks step alone, parameters + optimizer states averaged every sync_every steps "
         "(options sync_every, average_optimizer_state, local_optimizer)",
         expect_ref_local_sgd,
+        peers=("torch.local_sgd",),
     ),
     _row(
         "torch.ddp_fp16_hook",
@@ -244,6 +258,16 @@ ROWS = (
         "peer",
         "PyTorch DDP + default_hooks.fp16_compress_hook",
         expect_torch_fp16_hook,
+        plan=PlanFacts(
+            master_grad_buffer=True,
+        ),
+    ),
+    _row(
+        "torch.local_sgd",
+        "parabench.peers.torch_local_sgd:build",
+        "peer",
+        "PyTorch PeriodicModelAverager: local AdamW steps, parameters (not moments) averaged every sync_every steps",
+        expect_torch_local_sgd,
         plan=PlanFacts(
             master_grad_buffer=True,
         ),
