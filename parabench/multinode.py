@@ -307,6 +307,10 @@ def kind_groups(case, world: int) -> dict[str, list[int]] | None:
     if case.options.get("pp", 1) != 1 or case.options.get("tp", 1) != 1:
         return None
     everyone = list(range(world))
+    # ZeRO++'s hpZ gathers from its secondary group in backward and the world in forward, and
+    # DeepSpeed's qgZ reduces in two hops: one kind over several groups, no split to state here
+    if case.strategy == "deepspeed.zeropp" or (case.strategy == "ref.zeropp" and case.options.get("hpz")):
+        return None
     if case.strategy in HSDP_STRATEGIES:
         shard = int(case.options.get("shard_size") or world)
         return {
