@@ -14,19 +14,19 @@ defragmentation" (as the paper's summary is quoted in the seed notes this projec
   recomputed. Checkpoint memory per rank: L·ceil(b·s·h/t)·e bytes instead of L·b·s·h·e (L blocks, e
   bytes an element), the factor t of Sec. 6.1. Its price (Sec. 8): one all-gather of b·s·h per block
   per micro-batch, against Megatron's 12·b·s·h of all-reduce traffic per block with recomputation
-  (two all-reduces each in forward, recomputed forward and backward, each counted twice): "less than
-  10 %".
+  (two all-reduces each in forward, recomputed forward and backward, each counted twice): under a
+  tenth of it, the paper's argument that Pa is cheap.
 * **Pa+cpu** (Sec. 6.1): the partitioned checkpoints go to CPU memory (pinned on GPUs) and come back
   before the all-gather: device checkpoint memory ~0, 2·L·ceil(b·s·h/t)·e bytes over the host link
   per micro-batch.
 * **CB, constant-size buffers** (Sec. 6.2): a fused buffer of all gradients for one all-reduce grows
-  with the model ("a 3B parameter model with a 32-bit fused buffer will require 12 GB of memory");
-  here the data-parallel gradient all-reduce runs over windows of a constant ``buffer_elements``,
+  with the model (the paper's example: 12 GB for the fp32 gradients of a 3B-parameter model); here
+  the data-parallel gradient all-reduce runs over windows of a constant ``buffer_elements``,
   whatever the model size: ceil(Ψ_local / buffer) all-reduces, none larger than the buffer.
 * **MD, memory defragmentation** (Sec. 6.3): long-lived tensors (activation checkpoints, parameter
   gradients) interleaved with short-lived ones (recomputed activations) fragment memory. ZeRO
-  "pre-allocat[es] contiguous memory chunks for activation checkpoints and gradients, and cop[ies]
-  them over to the pre-allocated memory as they are produced". Here: one **activation arena** (L
+  pre-allocates contiguous memory for the checkpoints and the gradients and copies each into it as
+  it is produced. Here: one **activation arena** (L
   slots, allocated at the first micro-batch and reused by every later one) into which each block's
   checkpoint (slice) is copied, and one contiguous gradient buffer of which every ``p.grad`` is a
   view (allocated once, zeroed per step). With MD the CB windows are views of that buffer (no copy);
