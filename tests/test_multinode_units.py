@@ -191,6 +191,9 @@ def test_cluster_prices_only_what_crosses_nodes():
     # tensor parallel inside a node, pipeline stages across: only the stage-to-stage sends cross
     tp_pp = price(_candidate("torch.tp", 1, pp=2, tp=8, comm={"all_reduce": 9 * gb, "send": gb}), cluster)
     assert tp_pp.spanning == ["send"] and tp_pp.inter_node_bytes == pytest.approx(gb)
+    # 16 stages over 2 nodes: one boundary of 15 crosses, and it paces the pipeline
+    pp16 = price(_candidate("ref.pp_1f1b", 1, pp=16, comm={"send": gb}), cluster)
+    assert pp16.inter_node_bytes == pytest.approx(gb / 15) and pp16.inter_node_s == pytest.approx(gb / 50e9)
     # the link is a parameter: InfiniBand at 8x the bandwidth costs an eighth of the time
     fast = price(_candidate("ref.ddp", 16, comm={"all_reduce": 16 * gb}), Cluster(2, 8, 3200.0))
     assert fast.inter_node_s == pytest.approx(ddp.inter_node_s / 8)

@@ -8,14 +8,15 @@ the inter-node link:
 
 - a ring over several nodes is paced by its slowest hop, so the collective's whole wire volume per
   rank (nccl-tests' bus factor: 2(n-1)/n for an all-reduce, (n-1)/n for an all-gather or a
-  reduce-scatter, 1 for a point-to-point send) moves at ``B`` Gb/s. ``B`` is per GPU (one NIC per
+  reduce-scatter) moves at ``B`` Gb/s; likewise a pipeline whose stages span nodes is paced by the
+  stage boundary that crosses them, its sends priced at ``B``. ``B`` is per GPU (one NIC per
   GPU, as on H100/H200 clusters: 400 Gb/s for NDR InfiniBand, the same figure a socket-forced
   emulation measures as its loopback rate);
 - that time is added to the one-machine step and taken as exposed: the model's overlap of
   communication with compute was calibrated on NVLink, and a link 5-10x slower hides less;
 - each collective kind is put on the group that carries it: HSDP's all-gathers and
   reduce-scatters on its shard group and its all-reduces on its replica group; pipeline sends
-  between neighbouring stages; tensor-parallel traffic on the tp group where the grid has no data
+  along the stages (inter-node bytes: the crossing boundaries' share of the pp - 1); tensor-parallel traffic on the tp group where the grid has no data
   parallelism; everything else on the data-parallel group (a conservative choice where tensor
   and data parallelism share a kind).
 
@@ -81,8 +82,7 @@ def kind_groups(strategy: str, world: int, dp: int, pp: int, tp: int, options: d
         groups.update(all_gather=dp_group[:shard], reduce_scatter=dp_group[:shard], all_reduce=dp_group[::shard])
     elif tp > 1 and dp == 1:
         groups = {kind: tp_group for kind in WIRE}
-    neighbour = [0, tp] if pp > 1 else [0]
-    groups["send"] = groups["recv"] = neighbour
+    groups["send"] = groups["recv"] = [p * tp for p in range(pp)]  # the stages, in order
     return groups
 
 
@@ -113,8 +113,11 @@ def price(candidate, cluster: Cluster) -> ClusterPrice:
         n = len(ranks)
         wire = payload * (WIRE[kind](n) if kind in WIRE else 1.0)
         seconds += wire / cluster.inter_node_bytes_per_s
-        peer = ranks[1] if kind in ("send", "recv") and n > 1 else None
-        inter += wire * inter_node_fraction(kind, ranks, layout, peer, 0)
+        if kind in ("send", "recv"):  # the stage boundaries that cross nodes, of the pp - 1
+            crossing = sum(layout.node_of(a) != layout.node_of(b) for a, b in zip(ranks, ranks[1:]))
+            inter += wire * crossing / (n - 1)
+        else:
+            inter += wire * inter_node_fraction(kind, ranks, layout)
         spanning.append(kind)
     step = p.step_s + seconds
     return ClusterPrice(inter, seconds, spanning, step, p.tokens_per_s_per_gpu * p.step_s / step)
