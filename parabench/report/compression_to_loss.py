@@ -63,8 +63,10 @@ def _series(r: dict) -> dict | None:
     if r.get("status") != "ok" or (case.get("steps") or 0) < MIN_STEPS or not losses or None in losses:
         return None
     row = STRATEGIES.get(case.get("strategy"))
+    opts = ", ".join(f"{k}={v}" for k, v in sorted((case.get("options") or {}).items()) if k != "profile")
     return {
         "label": r.get("label") or case.get("strategy"),
+        "short": str(case.get("strategy")) + (f" [{opts}]" if opts else ""),
         "family": row.family if row else "?",
         "kind": row.kind if row else "?",
         "group": (case.get("model"), case.get("world_size"), case.get("precision")),
@@ -154,13 +156,13 @@ def figures(runs) -> list[dict]:
 
     entries = []
     for i, g in enumerate(groups, 1):
-        fig, axes = _grid(2, 5.2, 3.8)
+        fig, axes = _grid(2, 5.6, 4.2)
         by_bytes, by_time = axes[0], axes[1]
         for s in sorted(g["series"], key=lambda s: s["label"]):
             steps = range(1, len(s["smoothed"]) + 1)
             style = "-" if s["kind"] == "reference" else "--"
             if s["bytes_per_step"]:
-                by_bytes.plot([k * s["bytes_per_step"] / 1e6 for k in steps], s["smoothed"], style, label=s["label"])
+                by_bytes.plot([k * s["bytes_per_step"] / 1e6 for k in steps], s["smoothed"], style, label=s["short"])
             if s["s_per_step"]:
                 by_time.plot([k * s["s_per_step"] for k in steps], s["smoothed"], style, label=s["label"])
         for ax, xlabel in ((by_bytes, "MB sent per rank (cumulative)"), (by_time, "seconds (cumulative)")):
@@ -168,7 +170,10 @@ def figures(runs) -> list[dict]:
             ax.set_xscale("log")
             ax.set_xlabel(xlabel)
             ax.set_ylabel(f"loss (trailing mean of {WINDOW} steps)")
-        by_bytes.legend(fontsize="x-small", frameon=False, ncol=2)
+            lowest = min(min(s["smoothed"]) for s in g["series"])
+            ax.set_ylim(lowest - 0.02 * g["target"], g["target"] * 1.2)  # the approach to the target
+        handles, labels = by_bytes.get_legend_handles_labels()
+        fig.legend(handles, labels, loc="outside lower center", ncol=2, fontsize="x-small", frameon=False)
         cb, ct = g["cheapest_bytes"], g["cheapest_time"]
         entries.append(
             figure_entry(
