@@ -366,3 +366,26 @@ def link_check(record: dict, case) -> None:
             "ok": abs(m - e) <= max(8.0, LINK_TOLERANCE * max(e, m)),
         }
     record.setdefault("checks", {})["comm_by_link"] = rows
+
+
+def placement_note(case, nnodes: int) -> str | None:
+    """Where a hierarchical case's inner groups straddle nodes on this layout: HSDP's shard groups
+    and hpZ's secondary partitions are consecutive data-parallel ranks, inside one node only when
+    the node's ranks hold whole groups (shard_size x pp x tp divides the ranks per node)."""
+    if nnodes <= 1 or case.world_size % nnodes:
+        return None
+    per_node = case.world_size // nnodes
+    inner = None
+    if case.strategy in HSDP_STRATEGIES:
+        inner = ("shard_size", int(case.options.get("shard_size", 2)))
+    elif case.strategy.endswith("zeropp") and case.options.get("hpz"):
+        inner = ("hpz_partition_size", int(case.options.get("hpz_partition_size", 2)))
+    if inner is None:
+        return None
+    span = inner[1] * case.options.get("pp", 1) * case.options.get("tp", 1)
+    if per_node % span == 0:
+        return None
+    return (
+        f"{case.label}: {inner[0]} {inner[1]} groups straddle the nodes of {per_node} ranks; their traffic crosses "
+        f"the slow link ({inner[0]} {per_node} keeps them inside a node)"
+    )

@@ -430,6 +430,9 @@ class Runner(LaunchOwner):
                 self.counts["kept"] += 1
                 self.echo(self._progress(f"{'kept':<7} {case.label} (already recorded)"))
                 continue
+            note = multinode.placement_note(case, self.launch.nnodes)
+            if note and case.repeat == 0:
+                self.echo(f"parabench: warning: {note}")
             reason = skip_reason(case, self.launch)
             if reason:
                 self._write(case, build_record(case, "skipped", error={"message": reason}))
@@ -747,7 +750,7 @@ def _fmt_bytes(b) -> str:
 
 
 # Checks against the theory beside communication, as the console row names them when they fail.
-OTHER_CHECKS = (("state", "state_ok"), ("nvme", "nvme_io_ok"))
+OTHER_CHECKS = (("state", "state_ok"), ("nvme", "nvme_io_ok"), ("activation checkpoints", "activation_checkpoints_ok"))
 # The count of finished cases whose measurements disagree with their theory (``--strict`` fails on it).
 OFF_THEORY = "off theory"
 

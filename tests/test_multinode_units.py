@@ -209,3 +209,15 @@ def test_plan_cli_refuses_inconsistent_cluster(capsys):
 
     assert main(["plan", "--model", "gpt-125m", "--gpus", "8", "--nodes", "2", "--gpus-per-node", "8"]) == 2
     assert "--gpus 8 is not --nodes 2 x --gpus-per-node 8" in capsys.readouterr().err
+
+
+def test_placement_note_when_inner_groups_straddle_nodes():
+    case = SimpleNamespace(strategy="ref.hsdp", world_size=8, options={"shard_size": 4}, label="hsdp")
+    assert multinode.placement_note(case, 2) is None  # nodes of 4 hold whole shard groups
+    note = multinode.placement_note(SimpleNamespace(**{**vars(case), "options": {"shard_size": 4}}), 4)
+    assert "straddle the nodes of 2 ranks" in note
+    hpz = SimpleNamespace(
+        strategy="ref.zeropp", world_size=8, options={"hpz": True, "hpz_partition_size": 8}, label="z"
+    )
+    assert "hpz_partition_size 8" in multinode.placement_note(hpz, 2)
+    assert multinode.placement_note(case, 1) is None
