@@ -323,7 +323,18 @@ def check_against_theory(theory: dict | None, per_rank: list[dict], allowance: f
             allowance,
         )
         out["nvme_io_ok"] = all(r["ok"] for r in out["nvme_io"].values())
-    out["ok"] = out.get("comm_ok", True) and out.get("state_ok", True) and out.get("nvme_io_ok", True)
+    act_exp = theory.get("activation_checkpoint_bytes")
+    act_meas = nvme_meas.get("activation_checkpoint_bytes")
+    if act_exp and act_meas is not None:
+        # ZeRO-R's activation checkpoints held at the peak, by place (device or host), rank 0: exact
+        out["activation_checkpoints"] = {"expected_bytes": act_exp, "measured_bytes": act_meas}
+        out["activation_checkpoints_ok"] = act_meas == act_exp
+    out["ok"] = (
+        out.get("comm_ok", True)
+        and out.get("state_ok", True)
+        and out.get("nvme_io_ok", True)
+        and out.get("activation_checkpoints_ok", True)
+    )
     return out
 
 

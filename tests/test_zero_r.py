@@ -76,3 +76,16 @@ def test_partitioning_divides_the_checkpoints_by_the_tp_degree(group):
         held["replicated"]["device"]
         == expected(CASES["pa"], model_config("tiny"), 2)["activation_checkpoint_bytes_replicated"]
     )
+
+
+def test_the_record_check_compares_the_checkpoint_bytes_with_the_theory():
+    from parabench.metrics import check_against_theory
+
+    theory = {"activation_checkpoint_bytes": {"device": 8192}}
+
+    def rank(held):
+        return [{"rank": 0, "strategy_stats": {"activation_checkpoint_bytes": held}}]
+
+    assert check_against_theory(theory, rank({"device": 8192}))["ok"] is True
+    off = check_against_theory(theory, rank({"device": 16384}))
+    assert off["ok"] is False and off["activation_checkpoints_ok"] is False
