@@ -1,8 +1,8 @@
 """The machine's bf16 matmul ceiling: what a short GEMM probe at a run's start measures, and the MFU
 of each case against it beside the MFU against the datasheet peak.
 
-The datasheet's dense bf16 peak (989 TFLOP/s on H100 and H200) is a rate no kernel reaches: square
-bf16 products through torch.matmul ran at 769-798 TFLOP/s on the H200s here, about 80 % of it. A
+The datasheet's dense bf16 peak (989 TFLOP/s on H100 and H200) is a rate no kernel reaches: bf16
+matmuls on the H100s and H200s of the committed runs top out at 790-798 TFLOP/s, about 80 % of it. A
 case's MFU against the datasheet therefore says how far it is from a number nothing reaches; against
 the measured ceiling, how far it is from what this machine's cuBLAS does on its best shape.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 # Square sizes timed; the ceiling is the best size's median rate. Below 4096 an H100/H200 product is
 # too short to fill the GPU; 16384 (8.8 TFLOP, about 11 ms) is where cuBLAS's best tile shapes saturate.
 SIZES = (4096, 8192, 16384)
-BATCH = 10  # products per timed batch: one event pair around ten kernels keeps the launch gap out
+BATCH = 10  # products per timed batch: one event pair around ten kernels amortises the launch gaps
 BATCHES = 5
 WARMUP_S = 1.0  # products before timing, long enough for the clocks to leave their idle state
 MAX_AGE_S = 7 * 24 * 3600  # a driver update or a new clock policy would show within a week's probes
@@ -53,6 +53,23 @@ def measure(device_index: int = 0) -> dict:
     import torch
 
     device = torch.device("cuda", device_index)
+    with torch.cuda.device(device):  # the events record on this device's stream, not device 0's
+        by_size = _rates_by_size(torch, device)
+    props = torch.cuda.get_device_properties(device)
+    return {
+        "flops_per_s": max(by_size.values()),
+        "dtype": "bf16",
+        "by_size_flops_per_s": by_size,
+        "device_name": props.name,
+        "device_index": device_index,
+        "method": METHOD,
+        "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **_identity(torch, props),
+    }
+
+
+def _rates_by_size(torch, device) -> dict[str, float]:
+    """The median batch rate (FLOP/s) of each size in ``SIZES``."""
     by_size = {}
     for n in SIZES:
         a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
@@ -74,17 +91,7 @@ def measure(device_index: int = 0) -> dict:
         by_size[str(n)] = sorted(rates)[len(rates) // 2]
         del a, b, out
         torch.cuda.empty_cache()
-    props = torch.cuda.get_device_properties(device)
-    return {
-        "flops_per_s": max(by_size.values()),
-        "dtype": "bf16",
-        "by_size_flops_per_s": by_size,
-        "device_name": props.name,
-        "device_index": device_index,
-        "method": METHOD,
-        "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        **_identity(torch, props),
-    }
+    return by_size
 
 
 def _identity(torch, props) -> dict:
