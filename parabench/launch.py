@@ -491,7 +491,11 @@ class LaunchOwner:
     def launch_env(self, device: str) -> dict:
         env = dict(os.environ)
         env[LAUNCH_MARK] = self.invocation
-        env.setdefault("OMP_NUM_THREADS", "1")
+        if device != "cuda":
+            # N gloo ranks share the host's cores: one thread each. On GPUs the ranks start as
+            # `torchrun` starts a user's script (one thread each when several share the node, torch's
+            # default otherwise), so an adapter and its library's script get the same host threads.
+            env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         if device == "cpu":
