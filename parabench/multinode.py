@@ -299,6 +299,13 @@ _WIRE_FACTOR = {
 }
 
 
+def shard_size(strategy: str, options: dict) -> int:
+    """HSDP's shard group size for these options, the strategy's default where they name none."""
+    from parabench.registry import get_strategy
+
+    return int(get_strategy(strategy).options.read(options).shard_size)
+
+
 def kind_groups(case, world: int) -> dict[str, list[int]] | None:
     """Rank 0's group for each collective kind of ``case`` where one group carries every op of that
     kind: the world for a data-parallel-only grid, HSDP's shard group (consecutive ranks) for its
@@ -312,7 +319,7 @@ def kind_groups(case, world: int) -> dict[str, list[int]] | None:
     if case.strategy == "deepspeed.zeropp" or (case.strategy == "ref.zeropp" and case.options.get("hpz")):
         return None
     if case.strategy in HSDP_STRATEGIES:
-        shard = int(case.options.get("shard_size") or world)
+        shard = shard_size(case.strategy, case.options)
         return {
             "all_gather": everyone[:shard],
             "reduce_scatter": everyone[:shard],
@@ -377,7 +384,7 @@ def placement_note(case, nnodes: int) -> str | None:
     per_node = case.world_size // nnodes
     inner = None
     if case.strategy in HSDP_STRATEGIES:
-        inner = ("shard_size", int(case.options.get("shard_size", 2)))
+        inner = ("shard_size", shard_size(case.strategy, case.options))
     elif case.strategy.endswith("zeropp") and case.options.get("hpz"):
         inner = ("hpz_partition_size", int(case.options.get("hpz_partition_size", 2)))
     if inner is None:

@@ -78,7 +78,9 @@ def kind_groups(strategy: str, world: int, dp: int, pp: int, tp: int, options: d
     tp_group = list(range(tp))
     groups = {kind: dp_group for kind in WIRE}
     if strategy in HSDP:
-        shard = int(options.get("shard_size") or dp)
+        from parabench.multinode import shard_size
+
+        shard = shard_size(strategy, options)
         groups.update(all_gather=dp_group[:shard], reduce_scatter=dp_group[:shard], all_reduce=dp_group[::shard])
     elif tp > 1 and dp == 1:
         groups = {kind: tp_group for kind in WIRE}
