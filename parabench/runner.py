@@ -381,7 +381,9 @@ class Runner(LaunchOwner):
             multinode.SUITE_CASES_ENV: str(len(self.suite.cases)),
         }
         if self.launch.emulate_link:
-            env.update(multinode.emulation_env(self.node_rank, self.launch.gpus_per_node or 1, self.launch.emulate_link))
+            env.update(
+                multinode.emulation_env(self.node_rank, self.launch.gpus_per_node or 1, self.launch.emulate_link)
+            )
         return env
 
     def _recorded(self, case: Case) -> bool:
@@ -635,7 +637,14 @@ class Runner(LaunchOwner):
         return [c for c in unfinished if c is not culprit]
 
     def _stop_if_nodes_apart(
-        self, launch: _Launch, batch: list[Case], culprit, log_tail: str, started: float, elapsed: float, timed_out: bool
+        self,
+        launch: _Launch,
+        batch: list[Case],
+        culprit,
+        log_tail: str,
+        started: float,
+        elapsed: float,
+        timed_out: bool,
     ) -> None:
         """Stop the suite (``MultiNodeStop``, on every node alike) when the nodes ran different
         suites or cases, or when the launch's rendezvous did not form; in the latter case the case
