@@ -730,6 +730,16 @@ def build_parser() -> argparse.ArgumentParser:
     _plan_arguments(p)
     p.set_defaults(func=cmd_plan)
 
+    # the planner's loop: plan --write-suite, run suite, check; calibrate refits its constants
+    from parabench.plan.check import add_calibrate_arguments, add_check_arguments, calibrate_main, check_main
+
+    p = sub.add_parser("check", help="a planned suite's run against the predictions written beside the suite")
+    add_check_arguments(p)
+    p.set_defaults(func=check_main)
+    p = sub.add_parser("calibrate", help="refit a GPU kind's planner calibration from the committed records")
+    add_calibrate_arguments(p)
+    p.set_defaults(func=calibrate_main)
+
     p = sub.add_parser("slurm", help="write an sbatch script running a suite on N nodes (srun + torchrun rendezvous)")
     from parabench.slurm import add_arguments as _slurm_arguments
     from parabench.slurm import slurm_main

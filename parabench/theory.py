@@ -15,6 +15,7 @@ A strategy without an expectation gets none (``None``), never a guess.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from parabench.shapes import GPTConfig, parameter_count
@@ -78,13 +79,14 @@ def volume(payloads) -> int:
     return sum(x for x in payloads if x > SCALAR_BYTES)
 
 
-def _parameter_shapes(cfg: GPTConfig) -> list[tuple[int, ...]]:
+@functools.lru_cache(maxsize=16)  # the planner asks once per candidate; a wide model takes a second to build
+def _parameter_shapes(cfg: GPTConfig) -> tuple[tuple[int, ...], ...]:
     import torch
 
     from parabench.models import GPT
 
     with torch.device("meta"):
-        return [tuple(p.shape) for p in GPT(cfg).parameters()]
+        return tuple(tuple(p.shape) for p in GPT(cfg).parameters())
 
 
 def ref_bucket_shapes(cfg: GPTConfig, elem: int, bucket_mb: float) -> list[list[tuple[int, ...]]]:

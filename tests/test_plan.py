@@ -203,7 +203,7 @@ def test_cli_rejects_unknown_names(capsys):
     assert main(["plan", "--model", "gpt-99b", "--gpus", "2"]) == 2
     assert "valid models" in capsys.readouterr().err
     assert main(["plan", "--model", "gpt-350m", "--gpus", "2", "--gpu", "tpu-v9"]) == 2
-    assert "valid GPUs: h100-80g" in capsys.readouterr().err
+    assert "accepted: h100-80g (calibrated), h200-141g (derived from h100)" in capsys.readouterr().err
     assert main(["plan", "--model", "gpt-350m", "--gpus", "2", "--recipe", "fp9"]) == 2
     assert "valid recipes: " in capsys.readouterr().err
 
@@ -885,18 +885,15 @@ def test_an_exclusion_without_a_reason_is_refused(tmp_path):
 
 
 def test_predict_suite_writes_one_prediction_per_case(tmp_path):
-    """scripts/predict_suite.py: the committed predictions are keyed by the suite's case hashes."""
-    import importlib.util
+    """The predictions written beside a suite are keyed by the suite's case hashes."""
+    from parabench.plan.check import predict_suite
 
     suite = tmp_path / "two.toml"
     suite.write_text(
         '[suite]\nname = "two"\ndevice = "cuda"\nprecision = "bf16"\nseq_len = 2048\n\n'
         '[[matrix]]\nmodel = "gpt-1.3b"\nstrategy = ["ref.ddp", "torch.fsdp2"]\nworld_size = 2\nmicro_batch = 4\n'
     )
-    spec = importlib.util.spec_from_file_location("predict_suite", ROOT / "scripts" / "predict_suite.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    out = module.predict_suite(str(suite))
+    out = predict_suite(str(suite))
     hashes = [c.case_hash for c in load_suite(str(suite)).cases]
     assert [p["case_hash"] for p in out["predictions"]] == hashes
     assert all(p["tokens_per_s_per_device"] > 0 and p["peak_bytes"] > 0 for p in out["predictions"])

@@ -4,6 +4,7 @@ FSDP2, DeepSpeed ZeRO)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import dataclass, field
@@ -326,7 +327,8 @@ def deepspeed_persistent_numel(cfg, o) -> int:
     return kept
 
 
-def _block_shapes(cfg, everything: bool = False) -> list[list[tuple[int, ...]]]:
+@functools.lru_cache(maxsize=16)  # asked per planner candidate; a wide model takes seconds to build
+def _block_shapes(cfg, everything: bool = False) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """Parameter shapes per transformer block, or (``everything``) of the whole model in
     registration order as one list."""
     import torch
@@ -336,8 +338,8 @@ def _block_shapes(cfg, everything: bool = False) -> list[list[tuple[int, ...]]]:
     with torch.device("meta"):
         model = GPT(cfg)
     if everything:
-        return [[tuple(p.shape) for p in model.parameters()]]
-    return [[tuple(p.shape) for p in block.parameters()] for block in model.blocks]
+        return (tuple(tuple(p.shape) for p in model.parameters()),)
+    return tuple(tuple(tuple(p.shape) for p in block.parameters()) for block in model.blocks)
 
 
 # --- expectations: references (reference_impls/zero.py, fsdp.py) ---------------------------------

@@ -8,12 +8,11 @@ bandwidth. The rest is a weighted (relative-error) non-negative least-squares fi
 constants in ``parabench.plan.model``; implementation factors are fitted last, from the residuals
 of each implementation's own configurations, shrunk toward "no difference".
 
-    python -m parabench.plan.calibrate [results] [--out results/calibration/h100.json]
+    parabench calibrate [--gpu h100-80g] (parabench.plan.check.calibrate_main)
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
@@ -803,32 +802,3 @@ def load_kind(kind: str, directory=None) -> dict | None:
         return load(path)
     source = load_kind(DERIVED_FROM[kind], directory) if kind in DERIVED_FROM else None
     return derive(source, kind) if source else None
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m parabench.plan.calibrate", description=__doc__.split("\n")[0])
-    ap.add_argument("results", nargs="?", default="results")
-    ap.add_argument("--kind", default="h100", choices=sorted(DEVICE_KINDS))
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args(argv)
-    cal = calibrate(a.results, a.kind)
-    path = save(cal, a.out or calibration_path(a.kind, Path(a.results) / "calibration"))
-    print(f"{path}: {cal['configurations']} configurations from {cal['records']} records")
-    if a.out is None:  # the parts derived from this one follow it, so no stored one goes stale
-        for other in (k for k, src in DERIVED_FROM.items() if src == a.kind):
-            derived = derive(cal, other, observations(a.results, other))
-            other_path = save(derived, calibration_path(other, Path(a.results) / "calibration"))
-            print(f"{other_path}: {derived['derived_from']['doc']}")
-    for k, v in cal["time"].items():
-        if isinstance(v, dict):
-            rates = ", ".join(f"{hd}: {r / 1e12:.0f}" for hd, r in v["rate_inf_flops"].items() if r)
-            print(f"  {k:12s} t0 {v['t0_s'] * 1e3:.3f} ms, s0 {v['seq_half']}, TFLOP/s by head width {rates}")
-            continue
-        print(f"  {k:12s} {v:.4g}{'' if k in cal['time_fitted'] else '  (default)'}")
-    for k, v in cal["memory"].items():
-        print(f"  {k:18s} {v:.4g}{'' if k in cal['memory_fitted'] else '  (default)'}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -83,7 +83,27 @@ def add_arguments(p) -> None:
                 help="sequence length (also overrides a ladder model's)" if key == "seq_len" else None,
             )
     p.add_argument("--gpus", type=int_in(1, MAX_GPUS), required=True)
-    p.add_argument("--gpu", default="h100-80g", help="GPU kind (h100-80g, ...)")
+    p.add_argument(
+        "--gpu",
+        default="h100-80g",
+        help="GPU kind: h100-80g (calibrated) or h200-141g (derived from h100); an error lists the accepted ones",
+    )
+    p.add_argument(
+        "--include-references",
+        action="store_true",
+        help="rank the from-scratch references beside the production libraries (labelled [reference])",
+    )
+    p.add_argument(
+        "--host-ram-gib",
+        type=float,
+        help="RAM of one host, GiB, for the CPU-offload configurations (default: this machine's when it holds "
+        "GPUs of the kind planned; else 126 GiB per GPU of a host, as on the committed runs' hosts)",
+    )
+    p.add_argument(
+        "--nvme-gib",
+        type=float,
+        help="NVMe capacity of one host, GiB, for NVMe-offload configurations (refused without it)",
+    )
     p.add_argument(
         "--recipe",
         default="master",
@@ -101,7 +121,12 @@ def add_arguments(p) -> None:
         default=8,
         help="list this many dropped configurations with their reason",
     )
-    p.add_argument("--write-suite", metavar="FILE", help="write a suite TOML of the top configurations")
+    p.add_argument(
+        "--write-suite",
+        metavar="FILE",
+        help="write a suite TOML of the top configurations, and their predictions beside it "
+        "(FILE's stem + .predictions.json) for `parabench check RUN`",
+    )
     p.add_argument("--force", action="store_true", help="let --write-suite replace an existing file")
     p.add_argument(
         "--max-seconds",
@@ -235,6 +260,10 @@ def check_suite_target(path: Path, force: bool) -> None:
         raise PlanError(f"--write-suite {path}: the file exists; give --force to replace it")
     if path.exists() and not path.is_file():
         raise PlanError(f"--write-suite {path}: not a regular file")
+    from parabench.plan.check import predictions_path
+
+    if predictions_path(path).exists() and not force:
+        raise PlanError(f"--write-suite {path}: {predictions_path(path)} exists; give --force to replace it")
     import os
     import tempfile
 
@@ -297,6 +326,17 @@ FSDP2_GC_REMEDY = (
 )
 
 
+def first_of_each_kind(dropped: list, most: int) -> list:
+    """Up to ``most`` dropped configurations: the first of each reason (the text before its colon),
+    then the others in order."""
+    seen, first, rest = set(), [], []
+    for c in dropped:
+        kind = c.dropped.split(":")[0]
+        (rest if kind in seen else first).append(c)
+        seen.add(kind)
+    return (first + rest)[:most]
+
+
 def erratic_note(shown: list, spread: dict) -> str | None:
     """The shown rows' implementations whose measured launches of one configuration lay more than
     ERRATIC_LAUNCH_SPREAD apart (the calibration's ``launch_spread``), or None; with the remedy
@@ -326,14 +366,115 @@ def erratic_note(shown: list, spread: dict) -> str | None:
     return note + (" " + FSDP2_GC_REMEDY if compiled_fsdp2 else "")
 
 
+def this_machine(kind: str) -> tuple[int, float] | None:
+    """(GPUs, host RAM bytes) of this machine where its GPUs are of ``kind``, else None."""
+    import os
+
+    import torch
+
+    from parabench.plan.calibrate import device_kind
+
+    if not torch.cuda.is_available():
+        return None
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    if not names or any(device_kind(n) != kind for n in names):
+        return None
+    try:
+        return len(names), float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def host_limits_for(args, kind: str, cluster):
+    """``gpus -> HostLimits``: the hosts a plan on that many GPUs runs on. RAM per host: --host-ram-gib;
+    else this machine's where its GPUs are of ``kind``; else ``search.DEFAULT_HOST_RAM_PER_GPU`` per
+    GPU. GPUs per host: --gpus-per-node; else this machine's; else up to ``DEFAULT_GPUS_PER_HOST``."""
+    from parabench.plan import model as M
+    from parabench.plan import search as S
+
+    here = this_machine(kind) if args.host_ram_gib is None or cluster is None else None
+    nvme = args.nvme_gib * M.GIB if args.nvme_gib is not None else None
+
+    def limits(gpus: int):
+        per_host = cluster.gpus_per_node if cluster else (here[0] if here else min(gpus, S.DEFAULT_GPUS_PER_HOST))
+        if args.host_ram_gib is not None:
+            return S.HostLimits(args.host_ram_gib * M.GIB, per_host, nvme, "--host-ram-gib")
+        if here:
+            return S.HostLimits(here[1], per_host, nvme, "this machine's")
+        ram = S.DEFAULT_HOST_RAM_PER_GPU * per_host
+        source = f"assumed {S.DEFAULT_HOST_RAM_PER_GPU / M.GIB:.0f} GiB per GPU; --host-ram-gib to set"
+        return S.HostLimits(ram, per_host, nvme, source)
+
+    return limits
+
+
+def gpu_refusal(name: str, accepted: dict[str, str]) -> str:
+    """The one line that refuses a GPU kind, listing the accepted ones with how each is calibrated."""
+    listed = ", ".join(f"{n} ({how})" for n, how in accepted.items()) or "none"
+    return f"unknown or uncalibrated GPU {name!r}; accepted: {listed}"
+
+
+def answer(model: str, gpus: int, gpu: str, ok: list, tie_band: float) -> str:
+    """The plan's first line: one sentence with the recommended library configuration, its predicted
+    tokens/s per GPU and peak memory, and the runner-up it ties with (within ``tie_band``, the
+    validation's band for naming the fastest), or how far behind the runner-up is."""
+    from parabench.plan import model as M
+    from parabench.plan import search as S
+
+    libraries = [c for c in ok if not S.is_reference(c)]
+    pool = libraries or ok
+    if not pool:
+        return ""
+    best, rest = pool[0], pool[1:]
+    p = best.prediction
+    where = f"{best.degrees}, micro-batch {best.micro_batch}" + (f" x {best.grad_accum}" if best.grad_accum > 1 else "")
+    head = (
+        ("Recommended" if libraries else "No production library fits; the best reference")
+        + f" for {model} on {gpus}x {gpu}: {S.describe(best)} ({where}) at {p.tokens_per_s_per_gpu:,.0f} "
+        f"tokens/s per GPU, peak {p.peak_bytes / M.GIB:.1f} GiB"
+    )
+    if not rest:
+        return head + "; the only configuration that works."
+    second = rest[0]
+    share = second.prediction.tokens_per_s_per_gpu / p.tokens_per_s_per_gpu
+    if share >= 1 - tie_band:
+        return (
+            head + f"; it ties with {S.describe(second)} ({second.degrees}, micro-batch {second.micro_batch}, "
+            f"{1 - share:.1%} slower: within the {tie_band:.0%} the model cannot order)."
+        )
+    return head + f"; the runner-up, {S.describe(second)}, is {1 - share:.0%} slower (no tie within {tie_band:.0%})."
+
+
+def nothing_works(model: str, gpus: int, gpu: str, dropped: list, found) -> str:
+    """The first line where no configuration works: the reasons counted, and the smallest GPU count
+    of the kind at which one would (``found``: ``search.smallest_working_count``'s answer)."""
+    from parabench.plan import search as S
+
+    kinds: dict[str, int] = {}
+    for c in dropped:
+        if not c.dropped.startswith(("invalid", "needs at least", "trains the")):
+            kinds[c.dropped.split(":")[0]] = kinds.get(c.dropped.split(":")[0], 0) + 1
+    why = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    head = f"Nothing works for {model} on {gpus}x {gpu}" + (f" ({why})" if why else "")
+    if found is None:
+        return head + f"; nor on any count up to {S.MIN_GPUS_SEARCH_MAX} GPUs of this kind."
+    n, best = found
+    return (
+        head + f"; the smallest count of {gpu} at which a configuration works is {n} "
+        f"({S.describe(best)}, {best.prediction.tokens_per_s_per_gpu:,.0f} tokens/s per GPU predicted; "
+        f"data-parallel, sharded and offload layouts searched; parabench plan --gpus {n} ranks them all)."
+    )
+
+
 def plan_main(args) -> int:
     from parabench.plan import calibrate as C
     from parabench.plan import search as S
     from parabench.recipes import RECIPES
 
     try:
-        if args.gpu not in S.GPUS:
-            raise PlanError(f"unknown GPU {args.gpu!r}; valid GPUs: {', '.join(S.GPUS)}")
+        accepted = S.accepted_gpus(args.calibration)
+        if args.gpu not in accepted:
+            raise PlanError(gpu_refusal(args.gpu, accepted))
         if args.recipe not in RECIPES:
             raise PlanError(f"unknown recipe {args.recipe!r}; valid recipes: {', '.join(RECIPES)}")
         if not 1 <= args.gpus <= MAX_GPUS:
@@ -347,19 +488,15 @@ def plan_main(args) -> int:
         kind = S.GPUS[args.gpu][0]
         cal = C.load_kind(kind, args.calibration)
         if cal is None:
-            have = sorted(
-                p.stem
-                for p in Path(args.calibration or C.CALIBRATION_DIR).glob("*.json")
-                if not p.stem.startswith("validation")
-            )
-            raise PlanError(
-                f"no calibration for {args.gpu} ({kind}); calibrated kinds: {', '.join(have) or 'none'} "
-                f"(python -m parabench.plan.calibrate --kind {kind})"
-            )
+            raise PlanError(gpu_refusal(args.gpu, accepted))
+        for flag in ("host_ram_gib", "nvme_gib"):
+            value = getattr(args, flag, None)
+            if value is not None and not 0 < value < 1e9:
+                raise PlanError(f"--{flag.replace('_', '-')} must be a positive number of GiB, got {value}")
         if args.recipe == "fp8" and "inv_rate_fp8" not in cal.get("time_fitted", ()):
             raise PlanError(
                 f"recipe fp8: the {kind} calibration holds no fp8 record to fit float8's matmul rate and casts "
-                "(run suites/plan-data-h100x1.toml on this GPU kind, then python -m parabench.plan.calibrate)"
+                "(run suites/plan-data-h100x1.toml on this GPU kind, then parabench calibrate)"
             )
     except (
         PlanError,
@@ -373,12 +510,36 @@ def plan_main(args) -> int:
     ) as exc:
         print(f"parabench plan: {exc}", file=sys.stderr)
         return 2
+    from parabench.plan.validate import FASTEST_NOISE
+
+    limits_for = host_limits_for(args, kind, cluster)
+    found = None
     try:
         with time_limit(getattr(args, "max_seconds", DEFAULT_PLAN_SECONDS)):
-            ok, dropped = S.plan(model, cfg, args.gpus, args.gpu, cal, args.recipe, args.global_batch)
+            ok, dropped = S.plan(
+                model,
+                cfg,
+                args.gpus,
+                args.gpu,
+                cal,
+                args.recipe,
+                args.global_batch,
+                args.include_references,
+                limits_for(args.gpus),
+            )
+            if not ok:
+                found = S.smallest_working_count(
+                    model, cfg, args.gpus, args.gpu, cal, limits_for, args.recipe, args.global_batch
+                )
     except PlanTimeout as exc:
         print(f"parabench plan: {exc}", file=sys.stderr)
         return 2
+    print(
+        answer(model, args.gpus, args.gpu, ok, FASTEST_NOISE)
+        if ok
+        else nothing_works(model, args.gpus, args.gpu, dropped, found)
+    )
+    limits = limits_for(args.gpus)
     print(
         f"{model}: {cfg.n_layers} layers, d {cfg.d_model}, {cfg.n_heads} heads, vocab {cfg.vocab_size}, seq "
         f"{cfg.seq_len}; {args.gpus}x {args.gpu}, bf16-{args.recipe}"
@@ -387,8 +548,16 @@ def plan_main(args) -> int:
         + (f" derived from {cal['derived_from']['kind']}" if "derived_from" in cal else "")
         + f" ({cal['configurations']} configurations)"
         + (f"\n{cal['derived_from']['doc']}" if "derived_from" in cal else "")
+        + f"\nhosts of {limits.gpus_per_host} GPU{'s' if limits.gpus_per_host > 1 else ''} and {limits.ram_bytes / 2**30:.0f} GiB RAM ({limits.source})"
+        + (f", {limits.nvme_bytes / 2**30:.0f} GiB NVMe" if limits.nvme_bytes else "")
+        + f"; predictions under {S.MFU_FLOOR:.0%} MFU dropped"
     )
-    print(f"{len(ok)} of {len(ok) + len(dropped)} configurations fit; predicted, ranked by tokens/s per GPU:\n")
+    ranked = "production libraries and references" if args.include_references else "production libraries"
+    print(
+        f"{len(ok)} of {len(ok) + len(dropped)} configurations work; {ranked}, predicted, ranked by tokens/s per GPU"
+        + ("" if args.include_references else " (--include-references adds the from-scratch references)")
+        + ":\n"
+    )
     print(S.table(ok, args.top) if ok else "(none fits)")
     if cluster and ok:
         print("\n" + CL.table(CL.rank(ok, cluster), args.top, cluster))
@@ -398,11 +567,15 @@ def plan_main(args) -> int:
     erratic = erratic_note(ok[: args.top], cal.get("launch_spread") or {})
     if erratic:
         print(f"\n{erratic}")
-    shown = [c for c in dropped if not c.dropped.startswith("invalid")][: args.dropped]
+    shown = first_of_each_kind([c for c in dropped if not c.dropped.startswith("invalid")], args.dropped)
     if shown:
         print("\ndropped (first of each kind):")
         for c in shown:
             print(f"  {S.describe(c):42s} mb {c.micro_batch:<3} {c.dropped}")
+    if not ok:  # the first line said why and where something would work
+        if args.write_suite:
+            print(f"parabench plan: --write-suite {args.write_suite}: nothing to write", file=sys.stderr)
+        return 1
     if args.write_suite:
         if model == "custom":
             from parabench.shapes import CUSTOM_MODEL_FORM
@@ -426,5 +599,15 @@ def plan_main(args) -> int:
         except (PlanError, SuiteError) as exc:
             print(f"parabench plan: cannot write the suite: {exc}", file=sys.stderr)
             return 2
-        print(f"\nwrote {args.write_suite}: {len(suite.cases)} cases (parabench run suite {args.write_suite})")
+        from parabench.plan.check import write_predictions
+
+        try:
+            sidecar = write_predictions(target, kind, args.calibration)
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"parabench plan: cannot write the predictions beside the suite: {exc}", file=sys.stderr)
+            return 2
+        print(
+            f"\nwrote {args.write_suite}: {len(suite.cases)} cases, and their predictions in {sidecar} "
+            f"(parabench run suite {args.write_suite}, then parabench check RUN)"
+        )
     return 0

@@ -13,16 +13,71 @@ from dataclasses import dataclass, field
 from parabench.plan import model as M
 from parabench.plan.workload import for_config  # noqa: F401 (tests compare against it)
 
-# GPU names the CLI accepts: calibration kind and device memory (what torch reports as total).
+# GPU names the CLI may accept: calibration kind and device memory (what torch reports as total).
+# A name is accepted only where its kind has a calibration, its own or derived from a calibrated
+# kind's (``accepted_gpus``): a kind of another architecture (A100: other matmul rate, no committed
+# record) is not listed, since no derivation by HBM speed alone would describe it.
 GPUS = {
     "h100-80g": ("h100", 79.2 * M.GIB),
     "h200-141g": ("h200", 139.8 * M.GIB),
-    "a100-80g": ("a100", 79.2 * M.GIB),
 }
 # Allocated bytes may reach this share of the card: the caching allocator's reserve and
 # fragmentation, the CUDA context and NCCL buffers take the rest (records: reserved is 5-15 %
 # above allocated, the context about 0.5 GiB).
 USABLE = 0.88
+# CPU offload keeps its optimizer states in host memory; they may take this share of a host's RAM:
+# the OS, page cache, each rank's Python and CUDA runtime and pinned staging buffers take the rest.
+HOST_USABLE = 0.8
+# Host RAM per GPU assumed where neither --host-ram-gib nor this machine tells it: every host the
+# committed H100 and H200 runs used had 126 GiB per GPU (manifests' host.memory_bytes: 126, 252
+# and 504 GiB beside 1, 2 and 4 GPUs).
+DEFAULT_HOST_RAM_PER_GPU = 126 * M.GIB
+# GPUs per host where neither --gpus-per-node nor this machine tells it (an HGX board).
+DEFAULT_GPUS_PER_HOST = 8
+# A prediction under this MFU is dropped: its step leaves the GPU idle, waiting on an offloaded
+# optimizer, the network or memory traffic, far below the utilisation of the configurations the
+# calibration was fitted on. Steps bound by the host's per-layer launches or per-tensor hooks are
+# kept: those costs do not grow with the model's width, so a low MFU there says the model is too
+# small to occupy the GPU (a test shape), not that the configuration starves it.
+MFU_FLOOR = 0.01
+MFU_FLOOR_EXEMPT = ("host", "host_wait")
+# How far the smallest working GPU count is searched (the CLI's own --gpus limit).
+MIN_GPUS_SEARCH_MAX = 4096
+
+
+def accepted_gpus(calibration_dir=None) -> dict[str, str]:
+    """GPU name -> how it is calibrated ("calibrated" or "derived from <kind>"), for the names whose
+    kind has a calibration in ``calibration_dir`` (default: the committed one) or is derived from
+    a kind that has one (``calibrate.DERIVED_FROM``)."""
+    from parabench.plan import calibrate as C
+
+    out = {}
+    for name, (kind, _) in GPUS.items():
+        path = C.calibration_path(kind, calibration_dir)
+        source = C.DERIVED_FROM.get(kind)
+        if path.is_file():
+            try:
+                derived = (C.load(path).get("derived_from") or {}).get("kind")
+            except (OSError, ValueError, C.CalibrationError):
+                continue
+            out[name] = f"derived from {derived}" if derived else "calibrated"
+        elif source and C.calibration_path(source, calibration_dir).is_file():
+            out[name] = f"derived from {source}"
+    return out
+
+
+@dataclass(frozen=True)
+class HostLimits:
+    """What one host gives the ranks on it: its RAM (CPU offload's states), its NVMe capacity
+    (NVMe offload's), and how many GPUs share them. ``source`` says where the RAM figure came from."""
+
+    ram_bytes: float
+    gpus_per_host: int
+    nvme_bytes: float | None = None
+    source: str = ""
+
+    def ranks_on_host(self, world_size: int) -> int:
+        return max(1, min(world_size, self.gpus_per_host))
 
 
 def usable_bytes(manifest: dict) -> float | None:
@@ -159,7 +214,56 @@ def _workload(model: str, cfg, c: Candidate) -> M.Workload | None:
     return replace(w1, micro_batch=c.micro_batch, grad_accum=c.grad_accum, comm_bytes=comm)
 
 
-def evaluate(c: Candidate, model: str, cfg, cal: dict, capacity: float) -> Candidate:
+def nvme_need(model: str, cfg, c: Candidate) -> float | None:
+    """Bytes one rank of ``c`` keeps on NVMe (its theory's ``nvme_state_bytes``), or None."""
+    from parabench.case import Case
+    from parabench.registry import expected
+
+    case = Case(
+        model=model,
+        strategy=c.strategy,
+        world_size=c.world_size,
+        precision="bf16",
+        recipe=c.recipe,
+        micro_batch=c.micro_batch,
+        grad_accum=c.grad_accum,
+        seq_len=cfg.seq_len,
+        options=c.options,
+        device="cuda",
+    )
+    exp = expected(case, cfg, c.world_size) or {}
+    parts = exp.get("nvme_state_bytes") or {}
+    return float(sum(parts.values())) if parts else None
+
+
+def host_reason(c: Candidate, limits: HostLimits, nvme_bytes: float | None = None) -> str | None:
+    """Why ``c`` cannot run on hosts of ``limits``: its CPU-offloaded states beyond the host's RAM,
+    or (``nvme_bytes``: one rank's) its NVMe-offloaded states beyond the host's NVMe; else None."""
+    ranks = limits.ranks_on_host(c.world_size)
+    w = c.workload
+    if w is not None and w.offload and w.cpu_state_bytes:
+        need, usable = ranks * w.cpu_state_bytes, HOST_USABLE * limits.ram_bytes
+        if need > usable:
+            return (
+                f"host memory: {ranks} rank{'s' if ranks > 1 else ''} x {w.cpu_state_bytes / M.GIB:.1f} GiB of CPU-offloaded states = "
+                f"{need / M.GIB:.1f} GiB > {usable / M.GIB:.1f} GiB usable ({HOST_USABLE:.0%} of the host's "
+                f"{limits.ram_bytes / M.GIB:.0f} GiB, {limits.source or '--host-ram-gib'})"
+            )
+    if nvme_bytes:
+        need = ranks * nvme_bytes
+        if limits.nvme_bytes is None:
+            return f"NVMe offload: needs {need / M.GIB:.1f} GiB of NVMe per host; give its capacity (--nvme-gib)"
+        if need > limits.nvme_bytes:
+            return (
+                f"NVMe: {ranks} rank{'s' if ranks > 1 else ''} x {nvme_bytes / M.GIB:.1f} GiB of offloaded states = {need / M.GIB:.1f} GiB "
+                f"> the host's {limits.nvme_bytes / M.GIB:.0f} GiB (--nvme-gib)"
+            )
+    return None
+
+
+def evaluate(c: Candidate, model: str, cfg, cal: dict, capacity: float, limits: HostLimits | None = None) -> Candidate:
+    """``c`` predicted, or dropped with the reason: invalid, not modelled, beyond the GPU's memory,
+    beyond the host's RAM or NVMe (``limits``; unchecked without), or under ``MFU_FLOOR``."""
     from parabench.case import Case
     from parabench.registry import STRATEGIES
     from parabench.suite import validate_case
@@ -192,7 +296,8 @@ def evaluate(c: Candidate, model: str, cfg, cal: dict, capacity: float) -> Candi
         c.dropped = f"invalid: {exc}"
         return c
     if w is None:
-        c.dropped = "not modelled by the planner"
+        reason = host_reason(c, limits, nvme_need(model, cfg, c)) if limits and spec.plan.offload == "nvme" else None
+        c.dropped = reason or "not modelled by the planner"
         return c
     c.workload = w
     p = M.predict(w, cal)
@@ -201,6 +306,13 @@ def evaluate(c: Candidate, model: str, cfg, cal: dict, capacity: float) -> Candi
         c.dropped = "no memory prediction (the theory has no state expectation)"
     elif p.peak_bytes > USABLE * capacity:
         c.dropped = f"does not fit: {peak_parts(p, w)} > {USABLE * capacity / M.GIB:.1f} GiB usable"
+    elif limits is not None and host_reason(c, limits):
+        c.dropped = host_reason(c, limits)
+    elif p.mfu is not None and p.mfu < MFU_FLOOR and p.bottleneck not in MFU_FLOOR_EXEMPT:
+        c.dropped = (
+            f"below the {MFU_FLOOR:.0%} MFU floor: predicted {p.mfu:.2%} MFU, "
+            f"{p.tokens_per_s_per_gpu:.3g} tokens/s per GPU ({p.bottleneck}-bound)"
+        )
     return c
 
 
@@ -252,21 +364,89 @@ def balanced(c: Candidate, cal: dict) -> Candidate | None:
     )
 
 
+def is_reference(c: Candidate) -> bool:
+    """Whether ``c``'s strategy is a from-scratch reference (its row's ``kind``), not a library."""
+    from parabench.registry import STRATEGIES
+
+    return STRATEGIES[c.strategy].kind == "reference"
+
+
 def plan(
-    model: str, cfg, gpus: int, gpu: str, cal: dict, recipe: str = "master", global_batch: int | None = None
+    model: str,
+    cfg,
+    gpus: int,
+    gpu: str,
+    cal: dict,
+    recipe: str = "master",
+    global_batch: int | None = None,
+    include_references: bool = True,
+    limits: HostLimits | None = None,
+    layouts: str = "all",
 ) -> tuple[list[Candidate], list[Candidate]]:
     """(feasible ranked by predicted tokens/s per GPU, dropped with reasons). Each pipeline
-    candidate on the equal split is followed by its balanced split where that differs."""
+    candidate on the equal split is followed by its balanced split where that differs. Without
+    ``include_references`` only the production libraries are proposed; ``layouts="flat"`` proposes
+    no tensor or pipeline layout (their theory lists every rank's traffic, slow at large counts)."""
     _, capacity = GPUS[gpu]
     evaluated = []
     for c in candidates(cfg, gpus, recipe, global_batch):
-        evaluated.append(evaluate(c, model, cfg, cal, capacity))
+        if not include_references and is_reference(c):
+            continue
+        if layouts == "flat" and (c.options.get("tp") or c.options.get("pp")):
+            continue
+        evaluated.append(evaluate(c, model, cfg, cal, capacity, limits))
         uneven = balanced(evaluated[-1], cal)
         if uneven is not None:
-            evaluated.append(evaluate(uneven, model, cfg, cal, capacity))
+            evaluated.append(evaluate(uneven, model, cfg, cal, capacity, limits))
     ok = [c for c in evaluated if c.dropped is None]
     ok.sort(key=lambda c: -c.prediction.tokens_per_s_per_gpu)
     return ok, [c for c in evaluated if c.dropped is not None]
+
+
+def smallest_working_count(
+    model: str,
+    cfg,
+    gpus: int,
+    gpu: str,
+    cal: dict,
+    limits_for,
+    recipe: str = "master",
+    global_batch: int | None = None,
+    include_references: bool = False,
+    most: int = MIN_GPUS_SEARCH_MAX,
+) -> tuple[int, Candidate] | None:
+    """The smallest GPU count above ``gpus`` (up to ``most``) at which a configuration works (fits
+    the GPU and the host, ``limits_for(count)``, and clears the MFU floor), with its best one; None
+    if none does by ``most``. Counts double until one works, then bisect between the last two, in
+    whole hosts where a host holds several GPUs. Data-parallel, sharded and offload layouts only:
+    the tensor and pipeline layouts' theory lists every rank's traffic, minutes at a thousand GPUs.
+    Their memory per GPU falls as the count grows, which the bisection takes as given."""
+
+    def works(n: int) -> Candidate | None:
+        ok, _ = plan(model, cfg, n, gpu, cal, recipe, global_batch, include_references, limits_for(n), "flat")
+        return ok[0] if ok else None
+
+    low, n = gpus, gpus * 2
+    while True:
+        n = min(n, most)
+        best = works(n) if n > low else None
+        if best is not None:
+            break
+        if n >= most:
+            return None
+        low, n = n, n * 2
+    step = limits_for(n).gpus_per_host if low >= limits_for(n).gpus_per_host else 1
+    high = n
+    while high - low > step:
+        mid = low + max(step, (high - low) // 2 // step * step)
+        if mid >= high:
+            break
+        found = works(mid)
+        if found is not None:
+            high, best = mid, found
+        else:
+            low = mid
+    return high, best
 
 
 def _shown(v) -> str:
@@ -279,8 +459,13 @@ def describe(c: Candidate) -> str:
     return f"{c.strategy}{ac}{' ' + opts if opts else ''}"
 
 
+def labelled(c: Candidate) -> str:
+    """``describe(c)``, marked where it is a from-scratch reference rather than a library."""
+    return describe(c) + (" [reference]" if is_reference(c) else "")
+
+
 def table(ok: list[Candidate], top: int) -> str:
-    width = max([42] + [len(describe(c)) for c in ok[:top]])
+    width = max([42] + [len(labelled(c)) for c in ok[:top]])
     head = (
         f"{'#':>3} {'configuration':{width}s} {'degrees':13s} {'mb':>3} {'ga':>3} {'tok/s/GPU':>10} {'of #1':>6} "
         f"{'MFU':>6} {'peak GiB':>9}  bottleneck"
@@ -291,7 +476,7 @@ def table(ok: list[Candidate], top: int) -> str:
         p = c.prediction
         mfu = f"{p.mfu * 100:5.1f}%" if p.mfu is not None else "   - "
         lines.append(
-            f"{i:>3} {describe(c):{width}s} {c.degrees:13s} {c.micro_batch:>3} {c.grad_accum:>3} "
+            f"{i:>3} {labelled(c):{width}s} {c.degrees:13s} {c.micro_batch:>3} {c.grad_accum:>3} "
             f"{p.tokens_per_s_per_gpu:>10.0f} {100 * p.tokens_per_s_per_gpu / best:>5.1f}% {mfu:>6} "
             f"{p.peak_bytes / M.GIB:>9.1f}  {p.bottleneck}"
         )

@@ -13,20 +13,16 @@ at least 3, and within each (model, GPU count) of at least 3 (the issue's groupi
 and micro-batch of a model on a GPU count, ranked by throughput); the share of groups (of at least
 2) whose fastest configuration is named correctly.
 
-    python -m parabench.plan.validate [results] [--out results/calibration/validation-h100.json]
+    parabench calibrate --gpu h100-80g --validate all (parabench.plan.check.calibrate_main)
 
-- Pre-registered: set a predictions file written before a run (``scripts/predict_suite.py``) against
-  that run's records, matched by case hash; the predictions are read, never refitted:
-
-    python -m parabench.plan.validate --predictions results/predictions/h100x4.json \
-        --run results/h100x4/20261126-203946 --out results/calibration/out-of-scale-h100x4.json
+- Pre-registered: set a predictions file written before a run (``parabench plan --write-suite``
+  beside its suite, or ``parabench.plan.check.predict_suite``) against that run's records, matched
+  by case hash; the predictions are read, never refitted (``parabench check RUN``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -500,6 +496,20 @@ def _signed_pct(pred, meas):
     return None if not pred or not meas else (pred / meas - 1) * 100
 
 
+def prediction_of(record: dict, by_hash: dict, device: str) -> dict | None:
+    """The prediction of ``record``'s case: by its hash, else by the hash its case has on the
+    predicted ``device`` (a planned suite run on another device, such as CPU processes)."""
+    from parabench.case import Case
+
+    p = by_hash.get(record.get("case_hash"))
+    if p is None and isinstance(record.get("case"), dict):
+        try:
+            p = by_hash.get(Case.from_dict({**record["case"], "device": device}).case_hash)
+        except (KeyError, TypeError, ValueError):
+            return None
+    return p
+
+
 def preregistered(predictions_path, run_dir, worst: int = 8) -> dict:
     """Predictions written before ``run_dir`` ran, against its records (matched by case hash; a
     case with repeats by the medians over its launches).
@@ -513,6 +523,7 @@ def preregistered(predictions_path, run_dir, worst: int = 8) -> dict:
 
     doc = json.loads(Path(predictions_path).read_text())
     by_hash = {p["case_hash"]: p for p in doc["predictions"]}
+    device = doc.get("device") or "cuda"
     manifest, raw = load_run(Path(run_dir))
     # a case launched several times (repeats) is one configuration: its medians over launches
     records = combine_launches(raw)
@@ -524,7 +535,7 @@ def preregistered(predictions_path, run_dir, worst: int = 8) -> dict:
     }
     rows, unmatched = [], []
     for r in records:
-        p = by_hash.get(r.get("case_hash"))
+        p = prediction_of(r, by_hash, device)
         m = r.get("metrics") or {}
         w = from_record(r)
         if r.get("status") != "ok" or not m.get("step_time_s_median"):
@@ -573,12 +584,12 @@ def preregistered(predictions_path, run_dir, worst: int = 8) -> dict:
         "worst_step": worst_of("step_err_pct"),
         "worst_peak": worst_of("peak_err_pct"),
         "unmatched": unmatched,
-        "fits": fits_as_predicted(records, by_hash, manifest),
+        "fits": fits_as_predicted(records, by_hash, manifest, device),
         "cases": rows,
     }
 
 
-def fits_as_predicted(records: list[dict], by_hash: dict, manifest: dict) -> dict:
+def fits_as_predicted(records: list[dict], by_hash: dict, manifest: dict, device: str = "cuda") -> dict:
     """Whether each case ran where the planner said it fits and ran out of memory where it said it
     does not: the predicted peak against ``search.USABLE`` of the run's smallest GPU memory, beside
     the record's status (ok or oom; other failures say nothing about memory)."""
@@ -589,7 +600,7 @@ def fits_as_predicted(records: list[dict], by_hash: dict, manifest: dict) -> dic
         return {"cases": 0, "as_predicted": 0, "usable_bytes": None, "wrong": []}
     cases = []
     for r in records:
-        p = by_hash.get(r.get("case_hash")) or {}
+        p = prediction_of(r, by_hash, device) or {}
         if r.get("status") not in ("ok", "oom") or p.get("peak_bytes") is None:
             continue
         fits = p["peak_bytes"] <= usable
@@ -736,91 +747,3 @@ def derived_lines(parts: dict) -> None:
             f"Spearman median {_fmt(s['spearman_median'])} ({s['spearman_groups']} groups); fastest named "
             f"{_fmt_share(s['fastest_share'])} of {s['fastest_groups']} (exactly {_fmt_share(s['fastest_strict_share'])})"
         )
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m parabench.plan.validate", description=__doc__.split("\n")[0])
-    ap.add_argument("results", nargs="?", default="results")
-    ap.add_argument("--kind", default="h100", choices=sorted(C.DEVICE_KINDS))
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--worst", type=int, default=0, help="also list the N worst leave-one-out step predictions")
-    ap.add_argument(
-        "--jobs",
-        type=int,
-        default=os.cpu_count() or 1,
-        help="worker processes for the leave-one-out fits (default: one per CPU)",
-    )
-    ap.add_argument("--predictions", help="a predictions file written before --run ran (pre-registered test)")
-    ap.add_argument("--run", help="the run directory the predictions were written for")
-    ap.add_argument(
-        "--derived-only",
-        action="store_true",
-        help="recompute only what the other parts' records decide (derived parts, their peaks; under a "
-        "minute) into the stored validation file, with the calibration of --kind as stored; the "
-        "leave-one-out over its own configurations takes over 20 minutes on 2 cores",
-    )
-    a = ap.parse_args(argv)
-    if a.derived_only:
-        out = Path(a.out or Path(a.results) / "calibration" / f"validation-{a.kind}.json")
-        rep = json.loads(out.read_text()) if out.is_file() else None
-        if rep is None or rep.get("kind") != "plan-validation":
-            ap.error(f"--derived-only updates a stored validation: {out} is none")
-        cal = C.load_kind(a.kind)
-        rep["peaks_on_other_parts"] = peaks_on_other_parts(a.results, a.kind, cal)
-        rep["derived_parts"] = derived_parts(a.results, a.kind, cal)
-        C.save(rep, out)
-        derived_lines(rep["derived_parts"])
-        print(f"written {out}")
-        return 0
-    if a.predictions or a.run:
-        if not (a.predictions and a.run and a.out):
-            ap.error("--predictions, --run and --out go together")
-        rep = preregistered(a.predictions, a.run)
-        C.save(rep, a.out)
-        print(preregistered_table(rep))
-        for field in ("worst_step", "worst_peak"):
-            for r in rep[field]:
-                print(f"  {field}: {r['label'][:90]:90s} {list(r.values())[-1]:+.1f}%")
-        for g in rep[f"world_size_{rep['largest_world_size']}"]["groups"]:
-            print(
-                f"  {g['group']}: {g['configs']} configs, Spearman {g['spearman']}, fastest named {g['fastest_named']}"
-                f" ({g['fastest_measured']} measured, {g['fastest_predicted']} predicted)"
-            )
-        for g in rep["launch_retest"]:
-            print(
-                f"  {g['group']}: launches against each other, {g['configs']} configs: Spearman "
-                f"{_fmt(g['retest_spearman'])}; the predictions on the same {_fmt(g['model_spearman'])}"
-            )
-        fits = rep["fits"]
-        print(f"  fits or not as predicted: {fits['as_predicted']} of {fits['cases']} cases")
-        for r in fits["wrong"]:
-            print(
-                f"    {r['label']}: predicted {r['predicted']} ({r['pred_peak_bytes'] / M.GIB:.1f} GiB), ran {r['status']}"
-            )
-        print(f"written {a.out}")
-        return 0
-    rep = validate(a.results, a.kind, a.jobs)
-    out = Path(a.out or Path(a.results) / "calibration" / f"validation-{a.kind}.json")
-    C.save(rep, out)
-    print(table(rep))
-    for other, s in rep["peaks_on_other_parts"].items():
-        print(
-            f"peaks of the {s['configurations']} {other} configurations, predicted by this calibration: "
-            f"median {s['peak_median_pct']:.1f} %, p90 {s['peak_p90_pct']:.1f} %"
-        )
-    derived_lines(rep["derived_parts"])
-    if a.worst:
-        rows = sorted(rep["predictions"], key=lambda r: -abs(r["pred_step_s"] / r["step_s"] - 1))[: a.worst]
-        for r in rows:
-            pk = (
-                f"peak {r['peak_bytes'] / M.GIB:.1f} pred {r['pred_peak_bytes'] / M.GIB:.1f} GiB"
-                if r["pred_peak_bytes"] and r["peak_bytes"]
-                else ""
-            )
-            print(f"  {r['group']:28s} {r['label']:50s} {r['step_s']:.3f}s pred {r['pred_step_s']:.3f}s {pk}")
-    print(f"written {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
