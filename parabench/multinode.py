@@ -338,7 +338,8 @@ def theory_by_link(case, payload_by_kind: dict, layout: NodeLayout) -> dict | No
         return None
     wire = inter = 0.0
     for kind, payload in payload_by_kind.items():
-        if kind not in groups or kind not in _WIRE_FACTOR:
+        # a range (a library whose bytes vary with an adaptive choice) has no one split to state
+        if kind not in groups or kind not in _WIRE_FACTOR or not isinstance(payload, (int, float)):
             return None
         ranks = groups[kind]
         w = payload * _WIRE_FACTOR[kind](len(ranks))

@@ -84,6 +84,7 @@ def test_theory_by_link_for_hsdp_and_ddp():
         multinode.theory_by_link(SimpleNamespace(strategy="ref.tp", options={"tp": 2}), {"all_reduce": 1}, layout)
         is None
     )
+    assert multinode.theory_by_link(ddp, {"all_reduce": [3000, 4000]}, layout) is None  # a range: no split
     one = multinode.theory_by_link(ddp, {"all_reduce": 4000}, multinode.NodeLayout(1, 4))
     assert one["inter_node"]["wire_bytes"] == 0
 
