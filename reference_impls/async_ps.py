@@ -23,8 +23,8 @@ lower the statistical learning efficiency" (seed 003_e2e346ed8bfc8aec.txt, "Data
 Wire protocol (gloo or NCCL point-to-point, server = group rank 0, which trains its own slice too):
 
 * worker -> server, per step: its gradient (tag ``TAG_GRAD``, ``bΨ``) and the version ``u`` it was
-  computed on (tag ``TAG_VERSION``, one int64), blocking: the worker waits for the server to *take*
-  the gradient, never for the update it goes into;
+  computed on (tag ``TAG_VERSION``, one int64), with a blocking ``send``: it returns once the transport
+  has the bytes, and the worker never waits for the update its gradient goes into;
 * server -> worker, per update: the new parameters (tag ``TAG_PARAMS``, ``bΨ``), ``isend`` from a
   snapshot that stays alive until every worker has it. A worker keeps one ``irecv`` posted for the next
   version and applies arrived versions between steps, never while it computes.
@@ -34,7 +34,9 @@ no receive that could stay unmatched; ``drain()`` (called by ``full_parameters``
 them, after which every rank holds the final parameters.
 
 Measured: the staleness of every gradient the server averaged (its histogram, the server's own always 0),
-in :meth:`staleness_stats`.
+in :meth:`staleness_stats`. Where the server is the slowest rank (it trains a slice and serves every worker)
+the workers run ahead until the bound stops them, so most of their gradients are exactly ``max_staleness``
+old (results/studies/async-training-cpu).
 """
 
 from __future__ import annotations
