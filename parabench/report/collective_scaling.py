@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-FIT_FILE = "collectives-scaling.json"
+from parabench.collectives_scaling import FIT_FILE
+
 COLUMNS = [
     ("algorithm", "algorithm", "str"),
     ("device", "device", "str"),
