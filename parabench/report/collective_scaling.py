@@ -123,9 +123,9 @@ def figures(run_dirs) -> list[dict]:
                 f = (e.get("fits") or {}).get(law)
                 if f and law in LAWS:
                     steps, per_byte, _ = LAWS[law]
-                    grid = list(range(min(ks), max(ks) + 1))
-                    model = [(f["alpha_s"] * steps(k) + f["beta_s_per_byte"] * per_byte(k) * n) * 1e3 for k in grid]
-                    ax.plot(grid, model, "-", color=line.get_color(), alpha=0.6)
+                    # at the measured K only: between powers of two the laws jump (halving-doubling's fold)
+                    model = [(f["alpha_s"] * steps(k) + f["beta_s_per_byte"] * per_byte(k) * n) * 1e3 for k in ks]
+                    ax.plot(ks, model, "-", color=line.get_color(), alpha=0.6)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("ranks K")
