@@ -125,13 +125,21 @@ class HandshakeFailed(RuntimeError):
 
 
 def handshake(
-    endpoint: str, nnodes: int, node_rank: int, rdzv_id: str, fingerprint: str, n_cases: int, timeout_s: float
-) -> None:
+    endpoint: str,
+    nnodes: int,
+    node_rank: int,
+    rdzv_id: str,
+    fingerprint: str,
+    n_cases: int,
+    timeout_s: float,
+    kept: list[str] = (),
+) -> set[str]:
     """Before the first launch: every node's runner meets the others on a ``torch.distributed``
     TCPStore at the rendezvous endpoint (node 0 hosts it, for this exchange only; torchrun's agent
-    takes the port over for each launch) and publishes its suite fingerprint. Raises
-    ``HandshakeFailed`` naming the node that did not arrive within ``timeout_s``, or both sides of
-    a different suite, on every node alike; nothing has run then."""
+    takes the port over for each launch) and publishes its suite fingerprint, node 0 also the
+    record keys it keeps (``--resume``), which every node returns. Raises ``HandshakeFailed``
+    naming the node that did not arrive within ``timeout_s``, or both sides of a different suite,
+    on every node alike; nothing has run then."""
     import datetime
 
     from torch.distributed import TCPStore
@@ -144,6 +152,8 @@ def handshake(
         raise HandshakeFailed(why or f"the nodes could not meet at {endpoint}: {exc}") from None
     prefix = f"parabench/{rdzv_id}"
     mine = {"node": node_rank, "host": socket.gethostname(), "suite": fingerprint, "n_cases": n_cases, "cases": []}
+    if node_rank == 0:
+        mine["kept"] = list(kept)
     try:
         store.set(f"{prefix}/suite/{node_rank}", json.dumps(mine))
         views = [json.loads(store.get(f"{prefix}/suite/{r}")) for r in range(nnodes)]
@@ -157,6 +167,7 @@ def handshake(
     why = disagreement(views)
     if why:
         raise HandshakeFailed(why)
+    return set(views[0].get("kept") or ())
 
 
 def check_nodes_agree(keys: list[str], scratch: str) -> None:

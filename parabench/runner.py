@@ -404,19 +404,6 @@ class Runner(LaunchOwner):
 
     def _run_cases(self) -> dict:
         self.prepare()
-        if self.launch.nnodes > 1:
-            try:
-                multinode.handshake(
-                    self.launch.rdzv_endpoint or "",
-                    self.launch.nnodes,
-                    self.node_rank,
-                    self.launch.rdzv_id,
-                    multinode.suite_fingerprint(self.suite.cases),
-                    len(self.suite.cases),
-                    self.launch.rdzv_timeout_s or multinode.RDZV_TIMEOUT_S,
-                )
-            except multinode.HandshakeFailed as exc:
-                raise MultiNodeStop(f"{exc}; nothing was run") from None
         # one entry per launch, round-robin over the suite: every case's launch 0, then launch 1...
         cases = [
             replace(c, repeat=k) if k else c
@@ -424,10 +411,26 @@ class Runner(LaunchOwner):
             for c in self.suite.cases
             if k < c.repeats
         ]
+        kept = {c.record_key for c in cases if self.resume and self._recorded(c)} if self.node_rank == 0 else set()
+        if self.launch.nnodes > 1:
+            try:
+                # the other nodes keep what node 0 has recorded: a resumption is node 0's to decide
+                kept = multinode.handshake(
+                    self.launch.rdzv_endpoint or "",
+                    self.launch.nnodes,
+                    self.node_rank,
+                    self.launch.rdzv_id,
+                    multinode.suite_fingerprint(self.suite.cases),
+                    len(self.suite.cases),
+                    self.launch.rdzv_timeout_s or multinode.RDZV_TIMEOUT_S,
+                    sorted(kept),
+                )
+            except multinode.HandshakeFailed as exc:
+                raise MultiNodeStop(f"{exc}; nothing was run") from None
         self.total = len(cases)
         pending: list[Case] = []
         for case in cases:
-            if self.resume and self._recorded(case):
+            if case.record_key in kept:
                 self.done += 1
                 self.counts["kept"] += 1
                 self.echo(self._progress(f"{'kept':<7} {case.label} (already recorded)"))

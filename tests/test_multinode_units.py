@@ -222,3 +222,40 @@ def test_placement_note_when_inner_groups_straddle_nodes():
     )
     assert "hpz_partition_size 8" in multinode.placement_note(hpz, 2)
     assert multinode.placement_note(case, 1) is None
+
+
+def _handshake_both(port: int, suites=("s1", "s1"), timeout_s: float = 20) -> list:
+    """Both nodes' handshakes, in two threads of this process: what each returned or raised."""
+    import threading
+
+    out: list = [None, None]
+
+    def node(rank: int) -> None:
+        try:
+            out[rank] = multinode.handshake(
+                f"127.0.0.1:{port}", 2, rank, "t", suites[rank], 3, timeout_s, ["a", "b"] if rank == 0 else ["zzz"]
+            )
+        except multinode.HandshakeFailed as exc:
+            out[rank] = exc
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_handshake_gives_node_0s_kept_records_to_every_node():
+    from parabench.distributed import free_port
+
+    assert _handshake_both(free_port()) == [{"a", "b"}, {"a", "b"}]
+    apart = _handshake_both(free_port(), suites=("s1", "s2"))
+    assert all(isinstance(e, multinode.HandshakeFailed) and "different suites" in str(e) for e in apart)
+
+
+def test_handshake_names_the_node_that_never_arrives():
+    from parabench.distributed import free_port
+
+    with pytest.raises(multinode.HandshakeFailed, match="node 1 did not arrive"):
+        multinode.handshake(f"127.0.0.1:{free_port()}", 2, 0, "t", "s1", 3, 1)
