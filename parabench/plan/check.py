@@ -77,6 +77,7 @@ def predict_suite(path, kind: str = "h100", calibration: str | None = None, cali
         rows.append(
             {
                 "case_hash": case.case_hash,
+                "case": case.to_dict(),
                 "label": case.label,
                 "tokens_per_s_per_device": p.tokens_per_s_per_gpu if p else None,
                 "mfu": p.mfu if p else None,

@@ -496,17 +496,28 @@ def _signed_pct(pred, meas):
     return None if not pred or not meas else (pred / meas - 1) * 100
 
 
-def prediction_of(record: dict, by_hash: dict, device: str) -> dict | None:
-    """The prediction of ``record``'s case: by its hash, else by the hash its case has on the
-    predicted ``device`` (a planned suite run on another device, such as CPU processes)."""
+# Case fields a prediction does not depend on: the device it ran on (a planned GPU suite run on CPU
+# processes to try it) and how many steps were timed after how many untimed ones.
+UNPREDICTED_FIELDS = ("device", "steps", "warmup")
+
+
+def configuration_key(case: dict) -> str | None:
+    """A stored case's identity without ``UNPREDICTED_FIELDS``, or None where it is no valid case."""
     from parabench.case import Case
 
+    try:
+        identity = Case.from_dict(case).identity()
+    except (KeyError, TypeError, ValueError):
+        return None
+    return json.dumps({k: v for k, v in identity.items() if k not in UNPREDICTED_FIELDS}, sort_keys=True, default=str)
+
+
+def prediction_of(record: dict, by_hash: dict, by_configuration: dict | None = None) -> dict | None:
+    """The prediction of ``record``'s case: by its hash, else (``by_configuration``: predictions by
+    ``configuration_key`` of the case they were written for) by its configuration."""
     p = by_hash.get(record.get("case_hash"))
-    if p is None and isinstance(record.get("case"), dict):
-        try:
-            p = by_hash.get(Case.from_dict({**record["case"], "device": device}).case_hash)
-        except (KeyError, TypeError, ValueError):
-            return None
+    if p is None and by_configuration and isinstance(record.get("case"), dict):
+        p = by_configuration.get(configuration_key(record["case"]))
     return p
 
 
@@ -523,7 +534,7 @@ def preregistered(predictions_path, run_dir, worst: int = 8) -> dict:
 
     doc = json.loads(Path(predictions_path).read_text())
     by_hash = {p["case_hash"]: p for p in doc["predictions"]}
-    device = doc.get("device") or "cuda"
+    by_configuration = {configuration_key(p["case"]): p for p in doc["predictions"] if isinstance(p.get("case"), dict)}
     manifest, raw = load_run(Path(run_dir))
     # a case launched several times (repeats) is one configuration: its medians over launches
     records = combine_launches(raw)
@@ -535,7 +546,7 @@ def preregistered(predictions_path, run_dir, worst: int = 8) -> dict:
     }
     rows, unmatched = [], []
     for r in records:
-        p = prediction_of(r, by_hash, device)
+        p = prediction_of(r, by_hash, by_configuration)
         m = r.get("metrics") or {}
         w = from_record(r)
         if r.get("status") != "ok" or not m.get("step_time_s_median"):
@@ -584,12 +595,12 @@ def preregistered(predictions_path, run_dir, worst: int = 8) -> dict:
         "worst_step": worst_of("step_err_pct"),
         "worst_peak": worst_of("peak_err_pct"),
         "unmatched": unmatched,
-        "fits": fits_as_predicted(records, by_hash, manifest, device),
+        "fits": fits_as_predicted(records, by_hash, manifest, by_configuration),
         "cases": rows,
     }
 
 
-def fits_as_predicted(records: list[dict], by_hash: dict, manifest: dict, device: str = "cuda") -> dict:
+def fits_as_predicted(records: list[dict], by_hash: dict, manifest: dict, by_configuration: dict | None = None) -> dict:
     """Whether each case ran where the planner said it fits and ran out of memory where it said it
     does not: the predicted peak against ``search.USABLE`` of the run's smallest GPU memory, beside
     the record's status (ok or oom; other failures say nothing about memory)."""
@@ -600,7 +611,7 @@ def fits_as_predicted(records: list[dict], by_hash: dict, manifest: dict, device
         return {"cases": 0, "as_predicted": 0, "usable_bytes": None, "wrong": []}
     cases = []
     for r in records:
-        p = prediction_of(r, by_hash, device) or {}
+        p = prediction_of(r, by_hash, by_configuration) or {}
         if r.get("status") not in ("ok", "oom") or p.get("peak_bytes") is None:
             continue
         fits = p["peak_bytes"] <= usable
