@@ -187,11 +187,10 @@ def test_node_killed_mid_case(tmp_path):
     _no_orphans(mark)
 
 
-@pytest.mark.parametrize("nnodes", [2])
-def test_runner_refuses_nodes_without_rank(nnodes, tmp_path):
+def test_runner_refuses_nodes_without_rank(tmp_path):
     from parabench.launch import LaunchOptions, OutputError
     from parabench.runner import Runner
     from parabench.suite import load_suite
 
     with pytest.raises(OutputError, match="needs --node-rank"):
-        Runner(load_suite(_suite(tmp_path, "mn", "ref.ddp")), tmp_path / "r", LaunchOptions(nnodes=nnodes))
+        Runner(load_suite(_suite(tmp_path, "mn", "ref.ddp")), tmp_path / "r", LaunchOptions(nnodes=2))
