@@ -550,7 +550,7 @@ def plan_main(args) -> int:
         + (f"\n{cal['derived_from']['doc']}" if "derived_from" in cal else "")
         + f"\nhosts of {limits.gpus_per_host} GPU{'s' if limits.gpus_per_host > 1 else ''} and {limits.ram_bytes / 2**30:.0f} GiB RAM ({limits.source})"
         + (f", {limits.nvme_bytes / 2**30:.0f} GiB NVMe" if limits.nvme_bytes else "")
-        + f"; predictions under {S.MFU_FLOOR:.0%} MFU dropped"
+        + f"; predictions under {S.MFU_FLOOR:.0%} MFU dropped unless the host's launches bound them"
     )
     ranked = "production libraries and references" if args.include_references else "production libraries"
     print(

@@ -31,7 +31,9 @@ import numpy as np
 from parabench.plan import calibrate as C
 from parabench.plan import model as M
 
-TARGETS = {"step_median_pct": 10.0, "peak_median_pct": 5.0, "spearman_min": 0.9, "fastest_share": 0.8}
+# The per-group Spearman is reported beside the measurements' retest, never a target: two launches of
+# the same configurations rank each other at a median of 0.90 (docs/planner.md).
+TARGETS = {"step_median_pct": 10.0, "peak_median_pct": 5.0, "fastest_share": 0.8}
 # Launch-to-launch noise (docs/results.md): the references' step times move 0.3 % (median) between
 # launches, the peers' up to several %. Two configurations closer than RANK_NOISE are tied for ranking;
 # a predicted fastest within FASTEST_NOISE of the measured fastest is named correctly.
@@ -302,6 +304,7 @@ def retest(obs: list[C.Observation], rows: list[dict], draws: int = RETEST_DRAWS
     ret = [x["retest_spearman"] for x in per_group if x["retest_spearman"] is not None]
     mod = [x["model_spearman"] for x in per_group if x["model_spearman"] is not None]
     return {
+        **retest_metrics(obs),
         "groups": len(per_group),
         "retest_median": float(np.median(ret)) if ret else None,
         "retest_share_ge_0.9": float(np.mean([x >= 0.9 for x in ret])) if ret else None,
@@ -312,6 +315,35 @@ def retest(obs: list[C.Observation], rows: list[dict], draws: int = RETEST_DRAWS
             if None not in (x["retest_spearman"], x["model_spearman"]) and x["model_spearman"] >= x["retest_spearman"]
         ),
         "per_group": per_group,
+    }
+
+
+def retest_metrics(obs: list[C.Observation]) -> dict:
+    """The validation's metrics scored by the measurements against themselves: every configuration
+    measured in two runs or more, its second run (by name) "predicting" its first. Step error median
+    and p90; pairs more than 5 % apart ordered alike; groups whose fastest is named within 3 %."""
+    rows = []
+    for o in obs:
+        if len(o.run_steps) >= 2:
+            first, second = (o.run_steps[r] for r in sorted(o.run_steps)[:2])
+            w = o.workload
+            rows.append(
+                {
+                    "key": o.key,
+                    "label": o.key,
+                    "group": group_of(w),
+                    "step_s": first,
+                    "pred_step_s": second,
+                    "tokens_per_step": w.tokens_per_step,
+                    "peak_bytes": None,
+                    "pred_peak_bytes": None,
+                }
+            )
+    s = summarize(rows) if rows else {}
+    keys = ("step_median_pct", "step_p90_pct", "resolved_pairs", "resolved_pairs_ordered_share")
+    return {
+        "retest_configurations": len(rows),
+        **{f"retest_{k}": s.get(k) for k in keys + ("fastest_groups", "fastest_share")},
     }
 
 
@@ -706,8 +738,8 @@ def table(report: dict) -> str:
     t = report["targets"]
     lines += retest_lines(report.get("retest"))
     lines.append(
-        f"| target | | <= {t['step_median_pct']:.0f}% | | <= {t['peak_median_pct']:.0f}% | | >= {t['spearman_min']} "
-        f"in every group | | >= {t['spearman_min']} in every group | | >= {t['fastest_share'] * 100:.0f}% | |"
+        f"| target | | <= {t['step_median_pct']:.0f}% | | <= {t['peak_median_pct']:.0f}% | | reported beside the "
+        f"retest, not a target | | | | >= {t['fastest_share'] * 100:.0f}% | |"
     )
     return "\n".join(lines)
 
