@@ -306,6 +306,8 @@ class Runner(LaunchOwner):
         self.node_rank = launch.node_rank or 0
         if launch.nnodes > 1 and launch.node_rank is None:
             raise OutputError(f"--nnodes {launch.nnodes} needs --node-rank (this node's rank, 0 writes the records)")
+        if launch.emulate_link and not launch.gpus_per_node:
+            raise OutputError("--emulate-link needs --gpus-per-node (each emulated node's slice of this host's GPUs)")
         if self.node_rank > 0:  # the records are node 0's: this node keeps its logs and scratch apart
             run_dir = Path(run_dir) / "nodes" / str(self.node_rank)
         super().__init__(run_dir, say)

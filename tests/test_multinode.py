@@ -192,5 +192,8 @@ def test_runner_refuses_nodes_without_rank(tmp_path):
     from parabench.runner import Runner
     from parabench.suite import load_suite
 
+    suite = load_suite(_suite(tmp_path, "mn", "ref.ddp"))
     with pytest.raises(OutputError, match="needs --node-rank"):
-        Runner(load_suite(_suite(tmp_path, "mn", "ref.ddp")), tmp_path / "r", LaunchOptions(nnodes=2))
+        Runner(suite, tmp_path / "r", LaunchOptions(nnodes=2))
+    with pytest.raises(OutputError, match="--emulate-link needs --gpus-per-node"):
+        Runner(suite, tmp_path / "r", LaunchOptions(nnodes=2, node_rank=0, emulate_link="socket"))
