@@ -48,17 +48,35 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
     return None
 
 
+_MEASURED_MATMUL: dict[tuple, float] = {}
+
+
 def measured_matmul_flops(device: torch.device, precision: str, n: int | None = None, repeats: int = 5) -> float:
-    """FLOP/s of a square matmul in the run's precision, timed here and now (untimed phase only)."""
+    """FLOP/s of a square matmul in the run's precision, timed here and now (untimed phase only).
+
+    Measured once per process, device and precision: the cases of one launch share the figure. Where
+    one matmul takes over a quarter of a second (bf16 on a CPU without bf16 instructions runs about 50x
+    below fp32), one timed repeat is already long against the clock, and five would add seconds to
+    every case."""
+    key = (str(device), precision, n, repeats)
+    if key not in _MEASURED_MATMUL:
+        _MEASURED_MATMUL[key] = _time_matmul(device, precision, n, repeats)
+    return _MEASURED_MATMUL[key]
+
+
+def _time_matmul(device: torch.device, precision: str, n: int | None, repeats: int) -> float:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     if device.type == "cpu" and dtype == torch.float16:
         dtype = torch.float32  # CPUs have no fast fp16 matmul; fp32 is the honest ceiling there
     n = n or (8192 if device.type == "cuda" else 512)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    t0 = time.perf_counter()
+    a @ b
     sync(device)
+    if time.perf_counter() - t0 > 0.25:
+        repeats = 1
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
