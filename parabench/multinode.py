@@ -25,9 +25,11 @@ and its runner starts one torchrun agent per launch, as on one node. What parabe
   it. A case whose ranks lose their peers on another node is ``crashed`` with that node named
   (``lost_node_message``); the suite goes on, and stops at the next launch if that node is gone.
 
-``NodeLayout`` is the node grid torchrun reports (LOCAL_WORLD_SIZE, GROUP_RANK), from which the
-node-aware groups (HSDP, hpZ, the hierarchical all-reduce) and the intra/inter-node split of the
-communication meter are derived.
+``NodeLayout`` is the node grid torchrun reports (LOCAL_WORLD_SIZE, GROUP_RANK): the communication
+meter splits bytes into intra- and inter-node with it, the theory states the same split
+(``theory_by_link``), the hierarchical all-reduce builds its groups from it
+(``reference_impls.collectives.node_groups``), and the runner warns where HSDP's shard groups or
+hpZ's partitions (consecutive ranks) would straddle nodes (``placement_note``).
 
 On one GPU host, ``emulation_env`` splits the GPUs into emulated nodes whose traffic crosses the
 "node" boundary through sockets (see its docstring); the manifest records it as an emulation.
