@@ -880,7 +880,8 @@ def test_plan_write_suite_keeps_an_existing_file_without_force_and_writes_a_hidd
     rc, out, err = cli(capsys, "plan", "--model", "gpt-350m", "--gpus", "8", "--write-suite", hidden)
     assert rc == 0, err
     assert load_suite(str(hidden)).name == "hidden"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".hidden.toml", "keep.toml"]  # no temporary file left
+    written = [".hidden.predictions.json", ".hidden.toml", "keep.predictions.json", "keep.toml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == written  # each with its predictions; no temporary file
 
 
 # --- export: atomic, names the file ----------------------------------------------------------------

@@ -108,3 +108,35 @@ def test_plan_write_suite_run_suite_and_check_close_the_loop(tmp_path, capsys):
     assert any(line.startswith(predictions["predictions"][0]["label"]) for line in lines)
     assert "1 cases predicted and measured" in lines and any("no retest" in line for line in lines)
     assert main(["check", str(runs / "planned" / "r"), "--predictions", str(tmp_path / "none.json")]) == 2
+
+
+def test_check_sets_each_metric_beside_the_runs_own_retest():
+    """A run launched 2-3 times per case: check scores the predictions committed before it and, beside
+    each metric, the run's second launch of each case set against its first."""
+    from parabench.plan.check import check, check_lines
+
+    run = ROOT / "results/studies/plan-retest-pipelines-h100x4/20261127-161154"  # 23 configurations
+    rep = check(run, ROOT / "results/predictions/plan-retest-pipelines-h100x4.json")
+    rt = rep["retest"]
+    assert rt["configurations"] == 23 and 0 < rt["step_median_pct"] < rt["step_p90_pct"]
+    assert rt["peak_median_pct"] < 0.1  # allocated bytes repeat between launches
+    lines = check_lines(rep)
+    step = next(line for line in lines if line.startswith("  step time error: median"))
+    assert f"; retest {rt['step_median_pct']:.1f} %" in step
+    assert any(
+        line.startswith("  pairs more than 5 % apart ordered correctly: ") and "retest" in line for line in lines
+    )
+
+
+def test_this_machines_gpus_are_read_from_the_driver_without_torch(tmp_path, monkeypatch):
+    from parabench.plan import cli as plan_cli
+
+    for i in range(2):
+        (tmp_path / f"0000:0{i}:00.0").mkdir()
+        (tmp_path / f"0000:0{i}:00.0" / "information").write_text("Model: \t NVIDIA H100 80GB HBM3\nIRQ: 1\n")
+    monkeypatch.setattr(plan_cli, "NVIDIA_GPUS", tmp_path)
+    gpus, ram = plan_cli.this_machine("h100")
+    assert gpus == 2 and ram > 0
+    assert plan_cli.this_machine("h200") is None
+    monkeypatch.setattr(plan_cli, "NVIDIA_GPUS", tmp_path / "absent")
+    assert plan_cli.this_machine("h100") is None

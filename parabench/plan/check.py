@@ -181,6 +181,7 @@ def retest_figures(rows: list[dict], raw: list[dict]) -> dict | None:
 def check(run_dir, predictions=None) -> dict:
     """``validate.preregistered`` of ``run_dir`` against its predictions (``predictions``, else the
     file beside the suite its manifest names), with ``retest_figures`` and the predictions' origin."""
+    from parabench.plan import calibrate as C
     from parabench.plan import validate as V
     from parabench.results import load_run
 
@@ -196,7 +197,9 @@ def check(run_dir, predictions=None) -> dict:
     rep = V.preregistered(predictions, run_dir)
     doc = json.loads(Path(predictions).read_text())
     rep["retest"] = retest_figures(rep["cases"], raw)
-    rep["predicted_device_kind"] = doc.get("device_kind")
+    # files written before predictions named their kind name it by their calibration file
+    stem = Path(doc.get("calibration") or "").stem
+    rep["predicted_device_kind"] = doc.get("device_kind") or (stem if stem in C.DEVICE_KINDS else None)
     measured = sorted({d.get("name") for d in manifest.get("devices") or () if d.get("name")})
     rep["measured_devices"] = measured
     rep["suite_changed"] = bool(

@@ -366,23 +366,27 @@ def erratic_note(shown: list, spread: dict) -> str | None:
     return note + (" " + FSDP2_GC_REMEDY if compiled_fsdp2 else "")
 
 
-def this_machine(kind: str) -> tuple[int, float] | None:
-    """(GPUs, host RAM bytes) of this machine where its GPUs are of ``kind``, else None."""
-    import os
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one folder per GPU, its "information" naming the model
 
-    import torch
+
+def this_machine(kind: str) -> tuple[int, float] | None:
+    """(GPUs, host RAM bytes) of this machine where its GPUs are of ``kind``, else None. Read from the
+    NVIDIA driver's files, not torch: importing torch would take seconds before the search starts."""
+    import os
 
     from parabench.plan.calibrate import device_kind
 
-    if not torch.cuda.is_available():
+    names = []
+    try:
+        for gpu in sorted(NVIDIA_GPUS.iterdir()):
+            info = (gpu / "information").read_text(errors="replace")
+            names += [line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("Model:")]
+        memory = float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, AttributeError):
         return None
-    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     if not names or any(device_kind(n) != kind for n in names):
         return None
-    try:
-        return len(names), float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return None
+    return len(names), memory
 
 
 def host_limits_for(args, kind: str, cluster):
