@@ -167,8 +167,9 @@ def validation_rows(report: dict) -> list[dict]:
                 "test": "target",
                 "step_median": t.get("step_median_pct"),
                 "peak_median": t.get("peak_median_pct"),
-                "spearman": f">= {t.get('spearman_min')} in every group",
-                "spearman_scale": f">= {t.get('spearman_min')} in every group",
+                # retired as a target: the measurements' own retest reaches a median of about 0.9
+                "spearman": "reported beside the retest, not a target",
+                "spearman_scale": "reported, not a target",
                 "fastest": f">= {_pct(t.get('fastest_share')):.0f} %",
             }
         )
@@ -194,8 +195,8 @@ def validation_spec(kinds: list[str], calibration_dir=None) -> list[dict]:
                 "title": f"Planner validation ({kind})",
                 "columns": VALIDATION_COLUMNS,
                 "rows": validation_rows(report),
-                "note": f"How far the predictions above can be trusted: {path.name}, written by python -m "
-                "parabench.plan.validate from the committed quiet-host runs of this device kind. Leave one out "
+                "note": f"How far the predictions above can be trusted: {path.name}, written by parabench "
+                "calibrate --validate all from the committed quiet-host runs of this device kind. Leave one out "
                 "predicts each configuration from a calibration without it; out of scale predicts larger GPU "
                 "counts from smaller ones. The Spearman is the rank correlation of the configurations within "
                 "each (model, GPU count, recipe, micro-batch) group; the measurements' own row is its ceiling.",
