@@ -462,6 +462,8 @@ def nothing_works(model: str, gpus: int, gpu: str, dropped: list, found) -> str:
     head = f"Nothing works for {model} on {gpus}x {gpu}" + (f" ({why})" if why else "")
     if found is None:
         return head + f"; nor on any count up to {S.MIN_GPUS_SEARCH_MAX} GPUs of this kind."
+    if found == "stopped":
+        return head + "; the search for a count that works reached --max-seconds and was stopped."
     n, best = found
     return (
         head + f"; the smallest count of {gpu} at which a configuration works is {n} "
@@ -532,9 +534,12 @@ def plan_main(args) -> int:
                 limits_for(args.gpus),
             )
             if not ok:
-                found = S.smallest_working_count(
-                    model, cfg, args.gpus, args.gpu, cal, limits_for, args.recipe, args.global_batch
-                )
+                try:
+                    found = S.smallest_working_count(
+                        model, cfg, args.gpus, args.gpu, cal, limits_for, args.recipe, args.global_batch
+                    )
+                except PlanTimeout:  # the answer for --gpus stands; only the larger counts go unsearched
+                    found = "stopped"
     except PlanTimeout as exc:
         print(f"parabench plan: {exc}", file=sys.stderr)
         return 2
