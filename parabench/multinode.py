@@ -303,13 +303,19 @@ def emulation_manifest(nnodes: int, gpus_per_node: int, link: str) -> dict:
 
 # -- theory: the same bytes split by link ----------------------------------------------------------
 
-HSDP_STRATEGIES = ("ref.hsdp", "torch.hsdp")
 _WIRE_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_to_all": lambda n: (n - 1) / n,
 }
+
+
+def link_groups(strategy: str) -> str | None:
+    """The row's ``link_groups`` fact (``parabench.strategies.StrategySpec``)."""
+    from parabench.registry import get_strategy
+
+    return get_strategy(strategy).link_groups
 
 
 def shard_size(strategy: str, options: dict) -> int:
@@ -329,9 +335,10 @@ def kind_groups(case, world: int) -> dict[str, list[int]] | None:
     everyone = list(range(world))
     # ZeRO++'s hpZ gathers from its secondary group in backward and the world in forward, and
     # DeepSpeed's qgZ reduces in two hops: one kind over several groups, no split to state here
-    if case.strategy == "deepspeed.zeropp" or (case.strategy == "ref.zeropp" and case.options.get("hpz")):
+    groups_fact = link_groups(case.strategy)
+    if groups_fact == "two_hop_reduce" or (groups_fact == "secondary_partition" and case.options.get("hpz")):
         return None
-    if case.strategy in HSDP_STRATEGIES:
+    if groups_fact == "hybrid_shard":
         shard = shard_size(case.strategy, case.options)
         return {
             "all_gather": everyone[:shard],
@@ -341,11 +348,22 @@ def kind_groups(case, world: int) -> dict[str, list[int]] | None:
     return {kind: everyone for kind in _WIRE_FACTOR}
 
 
+def inter_node_fraction(kind: str, ranks: list[int], layout, peer: int | None = None, me: int | None = None) -> float:
+    """Share of the wire bytes of one op over the group ``ranks`` that crosses nodes (the convention of
+    ``parabench.meters.comm``'s docstring)."""
+    if kind in ("send", "recv") and peer is not None and me is not None:
+        return float(layout.node_of(peer) != layout.node_of(me))
+    n, k = len(ranks), layout.span(ranks)
+    if k <= 1 or n <= 1:
+        return 0.0
+    if kind == "all_to_all":
+        return (n - n / k) / (n - 1)
+    return k / n
+
+
 def theory_by_link(case, payload_by_kind: dict, layout: NodeLayout) -> dict | None:
     """Rank 0's wire bytes inside and across nodes, from the theory's payload per kind, under the
     communication meter's attribution (``parabench.meters.comm``); None where no group is known."""
-    from parabench.meters.comm import inter_node_fraction
-
     groups = kind_groups(case, layout.world_size)
     if groups is None or not payload_by_kind:
         return None
@@ -397,9 +415,10 @@ def placement_note(case, nnodes: int) -> str | None:
         return None
     per_node = case.world_size // nnodes
     inner = None
-    if case.strategy in HSDP_STRATEGIES:
+    groups_fact = link_groups(case.strategy)
+    if groups_fact == "hybrid_shard":
         inner = ("shard_size", shard_size(case.strategy, case.options))
-    elif case.strategy.endswith("zeropp") and case.options.get("hpz"):
+    elif groups_fact in ("secondary_partition", "two_hop_reduce") and case.options.get("hpz"):
         inner = ("hpz_partition_size", int(case.options.get("hpz_partition_size", 2)))
     if inner is None:
         return None

@@ -320,6 +320,13 @@ class StrategySpec:
     # The report's sections beyond the common tables that read its records ("cp_balance",
     # "moe_routing", "nvme": parabench/report/<section>.py).
     report_sections: tuple[str, ...] = ()
+    # How its data-parallel collectives fall on nodes, for the intra/inter-node split of its bytes
+    # (parabench.multinode): None, one group of the whole data-parallel world per collective kind;
+    # "hybrid_shard", gathers and reduce-scatters within shard_size consecutive ranks and all-reduces
+    # across them; "secondary_partition", ZeRO++'s hpZ gathers within hpz_partition_size ranks when hpz
+    # is on; "two_hop_reduce", as secondary_partition, and its gradients reduced in two hops (qgZ), so
+    # no one group carries a kind.
+    link_groups: str | None = None
 
     def recipes_for(self, precision: str) -> tuple[str, ...]:
         """The recipes a case of ``precision`` may name; the first is its default (none for fp32)."""

@@ -62,7 +62,7 @@ def test_node_layout_and_fractions():
     layout = multinode.NodeLayout.from_env({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "RANK": "5"})
     assert (layout.nnodes, layout.local_world_size, layout.node_rank) == (2, 4, 1)
     assert layout.span([0, 1, 2, 3]) == 1 and layout.span([0, 4]) == 2
-    from parabench.meters.comm import inter_node_fraction
+    from parabench.multinode import inter_node_fraction
 
     assert inter_node_fraction("all_reduce", [0, 1, 2, 3], layout) == 0.0
     assert inter_node_fraction("all_reduce", list(range(8)), layout) == 2 / 8

@@ -991,6 +991,7 @@ ROWS = (
             device_copies="slot_cast",
         ),
         peers=("torch.fsdp2",),
+        link_groups="hybrid_shard",
     ),
     _row(
         "ref.hsdp",
@@ -1012,6 +1013,7 @@ ROWS = (
             sharded_units="keep_root",
         ),
         peers=("torch.hsdp",),
+        link_groups="hybrid_shard",
     ),
     _row(
         "ref.zero2_offload",
@@ -1145,6 +1147,7 @@ ROWS = (
             zero_stage=3,
         ),
         peers=("deepspeed.zeropp",),
+        link_groups="secondary_partition",
     ),
     _row(
         "deepspeed.zeropp",
@@ -1163,5 +1166,6 @@ ROWS = (
             own_exposure=True,
             zero_stage=3,
         ),
+        link_groups="two_hop_reduce",
     ),
 )

@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from parabench.multinode import NodeLayout, inter_node_fraction
+
 # namespace -> op name (without trailing underscore) -> (kind, where the payload tensor(s) are).
 # The two namespaces reuse names with different argument orders, so they are kept apart.
 _OPS = {
@@ -123,19 +125,6 @@ def _group_ranks(group) -> list[int]:
         return list(range(group.size())) if group.size() == world else [dist.get_rank()] * group.size()
 
 
-def inter_node_fraction(kind: str, ranks: list[int], layout, peer: int | None = None, me: int | None = None) -> float:
-    """Share of the wire bytes of one op over the group ``ranks`` that crosses nodes (see the
-    module's docstring for the convention)."""
-    if kind in ("send", "recv") and peer is not None and me is not None:
-        return float(layout.node_of(peer) != layout.node_of(me))
-    n, k = len(ranks), layout.span(ranks)
-    if k <= 1 or n <= 1:
-        return 0.0
-    if kind == "all_to_all":
-        return (n - n / k) / (n - 1)
-    return k / n
-
-
 @dataclass
 class CommEvent:
     kind: str
@@ -155,8 +144,6 @@ class CommMeter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.events: list[CommEvent] = []
-        from parabench.multinode import NodeLayout
-
         self.layout = NodeLayout.from_env()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

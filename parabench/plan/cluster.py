@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parabench.multinode import NodeLayout
+from parabench.multinode import NodeLayout, link_groups, shard_size
 
 WIRE = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -37,7 +37,6 @@ WIRE = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_to_all": lambda n: (n - 1) / n,
 }
-HSDP = ("ref.hsdp", "torch.hsdp")
 MAX_GBPS = 100_000.0
 
 
@@ -77,9 +76,7 @@ def kind_groups(strategy: str, world: int, dp: int, pp: int, tp: int, options: d
     dp_group = [d * pp * tp for d in range(dp)]
     tp_group = list(range(tp))
     groups = {kind: dp_group for kind in WIRE}
-    if strategy in HSDP:
-        from parabench.multinode import shard_size
-
+    if link_groups(strategy) == "hybrid_shard":
         shard = shard_size(strategy, options)
         groups.update(all_gather=dp_group[:shard], reduce_scatter=dp_group[:shard], all_reduce=dp_group[::shard])
     elif tp > 1 and dp == 1:
@@ -99,7 +96,7 @@ class ClusterPrice:
 
 def price(candidate, cluster: Cluster) -> ClusterPrice:
     """The cluster's step for one evaluated configuration of ``parabench.plan.search``."""
-    from parabench.meters.comm import inter_node_fraction
+    from parabench.multinode import inter_node_fraction
 
     w, p = candidate.workload, candidate.prediction
     if w.world_size != cluster.gpus:
