@@ -142,6 +142,8 @@ def test_scripts_run_standalone_under_torchrun_with_a_well_formed_result(standal
     assert result["peak_memory_source"] == "ru_maxrss" and len(result["step_times_s"]) == 2
     assert len(result["losses"]) == 3 and all(l == l for l in result["losses"])
     assert result["config"]["world_size"] == 2 and result["config"]["device"] == "cpu"
+    for host in result["host_per_rank"]:  # the worker's host-speed probe, on both sides of the steps
+        assert set(host["dispatch_us"]) == {"before", "after"} and all(v > 0 for v in host["dispatch_us"].values())
     assert (
         result["config"]["recipe"] == {"fsdp2": "amp", "fsdp2_compiled": "amp", "tp": "master", "zero3": "master"}[name]
     )

@@ -321,6 +321,23 @@ def _host_use(before: dict, after: dict) -> dict:
     }
 
 
+def _dispatch_us(device, ops: int = 200, repeats: int = 5) -> float:
+    """The host's median time to issue one tiny op on ``device``, in µs: the same probe parabench's
+    worker takes before the warm-up and after the timed steps, so a launch's speed can be set
+    beside its host's on both sides."""
+    x = torch.zeros(1, device=device)
+    x.add_(1.0)
+    _sync(device)
+    rounds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(ops):
+            x.add_(1.0)
+        rounds.append((time.perf_counter() - t0) / ops)
+        _sync(device)
+    return statistics.median(rounds) * 1e6
+
+
 def measure(args, device, step, batches, tokens_per_step: int, library: dict) -> dict | None:
     """Run ``warmup`` untimed and ``steps`` timed calls of ``step(x, y) -> loss``, each timed with
     a device sync on either side; return (rank 0) the result, else None. A step's time is the
@@ -328,6 +345,7 @@ def measure(args, device, step, batches, tokens_per_step: int, library: dict) ->
     over the timed steps. A step's loss is the mean over the ranks that return one (``step`` may
     return None: a pipeline's ranks without its last stage)."""
     losses = []
+    dispatch_before = _dispatch_us(device)
     for x, y in batches[: args.warmup]:
         losses.append(step(x, y))
     _sync(device)
@@ -341,6 +359,7 @@ def measure(args, device, step, batches, tokens_per_step: int, library: dict) ->
         _sync(device)
         times.append(time.perf_counter() - t0)
     host = _host_use(host_before, _host_times())
+    host["dispatch_us"] = {"before": dispatch_before, "after": _dispatch_us(device)}
     peak = _peak(device)
     mine = {
         "times": times,
