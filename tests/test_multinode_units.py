@@ -5,8 +5,11 @@ sbatch script."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
+import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +19,8 @@ import torch.distributed as dist
 from parabench import multinode
 from parabench.distributed import run_on_gloo
 from parabench.slurm import SlurmError, parse_sbatch, sbatch_script
+
+ROOT = Path(__file__).resolve().parent.parent
 
 N = 4096  # elements all-reduced (fp32): 16 KiB
 
@@ -259,3 +264,15 @@ def test_handshake_names_the_node_that_never_arrives():
 
     with pytest.raises(multinode.HandshakeFailed, match="node 1 did not arrive"):
         multinode.handshake(f"127.0.0.1:{free_port()}", 2, 0, "t", "s1", 3, 1)
+
+
+def test_the_report_says_a_run_emulated_its_nodes(tmp_path):
+    from parabench.report.html import render_report
+
+    run = tmp_path / "run"
+    shutil.copytree(ROOT / "results" / "studies" / "omp-threads-h200x1" / "20261129-044102", run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert "nodes emulated" not in render_report([run], with_figures=False)
+    manifest["emulation"] = {**multinode.emulation_manifest(2, 2, "socket"), "note": "nodes emulated on one host"}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    assert "nodes emulated on one host" in render_report([run], with_figures=False)

@@ -418,6 +418,15 @@ def _shared_host_notes(record: dict) -> list[str]:
     ]
 
 
+def _emulation_note(manifest: dict) -> str | None:
+    """Nodes emulated on one host (``parabench run suite --emulate-link``): the run says so."""
+    emulation = manifest.get("emulation")
+    if not isinstance(emulation, dict):
+        return None
+    link = emulation.get("inter_node_link") or "another transport"
+    return str(emulation.get("note") or f"several nodes emulated on one host, the link between them forced to {link}")
+
+
 def render_report(
     run_dirs: list[Path],
     *,
@@ -448,6 +457,10 @@ def render_report(
         for m, records in runs
         for r in records
         for text in (r.get("caveats") or []) + _shared_host_notes(r)
+    ] + [
+        {"run": f"{m.get('suite')}/{m.get('run_id')}", "label": "every case", "caveat": _emulation_note(m)}
+        for m in manifests
+        if _emulation_note(m)
     ]
     if caveats:
         tables.append(
