@@ -353,7 +353,9 @@ def erratic_note(shown: list, spread: dict) -> str | None:
     note = (
         "Measured launches of one configuration lay apart, slowest to fastest, by a median of: "
         + "; ".join(parts)
-        + ". The prediction is one step time; a launch of these may land that far from it (docs/results.md)."
+        + ". The prediction is one step time; a launch of these may land that far from it. Where a step waits on"
+        " the host, a launch follows the speed of the host core it ran on, which moved 1.6x within an hour on one"
+        " H200 machine, for a library's own script as for its adapter (docs/findings.md)."
     )
     erratic_impls = {impl for impl, _ in erratic}
     compiled_fsdp2 = any(
