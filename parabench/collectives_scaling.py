@@ -189,7 +189,9 @@ def fit(results: list[dict], op: str = "all_reduce") -> dict:
 
 
 def load_results(run_dir: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(Path(run_dir).glob("collectives-w*.json")) if ".config." not in p.name]
+    return [
+        json.loads(p.read_text()) for p in sorted(Path(run_dir).glob("collectives-w*.json")) if ".config." not in p.name
+    ]
 
 
 def fit_run(run_dir: Path, op: str = "all_reduce") -> dict | None:
