@@ -214,12 +214,11 @@ def _workload(model: str, cfg, c: Candidate) -> M.Workload | None:
     return replace(w1, micro_batch=c.micro_batch, grad_accum=c.grad_accum, comm_bytes=comm)
 
 
-def nvme_need(model: str, cfg, c: Candidate) -> float | None:
-    """Bytes one rank of ``c`` keeps on NVMe (its theory's ``nvme_state_bytes``), or None."""
+def candidate_case(model: str, cfg, c: Candidate):
+    """The GPU case a candidate would run as (bf16, the candidate's recipe and degrees)."""
     from parabench.case import Case
-    from parabench.registry import expected
 
-    case = Case(
+    return Case(
         model=model,
         strategy=c.strategy,
         world_size=c.world_size,
@@ -231,7 +230,13 @@ def nvme_need(model: str, cfg, c: Candidate) -> float | None:
         options=c.options,
         device="cuda",
     )
-    exp = expected(case, cfg, c.world_size) or {}
+
+
+def nvme_need(model: str, cfg, c: Candidate) -> float | None:
+    """Bytes one rank of ``c`` keeps on NVMe (its theory's ``nvme_state_bytes``), or None."""
+    from parabench.registry import expected
+
+    exp = expected(candidate_case(model, cfg, c), cfg, c.world_size) or {}
     parts = exp.get("nvme_state_bytes") or {}
     return float(sum(parts.values())) if parts else None
 
@@ -264,7 +269,6 @@ def host_reason(c: Candidate, limits: HostLimits, nvme_bytes: float | None = Non
 def evaluate(c: Candidate, model: str, cfg, cal: dict, capacity: float, limits: HostLimits | None = None) -> Candidate:
     """``c`` predicted, or dropped with the reason: invalid, not modelled, beyond the GPU's memory,
     beyond the host's RAM or NVMe (``limits``; unchecked without), or under ``MFU_FLOOR``."""
-    from parabench.case import Case
     from parabench.registry import STRATEGIES
     from parabench.suite import validate_case
 
@@ -277,20 +281,7 @@ def evaluate(c: Candidate, model: str, cfg, cal: dict, capacity: float, limits: 
         return c
     try:
         if model != "custom":
-            validate_case(
-                Case(
-                    model=model,
-                    strategy=c.strategy,
-                    world_size=c.world_size,
-                    precision="bf16",
-                    recipe=c.recipe,
-                    micro_batch=c.micro_batch,
-                    grad_accum=c.grad_accum,
-                    seq_len=cfg.seq_len,
-                    options=c.options,
-                    device="cuda",
-                )
-            )
+            validate_case(candidate_case(model, cfg, c))
         w = _workload(model, cfg, c)
     except (ValueError, KeyError) as exc:
         c.dropped = f"invalid: {exc}"
