@@ -458,9 +458,9 @@ def render_report(
         for r in records
         for text in (r.get("caveats") or []) + _shared_host_notes(r)
     ] + [
-        {"run": f"{m.get('suite')}/{m.get('run_id')}", "label": "every case", "caveat": _emulation_note(m)}
+        {"run": f"{m.get('suite')}/{m.get('run_id')}", "label": "every case", "caveat": note}
         for m in manifests
-        if _emulation_note(m)
+        if (note := _emulation_note(m))
     ]
     if caveats:
         tables.append(
