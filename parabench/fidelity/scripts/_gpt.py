@@ -338,12 +338,53 @@ def _dispatch_us(device, ops: int = 200, repeats: int = 5) -> float:
     return statistics.median(rounds) * 1e6
 
 
+class StepClock:
+    """Per-step durations that do not stall the device, as parabench's worker takes them: a CUDA
+    event recorded after each step and read once at the end (the host clock on a CPU, where a step
+    ends when its call returns). No synchronisation between steps: a library that keeps the device
+    fed while the host runs ahead is timed as it would run in training, and one whose host cannot
+    keep up shows in the window's wall clock (``measure``)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def durations_s(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+TIMING_METHOD = (
+    "step: CUDA events after each step, no per-step sync, read at the end (host clock on CPU); "
+    "tokens/s from the slowest rank's median step; window: wall clock from one device sync before "
+    "the first timed step to one after the last, the slowest rank's"
+)
+
+
 def measure(args, device, step, batches, tokens_per_step: int, library: dict) -> dict | None:
-    """Run ``warmup`` untimed and ``steps`` timed calls of ``step(x, y) -> loss``, each timed with
-    a device sync on either side; return (rank 0) the result, else None. A step's time is the
-    slowest rank's; tokens/s per device uses the median step. Peak memory is the largest rank's
-    over the timed steps. A step's loss is the mean over the ranks that return one (``step`` may
-    return None: a pipeline's ranks without its last stage)."""
+    """Run ``warmup`` untimed and ``steps`` timed calls of ``step(x, y) -> loss``; return (rank 0)
+    the result, else None. The same method as parabench's worker, so that script and adapter are
+    timed alike (``TIMING_METHOD``):
+
+    - per step, a ``StepClock`` mark after each step, no synchronisation between steps; a step's
+      time is the slowest rank's, and tokens/s per device uses the median step;
+    - the timed window: the wall clock from one device sync before the first timed step to one
+      after the last (the slowest rank's), giving ``window_tokens_per_s_per_device``. A library
+      whose host falls behind its device can look fine step by step (the events only see the
+      device) but not over the window.
+
+    Peak memory is the largest rank's over the timed steps. A step's loss is the mean over the
+    ranks that return one (``step`` may return None: a pipeline's ranks without its last stage)."""
     losses = []
     dispatch_before = _dispatch_us(device)
     for x, y in batches[: args.warmup]:
@@ -351,18 +392,24 @@ def measure(args, device, step, batches, tokens_per_step: int, library: dict) ->
     _sync(device)
     dist.barrier()
     _reset_peak(device)
-    times = []
+    clock = StepClock(device)
     host_before = _host_times()
+    _sync(device)
+    window_start = time.perf_counter()
+    clock.mark()
     for x, y in batches[args.warmup :]:
-        t0 = time.perf_counter()
         losses.append(step(x, y))
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    host = _host_use(host_before, _host_times())
+        clock.mark()
+    host_after = _host_times()  # the host's own work over the steps, before the wait for the device
+    _sync(device)
+    window_s = time.perf_counter() - window_start
+    times = clock.durations_s()
+    host = _host_use(host_before, host_after)
     host["dispatch_us"] = {"before": dispatch_before, "after": _dispatch_us(device)}
     peak = _peak(device)
     mine = {
         "times": times,
+        "window_s": window_s,
         "peak": peak,
         "losses": [None if l is None else float(_local(l)) for l in losses],
         "host": host,
@@ -374,19 +421,29 @@ def measure(args, device, step, batches, tokens_per_step: int, library: dict) ->
         return None
     steps = [max(ts) for ts in zip(*(r["times"] for r in everyone))]
     median = statistics.median(steps)
+    window = max(r["window_s"] for r in everyone)
     losses = [statistics.fmean(v for v in vals if v is not None) for vals in zip(*(r["losses"] for r in everyone))]
     versions = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    config = {**vars(args), "world_size": world, "device": device.type}
+    config.update({k: v for k, v in library.items() if k != "choices"})
     return {
         "tokens_per_s_per_device": tokens_per_step / median / world,
         "step_time_s_median": median,
         "step_times_s": steps,
+        "timed_window_s": window,
+        "window_tokens_per_s_per_device": tokens_per_step * len(steps) / window / world,
+        "timing": TIMING_METHOD,
         "peak_memory_bytes": max(r["peak"] for r in everyone),
         "peak_memory_source": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "ru_maxrss",
         "final_loss": losses[-1],
         "losses": losses,
         "tokens_per_step": tokens_per_step,
         "host_per_rank": [r["host"] for r in everyone],
-        "config": {**vars(args), "world_size": world, "device": device.type, **library},
+        "config": config,
+        # where the script follows its library's recipe and parabench's adapter does not (the
+        # script's ``library["choices"]``): an adapter that differs can still be fast, but then
+        # the ratio is between two recipes, and the report says which
+        "choices": library.get("choices") or {},
         "versions": versions,
     }
 
