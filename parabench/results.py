@@ -429,6 +429,7 @@ MANIFEST_FIELDS = {
     "env": dict,
     "argv": list,
     "n_cases": int,
+    "host_load": dict,  # parabench.meters.host.run_host_load
 }
 
 

@@ -48,6 +48,7 @@ from pathlib import Path
 from parabench import multinode
 from parabench.case import Case
 from parabench.launch import LaunchOptions, LaunchOwner, MultiNodeStop, OutputError, end_launch
+from parabench.meters import host
 from parabench.progress import LiveLine, read_status, status_path
 from parabench.record import build_record
 from parabench.registry import get_strategy
@@ -342,6 +343,7 @@ class Runner(LaunchOwner):
         except OSError as exc:
             raise OutputError(f"output folder {self.run_dir} is not writable: {exc}") from None
         manifest_path = self.run_dir / "manifest.json"
+        self.resumed_manifest = manifest_path.exists() and self.resume
         if not manifest_path.exists():
             self._save(manifest_path, self._manifest(), "the manifest")
         elif self.resume:
@@ -402,7 +404,24 @@ class Runner(LaunchOwner):
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> dict:
         with self.owning():
-            return self._run_cases()
+            start = host.run_clock()
+            counts = self._run_cases()
+            self._note_host_load(start)
+            return counts
+
+    def _note_host_load(self, start: dict) -> None:
+        """What else the host ran meanwhile, in the manifest (a resumption's in its own entry): on a
+        shared CPU the timings move with it, and the report warns when it was high."""
+        if self.node_rank > 0:
+            return
+        path = self.run_dir / "manifest.json"
+        manifest = load_json(path)
+        load = host.run_host_load(start, host.run_clock())
+        if self.resumed_manifest:
+            manifest["resumed"][-1]["host_load"] = load
+        else:
+            manifest["host_load"] = load
+        self._save(path, manifest, "the manifest")
 
     def _run_cases(self) -> dict:
         self.prepare()

@@ -23,6 +23,11 @@ blocked (well below 1) from one that did not, and no more.
 ``cpu_times`` also reads the whole host's busy CPU time (/proc/stat) and load average, so
 ``cpu_use`` gives ``other_cpu_share``, the CPUs kept busy by anything but this process, which
 ``parabench.metrics.foreign_load`` turns into what processes outside the launch took.
+``run_clock`` and ``run_host_load`` read the same figures over a whole suite run, for its manifest's
+``host_load``: the load average at its start and end, and the CPU time that processes outside the run
+took meanwhile (the host's busy time less the runner's and every launch's, torchrun and its ranks
+included). On a shared CPU the gloo timings move with that figure (two smoke runs on one laptop, one
+busy and one quiet, moved per case by 0.58-4.4x), and the report warns when it was high.
 ``thread_cpu_s`` and ``busiest_threads`` split the process's CPU by thread. On one H200, every
 launch of DeepSpeed ZeRO-3 and FSDP2 at gpt-350m kept exactly one CPU busy, its main thread and the
 autograd engine's device thread taking turns: such a step lasts as long as one core takes to run
@@ -48,10 +53,6 @@ try:
 except ImportError:  # not on Windows: no CPU accounting there
     resource = None
 
-import torch
-
-from parabench.distributed import synchronize
-
 
 def current_cpu() -> int | None:
     """The CPU this thread last ran on (Linux: field 39 of /proc/thread-self/stat), or None."""
@@ -63,9 +64,13 @@ def current_cpu() -> int | None:
         return None
 
 
-def probe(device: torch.device, ops: int = 200, repeats: int = 5) -> dict:
-    """``dispatch_us``: the host's median time to issue one tiny op on ``device``, in µs;
+def probe(device, ops: int = 200, repeats: int = 5) -> dict:
+    """``dispatch_us``: the host's median time to issue one tiny op on ``device`` (a torch.device), in µs;
     ``cpu``: the CPU the calling thread ran on."""
+    import torch  # here, not above: the runner reads the run's host load without loading torch
+
+    from parabench.distributed import synchronize
+
     x = torch.zeros(1, device=device)
     x.add_(1.0)  # the first call's one-off costs (kernel load, dispatcher caches) stay out
     synchronize(device)
@@ -122,6 +127,56 @@ def cpu_times() -> dict | None:
     }
 
 
+def run_clock() -> dict:
+    """A reading for ``run_host_load``: the wall clock, the host's busy CPU time, the CPU time of this
+    process and of every child process it has waited for (torchrun, which waits for its ranks: a
+    launch's whole tree once it has ended), the load average and the host's CPU count."""
+    own = None
+    if resource is not None:
+        me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        own = me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+    return {
+        "wall_s": time.monotonic(),
+        "host_busy_s": _host_busy_s(),
+        "run_cpu_s": own,
+        "load_average": _load_average(),
+        "host_cpus": os.cpu_count(),
+    }
+
+
+def run_host_load(start: dict, end: dict) -> dict:
+    """What the host did over a run, between two ``run_clock`` readings taken after the last launch
+    ended: ``other_cpu_s``, the host's busy CPU seconds less the run's own (its runner and launches),
+    and ``other_cpu_pct``, that over every CPU of the host for the run's wall time; the 1-, 5- and
+    15-minute load averages at both ends (the start's before any rank ran, the end's with the run's
+    last minute in it). CPU figures are None where there is no /proc/stat or no getrusage. A rank
+    that outlived its torchrun and was killed is never waited for: its CPU time counts as another
+    process's, so the figure errs towards busy."""
+    wall = end["wall_s"] - start["wall_s"]
+    cpus = end["host_cpus"]
+    readings = (start["host_busy_s"], end["host_busy_s"], start["run_cpu_s"], end["run_cpu_s"])
+    busy = own = other = pct = None
+    if None not in readings:
+        busy = end["host_busy_s"] - start["host_busy_s"]
+        own = end["run_cpu_s"] - start["run_cpu_s"]
+        other = max(0.0, busy - own)
+        pct = 100 * other / (wall * cpus) if wall > 0 and cpus else None
+
+    def rounded(x: float | None, digits: int = 2) -> float | None:
+        return None if x is None else round(x, digits)
+
+    return {
+        "wall_s": rounded(wall),
+        "host_cpus": cpus,
+        "load_average_start": start["load_average"],
+        "load_average_end": end["load_average"],
+        "host_busy_cpu_s": rounded(busy),
+        "run_cpu_s": rounded(own),
+        "other_cpu_s": rounded(other),
+        "other_cpu_pct": rounded(pct, 1),
+    }
+
+
 def thread_cpu_s() -> dict[int, tuple[str, float]]:
     """Every thread of this process: native id -> (name, CPU seconds so far), from
     /proc/self/task/<tid>/stat; Python threads are named by ``threading``, the others by the OS
@@ -163,6 +218,8 @@ def process_facts() -> dict:
     use (its affinity mask), the host's CPU count, and the thread pools torch and OpenMP will use. A
     rank pinned to one core beside busy neighbours, or torch's intra-op pool set to the whole
     machine in every rank, shows here before it shows as a slow or scattered launch."""
+    import torch
+
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     return {
         "cpus_allowed": len(affinity) if affinity is not None else None,
