@@ -5,6 +5,11 @@ Names carry their units. Conventions:
   the summary is the median over timed steps, with p10/p90 and min/max as spread.
 - ``tokens_per_s``: global (all data-parallel replicas) = global batch x seq_len / median step time;
   ``tokens_per_s_per_device`` divides by the world size.
+- ``timed_window_s_max``: the timed steps' wall clock, from one device sync before the first to one
+  after the last, the slowest rank's; ``window_tokens_per_s`` and ``window_tokens_per_s_per_device``
+  are the timed tokens over it. The step times come from device events with no sync between steps,
+  which see only the device: a host that falls behind it shows here, not in the median step. None
+  in records made before it was measured.
 - ``mfu``: model FLOPs (``parabench.models.FLOPS_CONVENTION``) per second per device over the
   device's dense peak; None where the peak is unknown (CPUs), where ``roofline_fraction``
   (over a matmul rate measured on the spot) is given instead.
@@ -100,6 +105,7 @@ def summarize(case, raw: dict) -> dict:
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_step / median,
         "tokens_per_s_per_device": tokens_per_step / median / world,
+        **window_summary(per_rank, tokens_per_step * len(steps), world),
         "model_flops_per_token": flops_per_token,
         "model_flops_per_s_per_device": achieved,
         "peak_flops_per_device": peak,
@@ -130,6 +136,20 @@ def summarize(case, raw: dict) -> dict:
         "host_gc_full_collections_max": largest_rank(per_rank, "host_gc", lambda g: g["collections_by_generation"][2]),
         "loss_scale": loss_scale_summary(raw.get("loss_scale")),
         **telemetry_summary(per_rank, tokens_per_step * len(steps)),
+    }
+
+
+def window_summary(per_rank: list[dict], timed_tokens: int, world: int) -> dict:
+    """``timed_window_s_max`` (the slowest rank's) and the window's tokens/s, global and per device;
+    None unless every rank measured its window."""
+    windows = [r.get("timed_window_s") for r in per_rank]
+    if not windows or any(not isinstance(w, (int, float)) or w <= 0 for w in windows):
+        return {"timed_window_s_max": None, "window_tokens_per_s": None, "window_tokens_per_s_per_device": None}
+    window = max(windows)
+    return {
+        "timed_window_s_max": window,
+        "window_tokens_per_s": timed_tokens / window,
+        "window_tokens_per_s_per_device": timed_tokens / window / world,
     }
 
 

@@ -378,6 +378,7 @@ PER_RANK_FIELDS = {
     "memory": ((_DICT,), True),
     "state_bytes": ((_DICT,), True),
     "step_times_s": ((_LIST,), True),
+    "timed_window_s": ((_NUM,), True),
     "telemetry": ((_DICT,), True),
     "pipeline": ((_DICT,), True),
     "setup_s": ((_NUM,), True),

@@ -61,11 +61,16 @@ LAUNCH_CONDITIONS = (
     "host_gc_pause_s_per_step_max",
     "gpu_util_pct_mean_min",
 )
+# The timed window's wall clock (``parabench.metrics.window_summary``): kept per launch, so the
+# fidelity report can set the window's tokens/s of adapter and script beside the median step's.
+WINDOW_METRICS = ("timed_window_s_max", "window_tokens_per_s_per_device")
 # Summarised with an interval and a coefficient of variation in ``launch_stats``.
 SUMMARISED = ("step_time_s_median", "tokens_per_s", "tokens_per_s_per_device")
 CI_LEVEL = 0.95
 # Kept per launch beside the timings so the gate can check every launch, not only the representative.
 LAUNCH_CHECKED = ("final_loss",)
+# Every figure a combined record keeps per launch (its ``launches`` rows).
+PER_LAUNCH = TIMING_METRICS + NOISY_MEMORY + LAUNCH_CONDITIONS + WINDOW_METRICS + LAUNCH_CHECKED
 
 
 def finite(v) -> float | None:
@@ -280,7 +285,7 @@ def _combine(launches: list[dict]) -> dict:
                 "status": r.get("status"),
                 "started_at": r.get("started_at"),
                 "duration_s": r.get("duration_s"),
-                **{k: m.get(k) for k in TIMING_METRICS + NOISY_MEMORY + LAUNCH_CONDITIONS + LAUNCH_CHECKED},
+                **{k: m.get(k) for k in PER_LAUNCH},
             }
         )
     steps = [finite(r["metrics"].get("step_time_s_median")) for r in ok]

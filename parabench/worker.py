@@ -371,6 +371,8 @@ def run_case(
     threads_start = host.thread_cpu_s()
     gc_pauses = host.GcPauses()
     timed_meters and gc_pauses.start()
+    synchronize(device)  # the window's wall clock starts on an idle device (ended by the sync after the loop)
+    window_start = time.perf_counter()
     clock.mark()
     slowdown = debug_slowdown()
     step_sync = bool(case.options.get("step_sync"))
@@ -390,9 +392,12 @@ def run_case(
         # After the mark, host only, at most twice a second: see parabench.progress for why this
         # does not distort the step times.
         timed_meters and progress.step(step - case.warmup + 1)
-    host_cpu = host.cpu_use(cpu_start, host.cpu_times(), case.steps)
+    cpu_end, threads_end = host.cpu_times(), host.thread_cpu_s()  # the host's own work, before the wait below
+    synchronize(device)
+    timed_window_s = time.perf_counter() - window_start
+    host_cpu = host.cpu_use(cpu_start, cpu_end, case.steps)
     if host_cpu is not None:
-        host_cpu["threads"] = host.busiest_threads(threads_start, host.thread_cpu_s(), host_cpu["wall_s"])
+        host_cpu["threads"] = host.busiest_threads(threads_start, threads_end, host_cpu["wall_s"])
     host_gc = None
     if timed_meters:
         gc_pauses.stop()
@@ -464,6 +469,7 @@ def run_case(
         "rank": rank,
         "coords": dict(zip(("dp", "pp", "tp"), topo.coords)),
         "step_times_s": step_times,
+        "timed_window_s": timed_window_s,
         "losses": loss_values,
         "memory": peak,
         "state_bytes": state,
