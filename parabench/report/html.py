@@ -393,6 +393,8 @@ def _env_summary(manifests: list[dict]) -> dict:
         ("parabench", lambda m: frames.dig(m, "versions", "parabench")),
         ("cases", lambda m: m.get("n_cases")),
     ]
+    if any(overview.host_loads(m) for m in manifests):  # recorded by runs since it was measured
+        keys.append(("host load over the run", overview.host_load_text))
     env_keys = sorted({k for m in manifests for k in (m.get("env") or {})})
     rows = [{"key": k, "values": [str(f(m)) if f(m) is not None else "–" for m in manifests]} for k, f in keys]
     rows += [{"key": k, "values": [str((m.get("env") or {}).get(k, "–")) for m in manifests]} for k in env_keys]
@@ -592,6 +594,7 @@ def render_report(
         manifests=manifests,
         device_texts=[devices_text(m) for m in manifests],
         host_shared=host_shared_notes(manifests),
+        timing_notes=overview.timing_notes(rows, manifests),
         env_summary=_env_summary(manifests),
         tables=tables,
         failed=failed,

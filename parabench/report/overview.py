@@ -23,7 +23,13 @@ and those it ties with), its time and energy per million tokens beside its peak 
 
 CPU groups are not ranked by time: gloo timings on a shared CPU move with whatever else the host
 runs (two smoke runs on one laptop put different libraries first). Their rows are ordered by what
-is deterministic, the model-state bytes per rank and then the communication bytes per step.
+is deterministic, the model-state bytes per rank and then the communication bytes per step; their
+references are not set against a fastest peer; one sentence above the tables says so, and every
+column of the first screen that a busy host moves says in its header that it is ``CPU_SPEED_LABEL``.
+
+A run whose manifest shows a busy host (``busy_host``: other processes took at least
+``BUSY_OTHER_CPU_PCT`` % of the host's CPU time over the run, or the load average before it began
+was at least the host's CPU count) gets a warning at the top naming the figures.
 """
 
 from __future__ import annotations
@@ -178,16 +184,19 @@ def choice_rows(peer: list[dict]) -> list[dict]:
 
 
 def reference_rows(rows: list[dict]) -> list[dict]:
-    """Every reference case beside the fastest peer of its group (none where no peer ran it)."""
+    """Every reference case beside the fastest peer of its group (none where no peer ran it); on CPU,
+    where the fastest is the host's pick, beside none, in the order of its bytes."""
     peers = {k: max(rs, key=_tps) for k, rs in groups(rows, "peer").items()}
     out = []
     for key, rs in sorted(groups(rows, "reference").items(), key=lambda kv: _order(kv[1])):
-        best = peers.get(key)
-        for i, r in enumerate(sorted(rs, key=lambda r: -_tps(r))):
-            verdict = None
-            if best is not None and on_cpu(r):
-                verdict = "not judged (CPU)"
-            elif best is not None:
+        cpu = all(on_cpu(r) for r in rs)
+        best = None if cpu else peers.get(key)
+        ordered = (
+            sorted(rs, key=lambda r: (*_bytes_key(r), r["variant"])) if cpu else sorted(rs, key=lambda r: -_tps(r))
+        )
+        for i, r in enumerate(ordered):
+            verdict = "not judged (CPU)" if cpu else None
+            if best is not None:
                 verdict = "tie" if tied(r, best) else ("faster" if _tps(r) > _tps(best) else "slower")
             out.append(
                 {
@@ -271,6 +280,113 @@ REFERENCE_NOTE = (
     "fastest production library of the same model, device count, recipe and micro-batch? Ratio above "
     "1: the reference is faster. Verdict by the same tie rule as above."
 )
+CPU_REFERENCE_NOTE = (
+    "On CPU no peer is the fastest (the host's load picks it): references are ordered by model-state "
+    "bytes per rank, then communication bytes, and not judged."
+)
+# Columns whose values a busy host moves: on a CPU run their headers say that they are not a ranking.
+SPEED_KEYS = frozenset(
+    {
+        "tokens_per_s_per_device",
+        "tps_device_interval",
+        "vs_fastest_pct",
+        "mfu_pct",
+        "roofline_pct",
+        "s_per_mtok",
+        "wh_per_mtok",
+        "best_peer_tps",
+        "ratio",
+    }
+)
+CPU_SPEED_LABEL = "CPU: not a ranking"
+CPU_TIMING_NOTE = (
+    "Timings on CPU (gloo) are not a ranking: they move with whatever else the host runs (two smoke runs "
+    "of the same code on one laptop, one busy and one quiet, put different libraries first), so CPU cases "
+    "are ordered by model-state bytes per rank, then communication bytes, and their speed columns say "
+    "so."
+)
+
+# A run's host was busy when processes outside the run took at least this share of every CPU's time
+# over the run (on a 2-core laptop, 10 % is a fifth of a core, already enough to reorder gloo
+# timings), or when the 1-minute load average read before the run's first launch was at least the
+# host's CPU count (the end's counts the run's own ranks, so it is shown, not judged).
+BUSY_OTHER_CPU_PCT = 10.0
+
+
+def host_loads(manifest: dict) -> list[dict]:
+    """A run's ``host_load`` readings (``parabench.meters.host.run_host_load``): its first invocation's
+    and each resumption's."""
+    loads = [manifest.get("host_load")] + [
+        e.get("host_load") for e in manifest.get("resumed") or [] if isinstance(e, dict)
+    ]
+    return [load for load in loads if isinstance(load, dict)]
+
+
+def _number(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _load_1min(load: dict, end: str) -> float | None:
+    avg = load.get(f"load_average_{end}")
+    return _number(avg[0]) if isinstance(avg, list) and avg else None
+
+
+def busy_host(load: dict) -> str | None:
+    """The figures that make ``load`` a busy host, in words, or None for a quiet one (or one with no figures)."""
+    pct, other, wall = (_number(load.get(k)) for k in ("other_cpu_pct", "other_cpu_s", "wall_s"))
+    cpus = _number(load.get("host_cpus"))
+    start, end = _load_1min(load, "start"), _load_1min(load, "end")
+    busy_cpu = pct is not None and pct >= BUSY_OTHER_CPU_PCT
+    busy_load = start is not None and cpus is not None and start >= cpus
+    if not (busy_cpu or busy_load):
+        return None
+    parts = []
+    if pct is not None:
+        cores = f" of {cpus:g} CPUs" if cpus else ""
+        spent = f" ({other:,.0f} CPU-seconds in {wall:,.0f} s)" if other is not None and wall else ""
+        parts.append(f"other processes took {pct:.0f} % of the CPU time{cores}{spent}")
+    if start is not None:
+        parts.append(f"1-minute load average {start:.1f} at the start" + (f", {end:.1f} at the end" if end else ""))
+    return "; ".join(parts)
+
+
+def host_load_text(manifest: dict) -> str | None:
+    """A run's host load in words, for the environment table (None where the manifest has none)."""
+    out = []
+    for load in host_loads(manifest):
+        pct, start, end = _number(load.get("other_cpu_pct")), _load_1min(load, "start"), _load_1min(load, "end")
+        words = [f"other processes {pct:.1f} % of the CPU time" if pct is not None else "other processes: not read"]
+        if start is not None:
+            words.append(f"load average {start:.2f} → {end:.2f}" if end is not None else f"load average {start:.2f}")
+        out.append(", ".join(words) + (" (busy)" if busy_host(load) else ""))
+    return "; ".join(out) or None
+
+
+def timing_notes(rows: list[dict], manifests: list[dict]) -> list[str]:
+    """The sentences above the report's first table: that CPU timings are no ranking (when a case ran
+    on CPU), and a warning for each run whose host was busy."""
+    notes = [CPU_TIMING_NOTE] if any(r["status"] == "ok" and on_cpu(r) for r in rows) else []
+    for m in manifests:
+        for load in host_loads(m):
+            figures = busy_host(load)
+            if figures:
+                notes.append(
+                    f"Busy host during {m.get('suite')}/{m.get('run_id')}: {figures} (a busy host is "
+                    f"≥ {BUSY_OTHER_CPU_PCT:g} % of the CPU time taken by other processes, or a load average "
+                    "at the start of at least the CPU count). Its timings describe the host as much as the strategies."
+                )
+    return notes
+
+
+def _speed_header(header: str) -> str:
+    """ "tok/s/device (CPU: not a ranking)"; a header already marked "(CPU)" keeps one parenthesis."""
+    if header.endswith("(CPU)"):
+        return header.removesuffix("(CPU)") + f"({CPU_SPEED_LABEL})"
+    return f"{header} ({CPU_SPEED_LABEL})"
+
+
+def _label_speed(columns: list[tuple], cpu: bool) -> list[tuple]:
+    return [(k, _speed_header(h) if cpu and k in SPEED_KEYS else h, f) for k, h, f in columns]
 
 
 def first_screen(rows: list[dict]) -> list[dict]:
@@ -284,7 +400,7 @@ def first_screen(rows: list[dict]) -> list[dict]:
             {
                 "id_": "overview-choice",
                 "title": "The answer: the configuration to choose, its time, energy and memory",
-                "columns": GROUP_COLUMNS + CHOICE_COLUMNS,
+                "columns": GROUP_COLUMNS + _label_speed(CHOICE_COLUMNS, cpu),
                 "rows": choice_rows(peer),
                 "note": " ".join([CHOICE_NOTE] + ([] if energy else [NO_ENERGY])),
                 "footer": CPU_NOTE if cpu else "",
@@ -295,7 +411,7 @@ def first_screen(rows: list[dict]) -> list[dict]:
             {
                 "id_": "overview",
                 "title": "Which strategy, what cost: production libraries ranked",
-                "columns": GROUP_COLUMNS + PEER_COLUMNS,
+                "columns": GROUP_COLUMNS + _label_speed(PEER_COLUMNS, cpu),
                 "rows": peer,
                 "note": PEER_NOTE + (" " + CPU_NOTE if cpu else ""),
                 "footer": (
@@ -308,13 +424,14 @@ def first_screen(rows: list[dict]) -> list[dict]:
         )
     refs = reference_rows(rows)
     if refs:
+        cpu = any(on_cpu(r) for r in refs)
         specs.append(
             {
                 "id_": "overview-references",
                 "title": "How close is a from-scratch implementation: references against the fastest peer",
-                "columns": GROUP_COLUMNS + REFERENCE_COLUMNS,
+                "columns": GROUP_COLUMNS + _label_speed(REFERENCE_COLUMNS, cpu),
                 "rows": refs,
-                "note": REFERENCE_NOTE,
+                "note": REFERENCE_NOTE + (" " + CPU_REFERENCE_NOTE if cpu else ""),
             }
         )
     return specs
