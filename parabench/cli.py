@@ -747,6 +747,17 @@ def build_parser() -> argparse.ArgumentParser:
     _slurm_arguments(p)
     p.set_defaults(func=slurm_main)
 
+    p = sub.add_parser(
+        "headline",
+        help="write the README's results table and docs/headline.md from the runs results/headline.toml names "
+        "(--check: exit 1 with a diff when the text and the records disagree)",
+    )
+    from parabench.headline import add_arguments as _headline_arguments
+    from parabench.headline import main as _headline_main
+
+    _headline_arguments(p)
+    p.set_defaults(func=_headline_main)
+
     p = sub.add_parser("env", help="versions, devices and recorded environment variables")
     p.set_defaults(func=cmd_env)
     return ap
