@@ -1,19 +1,22 @@
-"""Minimal PyTorch DistributedDataParallel training of the parabench GPT, from PyTorch's docs only.
+"""Minimal PyTorch DistributedDataParallel training of the parabench GPT, following torchtitan's recipe.
 
 Sources:
 - DDP notes, https://pytorch.org/docs/stable/notes/ddp.html, and the ``DistributedDataParallel``
   reference (https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html):
   one process per device, ``device_ids=[local_rank]``, ``gradient_as_bucket_view=True`` (gradients
-  are views into the all-reduce buckets: one copy and its memory saved), ``bucket_cap_mb`` at its
-  default (25).
+  are views into the all-reduce buckets: one copy and its memory saved).
+- torchtitan's ``apply_ddp`` (torchtitan/models/llama3/infra/parallelize.py before the config
+  refactor, pytorch/torchtitan#2386): ``bucket_cap_mb=100``, not DDP's default 25; the bf16
+  recipe under DDP is ``torch.autocast`` (``mixed_precision_param``, torchtitan/config/configs.py).
 - AMP, https://pytorch.org/docs/stable/amp.html: ``torch.autocast(dtype=torch.bfloat16)`` around
   forward and loss; bf16 needs no GradScaler.
 - ``torch.optim.AdamW`` (https://pytorch.org/docs/stable/generated/torch.optim.AdamW.html):
-  ``fused=True`` on CUDA, ``foreach=True`` elsewhere.
+  ``fused=True`` on CUDA (torchtitan's ``implementation = "fused"``), ``foreach=True`` elsewhere.
 
-Recipes (``--recipe``, bf16 only): ``amp`` (the default): fp32 parameters, bf16 compute under
-autocast, fp32 gradients all-reduced. ``master``: bf16 parameters, gradients all-reduced in bf16,
-an fp32 master copy and AdamW states (``_gpt.MasterWeightAdamW``).
+Recipes (``--recipe``, bf16 only): ``amp`` (the default; torchtitan's under DDP): fp32 parameters,
+bf16 compute under autocast, fp32 gradients all-reduced. ``master``: bf16 parameters, gradients
+all-reduced in bf16, fp32 master copies and AdamW states kept by ``_gpt.MasterWeightAdamW`` (torch
+documents no bf16-master recipe for DDP; FSDP2's ``MixedPrecisionPolicy`` is its one).
 
 Run: ``torchrun --nproc-per-node 2 torch_ddp.py --precision bf16 --out result.json``.
 """
@@ -28,6 +31,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _gpt  # noqa: E402
+
+BUCKET_CAP_MB = 100  # torchtitan's apply_ddp
 
 
 def main():
@@ -45,6 +50,7 @@ def main():
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,
+        bucket_cap_mb=BUCKET_CAP_MB,
     )
     cuda = device.type == "cuda"
     if master:
@@ -70,7 +76,7 @@ def main():
         "library": "torch.ddp",
         "recipe": (args.recipe if bf16 else None),
         "optimizer": ("MasterWeightAdamW over " if master else "") + ("fused" if cuda else "foreach") + " AdamW",
-        "ddp": {"gradient_as_bucket_view": True, "bucket_cap_mb": 25},
+        "ddp": {"gradient_as_bucket_view": True, "bucket_cap_mb": BUCKET_CAP_MB},
     }
     return args, _gpt.measure(args, device, step, batches, args.micro_batch * world * args.seq_len, library)
 

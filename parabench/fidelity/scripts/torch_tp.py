@@ -1,4 +1,4 @@
-"""Minimal PyTorch tensor-parallel training of the parabench GPT, from PyTorch's docs only.
+"""Minimal PyTorch tensor-parallel training of the parabench GPT, following torchtitan's TP plan.
 
 Sources:
 - The TP tutorial, https://pytorch.org/tutorials/intermediate/TP_tutorial.html, and the
@@ -6,22 +6,36 @@ Sources:
   (https://pytorch.org/docs/stable/distributed.tensor.parallel.html): ``parallelize_module`` with
   ``ColwiseParallel`` on the attention's q, k, v and the MLP's first linear (``mlp.fc``),
   ``RowwiseParallel`` on the attention's and the MLP's output projections (the Megatron layout);
-  ``PrepareModuleInput`` on the attention module, so its input becomes one replicated DTensor
-  that q, k and v share (one backward all-reduce for the three); the token embedding
-  ``RowwiseParallel(input_layouts=Replicate())`` and the output head
+  the token embedding ``RowwiseParallel(input_layouts=Replicate())`` and the output head
   ``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)`` with ``loss_parallel()``
-  (the tutorial's "Apply Loss Parallel": no gather of the vocabulary-sharded logits).
+  (the tutorial's "Apply Loss Parallel", torchtitan's default: no gather of the vocabulary-sharded
+  logits).
+- torchtitan's plan without sequence parallelism (``enable_sequence_parallel = false``;
+  ``set_gqa_attention_sharding`` in torchtitan/models/common/decoder_sharding.py): the attention
+  block's input is made replicated once at the attention module, so q, k and v share it (one
+  backward all-reduce for the three): ``PrepareModuleInput`` on ``attn``.
+- ``--sequence-parallel`` (``torch.tp_sp``): torchtitan's ``apply_tp`` (its default,
+  ``enable_sequence_parallel = true``; torchtitan/models/llama3/infra/parallelize.py before
+  pytorch/torchtitan#2386, the tutorial's "Sequence Parallel" section): the token embedding's output
+  ``Shard(1)``; every LayerNorm ``SequenceParallel``; ``PrepareModuleInput`` all-gathers the sequence
+  (``Shard(1)`` -> ``Replicate()``) before the attention and the MLP; the row-parallel outputs
+  reduce-scattered along the sequence (``output_layouts=Shard(1)``); the final norm
+  ``SequenceParallel`` and the head ``ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+  use_local_output=False)``. The GPT's learned position table (torchtitan's Llama has RoPE instead)
+  is ``RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))``: each rank adds its
+  positions' rows to its sequence shard (the GPT's own forward, unchanged).
 - ``torch.optim.AdamW`` ``fused`` (CUDA) / ``foreach``: those kernels refuse a list that mixes
-  DTensors and plain tensors (here: the LayerNorms and the position table stay plain), so one
-  parameter group per kind.
+  DTensors and plain tensors (here: the LayerNorms and, without SP, the position table stay
+  plain), so one parameter group per kind.
 
 The tensor-parallel degree is the world size (no data parallelism).
 
 Recipes (``--recipe``, bf16 only): ``amp`` (the default): fp32 parameters under
 ``torch.autocast``. ``master``: bf16 parameters, fp32 master weights and AdamW states
-(``_gpt.MasterWeightAdamW``, on the local shards).
+(``_gpt.MasterWeightAdamW``, on the local shards: torch documents no bf16-master recipe for TP).
 
-Run: ``torchrun --nproc-per-node 2 torch_tp.py --precision bf16 --micro-batch 8 --out result.json``.
+Run: ``torchrun --nproc-per-node 2 torch_tp.py --precision bf16 --micro-batch 8 --out result.json``
+(add ``--sequence-parallel`` for tensor + sequence parallelism).
 """
 
 import contextlib
@@ -36,6 +50,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
     RowwiseParallel,
+    SequenceParallel,
     loss_parallel,
     parallelize_module,
 )
@@ -45,6 +60,7 @@ import _gpt  # noqa: E402
 
 
 def plan(n_layer: int) -> dict:
+    """Tensor parallelism alone: activations replicated between the blocks."""
     p = {
         "tok_emb": RowwiseParallel(input_layouts=Replicate()),
         "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
@@ -59,9 +75,31 @@ def plan(n_layer: int) -> dict:
     return p
 
 
+def sequence_parallel_plan(n_layer: int) -> dict:
+    """torchtitan's ``apply_tp``: activations sharded along the sequence between the blocks."""
+    p = {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+        "ln_f": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+    for i in range(n_layer):
+        b = f"blocks.{i}"
+        p[f"{b}.ln1"] = SequenceParallel()
+        p[f"{b}.attn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        p[f"{b}.ln2"] = SequenceParallel()
+        p[f"{b}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
+            p[f"{b}.{name}"] = ColwiseParallel()
+        for name in ("attn.proj", "mlp.proj"):
+            p[f"{b}.{name}"] = RowwiseParallel(output_layouts=Shard(1))
+    return p
+
+
 def main():
     ap = _gpt.parser(__doc__.splitlines()[0])
     ap.add_argument("--recipe", choices=("amp", "master"), default="amp")
+    ap.add_argument("--sequence-parallel", action="store_true", help="torchtitan's tensor + sequence parallel plan")
     args = ap.parse_args()
     if args.layout != "separate":  # ColwiseParallel on a fused qkv would split q|k|v, not heads
         ap.error("the TP plan shards the separate q, k, v linears by heads: --layout separate only")
@@ -74,7 +112,10 @@ def main():
     model = _gpt.build_gpt(args, device)
     if master:
         model = model.to(torch.bfloat16)
-    parallelize_module(model, mesh, plan(args.n_layer))
+    sp = args.sequence_parallel
+    if sp and args.seq_len % world:
+        raise SystemExit(f"sequence parallelism: --seq-len {args.seq_len} does not split over {world} ranks")
+    parallelize_module(model, mesh, sequence_parallel_plan(args.n_layer) if sp else plan(args.n_layer))
     cuda = device.type == "cuda"
     params = list(model.parameters())
     if master:
@@ -100,7 +141,8 @@ def main():
 
     batches = _gpt.local_batches(args, 0, 1, device)  # every rank of the TP group sees the same batch
     library = {
-        "library": "torch.tp",
+        "library": "torch.tp_sp" if sp else "torch.tp",
+        "plan": "torchtitan apply_tp (sequence parallel)" if sp else "torchtitan, enable_sequence_parallel false",
         "recipe": (args.recipe if bf16 else None),
         "tp": world,
         "optimizer": ("MasterWeightAdamW over " if master else "one group per parameter kind, ")
