@@ -369,6 +369,15 @@ def host_shared_notes(manifests: list[dict]) -> list[dict]:
     return out
 
 
+def superseded_notes(run_dirs: list[Path]) -> list[str]:
+    """What ``results/superseded.toml`` says of these runs: shown first, so that nobody quotes a
+    superseded run's figures (``parabench headline`` refuses them)."""
+    from parabench.headline import load_superseded, superseded_entries
+
+    entries = load_superseded()
+    return [e.text() for d in run_dirs for e in superseded_entries(d, entries)]
+
+
 def _env_summary(manifests: list[dict]) -> dict:
     keys = [
         ("suite", lambda m: m.get("suite")),
@@ -594,6 +603,7 @@ def render_report(
         manifests=manifests,
         device_texts=[devices_text(m) for m in manifests],
         host_shared=host_shared_notes(manifests),
+        superseded=superseded_notes(run_dirs),
         timing_notes=overview.timing_notes(rows, manifests),
         env_summary=_env_summary(manifests),
         tables=tables,
