@@ -24,6 +24,8 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
+from parabench.report.overview import CPU_SPEED_LABEL, on_cpu  # noqa: E402
+
 DPI = 90
 BAR_IN = 0.22  # inches per bar in the horizontal bar charts
 MIN_TEXT_PT = 9  # 11.25 px at DPI 90
@@ -200,8 +202,10 @@ def _panels(df) -> list[str]:
     return list(order.sort_values(["params", "p"], na_position="last").index)
 
 
-def _bar_order(sub: pd.DataFrame, value: str) -> pd.DataFrame:
-    """Micro-batch groups, fastest first within each; the first bar on top."""
+def _bar_order(sub: pd.DataFrame, value: str, by_name: bool = False) -> pd.DataFrame:
+    """Micro-batch groups, fastest first within each (``by_name``: in order of name); the first bar on top."""
+    if by_name:
+        return sub.sort_values(["micro_batch", "bar"])
     return sub.sort_values(["micro_batch", value], ascending=[True, False])
 
 
@@ -212,11 +216,11 @@ def _kind_legend(fig) -> None:
     fig.legend(handles=handles, loc="outside upper center", ncol=2, frameon=False)
 
 
-def _bars(ok: pd.DataFrame, value: str, xlabel: str, err=None) -> list:
+def _bars(ok: pd.DataFrame, value: str, xlabel: str, err=None, by_name: bool = False) -> list:
     """Horizontal bars, one per case, one panel per model; thin lines part micro-batches; as many
     figures as it takes to keep each within one screen."""
     ok = ok.dropna(subset=[value])
-    pieces = [(p, _bar_order(ok[ok.panel == p], value)) for p in _panels(ok)]
+    pieces = [(p, _bar_order(ok[ok.panel == p], value, by_name)) for p in _panels(ok)]
     return [_bar_page(page, value, xlabel, err, _width(ok.bar)) for page in pages(pieces)]
 
 
@@ -261,10 +265,14 @@ def throughput(ok: pd.DataFrame) -> list[dict]:
         rate = sub.tokens_per_step / sub.world_size * 1e3
         return rate / sub.step_time_ms_p90, rate / sub.step_time_ms_p10
 
-    figs = _bars(ok, "tokens_per_s_per_device", "tokens/s per device", err=per_step)
+    # gloo timings on a shared CPU are no ranking (parabench.report.overview): bars in order of name
+    cpu = all(on_cpu(r) for r in ok.to_dict("records"))
+    figs = _bars(ok, "tokens_per_s_per_device", "tokens/s per device", err=per_step, by_name=cpu)
     return figure_entries(
         "throughput",
-        "Tokens/s per device (higher is better)",
+        f"Tokens/s per device, in order of name ({CPU_SPEED_LABEL})"
+        if cpu
+        else "Tokens/s per device (higher is better)",
         "One bar per case (strategy, devices w, micro-batch mb; other seeds and options named): its "
         "median tokens/s per device, over launches where the case was repeated. Whisker: the 10th to "
         "90th percentile of the per-step rate within one launch. Dotted lines part micro-batches.",
