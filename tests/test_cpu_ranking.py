@@ -166,15 +166,12 @@ def test_busy_host_threshold(load, busy):
 
 
 def test_a_resumed_run_is_judged_by_each_invocation():
-    manifest = {
-        "suite": "smoke",
-        "run_id": "r",
-        "host_load": _load(),
-        "resumed": [{"host_load": _load(other_pct=55.0)}],
-    }
+    resumed = {"created_at": "2026-11-29T07:00:00+00:00", "host_load": _load(other_pct=55.0)}
+    manifest = {"suite": "smoke", "run_id": "r", "host_load": _load(), "resumed": [resumed]}
     (note,) = overview.timing_notes([], [manifest])
-    assert "other processes took 55 % of the CPU time" in note
-    assert overview.host_load_text(manifest).endswith("(busy)")
+    assert note.startswith("Busy host during smoke/r (resumed 2026-11-29T07:00:00+00:00): other processes took 55 %")
+    first, again = overview.host_load_text(manifest).split("; ")
+    assert not first.endswith("(busy)") and again.startswith("resumed 2026-11-29") and again.endswith("(busy)")
 
 
 def test_run_host_load_counts_the_cpu_time_outside_the_run():

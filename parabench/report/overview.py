@@ -313,13 +313,15 @@ CPU_TIMING_NOTE = (
 BUSY_OTHER_CPU_PCT = 10.0
 
 
-def host_loads(manifest: dict) -> list[dict]:
-    """A run's ``host_load`` readings (``parabench.meters.host.run_host_load``): its first invocation's
-    and each resumption's."""
-    loads = [manifest.get("host_load")] + [
-        e.get("host_load") for e in manifest.get("resumed") or [] if isinstance(e, dict)
+def host_loads(manifest: dict) -> list[tuple[str, dict]]:
+    """A run's ``host_load`` readings (``parabench.meters.host.run_host_load``), each with the
+    invocation it covers: "" for the first, "resumed <when>" for each resumption."""
+    loads = [("", manifest.get("host_load"))] + [
+        (f"resumed {e.get('created_at') or '?'}", e.get("host_load"))
+        for e in manifest.get("resumed") or []
+        if isinstance(e, dict)
     ]
-    return [load for load in loads if isinstance(load, dict)]
+    return [(when, load) for when, load in loads if isinstance(load, dict)]
 
 
 def _number(x) -> float | None:
@@ -353,12 +355,12 @@ def busy_host(load: dict) -> str | None:
 def host_load_text(manifest: dict) -> str | None:
     """A run's host load in words, for the environment table (None where the manifest has none)."""
     out = []
-    for load in host_loads(manifest):
+    for when, load in host_loads(manifest):
         pct, start, end = _number(load.get("other_cpu_pct")), _load_1min(load, "start"), _load_1min(load, "end")
         words = [f"other processes {pct:.1f} % of the CPU time" if pct is not None else "other processes: not read"]
         if start is not None:
             words.append(f"load average {start:.2f} → {end:.2f}" if end is not None else f"load average {start:.2f}")
-        out.append(", ".join(words) + (" (busy)" if busy_host(load) else ""))
+        out.append((f"{when}: " if when else "") + ", ".join(words) + (" (busy)" if busy_host(load) else ""))
     return "; ".join(out) or None
 
 
@@ -367,11 +369,12 @@ def timing_notes(rows: list[dict], manifests: list[dict]) -> list[str]:
     on CPU), and a warning for each run whose host was busy."""
     notes = [CPU_TIMING_NOTE] if any(r["status"] == "ok" and on_cpu(r) for r in rows) else []
     for m in manifests:
-        for load in host_loads(m):
+        for when, load in host_loads(m):
             figures = busy_host(load)
             if figures:
                 notes.append(
-                    f"Busy host during {m.get('suite')}/{m.get('run_id')}: {figures} (a busy host is "
+                    f"Busy host during {m.get('suite')}/{m.get('run_id')}{f' ({when})' if when else ''}: "
+                    f"{figures} (a busy host is "
                     f"≥ {BUSY_OTHER_CPU_PCT:g} % of the CPU time taken by other processes, or a load average "
                     "at the start of at least the CPU count). Its timings describe the host as much as the strategies."
                 )
