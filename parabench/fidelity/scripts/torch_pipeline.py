@@ -1,4 +1,4 @@
-"""Minimal PyTorch pipeline-parallel training of the parabench GPT, from PyTorch's docs only.
+"""Minimal PyTorch pipeline-parallel training of the parabench GPT, from PyTorch's docs and torchtitan.
 
 Sources (https://pytorch.org/docs/stable/distributed.pipelining.html):
 - "Option 1: splitting a model manually": each stage is one ``nn.Module`` that owns its part of
@@ -27,20 +27,27 @@ Sources (https://pytorch.org/docs/stable/distributed.pipelining.html):
   itself, so the ``amp`` recipe's ``torch.autocast`` goes inside ``forward``; bf16 needs no
   GradScaler. ``torch.optim.AdamW`` ``fused=True`` on CUDA, ``foreach=True`` elsewhere.
 
-The split: ``n_layer`` blocks over ``pp * virtual_stages`` stages, contiguous, the first
-``n_layer % stages`` stages one block more (parabench's ``partition_layers``; the docs leave the
-split to the user). ``pp`` is the world size (no data parallelism).
+The split: torchtitan's (``_generate_llm_fqn_per_model_part`` in
+torchtitan/distributed/pipeline_parallel.py, with its defaults
+``pipeline_parallel_first_stage_less_layers = 1`` and ``..._last_stage_less_layers = 1``): the
+embeddings count as one layer on the first stage and the final norm and head as one on the last,
+the ``n_layer + 2`` "effective layers" go out evenly, the first ``(n_layer + 2) % stages`` stages one
+more. Where torchtitan refuses the split (a stage would get fewer effective layers than the
+embeddings' weight), the script falls back to the even split of the blocks alone, and says so.
+``pp`` is the world size (no data parallelism).
 
-Where the docs and parabench's adapter (parabench/peers/torch_pipeline.py) differ:
-- The docs build the model on the meta device and keep only the stage's layers, to avoid
+Where the script and parabench's adapter (parabench/peers/torch_pipeline.py) differ, the result's
+``choices`` names both:
+- the split above against the adapter's even split of the blocks;
+- the docs build the model on the meta device and keep only the stage's layers, to avoid
   running out of memory; the script, like the adapter, builds the whole GPT on the device and
   then keeps its stages' parts, so that both draw the same initial weights from one generator.
   This costs memory at start-up only, before the measurement.
 - ``torch.pp_zb`` runs ``ScheduleInterleavedZeroBubble`` with one stage per rank (the layout of
   ``ref.pp_zb``); the class is documented as interleaved (several stages per rank), which
   ``--schedule zb --virtual-stages 2`` runs. ``parabench fidelity`` passes the adapter's 1.
-- Nothing else: same stage cut, the schedules' defaults (``scale_grads=True``, no
-  ``defer_pp_recv``), the default process group, the optimizer after ``schedule.step``.
+- torchtitan sums the loss and divides by the global token count itself (``scale_grads=False``);
+  the script keeps the schedules' default ``scale_grads=True`` with a mean loss: the same gradient.
 
 Recipes (``--recipe``, bf16 only): ``amp`` (the default): fp32 parameters under autocast.
 ``master``: bf16 parameters, fp32 master weights and AdamW states (``_gpt.MasterWeightAdamW``).
@@ -76,12 +83,33 @@ SCHEDULES = {
 MULTI_STAGE = ("interleaved", "zb")  # PipelineScheduleMulti: a list of stages per rank
 
 
-def split_layers(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
+def even_split(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` of every stage: contiguous blocks, the first ``n_layer % n_stages`` one more."""
     base, extra = divmod(n_layer, n_stages)
     bounds, lo = [], 0
     for s in range(n_stages):
         hi = lo + base + (1 if s < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def torchtitan_split(n_layer: int, n_stages: int, input_weight: int = 1, output_weight: int = 1):
+    """torchtitan's ``_generate_llm_fqn_per_model_part`` as block bounds ``[lo, hi)`` per stage;
+    ValueError where torchtitan raises one."""
+    if n_stages == 1:
+        return [(0, n_layer)]
+    effective = n_layer + input_weight + output_weight
+    per_stage, extra = divmod(effective, n_stages)
+    if per_stage == 0 or input_weight > per_stage or output_weight > per_stage:
+        raise ValueError(
+            f"torchtitan refuses {n_stages} stages for {n_layer} layers (+{input_weight}, +{output_weight})"
+        )
+    bounds, lo = [], 0
+    for s in range(n_stages):
+        size = per_stage + (1 if s < extra else 0)
+        size -= input_weight if s == 0 else output_weight if s == n_stages - 1 else 0
+        hi = min(n_layer, lo + size)
         bounds.append((lo, hi))
         lo = hi
     return bounds
@@ -136,7 +164,11 @@ def main():
     gpt = _gpt.build_gpt(args, device)
     if master:
         gpt = gpt.to(torch.bfloat16)
-    bounds = split_layers(args.n_layer, n_stages)
+    try:
+        bounds, split = torchtitan_split(args.n_layer, n_stages), "torchtitan (embeddings and head one layer each)"
+    except ValueError as exc:
+        bounds, split = even_split(args.n_layer, n_stages), f"even over the blocks ({exc})"
+    adapter_bounds = even_split(args.n_layer, n_stages)
     stage_ids = [rank + k * pp for k in range(v)]
     modules = [StageModule(gpt, *bounds[s], s == 0, s == n_stages - 1, autocast) for s in stage_ids]
     del gpt
@@ -171,9 +203,18 @@ def main():
         "pp": pp,
         "microbatches": m,
         "virtual_stages": v,
+        "split": split,
         "stage_layers": {s: list(bounds[s]) for s in range(n_stages)},
         "optimizer": ("MasterWeightAdamW over " if master else "") + ("fused" if cuda else "foreach") + " AdamW",
     }
+    if bounds != adapter_bounds:
+        library["choices"] = {
+            "stage_layers": {
+                "script": [list(b) for b in bounds],
+                "case": [list(b) for b in adapter_bounds],
+                "source": "torchtitan _generate_llm_fqn_per_model_part (distributed/pipeline_parallel.py)",
+            }
+        }
     return args, _gpt.measure(args, device, step, batches, args.micro_batch * args.seq_len, library)
 
 
