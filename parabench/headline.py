@@ -210,8 +210,9 @@ def recipe_text(record: dict) -> str:
 def reduce_dtype(record: dict) -> str | None:
     """The dtype a case's gradients crossed the wire in: the dtypes of its reduce-scatter (sharded
     strategies) or else its all-reduce traffic on rank 0's instrumented step, as the record measured
-    them. None where nothing was reduced (one GPU, a pipeline without data parallelism) or nothing
-    was metered. Measured rather than declared: a profile option changes it (FSDP2's tuned profile
+    them. None where the record holds no reduction: a pipeline without data parallelism, FSDP2 on
+    one GPU (it issues no collective there, where the references reduce over a group of one), or no
+    meter. Measured rather than declared: a profile option changes it (FSDP2's tuned profile
     reduces in fp32, its matched one in bf16)."""
     for rank in record.get("per_rank") or []:
         by_kind = ((rank or {}).get("comm") or {}).get("by_kind") or {}
@@ -289,9 +290,9 @@ def differences(ref: dict, peer: dict, short: bool = False) -> list[str]:
     rd, pd = reduce_dtype(ref), reduce_dtype(peer)
     if rd != pd:
         out.append(
-            f"reduce {rd or '-'} / {pd or '-'}"
+            f"reduce {rd or 'none'} / {pd or 'none'}"
             if short
-            else f"gradients reduced in {rd or 'nothing'} / {pd or 'nothing'}"
+            else f"gradient reduction {rd or 'none'} / {pd or 'none'}"
         )
     return out
 

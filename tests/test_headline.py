@@ -109,7 +109,7 @@ def test_a_reduce_dtype_mismatch_is_labelled(outputs):
     ref = _record("ref.zero3", [100, 101, 102])
     peer = _record("torch.fsdp2", [90, 91, 92], dtype="torch.float32", layout="fused")
     row = headline.evaluate_row(ROW, "r", MANIFEST, [ref, peer], METRIC, None)
-    assert row["differs"] == ["layout separate / fused", "gradients reduced in bf16 / fp32"]
+    assert row["differs"] == ["layout separate / fused", "gradient reduction bf16 / fp32"]
     assert row["launches"] == "3 / 3" and row["ratio"] == pytest.approx(101 / 91)
     same = headline.evaluate_row(ROW, "r", MANIFEST, [ref, _record("torch.fsdp2", [90, 91, 92])], METRIC, None)
     assert same["differs"] == []
