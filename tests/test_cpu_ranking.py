@@ -159,6 +159,7 @@ def test_a_gpu_report_is_not_labelled():
         (_load(other_pct=2.0, load_start=2.0, cpus=2), True),  # saturated before the run began
         (_load(other_pct=2.0, load_start=1.9, cpus=2), False),
         ({**_load(load_start=0.1), "other_cpu_pct": None, "other_cpu_s": None}, False),  # no /proc/stat
+        ({"other_cpu_pct": 10**400, "load_average_start": ["x"], "host_cpus": float("nan")}, False),  # hostile
     ],
 )
 def test_busy_host_threshold(load, busy):

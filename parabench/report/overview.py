@@ -34,6 +34,8 @@ was at least the host's CPU count) gets a warning at the top naming the figures.
 
 from __future__ import annotations
 
+import math
+
 MIN_LAUNCHES = 3
 TIE_PCT = 3.0
 MILLION = 1e6
@@ -325,7 +327,14 @@ def host_loads(manifest: dict) -> list[tuple[str, dict]]:
 
 
 def _number(x) -> float | None:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+    """``x`` as a finite float, or None: a manifest is shared, so anything may stand there."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return None
+    try:
+        x = float(x)
+    except OverflowError:
+        return None
+    return x if math.isfinite(x) else None
 
 
 def _load_1min(load: dict, end: str) -> float | None:
