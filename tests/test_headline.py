@@ -57,7 +57,11 @@ def test_a_superseded_strategy_covers_its_records_only():
     entry = Superseded("results/x/1", "version 1", "results/x/2", strategies=("ref.pp_zb",))
     assert entry.covers("ref.pp_zb") and not entry.covers("ref.pp_1f1b")
     assert Superseded("results/x/1", "old", "results/x/2").covers("anything")
-    assert all(e.run and e.reason and e.by for e in headline.load_superseded())
+    from parabench.registry import STRATEGIES
+
+    for e in headline.load_superseded():  # each names a committed run, and strategies that exist
+        assert (headline.ROOT / e.run / "manifest.json").is_file(), e.run
+        assert set(e.strategies) <= set(STRATEGIES), e.strategies
 
 
 def test_a_single_launch_of_a_high_spread_peer_is_refused(tmp_path):
