@@ -466,9 +466,10 @@ def readme_block(rows: list[dict], metric: str) -> str:
         f"Reference over library, {_unit(metric)}: the ratio of launch medians and its distribution-free interval "
         f"({' or '.join(coverages) or 'no'} coverage)."
     )
+    names = ", ".join(dict.fromkeys(r["row"].run for r in shown))
     outro = (
-        "All rows, their runs and the rules: [docs/headline.md](docs/headline.md); written by `parabench headline` "
-        "from [results/headline.toml](results/headline.toml), checked in CI."
+        f"Runs {names}, as [results/headline.toml](results/headline.toml) names them; every row, the run folders and "
+        "the rules: [docs/headline.md](docs/headline.md). `parabench headline` writes this table; CI checks it."
     )
     lines = [BEGIN, *_wrap(intro), "", *_short_table(shown), "", *_wrap(outro), END]
     return "\n".join(lines)
