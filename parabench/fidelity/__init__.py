@@ -9,6 +9,19 @@ as the adapter reads them from the case; their script runs one pipeline over the
 The report (``parabench.report.fidelity``) then sets adapter beside script: tokens/s per device
 (target: adapter >= 0.95x the script) and peak memory (target: adapter <= 1.05x).
 
+Both sides time alike, as ``parabench.worker`` does: a CUDA event after each timed step with no
+device sync between steps (the host clock on CPUs), read once at the end; tokens/s per device from
+the slowest rank's median step. Beside it both record the timed window's wall clock, from one
+device sync before the first timed step to one after the last (``timed_window_s`` /
+``window_tokens_per_s_per_device``): events see only the device, so a library whose host falls
+behind it could look fine step by step, but not over the window; the report shows both ratios.
+
+The torch scripts follow torchtitan, the PyTorch team's reference recipe (FSDP2 groups and
+resharding, DDP buckets, the TP and TP+SP plans, the pipeline split, fused AdamW), the DeepSpeed
+ones DeepSpeed's documentation and examples. Where that differs from what the case runs, the
+script's result says so under ``choices`` ({name: {script, case, source}}), and the report prints
+it beside the ratio: such a row compares two recipes, not an adapter with its library.
+
 The scripts live in ``parabench/fidelity/scripts/`` and import torch and DeepSpeed only, never
 parabench (a test parses their imports): they are what a user of the library would write, so an
 adapter that falls behind its script is the adapter's defect, not the library's. Launches go
@@ -21,6 +34,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,15 +57,66 @@ class PeerScript:
     # the script takes --profile tuned: the adapter's tuned profile is then checked against the same
     # documented keys in the library's own loop, not against the library's defaults
     tuned_profile: bool = False
+    # (case, model config) -> (the script's arguments for the case's options, None) or ([], why not)
+    option_args: Callable[[dict, object], tuple[list[str], str | None]] | None = None
+    moe: bool = False  # the script builds the MoE GPT (the model's expert settings as arguments)
+
+
+def _zeropp_args(case: dict, cfg) -> tuple[list[str], str | None]:
+    """ZeRO++'s switches under DeepSpeed's config names, as the adapter maps them."""
+    from parabench.families.sharded import DeepSpeedZeroPPOptions
+
+    o = DeepSpeedZeroPPOptions.read(case.get("options") or {})
+    hpz = o.hpz_partition_size if o.hpz else 1
+    return [
+        f"--zero-quantized-weights={o.qwz}",
+        f"--zero-hpz-partition-size={hpz}",
+        f"--zero-quantized-gradients={o.qgz}",
+    ], None
+
+
+def _moe_args(case: dict, cfg) -> tuple[list[str], str | None]:
+    """The MoE model's expert settings and the gate's minimum capacity (option ``min_capacity``)."""
+    from parabench.families.expert import ExpertOptions
+
+    if cfg.balanced_routing:
+        return [], "balanced routing: parabench's bias inside DeepSpeed's gate, which a user's gate does not have"
+    o = ExpertOptions.read(case.get("options") or {})
+    args = [f"--n-experts={cfg.n_experts}", f"--top-k={cfg.top_k}", f"--moe-every={cfg.moe_every}"]
+    args += [f"--aux-loss-coef={cfg.aux_loss_coef}", f"--min-capacity={o.min_capacity}"]
+    if cfg.capacity_factor is not None:
+        args.append(f"--capacity-factor={cfg.capacity_factor}")
+    return args, None
+
+
+def _deepspeed_zero(stage: int, *extra: str, **kw) -> PeerScript:
+    return PeerScript("deepspeed_zero.py", ("master",), ("--stage", str(stage), *extra), tuned_profile=True, **kw)
 
 
 PEER_SCRIPTS: dict[str, PeerScript] = {
     "torch.ddp": PeerScript("torch_ddp.py", ("amp", "master")),
     "torch.fsdp2": PeerScript("torch_fsdp2.py", ("amp", "master"), options=("compile",)),
+    "torch.fsdp2_offload": PeerScript("torch_fsdp2.py", ("amp", "master"), ("--cpu-offload",)),
+    "torch.hsdp": PeerScript("torch_fsdp2.py", ("amp", "master"), options=("shard_size",)),
     "torch.tp": PeerScript("torch_tp.py", ("amp", "master")),
-    "deepspeed.zero1": PeerScript("deepspeed_zero.py", ("master",), ("--stage", "1"), tuned_profile=True),
-    "deepspeed.zero2": PeerScript("deepspeed_zero.py", ("master",), ("--stage", "2"), tuned_profile=True),
-    "deepspeed.zero3": PeerScript("deepspeed_zero.py", ("master",), ("--stage", "3"), tuned_profile=True),
+    "torch.tp_sp": PeerScript("torch_tp.py", ("amp", "master"), ("--sequence-parallel",)),
+    "torch.cp": PeerScript("torch_cp.py", ("amp",), options=("cp", "cp_split")),
+    **{f"deepspeed.zero{stage}": _deepspeed_zero(stage) for stage in (0, 1, 2, 3)},
+    "deepspeed.zero2_offload": _deepspeed_zero(2, "--offload-optimizer", "cpu"),
+    "deepspeed.zero3_offload": _deepspeed_zero(3, "--offload-optimizer", "cpu"),
+    "deepspeed.zeropp": _deepspeed_zero(
+        3, options=("qwz", "hpz", "hpz_partition_size", "qgz"), option_args=_zeropp_args
+    ),
+    "deepspeed.pp": PeerScript("deepspeed_pipe.py", ("master",), options=("pp", "microbatches"), tuned_profile=True),
+    "deepspeed.ulysses": PeerScript("deepspeed_ulysses.py", ("amp",), options=("cp", "cp_split")),
+    "deepspeed.moe": PeerScript(
+        "deepspeed_moe.py",
+        ("master",),
+        options=("ep", "min_capacity"),
+        tuned_profile=True,
+        option_args=_moe_args,
+        moe=True,
+    ),
     **{
         f"torch.pp_{schedule}": PeerScript(
             "torch_pipeline.py", ("amp", "master"), ("--schedule", schedule), PIPELINE_OPTIONS
@@ -59,6 +124,28 @@ PEER_SCRIPTS: dict[str, PeerScript] = {
         for schedule in ("gpipe", "1f1b", "interleaved", "zb")
     },
 }
+# Library peers without a script, and why: every peer of kind "peer" is in PEER_SCRIPTS or here
+# (tests/test_fidelity_scripts.py).
+NO_SCRIPT: dict[str, str] = {
+    "deepspeed.zero3_nvme": (
+        "ZeRO-Infinity's NVMe offload is bound by the drive and its aio settings, which the host decides; "
+        "suites/zero-infinity-nvme-gpu.toml sets it beside ref.zero_infinity instead"
+    ),
+    "torch.ddp_fp16_hook": (
+        "a DDP communication hook (one register_comm_hook call on torch_ddp.py's DDP): the compression "
+        "study compares its bytes and loss with the reference's; no separate script yet"
+    ),
+    "torch.ddp_powersgd_hook": (
+        "a DDP communication hook (PowerSGDState + powerSGD_hook on torch_ddp.py's DDP): the compression "
+        "study compares its bytes and loss with the reference's; no separate script yet"
+    ),
+    "torch.local_sgd": (
+        "PostLocalSGDOptimizer's periodic averaging: the compression study compares its loss with the "
+        "reference's; no separate script yet"
+    ),
+}
+# The tensor-parallel scripts use the whole world as their TP group.
+TP_PEERS = ("torch.tp", "torch.tp_sp")
 # The issue's names and the short ones the scripts take.
 RECIPE_NAMES = {"amp": "amp", "master": "master", "bf16-master": "master", "fp16-master": None, "fp16-amp": None}
 # Options that change neither the work of a step nor what it holds (meters, the profile's label,
@@ -105,22 +192,28 @@ def plan(record: dict) -> tuple[list[str] | None, str | None]:
     if other:
         return None, f"options the script does not take: {', '.join(other)}"
     tp = int(options.get("tp", 1))
-    if case["strategy"] == "torch.tp" and tp != case["world_size"]:
+    if case["strategy"] in TP_PEERS and tp != case["world_size"]:
         return None, f"the TP script uses the whole world as its TP group (tp={tp}, world {case['world_size']})"
-    if case["strategy"] != "torch.tp" and tp != 1:
+    if case["strategy"] not in TP_PEERS and tp != 1:
         return None, f"tp={tp}: {case['strategy']}'s script takes no tensor parallelism"
     pipeline_args, why = _pipeline_args(case, peer)
+    if why is not None:
+        return None, why
+    shard_args, why = _shard_args(case, peer)
     if why is not None:
         return None, why
     recipe = recipe_of(record)
     if recipe is not None and recipe not in peer.recipes:
         return None, f"{case['strategy']}'s script has no recipe {recipe!r} (it runs {', '.join(peer.recipes)})"
     layout = case.get("layout") or "separate"  # records of the default layout carry no field
-    if layout != "separate" and case["strategy"] == "torch.tp":
+    if layout != "separate" and case["strategy"] in TP_PEERS:
         return None, "the TP script shards the separate q, k, v linears by heads"
     cfg = model_config(case["model"], case.get("seq_len"), layout=layout)
-    if cfg.is_moe or cfg.mlp_ratio != 4:
-        return None, "the scripts build the dense GPT with a 4x MLP"
+    if cfg.is_moe != peer.moe or cfg.mlp_ratio != 4:
+        return None, "the script builds the MoE GPT" if peer.moe else "the scripts build the dense GPT with a 4x MLP"
+    option_args, why = peer.option_args(case, cfg) if peer.option_args else ([], None)
+    if why is not None:
+        return None, why
     device = (record.get("device") or {}).get("type") or ("cpu" if case.get("device") == "cpu" else "cuda")
     args = [
         str(SCRIPTS_DIR / peer.script),
@@ -144,7 +237,7 @@ def plan(record: dict) -> tuple[list[str] | None, str | None]:
         args.append("--profile=tuned")
     if options.get("compile"):  # a script that takes it (peer.options), or the case was refused above
         args.append("--compile")
-    args += pipeline_args
+    args += pipeline_args + shard_args + option_args
     if layout != "separate":
         args.append(f"--layout={layout}")
     return args, None
@@ -165,6 +258,18 @@ def _pipeline_args(case: dict, peer: PeerScript) -> tuple[list[str], str | None]
         )
     v = o.virtual_stages if case["strategy"] in INTERLEAVED_STRATEGIES else 1  # the adapter's
     return [f"--microbatches={o.n_microbatches}", f"--virtual-stages={v}"], None
+
+
+def _shard_args(case: dict, peer: PeerScript) -> tuple[list[str], str | None]:
+    """HSDP's shard-group size as the adapter (``build_hsdp``) reads it; ([], None) for other scripts."""
+    if "shard_size" not in peer.options:
+        return [], None
+    from parabench.families.sharded import ShardedPeerOptions
+
+    shard = ShardedPeerOptions.read(case.get("options") or {}).shard_size
+    if shard < 1 or case["world_size"] % shard:
+        return [], f"shard_size={shard} does not divide the world size {case['world_size']}"
+    return [f"--shard-size={shard}"], None
 
 
 def peer_records(records: list[dict]) -> list[dict]:

@@ -121,7 +121,7 @@ def ds_config(args, cuda: bool) -> dict:
     return config
 
 
-def main():
+def parse_args(argv=None):
     ap = _gpt.parser(__doc__.splitlines()[0])
     ap.add_argument("--recipe", choices=("master",), default="master", help="DeepSpeed's bf16 is bf16-master")
     ap.add_argument("--profile", choices=("defaults", "tuned"), default="defaults")
@@ -131,7 +131,11 @@ def main():
     ap.add_argument("--capacity-factor", type=float, default=None, help="none: dropless")
     ap.add_argument("--min-capacity", type=int, default=4, help="the gate's minimum slots per expert (DeepSpeed: 4)")
     ap.add_argument("--aux-loss-coef", type=float, default=0.01)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -138,17 +138,22 @@ def ds_config(args, cuda: bool, microbatches: int) -> dict:
     return config
 
 
-def main():
+def parse_args(argv=None):
     ap = _gpt.parser(__doc__.splitlines()[0])
     ap.add_argument("--recipe", choices=("master",), default="master", help="DeepSpeed's bf16 is bf16-master")
     ap.add_argument("--profile", choices=("defaults", "tuned"), default="defaults")
     ap.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step (default 2 * pp)")
+    ap.add_argument("--virtual-stages", type=int, choices=(1,), default=1, help="TrainSchedule: one stage per rank")
     ap.add_argument(
         "--partition-method",
         default="parameters",
         help="PipelineModule's partition_method: DeepSpeed's default 'parameters', 'uniform' or 'type:PipeBlock'",
     )
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -101,10 +101,14 @@ def ds_config(args, cuda: bool, samples: int) -> dict:
     }
 
 
-def main():
+def parse_args(argv=None):
     ap = _gpt.parser(__doc__.splitlines()[0])
     ap.add_argument("--recipe", choices=("amp",), default="amp", help="bf16: torch autocast, fp32 parameters")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -126,7 +126,7 @@ def flag(text: str) -> bool:
     return text.lower() in ("1", "true", "yes")
 
 
-def main():
+def parse_args(argv=None):
     ap = _gpt.parser(__doc__.splitlines()[0])
     ap.add_argument("--stage", type=int, choices=(0, 1, 2, 3), required=True)
     ap.add_argument("--recipe", choices=("master",), default="master", help="DeepSpeed's bf16 is bf16-master")
@@ -137,7 +137,11 @@ def main():
     ap.add_argument("--zero-quantized-weights", type=flag, default=False, help="ZeRO++ qwZ (stage 3, CUDA)")
     ap.add_argument("--zero-hpz-partition-size", type=int, default=1, help="ZeRO++ hpZ: ranks per secondary partition")
     ap.add_argument("--zero-quantized-gradients", type=flag, default=False, help="ZeRO++ qgZ (stage 3, CUDA)")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
