@@ -145,17 +145,17 @@ def main():
     choices = {
         "gate": {
             "script": "DeepSpeed's defaults: use_rts=True, top2_2nd_expert_sampling=True",
-            "parabench": "deterministic: use_rts=False, top2_2nd_expert_sampling=False",
+            "case": "deterministic: use_rts=False, top2_2nd_expert_sampling=False",
             "source": "deepspeed/moe/layer.py MoE.__init__ defaults",
         },
         "aux_loss": {
             "script": "added to the loss (lm + coef * sum of l_aux)",
-            "parabench": "its gradient injected, the reported loss the LM loss alone",
+            "case": "its gradient injected, the reported loss the LM loss alone",
             "source": "https://www.deepspeed.ai/tutorials/mixture-of-experts/",
         },
     }
     if args.layout != "fused":
-        choices["layout"] = {"script": "fused", "parabench": args.layout, "source": MEGATRON_QKV}
+        choices["layout"] = {"script": "fused", "case": args.layout, "source": MEGATRON_QKV}
         args.layout = "fused"
     device = _gpt.init(args)
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")

@@ -162,7 +162,7 @@ def main():
 
     choices = {}
     if args.layout != "fused":
-        choices["layout"] = {"script": "fused", "parabench": args.layout, "source": MEGATRON_QKV}
+        choices["layout"] = {"script": "fused", "case": args.layout, "source": MEGATRON_QKV}
         args.layout = "fused"
     device = _gpt.init(args)
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
@@ -185,7 +185,7 @@ def main():
     if parts != equal:
         choices["pipeline_split"] = {
             "script": f"partition_method={args.partition_method!r}: layer bounds {parts} over [embed, blocks, head]",
-            "parabench": f"equal blocks per stage: layer bounds {equal}",
+            "case": f"equal blocks per stage: layer bounds {equal}",
             "source": "https://deepspeed.readthedocs.io/en/latest/pipeline.html (PipelineModule partition_method)",
         }
     mb = args.micro_batch // microbatches

@@ -117,22 +117,22 @@ def main():
     choices = {
         "gradient_reduction": {
             "script": "the DeepSpeed engine's (ZeRO stage 0) all-reduce over the group, averaged",
-            "parabench": "one flat fp32 all-reduce of every gradient over the group / cp, outside DeepSpeed",
+            "case": "one flat fp32 all-reduce of every gradient over the group / cp, outside DeepSpeed",
             "source": "Megatron-DeepSpeed megatron/training.py (the model trains through deepspeed.initialize)",
         },
         "optimizer": {
             "script": "the engine config's AdamW (FusedAdam on CUDA)",
-            "parabench": "torch.optim.AdamW",
+            "case": "torch.optim.AdamW",
             "source": "https://www.deepspeed.ai/docs/config-json/#optimizer-parameters",
         },
         "data": {
             "script": "every rank reads the group's samples and keeps its positions",
-            "parabench": "each rank reads its own samples; the group all-gathers the token ids",
+            "case": "each rank reads its own samples; the group all-gathers the token ids",
             "source": "Megatron-DeepSpeed pretrain_gpt.py get_batch (sub_seq_start:sub_seq_end of the same batch)",
         },
     }
     if args.layout != "fused":
-        choices["layout"] = {"script": "fused", "parabench": args.layout, "source": f"{MEGATRON}.query_key_value"}
+        choices["layout"] = {"script": "fused", "case": args.layout, "source": f"{MEGATRON}.query_key_value"}
         args.layout = "fused"
     device = _gpt.init(args)
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")

@@ -119,7 +119,7 @@ def layout_choices(args) -> dict:
         return {}
     case = args.layout
     args.layout = "fused"
-    return {"layout": {"script": "fused", "parabench": case, "source": MEGATRON_QKV}}
+    return {"layout": {"script": "fused", "case": case, "source": MEGATRON_QKV}}
 
 
 def flag(text: str) -> bool:
