@@ -27,6 +27,7 @@ COLUMNS = [
     ("tps_interval_text", "ratio interval (launches)", "str"),
     ("launches", "launches adapter / script", "str"),
     ("tps_ok", "≥ 0.95", "str"),
+    ("window_ratio", "window tok/s adapter / script", "f3"),
     ("adapter_mem_MiB", "adapter peak MiB", "f1"),
     ("script_mem_MiB", "script peak MiB", "f1"),
     ("mem_ratio", "peak adapter / script", "f3"),
@@ -35,6 +36,7 @@ COLUMNS = [
     ("adapter_loss", "adapter loss", "g4"),
     ("script_loss", "script loss", "g4"),
     ("script_optimizer", "script optimizer", "str"),
+    ("choices_text", "where the script follows its library and the case does not", "wrap"),
     ("reason", "note", "wrap"),
 ]
 NOTE = (
@@ -42,8 +44,12 @@ NOTE = (
     "(parabench/fidelity/scripts, run by `parabench fidelity RUN`), same model, shapes, micro-batch, "
     "steps, seed, precision and recipe. Targets: the adapter at least 0.95x the script's tokens/s per "
     "device (median step, the slowest rank's) and at most 1.05x its peak memory (allocator peak on GPUs, "
-    "resident set on CPUs, largest rank, timed steps). The script times each step between device "
-    "syncs, the adapter with device events; losses are at the last timed step. With several launches a "
+    "resident set on CPUs, largest rank, timed steps). Both sides time alike: a device event after each "
+    "step, no sync between steps, the median step of the slowest rank; beside it, the window ratio sets the "
+    "timed steps' wall clock (one sync before the first, one after the last) of the two sides, which a host "
+    "that falls behind its device cannot hide. Losses are at the last timed step. The scripts follow their "
+    "library's reference recipe (torchtitan, DeepSpeed's docs); where that differs from the case's (FSDP2 "
+    "groups, pipeline split, parameter sharding), the last column names both. With several launches a "
     "side (`--repeats` for the adapter, `parabench fidelity --launches N` for the script) each figure is "
     "the median over launches, and the interval is the range the launch-to-launch spread allows for the "
     "ratio (distribution-free, its coverage in brackets). Cases of the 'matched' profile are shown but "
@@ -77,6 +83,11 @@ def ratios(record: dict, entry: dict) -> dict:
     a_mem = m.get("peak_alloc_bytes") or m.get("peak_rss_bytes")  # combined: the median where it moves
     s_mem = median(s_mem_all) if s_mem_all else None
     tps_ratio = a_tps / s_tps if a_tps and s_tps else None
+    a_win_all = launch_samples(record, "window_tokens_per_s_per_device") or (
+        [m["window_tokens_per_s_per_device"]] if m.get("window_tokens_per_s_per_device") else []
+    )
+    s_win_all = [s["window_tokens_per_s_per_device"] for s in results if s.get("window_tokens_per_s_per_device")]
+    a_win, s_win = (median(a_win_all) if a_win_all else None), (median(s_win_all) if s_win_all else None)
     mem_ratio = a_mem / s_mem if a_mem and s_mem else None
     interval = None
     if len(a_tps_all) >= 2 and len(s_tps_all) >= 2:
@@ -97,6 +108,9 @@ def ratios(record: dict, entry: dict) -> dict:
         "tps_interval": interval,
         "launches": f"{len(a_tps_all)} / {len(s_tps_all)}",
         "tps_ok": tps_ok,
+        "adapter_window_tps": a_win,
+        "script_window_tps": s_win,
+        "window_ratio": a_win / s_win if a_win and s_win else None,
         "adapter_mem": a_mem,
         "script_mem": s_mem,
         "mem_ratio": mem_ratio,
@@ -109,6 +123,16 @@ def interval_text(interval: dict | None) -> str:
     if not interval:
         return "–"
     return f"{interval['low']:.3f}–{interval['high']:.3f} ({interval['coverage']:.0%})"
+
+
+def choices_text(result: dict) -> str:
+    """The script's departures from the case (``result["choices"]``: {name: {script, case, source}})
+    as one line each."""
+    lines = []
+    for name, c in sorted((result.get("choices") or {}).items()):
+        if isinstance(c, dict):
+            lines.append(f"{name}: script {c.get('script')}; case {c.get('case')} ({c.get('source')})")
+    return "\n".join(lines)
 
 
 def _adapter_loss_at_last_timed_step(record: dict):
@@ -153,6 +177,7 @@ def fidelity_rows(run_dirs: list[Path], runs) -> list[dict]:
                     "adapter_loss": _adapter_loss_at_last_timed_step(record) if record else None,
                     "script_loss": result.get("final_loss"),
                     "script_optimizer": (result.get("config") or {}).get("optimizer"),
+                    "choices_text": choices_text(result),
                     "reason": entry.get("reason") or ("no case record with this hash" if not record else ""),
                 }
             )

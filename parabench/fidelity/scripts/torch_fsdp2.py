@@ -23,6 +23,9 @@ Sources:
   replicated across them (gradients reduce-scattered in the group, all-reduced across replicas).
 - torchtitan's optimizer default: ``torch.optim.AdamW`` with ``implementation = "fused"`` (CUDA;
   ``foreach`` elsewhere, where there is no fused kernel).
+- ``--cpu-offload`` (``torch.fsdp2_offload``): torchtitan's ``training.enable_cpu_offload``,
+  ``CPUOffloadPolicy()`` in every ``fully_shard`` call: the sharded parameters, their gradients and
+  the optimizer step live in host memory (AdamW ``foreach`` there: the fused kernel is CUDA's).
 - ``--compile``: torchtitan's ``apply_compile``, before ``fully_shard``: each block replaced by
   ``torch.compile(block, fullgraph=True)``, so FSDP2's hooks sit on the compiled module.
 
@@ -44,7 +47,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _gpt  # noqa: E402
@@ -56,6 +59,7 @@ def main():
     ap = _gpt.parser(__doc__.splitlines()[0])
     ap.add_argument("--recipe", choices=("amp", "master"), default="master")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (torchtitan's order)")
+    ap.add_argument("--cpu-offload", action="store_true", help="CPUOffloadPolicy (torchtitan's enable_cpu_offload)")
     ap.add_argument("--shard-size", type=int, default=None, help="HSDP: ranks per shard group (default: the world)")
     args = ap.parse_args()
     device = _gpt.init(args)
@@ -76,6 +80,8 @@ def main():
         fsdp["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
         )
+    if args.cpu_offload:
+        fsdp["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")  # no pinned memory without a GPU
     if args.compile:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block, fullgraph=True)
@@ -84,8 +90,8 @@ def main():
         fully_shard(block, **fsdp, reshard_after_forward=True)
     fully_shard([model.ln_f, model.head], **fsdp, reshard_after_forward=False)
     fully_shard(model, **fsdp)
-    cuda = device.type == "cuda"
-    impl = {"fused": True} if cuda else {"foreach": True}
+    fused = device.type == "cuda" and not args.cpu_offload  # offloaded: the parameters are on the host
+    impl = {"fused": True} if fused else {"foreach": True}
     opt = torch.optim.AdamW(model.parameters(), **_gpt.adamw_hyper(args), **impl)
     autocast = (
         (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 and not master else contextlib.nullcontext
@@ -109,11 +115,12 @@ def main():
         }
     }
     library = {
-        "library": "torch.hsdp" if shard < world else "torch.fsdp2",
+        "library": "torch.hsdp" if shard < world else "torch.fsdp2_offload" if args.cpu_offload else "torch.fsdp2",
         "recipe": (args.recipe if bf16 else None),
-        "optimizer": ("fused" if cuda else "foreach") + " torch.optim.AdamW",
+        "optimizer": ("fused" if fused else "foreach") + " torch.optim.AdamW",
         "fsdp2": {
             "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)),
+            "offload_policy": "CPUOffloadPolicy()" if args.cpu_offload else None,
             "mp_policy": "param bf16, reduce fp32, cast_forward_inputs False" if master else None,
             "groups": groups,
             "compile": "torch.compile(block, fullgraph=True) per block, before fully_shard" if args.compile else None,
