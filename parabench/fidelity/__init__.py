@@ -431,6 +431,7 @@ def fidelity_line(record: dict, entry: dict) -> str:
     pooled = f", interval {interval_text(r['tps_interval'])}" if r["tps_interval"] else ""
     return (
         f"fidelity: {record.get('label')}: tok/s/dev adapter {f(r['adapter_tps'], ',.0f')} script "
-        f"{f(r['script_tps'], ',.0f')} ({f(r['tps_ratio'], '.3f')}x{pooled}; medians of {r['launches']} launches), "
+        f"{f(r['script_tps'], ',.0f')} ({f(r['tps_ratio'], '.3f')}x{pooled}; medians of {r['launches']} launches; "
+        f"window {f(r['window_ratio'], '.3f')}x), "
         f"peak adapter/script {f(r['mem_ratio'], '.3f')}x: {r['verdict']}"
     )
