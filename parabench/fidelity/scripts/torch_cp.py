@@ -9,7 +9,8 @@ Sources:
 - torchtitan's use of it (``create_context_parallel_ctx`` in torchtitan/distributed/utils.py before
   pytorch/torchtitan#2386, and its train step): the buffers are the inputs, the labels and the
   position ids (torchtitan: the RoPE table), sequence dimension 1, ``no_restore_buffers={inputs,
-  labels}``; ``set_rotate_method("allgather")`` (its ``context_parallel_rotate_method`` default);
+  labels}`` (here the position ids too: made afresh each step, nothing reads them after the step,
+  so gathering them back would be traffic for nothing); ``set_rotate_method("allgather")`` (its ``context_parallel_rotate_method`` default);
   forward, loss and backward inside the context.
 - torchtitan's parameters under context parallelism: FSDP2 over the context-parallel ranks (its
   ``dp_shard_cp`` mesh folds cp into the FSDP dimension), with the groups of its
@@ -100,7 +101,7 @@ def main():
 
     def step(x, y):  # the context shards x, y and pos in place: each batch is used once
         pos = torch.arange(x.shape[1], device=device).expand_as(x).contiguous()
-        with context_parallel(mesh, buffers=[x, y, pos], buffer_seq_dims=[1, 1, 1], no_restore_buffers={x, y}):
+        with context_parallel(mesh, buffers=[x, y, pos], buffer_seq_dims=[1, 1, 1], no_restore_buffers={x, y, pos}):
             with autocast():
                 loss = _gpt.lm_loss(model(x, pos), y)
             loss.backward()
@@ -124,7 +125,12 @@ def main():
                 "script": "FSDP2 over the cp ranks (torchtitan's groups), gradients reduce-scattered",
                 "case": "replicated, fp32 gradients all-reduced (as ref.cp_ring)",
                 "source": "torchtitan: FSDP over the dp_shard_cp mesh (apply_fsdp_to_decoder)",
-            }
+            },
+            "restored_buffers": {
+                "script": "none (no_restore_buffers: inputs, labels, positions)",
+                "case": "all three gathered back at the context's exit (the default)",
+                "source": "torchtitan create_context_parallel_ctx: no_restore_buffers={inputs, labels}",
+            },
         },
     }
     return args, _gpt.measure(args, device, step, batches, args.micro_batch * world * args.seq_len, library)
