@@ -52,6 +52,17 @@ WIDTH = 118  # prose line length of README.md and docs/
 SAME_WORK = ("model", "world_size", "precision", "seq_len", "grad_accum", "device")
 # Case fields a row's ``where`` may select on (the shared ones and those printed when they differ).
 SELECTABLE = SAME_WORK + ("micro_batch", "recipe", "layout")
+ROW_KEYS = (
+    "run",
+    "reference",
+    "peer",
+    "where",
+    "reference_where",
+    "peer_where",
+    "reference_options",
+    "peer_options",
+    "readme",
+)
 DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
 GRAD_REDUCTIONS = ("reduce_scatter", "all_reduce")  # the kinds that carry a data-parallel gradient reduction
 
@@ -145,17 +156,7 @@ def load_config(path: Path | str = CONFIG) -> Config:
         raise HeadlineError(f"{path}: metric {metric!r} is not a launch-level timing ({', '.join(TIMING_METRICS)})")
     rows: list[Row] = []
     for i, r in enumerate(data.get("rows") or []):
-        unknown = set(r) - {
-            "run",
-            "reference",
-            "peer",
-            "where",
-            "reference_where",
-            "peer_where",
-            "reference_options",
-            "peer_options",
-            "readme",
-        }
+        unknown = set(r) - set(ROW_KEYS)
         if unknown:
             raise HeadlineError(f"{path}: rows entry {i + 1}: unknown keys {sorted(unknown)}")
         for key in ("run", "reference", "peer"):
