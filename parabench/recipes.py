@@ -24,3 +24,9 @@ RECIPE_PRECISIONS = {"master": ("bf16", "fp16"), "amp": ("bf16", "fp16"), "fp8":
 def recipe_name(precision: str, recipe: str | None) -> str:
     """How tables and labels name a precision recipe: ``fp32``, ``bf16-master``, ``bf16-amp``..."""
     return precision if precision == "fp32" or not recipe else f"{precision}-{recipe}"
+
+
+def wire_precision(precision: str, recipe: str | None) -> str:
+    """The precision a recipe keeps parameters and gradients in, and so sends them in unless a
+    library casts them for the wire: fp32 under "amp" and "fp8", else the case's precision."""
+    return "fp32" if recipe in ("amp", "fp8") else precision

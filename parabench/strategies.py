@@ -18,7 +18,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Callable, ClassVar, Literal
 
 from parabench.names import closest_names
-from parabench.recipes import RECIPE_PRECISIONS, RECIPES, recipe_name  # noqa: F401 (re-exported)
+from parabench.recipes import RECIPE_PRECISIONS, RECIPES, recipe_name, wire_precision  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from parabench.trainer import Trainer, TrainSpec
@@ -317,6 +317,10 @@ class StrategySpec:
     # A reference's production peers: the library strategies doing the same work, which the report
     # pairs it with (parabench.report.spread).
     peers: tuple[str, ...] = ()
+    # ``grad_reduce(precision, recipe, options) -> "fp32" | "bf16" | "fp16"``: the dtype its gradients
+    # are reduced in (``grad_reduce_dtype``); None: the dtype they live in, the recipe's
+    # (``wire_precision``), as every strategy without a reduce-dtype setting of its own.
+    grad_reduce: Callable | None = None
     # The report's sections beyond the common tables that read its records ("cp_balance",
     # "moe_routing", "nvme": parabench/report/<section>.py).
     report_sections: tuple[str, ...] = ()
@@ -334,6 +338,12 @@ class StrategySpec:
             return ()
         declared = self.fp16_recipes if precision == "fp16" and self.fp16_recipes is not None else self.recipes
         return tuple(r for r in declared if precision in RECIPE_PRECISIONS[r])
+
+    def grad_reduce_dtype(self, precision: str, recipe: str | None, options: dict) -> str:
+        """The dtype a case of this strategy reduces its gradients in (data-parallel reduction)."""
+        if self.grad_reduce is not None:
+            return self.grad_reduce(precision, recipe, self.options.read(options))
+        return wire_precision(precision, recipe)
 
     def caveats_for(self, precision: str) -> list[str]:
         return [text for p, text in self.caveats if p == precision]

@@ -161,16 +161,23 @@ def hsdp_groups(world: int, dp: int, pp: int, tp: int, shard_size: int, rank: in
 # --- expectations: peers ------------------------------------------------------------------------
 
 
+def fsdp2_reduce_dtype(precision: str, recipe: str | None, o) -> str:
+    """The dtype FSDP2 reduce-scatters gradients in (``torch_fsdp2.mixed_precision_policy``): fp32
+    where the parameters are fp32 (fp32, "amp", "fp8") and under ``tuned`` (torchtitan's
+    ``training.mixed_precision_reduce`` admits float32 only); the compute dtype under ``matched``."""
+    if precision == "fp32" or recipe in ("amp", "fp8") or getattr(o, "profile", "matched") == "tuned":
+        return "fp32"
+    return precision
+
+
 def fsdp2_reduce_bytes(case, o) -> int:
-    """Bytes per gradient element FSDP2 reduces in (``torch_fsdp2.mixed_precision_policy``)."""
-    if case.param_precision == "fp32" or o.profile == "tuned":
-        return 4
-    return BYTES[case.precision]
+    """Bytes per gradient element FSDP2 reduces in."""
+    return BYTES[fsdp2_reduce_dtype(case.precision, case.recipe, o)]
 
 
 def fsdp2_float8_gather_saving(cfg, case, o, pbytes: int) -> int:
     """Option ``fp8_all_gather`` (recipe fp8): the float8 linears' weights travel in 1 byte instead of
-    ``pbytes``, in every gather of every block (forward, and backward except a block kept gathered)."""
+    ``pbytes``, in every gather of every block (forward, and backward unless the blocks are kept gathered)."""
     if not getattr(o, "fp8_all_gather", False):
         return 0
     from parabench.fp8 import block_float8_numel
@@ -196,10 +203,9 @@ def expect_torch_fsdp2(cfg, case, o, dp):
     accum = case.grad_accum
     comm = (
         {
-            # forward gathers every parameter group (blocks and root), backward gathers each again
-            # (reshard_after_forward=True, the root included) but the last block under the tuned
-            # profile; gradients are reduce-scattered after every micro-batch (fp32, or the
-            # compute dtype under the matched profile).
+            # forward gathers every parameter group, backward gathers again each one resharded after
+            # forward (torch_fsdp2.shard_groups); gradients are reduce-scattered after every
+            # micro-batch (fp32, or the compute dtype under the matched profile).
             "all_gather": accum * (2 * p - fsdp2_kept_after_forward(cfg, case, o)) * pbytes
             - fsdp2_float8_gather_saving(cfg, case, o, pbytes),
             "reduce_scatter": (accum if o.reduce_every_micro_batch else 1) * p * fsdp2_reduce_bytes(case, o),
@@ -293,20 +299,26 @@ def deepspeed_kept_gathered_numel(cfg, o) -> int:
 
 def fsdp2_blocks_kept_after_forward(cfg, case, o) -> int:
     """Blocks FSDP2 keeps gathered from forward to backward (not all-gathered again): every one
-    with ``reshard_after_forward=False`` given, the last under the tuned profile when the option is
-    not given (torch_fsdp2.block_reshard_after_forward), else none."""
-    if "reshard_after_forward" in case.options:
-        return 0 if o.reshard_after_forward else cfg.n_layers
-    return 1 if getattr(o, "profile", "matched") == "tuned" else 0
+    with ``reshard_after_forward=False`` given, else none (``torch_fsdp2.shard_groups``)."""
+    if "reshard_after_forward" in case.options and not o.reshard_after_forward:
+        return cfg.n_layers
+    return 0
 
 
 def fsdp2_kept_after_forward(cfg, case, o) -> int:
-    """Parameters FSDP2 keeps gathered from forward to backward. ``reshard_after_forward=False``
-    given applies to the root as well, so then every parameter; FSDP2 still frees them after
-    backward, so each micro-batch's forward gathers them again."""
-    if "reshard_after_forward" in case.options and not o.reshard_after_forward:
+    """Parameters FSDP2 keeps gathered from forward to backward (``torch_fsdp2.shard_groups``).
+    ``reshard_after_forward=False`` given: every one (FSDP2 still frees them after backward, so
+    each micro-batch's forward gathers them again). ``tuned`` otherwise: the root's, the position
+    embedding (a root left to FSDP2's choice is not resharded), and under torchtitan's "default"
+    policy (the option not given) the [final norm, head] group's; ``matched``: none."""
+    given = "reshard_after_forward" in case.options
+    if given and not o.reshard_after_forward:
         return psi(cfg)
-    return fsdp2_blocks_kept_after_forward(cfg, case, o) * sum(math.prod(s) for s in _block_shapes(cfg)[-1])
+    if getattr(o, "profile", "matched") != "tuned":
+        return 0
+    root = cfg.seq_len * cfg.d_model
+    norm_and_head = 2 * cfg.d_model + cfg.vocab_size * cfg.d_model  # LayerNorm weight and bias; the head has no bias
+    return root + (0 if given else norm_and_head)
 
 
 def deepspeed_persistent_numel(cfg, o) -> int:
@@ -781,7 +793,8 @@ ROWS = (
         fp8=True,
         layouts=ANY_LAYOUT,
         compile_unsupported=None,
-        version="3",  # 3: matched reduces in the compute dtype; 2: tuned by default (1 ran "matched")
+        version="4",  # 4: tuned groups as torchtitan; 3: matched reduces in the compute dtype; 2: tuned by default
+        grad_reduce=fsdp2_reduce_dtype,
         plan=PlanFacts(
             family="sharded",
             search=("data_parallel",),
@@ -804,7 +817,8 @@ ROWS = (
         layouts=ANY_LAYOUT,
         compile_unsupported=None,
         min_world_size=4,
-        version="3",  # 3: matched reduces in the compute dtype; 2: tuned by default (1 ran "matched")
+        version="4",  # 4: tuned groups as torchtitan; 3: matched reduces in the compute dtype; 2: tuned by default
+        grad_reduce=fsdp2_reduce_dtype,
         plan=PlanFacts(
             family="sharded",
             search=("data_parallel",),
@@ -1120,7 +1134,8 @@ ROWS = (
         "PyTorch FSDP2 with CPUOffloadPolicy (sharded params, grads and AdamW on the CPU)",
         expect_torch_fsdp2_offload,
         compile_unsupported=None,
-        version="3",  # 3: matched reduces in the compute dtype; 2: tuned by default (1 ran "matched")
+        version="4",  # 4: tuned groups as torchtitan; 3: matched reduces in the compute dtype; 2: tuned by default
+        grad_reduce=fsdp2_reduce_dtype,
         plan=PlanFacts(
             family="sharded",
             search=("offload",),

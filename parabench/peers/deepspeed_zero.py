@@ -3,8 +3,14 @@
 Profiles (option ``profile``, recorded in every case and in ``strategy_stats``):
 
 * ``tuned`` (the default): DeepSpeed's documented best practice for throughput. Sources: the
-  config reference (https://www.deepspeed.ai/docs/config-json/: ``overlap_comm``,
-  ``contiguous_gradients``, ``timers.throughput``), the config models of the pinned 0.19.8
+  config reference (https://www.deepspeed.ai/docs/config-json/, docs/_pages/config-json.md of
+  deepspeedai/DeepSpeed, checked at 00376da: ``overlap_comm`` "attempts to overlap the reduction of
+  the gradients with backward computation", default false; ``contiguous_gradients`` default true;
+  ``compute_grad_norm`` false "only with a GPU optimizer, without ZenFlow, gradient clipping, or
+  ZeRO Stage 1 BF16 parameters with FP32 gradient accumulation", none of which a tuned case with
+  it off has; ``communication_data_type`` unset, so gradients are reduced in the parameter dtype,
+  bf16/fp16 under the 16-bit recipes, as the references do; bucket sizes 5e8 elements;
+  ``timers.throughput``), the config models of the pinned 0.19.8
   (runtime/zero/config.py: ``overlap_comm`` defaults on only at stage 3, ``compute_grad_norm``
   may be false at stages 1-2 when there is no clipping; runtime/precision_config.py:
   ``bf16.check_grad_overflow``; utils/config.py: the throughput timer's docstring on the cost of

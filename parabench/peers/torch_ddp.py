@@ -1,11 +1,19 @@
 """PyTorch DistributedDataParallel: gradients all-reduced in buckets, overlapped with backward.
 
-Profiles (option ``profile``): ``tuned`` and ``matched`` are the same configuration, since what the
-DDP notes recommend for throughput (https://pytorch.org/docs/stable/notes/ddp.html and the
-``DistributedDataParallel`` reference: ``gradient_as_bucket_view=True`` saves the gradient copy
-into the buckets; ``bucket_cap_mb`` 25, its default, option ``bucket_mb``) is what the reference
-comparison used already; torch's fused AdamW on GPUs (``common.adamw``). The option exists so a
-suite can name either profile for every peer.
+Profiles (option ``profile``; option ``bucket_mb``, where given, sets the bucket in both):
+
+* ``tuned`` (the default): torchtitan's DDP setup, the last one it shipped before it moved data
+  parallelism to FSDP2's ``replicate`` (commit e1847f4, pytorch/torchtitan#2458):
+  torchtitan/models/llama3/parallelize.py ``apply_ddp`` wraps the model with ``bucket_cap_mb=100``
+  (``DDPPeerOptions.bucket_cap_mb``, ``TUNED_DDP_BUCKET_MB``) and, with compile, sets
+  ``torch._dynamo.config.optimize_ddp = "ddp_optimizer"``. From the DDP notes
+  (https://pytorch.org/docs/stable/notes/ddp.html) and the ``DistributedDataParallel`` reference:
+  ``gradient_as_bucket_view=True`` saves the gradient copy into the buckets. torch's fused AdamW
+  on GPUs (``common.adamw``).
+* ``matched``: the same with DDP's default 25 MiB buckets, the references' ``bucket_mb``.
+
+Gradients are all-reduced in the dtype they live in, in both profiles (DDP has no reduce-dtype
+setting): fp32 under "amp" and "fp8", bf16/fp16 under "master".
 
 Recipes: "amp" is the DDP + torch.amp recipe of PyTorch's AMP examples (fp32 parameters, gradients
 and buckets, autocast forward); "master" gives DDP bf16 parameters (bf16 buckets on the wire) and
@@ -41,11 +49,14 @@ def build(spec: TrainSpec) -> DDPTrainer:
     # Dynamo reads it when the blocks first compile (the first step), set per case: a batched
     # launch runs several cases in one process
     torch._dynamo.config.optimize_ddp = bool(o.ddp_optimizer)
-    ddp = DDP(
-        model,
-        device_ids=[spec.device.index] if spec.device.type == "cuda" else None,
-        process_group=spec.topology.dp_group,
-        bucket_cap_mb=float(o.bucket_mb),
-        gradient_as_bucket_view=True,
-    )
+    ddp = DDP(model, process_group=spec.topology.dp_group, **ddp_settings(spec, o))
     return DDPTrainer(spec, ddp, recipe_optimizer(ddp.parameters(), spec), no_sync=ddp.no_sync)
+
+
+def ddp_settings(spec: TrainSpec, o: DDPPeerOptions) -> dict:
+    """DistributedDataParallel's settings under the case's profile (module docstring)."""
+    return {
+        "device_ids": [spec.device.index] if spec.device.type == "cuda" else None,
+        "bucket_cap_mb": o.bucket_cap_mb(spec.options),
+        "gradient_as_bucket_view": True,
+    }

@@ -21,14 +21,28 @@ the optimizer step live in CPU memory; each block's shard is copied to the devic
 all-gather. On a CPU-only machine the "device" is the CPU already, so the copies are no-ops and the
 numbers measure only the policy's bookkeeping.
 
-Profiles (option ``profile``). ``tuned`` (the default) is torchtitan's FSDP2 setup
-(torchtitan/models/llama3/infra/parallelize.py ``apply_fsdp``, reshard_after_forward_policy
-"default" without pipelining): every block resharded after forward except the last, whose
-parameters backward would all-gather again at once; the root resharded; MixedPrecisionPolicy
-(bf16/fp16 parameters, fp32 reduction) as above; torch's fused AdamW on GPUs
-(``common.adamw``). ``matched``: every block resharded after forward (option
-``reshard_after_forward``) and gradients reduced in the compute dtype: the traffic of ref.zero3. A given ``reshard_after_forward`` applies to
-every block in both profiles.
+Profiles (option ``profile``):
+
+* ``tuned`` (the default) is torchtitan's FSDP2 setup, as its current source applies it to every
+  decoder (pytorch/torchtitan at b5bcd76, torchtitan/distributed/fsdp.py
+  ``apply_fsdp_to_decoder``, called by torchtitan/models/llama3/parallelize.py
+  ``parallelize_llama``; the grouping since torchtitan#1094): the token embedding is its own
+  ``fully_shard`` group; the final norm and the output head are one group, not resharded after
+  forward ("FSDP would prefetch them immediately"); every transformer block is its own group;
+  then the root, left to FSDP2's own choice (``reshard_after_forward`` unset: the root is not
+  resharded after forward; here it holds the position embedding only). The blocks and the token
+  embedding follow ``get_fsdp_reshard_after_forward_policy``: its "default" without pipelining
+  reshards them, and the [norm, head] group is resharded under "always" only. Option
+  ``reshard_after_forward``, where given, picks "always" (true) or "never" (false).
+  ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32, cast_forward_inputs=False)``: torchtitan's
+  ``training.mixed_precision_reduce`` admits float32 only (torchtitan/config/configs.py), so tuned
+  FSDP2 always reduce-scatters in fp32 (``families.sharded.fsdp2_reduce_dtype``, which the report
+  shows beside a ratio to a reference that reduces in bf16). torch's fused AdamW on GPUs
+  (``common.adamw``). Not taken over: torchtitan's ``disable_fsdp_gradient_division`` (it divides
+  by the global token count itself; parabench's loss is a mean, so FSDP2's own division stays).
+* ``matched``: every block and the root (embeddings, final norm, head) resharded after forward
+  (option ``reshard_after_forward``), gradients reduced in the compute dtype: the memory and
+  traffic of ref.zero3.
 """
 
 from __future__ import annotations
@@ -39,7 +53,7 @@ from dataclasses import replace
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from parabench.families.sharded import ShardedPeerOptions
+from parabench.families.sharded import ShardedPeerOptions, fsdp2_reduce_dtype
 from parabench.models import build_model
 from parabench.peers.common import TorchTrainer, adamw, checkpoint_blocks, compile_blocks
 from parabench.trainer import TrainSpec
@@ -64,13 +78,21 @@ class FSDP2Trainer(TorchTrainer):
         return {n: p.full_tensor().detach().float().cpu() for n, p in self.module.named_parameters()}
 
 
-def block_reshard_after_forward(o: ShardedPeerOptions, n_blocks: int, given: dict) -> list[bool]:
-    """Per block. ``tuned``, unless the option is given: torchtitan's default policy, every block
-    but the last, whose parameters backward would gather again at once. ``matched`` (or the option
-    given): the option for every block, like ref.zero3's per-block resharding."""
-    if o.profile == "tuned" and "reshard_after_forward" not in given:
-        return [i < n_blocks - 1 for i in range(n_blocks)]
-    return [o.reshard_after_forward] * n_blocks
+def shard_groups(model, o: ShardedPeerOptions, given: dict) -> list[tuple[object, bool | None]]:
+    """The ``fully_shard`` groups in the order they are applied, each with its
+    ``reshard_after_forward`` (None: FSDP2's own choice). ``tuned``: torchtitan's
+    ``apply_fsdp_to_decoder`` (module docstring), with its policy "default" unless option
+    ``reshard_after_forward`` is given ("always" for true, "never" for false). ``matched``: every
+    block, then the root, at the option's value."""
+    if o.profile != "tuned":
+        return [(block, o.reshard_after_forward) for block in model.blocks] + [(model, o.reshard_after_forward)]
+    policy = ("always" if o.reshard_after_forward else "never") if "reshard_after_forward" in given else "default"
+    reshard = policy != "never"  # get_fsdp_reshard_after_forward_policy without pipelining
+    return (
+        [(model.tok_emb, reshard), ([model.ln_f, model.head], policy == "always")]
+        + [(block, reshard) for block in model.blocks]
+        + [(model, None)]
+    )
 
 
 def build(spec: TrainSpec, offload: bool = False, mesh=None) -> FSDP2Trainer:
@@ -85,9 +107,8 @@ def build(spec: TrainSpec, offload: bool = False, mesh=None) -> FSDP2Trainer:
     mesh = mesh if mesh is not None else spec.topology.mesh["dp"]
     mp = mixed_precision_policy(spec, o)
     extra = {"offload_policy": CPUOffloadPolicy(pin_memory=spec.device.type == "cuda")} if offload else {}
-    for block, reshard in zip(model.blocks, block_reshard_after_forward(o, len(model.blocks), spec.options)):
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, **extra)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=o.reshard_after_forward, **extra)
+    for modules, reshard in shard_groups(model, o, spec.options):
+        fully_shard(modules, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, **extra)
     # With offload the parameters (and the AdamW step) are on the CPU: no fused CUDA kernel there.
     opt_spec = replace(spec, device=torch.device("cpu")) if offload else spec
     trainer = FSDP2Trainer(
@@ -115,12 +136,15 @@ def without_gradient_sync(model):
 
 def mixed_precision_policy(spec: TrainSpec, o: ShardedPeerOptions) -> MixedPrecisionPolicy:
     """ "master": FSDP2 casts the fp32 shards (the master weights) to bf16/fp16 for compute, and
-    reduces gradients in fp32 (``tuned``, torchtitan's default) or in the compute dtype
-    (``matched``, as the references reduce-scatter). "amp" and fp32: no casting by FSDP2, fp32 on
-    the wire, autocast in the forward (``TorchTrainer``)."""
+    reduces gradients in ``fsdp2_reduce_dtype``'s dtype: fp32 (``tuned``, torchtitan's, which also
+    leaves forward inputs uncast) or the compute dtype (``matched``, as the references
+    reduce-scatter). "amp" and fp32: no casting by FSDP2, fp32 on the wire, autocast in the forward
+    (``TorchTrainer``)."""
     if spec.autocast_on or spec.precision == "fp32":
         return MixedPrecisionPolicy()
-    reduce = torch.float32 if o.profile == "tuned" else spec.compute_dtype
+    reduce = torch.float32 if fsdp2_reduce_dtype(spec.precision, spec.recipe, o) == "fp32" else spec.compute_dtype
+    if o.profile == "tuned":
+        return MixedPrecisionPolicy(param_dtype=spec.compute_dtype, reduce_dtype=reduce, cast_forward_inputs=False)
     return MixedPrecisionPolicy(param_dtype=spec.compute_dtype, reduce_dtype=reduce)
 
 

@@ -14,7 +14,7 @@ from parabench.data import case_row
 from parabench.matmul_ceiling import fraction_of_ceiling
 from parabench.recipes import recipe_name
 from parabench.record import byte_high, pipeline_stages, rank0_comm
-from parabench.registry import recipe_of
+from parabench.registry import grad_reduce_dtype, recipe_of
 
 MiB = 2**20
 
@@ -125,6 +125,8 @@ def case_rows(runs) -> list[dict]:
                     # by precision then pairs like recipes only
                     "precision": recipe_name(str(d["precision"]), d["recipe"]),
                     "micro_batch": d["micro_batch"],
+                    # the dtype its gradients were reduced in (registry.pair_note reads it)
+                    "grad_reduce": grad_reduce_dtype(r.get("case") or {}),
                     "grad_accum": d["grad_accum"],
                     "device": d["device"],
                     "short": short_case(r, seed),

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import math
 
+from parabench.registry import pair_note
+
 MIN_LAUNCHES = 3
 TIE_PCT = 3.0
 MILLION = 1e6
@@ -207,6 +209,8 @@ def reference_rows(rows: list[dict]) -> list[dict]:
                     "best_peer": best["variant"] if best else None,
                     "best_peer_tps": _tps(best) if best else None,
                     "ratio": _tps(r) / _tps(best) if best else None,
+                    # where the pair is not like for like (group_key holds PAIRED_ON fixed)
+                    "pair_note": pair_note(r, best) if best else None,
                     "verdict": verdict,
                     "ranked_on": basis([r, best]) if best else None,
                 }
@@ -251,6 +255,7 @@ REFERENCE_COLUMNS = [
     ("best_peer", "fastest peer", "wrap"),
     ("best_peer_tps", "its tok/s/device", "int"),
     ("ratio", "ratio ref / peer", "f3"),
+    ("pair_note", "not like for like", "wrap"),
     ("verdict", "verdict", "str"),
     ("mfu_pct", "MFU %", "f1"),
     ("peak_mem_GiB", "peak memory GiB", "f2"),
@@ -280,7 +285,9 @@ CPU_NOTE = (
 REFERENCE_NOTE = (
     "A separate question: how close does a from-scratch implementation (reference_impls/) get to the "
     "fastest production library of the same model, device count, recipe and micro-batch? Ratio above "
-    "1: the reference is faster. Verdict by the same tie rule as above."
+    "1: the reference is faster. Verdict by the same tie rule as above. Where the two reduce gradients "
+    "in different dtypes (tuned FSDP2 reduces in fp32, as torchtitan does; the references in the "
+    "compute dtype), the ratio says so."
 )
 CPU_REFERENCE_NOTE = (
     "On CPU no peer is the fastest (the host's load picks it): references are ordered by model-state "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import statistics
 
+from parabench.registry import can_pair, pair_facts, pair_note
 from parabench.report.frames import dig, run_name
 from parabench.stats import finite, launch_samples, median_ci, ratio_ci
 
@@ -129,12 +130,14 @@ RATIO_COLUMNS = [
     ("ratio_low", "interval low", "f3"),
     ("ratio_high", "interval high", "f3"),
     ("coverage_pct", "coverage %", "f1"),
+    ("pair_note", "not like for like", "wrap"),
 ]
 RATIO_NOTE = (
     "Reference implementation over peer, tokens/s (ratio of their medians over launches), same case "
     "shape and run, for pairs with at least two launches each. The interval is Moses' distribution-free "
     "interval of the pairwise launch ratios, with the probability it covers the true ratio (3 launches "
-    "each: 90 %). An interval that holds 1 means the two are not told apart by these launches."
+    "each: 90 %). An interval that holds 1 means the two are not told apart by these launches. Where the "
+    "two reduce gradients in different dtypes, the last column says so."
 )
 
 
@@ -147,7 +150,11 @@ def is_peer(reference: str, peer: str) -> bool:
 
 
 def _shape(case: dict) -> str:
-    return json.dumps({k: v for k, v in case.items() if k not in _NOT_SHAPE}, sort_keys=True, default=str)
+    """What a reference and its peer share: the case but the strategy, the launch and a peer's
+    profile (a reference has none; the peer column names it)."""
+    shape = {k: v for k, v in case.items() if k not in _NOT_SHAPE}
+    shape["options"] = {k: v for k, v in (case.get("options") or {}).items() if k != "profile"}
+    return json.dumps(shape, sort_keys=True, default=str)
 
 
 def ratio_rows(runs) -> list[dict]:
@@ -162,9 +169,13 @@ def ratio_rows(runs) -> list[dict]:
                 for peer in members:
                     if not is_peer(ref["case"]["strategy"], peer["case"]["strategy"]):
                         continue
+                    facts = pair_facts(ref["case"]), pair_facts(peer["case"])
+                    if not can_pair(*facts):
+                        continue
                     a, b = _samples(ref, "tokens_per_s"), _samples(peer, "tokens_per_s")
                     est, low, high, cover = ratio_ci(a, b)
                     c = ref["case"]
+                    profile = (peer["case"].get("options") or {}).get("profile")
                     rows.append(
                         {
                             "run": run_name(manifest),
@@ -172,7 +183,8 @@ def ratio_rows(runs) -> list[dict]:
                             f"w{c.get('world_size')} {c.get('precision')} "
                             f"mb{c.get('micro_batch')}",
                             "reference": c["strategy"],
-                            "peer": peer["case"]["strategy"],
+                            "peer": peer["case"]["strategy"] + (f" [{profile}]" if profile else ""),
+                            "pair_note": pair_note(*facts),
                             "n_reference": len(a),
                             "n_peer": len(b),
                             "ratio": est,
