@@ -384,6 +384,10 @@ def _entry(base: dict, ok_launches: list[dict], last: dict) -> dict:
     return {**base, "status": "ok", "result": first["result"], "log": first.get("log"), "launches": ok_launches}
 
 
+def _is_deepspeed(script: str) -> bool:
+    return Path(script).name.startswith("deepspeed_")
+
+
 def _launch_script(owner, run_dir: Path, record: dict, args: list[str], done: list[dict]) -> dict:
     """One torchrun launch of the case's script; its outcome as a launch entry."""
     from parabench.launch import LaunchOptions
@@ -393,11 +397,14 @@ def _launch_script(owner, run_dir: Path, record: dict, args: list[str], done: li
     suffix = f".{len(done)}" if done else ""
     result_file = owner.scratch / f"{key}{suffix}.script.json"
     result_file.unlink(missing_ok=True)
+    # a DeepSpeed script on CPUs starts without building DeepSpeed's shm op, as its adapter does
+    entry = ["-m", "parabench.fidelity.deepspeed_cpu"] if device == "cpu" and _is_deepspeed(args[0]) else []
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         *LaunchOptions().torchrun_args(case["world_size"]),
+        *entry,
         *args,
         f"--out={result_file}",
     ]
