@@ -14,7 +14,8 @@ Sources:
   forward, loss and backward inside the context.
 - torchtitan's parameters under context parallelism: FSDP2 over the context-parallel ranks (its
   ``dp_shard_cp`` mesh folds cp into the FSDP dimension), with the groups of its
-  ``apply_fsdp_to_decoder`` (the embeddings alone, every block, ``[norm, output]`` not resharded).
+  ``apply_fsdp_to_decoder`` (the token embedding alone, ``[norm, output]`` not resharded, every
+  block, the root with the position table).
   parabench's torch.cp adapter keeps the parameters replicated and all-reduces fp32 gradients (as
   ``ref.cp_ring``): the result's ``choices`` names the difference.
 - ``torch.optim.AdamW`` ``fused`` on CUDA (torchtitan's default).
@@ -89,10 +90,10 @@ def main():
         fsdp["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
         )
-    fully_shard([gpt.tok_emb, gpt.pos_emb], **fsdp, reshard_after_forward=True)
+    fully_shard(gpt.tok_emb, **fsdp, reshard_after_forward=True)
+    fully_shard([gpt.ln_f, gpt.head], **fsdp, reshard_after_forward=False)
     for block in gpt.blocks:
         fully_shard(block, **fsdp, reshard_after_forward=True)
-    fully_shard([gpt.ln_f, gpt.head], **fsdp, reshard_after_forward=False)
     fully_shard(model, **fsdp)
     opt = torch.optim.AdamW(model.parameters(), **_gpt.adamw_hyper(args), fused=True)
     autocast = (

@@ -10,12 +10,12 @@ Sources:
   (``fsdp_reshard_after_forward = "default"``, no pipelining; ``mixed_precision_param = bfloat16``,
   ``mixed_precision_reduce = float32``, torchtitan/config/configs.py):
 
-  * the token embeddings in a group of their own, resharded after forward (here with the learned
-    position table, the GPT's other input embedding; torchtitan's Llama has RoPE instead);
-  * every transformer block in its own group, resharded after forward;
+  * the token embedding in a group of its own, resharded after forward;
   * ``[norm, output]`` in one group, NOT resharded after forward ("FSDP would prefetch them
     immediately after the forward pass");
-  * the root last; ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32,
+  * every transformer block in its own group, resharded after forward;
+  * the root last, with what no group took (here the GPT's learned position table: torchtitan's
+    Llama has RoPE instead); ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32,
     cast_forward_inputs=False)``.
 - HSDP (``--shard-size N`` below the world size): torchtitan's ``data_parallel_replicate_degree``
   x ``data_parallel_shard_degree``, a 2-D ``("dp_replicate", "dp_shard")`` device mesh passed to
@@ -52,8 +52,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _gpt  # noqa: E402
 
-SOURCE = "torchtitan apply_fsdp_to_decoder (torchtitan/distributed/fsdp.py)"
-
 
 def main():
     ap = _gpt.parser(__doc__.splitlines()[0])
@@ -85,10 +83,10 @@ def main():
     if args.compile:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block, fullgraph=True)
-    fully_shard([model.tok_emb, model.pos_emb], **fsdp, reshard_after_forward=True)
+    fully_shard(model.tok_emb, **fsdp, reshard_after_forward=True)
+    fully_shard([model.ln_f, model.head], **fsdp, reshard_after_forward=False)
     for block in model.blocks:
         fully_shard(block, **fsdp, reshard_after_forward=True)
-    fully_shard([model.ln_f, model.head], **fsdp, reshard_after_forward=False)
     fully_shard(model, **fsdp)
     fused = device.type == "cuda" and not args.cpu_offload  # offloaded: the parameters are on the host
     impl = {"fused": True} if fused else {"foreach": True}
@@ -106,14 +104,7 @@ def main():
         return loss.detach()
 
     batches = _gpt.local_batches(args, rank, world, device)
-    groups = "[tok_emb, pos_emb] resharded | each block resharded | [ln_f, head] kept | root"
-    choices = {
-        "fsdp_groups": {
-            "script": groups,
-            "case": "each block resharded but the last | root (embeddings, ln_f, head) resharded",
-            "source": SOURCE,
-        }
-    }
+    groups = "tok_emb resharded | [ln_f, head] kept | each block resharded | root (pos_emb)"
     library = {
         "library": "torch.hsdp" if shard < world else "torch.fsdp2_offload" if args.cpu_offload else "torch.fsdp2",
         "recipe": (args.recipe if bf16 else None),
@@ -125,7 +116,6 @@ def main():
             "groups": groups,
             "compile": "torch.compile(block, fullgraph=True) per block, before fully_shard" if args.compile else None,
         },
-        "choices": choices,
     }
     return args, _gpt.measure(args, device, step, batches, args.micro_batch * world * args.seq_len, library)
 
