@@ -96,8 +96,8 @@ def _deepspeed_zero(stage: int, *extra: str, **kw) -> PeerScript:
 PEER_SCRIPTS: dict[str, PeerScript] = {
     "torch.ddp": PeerScript("torch_ddp.py", ("amp", "master")),
     "torch.fsdp2": PeerScript("torch_fsdp2.py", ("amp", "master"), options=("compile",)),
-    "torch.fsdp2_offload": PeerScript("torch_fsdp2.py", ("amp", "master"), ("--cpu-offload",)),
-    "torch.hsdp": PeerScript("torch_fsdp2.py", ("amp", "master"), options=("shard_size",)),
+    "torch.fsdp2_offload": PeerScript("torch_fsdp2.py", ("amp", "master"), ("--cpu-offload",), options=("compile",)),
+    "torch.hsdp": PeerScript("torch_fsdp2.py", ("amp", "master"), options=("shard_size", "compile")),
     "torch.tp": PeerScript("torch_tp.py", ("amp", "master")),
     "torch.tp_sp": PeerScript("torch_tp.py", ("amp", "master"), ("--sequence-parallel",)),
     "torch.cp": PeerScript("torch_cp.py", ("amp",), options=("cp", "cp_split")),
