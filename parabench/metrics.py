@@ -7,9 +7,9 @@ Names carry their units. Conventions:
   ``tokens_per_s_per_device`` divides by the world size.
 - ``timed_window_s_max``: the timed steps' wall clock, from one device sync before the first to one
   after the last, the slowest rank's; ``window_tokens_per_s`` and ``window_tokens_per_s_per_device``
-  are the timed tokens over it. The step times come from device events with no sync between steps,
-  which see only the device: a host that falls behind it shows here, not in the median step. None
-  in records made before it was measured.
+  are the timed tokens over it. The step times (device events, no sync between steps) add up to
+  about the window, but their median leaves out slow steps (a host stall, a garbage collection, a
+  periodic sync) that the window keeps. None in records made before it was measured.
 - ``mfu``: model FLOPs (``parabench.models.FLOPS_CONVENTION``) per second per device over the
   device's dense peak; None where the peak is unknown (CPUs), where ``roofline_fraction``
   (over a matmul rate measured on the spot) is given instead.

@@ -13,8 +13,9 @@ Both sides time alike, as ``parabench.worker`` does: a CUDA event after each tim
 device sync between steps (the host clock on CPUs), read once at the end; tokens/s per device from
 the slowest rank's median step. Beside it both record the timed window's wall clock, from one
 device sync before the first timed step to one after the last (``timed_window_s`` /
-``window_tokens_per_s_per_device``): events see only the device, so a library whose host falls
-behind it could look fine step by step, but not over the window; the report shows both ratios.
+``window_tokens_per_s_per_device``). The step durations add up to about the window, but their
+median leaves out slow steps (a host stall, a garbage collection, a library's periodic sync) that
+the window keeps; the report shows both ratios, and where they disagree a median flatters a side.
 
 The torch scripts follow torchtitan, the PyTorch team's reference recipe (FSDP2 groups and
 resharding, DDP buckets, the TP and TP+SP plans, the pipeline split, fused AdamW), the DeepSpeed

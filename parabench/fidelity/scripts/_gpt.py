@@ -342,8 +342,9 @@ class StepClock:
     """Per-step durations that do not stall the device, as parabench's worker takes them: a CUDA
     event recorded after each step and read once at the end (the host clock on a CPU, where a step
     ends when its call returns). No synchronisation between steps: a library that keeps the device
-    fed while the host runs ahead is timed as it would run in training, and one whose host cannot
-    keep up shows in the window's wall clock (``measure``)."""
+    fed while the host runs ahead is timed as it would run in training (a sync after every step
+    would stall its host each step). The marks add up to the window's device time; what the median
+    step leaves out shows in the window's wall clock (``measure``)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -379,9 +380,9 @@ def measure(args, device, step, batches, tokens_per_step: int, library: dict) ->
     - per step, a ``StepClock`` mark after each step, no synchronisation between steps; a step's
       time is the slowest rank's, and tokens/s per device uses the median step;
     - the timed window: the wall clock from one device sync before the first timed step to one
-      after the last (the slowest rank's), giving ``window_tokens_per_s_per_device``. A library
-      whose host falls behind its device can look fine step by step (the events only see the
-      device) but not over the window.
+      after the last (the slowest rank's), giving ``window_tokens_per_s_per_device``. The step
+      durations add up to about the window; their median leaves out the slow steps (a host stall,
+      a garbage collection, a library's periodic sync), which the window keeps.
 
     Peak memory is the largest rank's over the timed steps. A step's loss is the mean over the
     ranks that return one (``step`` may return None: a pipeline's ranks without its last stage)."""
