@@ -76,11 +76,31 @@ def _gloo_context():
     """Processes forked from a server that has imported torch once (``forkserver`` with torch
     preloaded): a rank starts in well under a second instead of importing torch anew, which on a
     2-core machine is most of what a small spawned test costs. Safe here because nothing in the
-    server touches a device or starts a thread; CUDA runs go through torchrun, never this."""
+    server touches a device or starts a thread; CUDA runs go through torchrun, never this.
+
+    The preload goes past torch itself: every rank's first ``nn.init`` call imports Dynamo (torch
+    wraps those functions in ``torch._disable_dynamo``, which imports it on first use), and Dynamo
+    pulls in Inductor, DTensor and FSDP; tensor and pipeline parallelism add their packages. Without
+    them a rank spends some 3-5 s of CPU importing what the server could have imported once
+    (tests/test_reference_mp.py: 60 against 45 CPU-s). DeepSpeed stays out: its import picks an
+    accelerator, which a server shared by every later test must not fix."""
     global _CONTEXT
     if _CONTEXT is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "parabench.distributed", "parabench.models"])
+        ctx.set_forkserver_preload(
+            [
+                "torch",
+                "torch.distributed",
+                "torch._dynamo",
+                "torch.distributed.tensor",
+                "torch.distributed.tensor.parallel",
+                "torch.distributed.fsdp",
+                "torch.distributed.pipelining",
+                "parabench.distributed",
+                "parabench.models",
+                "parabench.worker",
+            ]
+        )
         _CONTEXT = ctx
     return _CONTEXT
 
