@@ -209,20 +209,22 @@ def recipe_text(record: dict) -> str:
 
 
 def reduce_dtype(record: dict) -> str | None:
-    """The dtype a case's gradients crossed the wire in: the dtypes of its reduce-scatter (sharded
-    strategies) or else its all-reduce traffic on rank 0's instrumented step, as the record measured
-    them. None where the record holds no reduction: a pipeline without data parallelism, FSDP2 on
-    one GPU (it issues no collective there, where the references reduce over a group of one), or no
-    meter. Measured rather than declared: a profile option changes it (FSDP2's tuned profile
-    reduces in fp32, its matched one in bf16)."""
+    """The dtype a case's gradients were reduced in: as the record measured it, the dtypes of its
+    reduce-scatter (sharded strategies) or else its all-reduce traffic on rank 0's instrumented step;
+    where it holds no such traffic (FSDP2 issues no collective on one GPU, where the references reduce
+    over a group of one; a record without the meter), the dtype its strategy's row declares
+    (``parabench.registry.grad_reduce_dtype``). Measured first: a record says what ran, the row what
+    the code does now, and a profile option changes it (FSDP2's tuned profile reduces in fp32)."""
+    from parabench.registry import grad_reduce_dtype
+
     for rank in record.get("per_rank") or []:
         by_kind = ((rank or {}).get("comm") or {}).get("by_kind") or {}
         for kind in GRAD_REDUCTIONS:
             dtypes = (by_kind.get(kind) or {}).get("dtypes")
             if dtypes:
                 return "+".join(sorted(DTYPE_NAMES.get(d, d) for d in dtypes))
-        return None
-    return None
+        break  # rank 0's step is the one metered
+    return grad_reduce_dtype(_case(record))
 
 
 def implementation_text(record: dict) -> str:

@@ -117,6 +117,13 @@ def test_a_reduce_dtype_mismatch_is_labelled(outputs):
     assert row["launches"] == "3 / 3" and row["ratio"] == pytest.approx(101 / 91)
     same = headline.evaluate_row(ROW, "r", MANIFEST, [ref, _record("torch.fsdp2", [90, 91, 92])], METRIC, None)
     assert same["differs"] == []
+    # on one GPU FSDP2 issues no collective: its row's declared reduce dtype stands in for the measurement
+    alone = _record("torch.fsdp2", [90, 91, 92], world_size=1, profile="tuned")
+    alone["per_rank"] = [{"comm": {"by_kind": {}}}]
+    one_gpu = headline.evaluate_row(
+        ROW, "r", MANIFEST, [_record("ref.zero3", [100, 101, 102], world_size=1), alone], METRIC, None
+    )
+    assert one_gpu["differs"] == ["gradient reduction bf16 / fp32"]
     # the committed tuned FSDP2 reduces in fp32, and the README says so beside its ratio
     readme = next(new for path, (_, new) in outputs.items() if path.name == "README.md")
     assert "| ref.zero3 / torch.fsdp2 | 1.03 (1.02-1.03) | reduce bf16 / fp32 |" in readme
