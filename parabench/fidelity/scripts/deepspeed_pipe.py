@@ -21,8 +21,8 @@ others, go under ``choices`` in the result: the stage split (DeepSpeed's ``parti
 when it differs from parabench's equal blocks per stage) and the fused q/k/v layout (Megatron-DeepSpeed).
 The head stays untied from the token embeddings, as in the case's model.
 
-Every layer draws its GPT-2 initialisation from a generator seeded by the run's seed and its own
-index, so the initial weights do not depend on where the stages are cut.
+Each stage builds only its layers (``LayerSpec``) and gives them the values the whole GPT would have
+from ``_gpt.build_gpt`` (the adapter's initial weights), whatever the split.
 
 Run: ``torchrun --nproc-per-node 2 deepspeed_pipe.py --microbatches 4 --precision bf16 --out r.json``.
 """
@@ -53,43 +53,21 @@ def equal_block_parts(n_layer: int, pp: int) -> list[int]:
     return bounds + [n_layer + 2]
 
 
-def gpt2_init_(module: nn.Module, seed: int, n_layer: int) -> None:
-    """GPT-2 initialisation (N(0, 0.02), residual projections 1/sqrt(2L), LayerNorm 1, biases 0)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
-            elif isinstance(module, nn.LayerNorm) or ".ln" in name or name.startswith("ln"):
-                p.fill_(1.0)
-            else:
-                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("proj.weight") else 0.02
-                p.copy_(torch.randn(p.shape, generator=gen).mul_(std))
-
-
 class Embed(nn.Module):
-    def __init__(self, vocab: int, d: int, seq_len: int, seed: int, n_layer: int):
+    def __init__(self, vocab: int, d: int, seq_len: int):
         super().__init__()
         self.tok_emb = nn.Embedding(vocab, d)
         self.pos_emb = nn.Embedding(seq_len, d)
-        gpt2_init_(self, seed, n_layer)
 
     def forward(self, tokens):
         return self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
 
 
-class PipeBlock(_gpt.Block):
-    def __init__(self, d: int, n_head: int, layout: str, seed: int, n_layer: int):
-        super().__init__(d, n_head, layout)
-        gpt2_init_(self, seed, n_layer)
-
-
 class Head(nn.Module):
-    def __init__(self, d: int, vocab: int, seed: int, n_layer: int):
+    def __init__(self, d: int, vocab: int):
         super().__init__()
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
-        gpt2_init_(self, seed, n_layer)
 
     def forward(self, x):
         return self.head(self.ln_f(x))
@@ -98,15 +76,39 @@ class Head(nn.Module):
 def layer_specs(args):
     from deepspeed.pipe import LayerSpec
 
-    seeds = [args.seed * 1_000 + i for i in range(args.n_layer + 2)]
     return [
-        LayerSpec(Embed, args.vocab, args.d_model, args.seq_len, seeds[0], args.n_layer),
-        *(
-            LayerSpec(PipeBlock, args.d_model, args.n_head, args.layout, seeds[1 + i], args.n_layer)
-            for i in range(args.n_layer)
-        ),
-        LayerSpec(Head, args.d_model, args.vocab, seeds[-1], args.n_layer),
+        LayerSpec(Embed, args.vocab, args.d_model, args.seq_len),
+        *(LayerSpec(_gpt.Block, args.d_model, args.n_head, args.layout) for _ in range(args.n_layer)),
+        LayerSpec(Head, args.d_model, args.vocab),
     ]
+
+
+@torch.no_grad()
+def init_like_the_whole_gpt(pipe, args, device) -> None:
+    """This stage's layers get the values ``_gpt.build_gpt`` would give them: the whole GPT's
+    parameters are walked in order (on the meta device, no memory), one seeded generator on the
+    device drawing for every weight, and a draw is kept where its parameter lives on this stage.
+    So the initial weights do not depend on where the stages are cut, and equal the adapter's."""
+    lo = pipe.parts[pipe.stage_id]
+    last = args.n_layer + 1
+    local = {}
+    for j, layer in enumerate(pipe.forward_funcs, start=lo):
+        prefix = "" if j in (0, last) else f"blocks.{j - 1}."
+        local.update({prefix + n: p for n, p in layer.named_parameters()})
+    with torch.device("meta"):
+        whole = _gpt.GPT(args.n_layer, args.n_head, args.d_model, args.vocab, args.seq_len, args.layout)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    resid_std = 0.02 / math.sqrt(2 * args.n_layer)
+    for name, meta in whole.named_parameters():
+        p = local.pop(name, None)
+        if name.endswith("bias") or ".ln" in name or name.startswith("ln_"):
+            if p is not None:
+                p.fill_(0.0 if name.endswith("bias") else 1.0)
+            continue
+        draw = torch.randn(meta.shape, generator=gen, device=device)
+        if p is not None:
+            p.copy_(draw.mul_(resid_std if name.endswith("proj.weight") else 0.02))
+    assert not local, f"parameters outside the GPT: {sorted(local)}"
 
 
 def ds_config(args, cuda: bool, microbatches: int) -> dict:
@@ -147,7 +149,7 @@ def parse_args(argv=None):
     ap.add_argument(
         "--partition-method",
         default="parameters",
-        help="PipelineModule's partition_method: DeepSpeed's default 'parameters', 'uniform' or 'type:PipeBlock'",
+        help="PipelineModule's partition_method: DeepSpeed's default 'parameters', 'uniform' or 'type:Block'",
     )
     return ap.parse_args(argv)
 
@@ -178,6 +180,7 @@ def main():
         activation_checkpoint_interval=0,
     )
     pipe.to(device)
+    init_like_the_whole_gpt(pipe, args, device)
     config = ds_config(args, cuda, microbatches)
     engine, optimizer, _, _ = deepspeed.initialize(model=pipe, model_parameters=pipe.parameters(), config=config)
     parts = [int(b) for b in pipe.parts]
