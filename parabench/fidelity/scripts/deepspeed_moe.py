@@ -64,33 +64,62 @@ class MoEMLP(nn.Module):
         return out
 
 
+class RouterAndExperts(nn.Module):
+    """The whole MoE layer's parameters as one process would hold them (a router, then every
+    expert): walked on the meta device only, to draw the initial values in a fixed order."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.router = nn.Linear(args.d_model, args.n_experts, bias=False)
+        self.experts = nn.ModuleList(_gpt.MLP(args.d_model) for _ in range(args.n_experts))
+
+
+def is_moe_block(i: int, args) -> bool:
+    return (i + 1) % args.moe_every == 0
+
+
 def build_moe_gpt(args, device, ep: int, rank: int) -> nn.Module:
-    """The GPT with DeepSpeed's MoE layer in every ``moe_every``-th block, GPT-2 initialisation: one
-    seeded generator over the dense parameters in order, and one per global expert, so an expert
-    starts from the same weights whichever rank holds it."""
+    """The GPT with DeepSpeed's MoE layer in every ``moe_every``-th block. GPT-2 initialisation,
+    the values the whole model would get from one seeded generator on the device walking its
+    parameters in order (``_gpt.build_gpt``'s rule, the MoE blocks holding a router and all
+    experts): the gate takes the router's values, each rank's experts those of the global experts
+    it owns, so the start does not depend on the expert-parallel degree."""
     with torch.device(device):
         model = _gpt.GPT(args.n_layer, args.n_head, args.d_model, args.vocab, args.seq_len, args.layout)
         for i, block in enumerate(model.blocks):
-            if (i + 1) % args.moe_every == 0:
+            if is_moe_block(i, args):
                 block.mlp = MoEMLP(args, ep)
+    with torch.device("meta"):
+        whole = _gpt.GPT(args.n_layer, args.n_head, args.d_model, args.vocab, args.seq_len, args.layout)
+        for i, block in enumerate(whole.blocks):
+            if is_moe_block(i, args):
+                block.mlp = RouterAndExperts(args)
     local = args.n_experts // ep
+    mine = dict(model.named_parameters())
+
+    def target(name: str):
+        parts = name.split(".")
+        if len(parts) > 3 and parts[2] == "mlp" and parts[3] in ("router", "experts"):
+            moe = ".".join(parts[:3]) + ".moe.deepspeed_moe."
+            if parts[3] == "router":
+                return mine.pop(moe + "gate.wg.weight")
+            j = int(parts[4]) - rank * local
+            return mine.pop(moe + f"experts.deepspeed_experts.{j}." + ".".join(parts[5:])) if 0 <= j < local else None
+        return mine.pop(name)
+
+    gen = torch.Generator(device=device).manual_seed(args.seed)
     resid_std = 0.02 / math.sqrt(2 * args.n_layer)
-    dense = torch.Generator(device=device).manual_seed(args.seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            gen = dense
-            parts = name.split(".")
-            if "deepspeed_experts" in parts:
-                layer, j = int(parts[1]), int(parts[parts.index("deepspeed_experts") + 1])
-                expert = rank * local + j
-                gen = torch.Generator(device=device).manual_seed(args.seed * 1_000_003 + layer * 1_000 + expert)
-            if name.endswith("bias"):
-                p.zero_()
-            elif ".ln" in name or name.startswith("ln_"):
-                p.fill_(1.0)
-            else:
-                std = resid_std if name.endswith("proj.weight") else 0.02
-                p.copy_(torch.randn(p.shape, generator=gen, device=device).mul_(std))
+        for name, meta in whole.named_parameters():
+            p = target(name)
+            if name.endswith("bias") or ".ln" in name or name.startswith("ln_"):
+                if p is not None:
+                    p.fill_(0.0 if name.endswith("bias") else 1.0)
+                continue
+            draw = torch.randn(meta.shape, generator=gen, device=device)
+            if p is not None:
+                p.copy_(draw.mul_(resid_std if name.endswith("proj.weight") else 0.02))
+    assert not mine, f"parameters outside the MoE GPT: {sorted(mine)}"
     return model
 
 
