@@ -1,8 +1,8 @@
 """The tuned profiles follow their library's current recommendation (sources in each adapter's
 docstring), and every reference/peer pair the report makes matches in recipe, layout and
-micro-batch, with a difference in gradient-reduction dtype said beside the ratio. Builds without
-launches: the libraries' wrappers are recorded, not run, except one FSDP2 build on a one-process
-gloo group in this process."""
+micro-batch, with a difference in gradient-reduction dtype said beside the ratio. No launches: the
+profiles' settings and theory are read directly, FSDP2 is built once per profile on a one-process
+gloo group in this process, and the report's pairs come from a committed run."""
 
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ from parabench.trainer import TrainSpec
 RUN = "results/h100x4/20261126-203946"
 
 
-def _spec(options: dict, precision="bf16", recipe="master") -> TrainSpec:
+def _spec(options: dict, topology=None) -> TrainSpec:
+    topology = topology or Topology(1, 0)
     return TrainSpec(
-        model_config("tiny"), 0, torch.device("cpu"), precision, Topology(1, 0), 1, options=options, recipe=recipe
+        model_config("tiny"), 0, torch.device("cpu"), "bf16", topology, 1, options=options, recipe="master"
     )
 
 
@@ -83,17 +84,7 @@ def test_fsdp2_tuned_build_on_one_rank_shards_as_torchtitan():
         topo = build_topology("cpu")
         found = {}
         for profile in ("tuned", "matched"):
-            spec = TrainSpec(
-                model_config("tiny"),
-                0,
-                torch.device("cpu"),
-                "bf16",
-                topo,
-                1,
-                options={"profile": profile},
-                recipe="master",
-            )
-            trainer = build(spec)
+            trainer = build(_spec({"profile": profile}, topo))
             states = {id(m._get_fsdp_state()): m for m in trainer.module.modules() if isinstance(m, FSDPModule)}
             found[profile] = [
                 (
