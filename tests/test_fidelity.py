@@ -22,6 +22,7 @@ from parabench.report.fidelity import ratios
 from parabench.report.html import render_report
 from parabench.stats import combine_launches
 
+ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(p for p in SCRIPTS_DIR.glob("*.py") if p.name != "__init__.py")
 TINY = ["--n-layer=2", "--n-head=4", "--d-model=64", "--vocab=256", "--seq-len=64", "--micro-batch=2"]
 RESULT_KEYS = {
@@ -403,3 +404,33 @@ def test_plan_passes_the_pipeline_options_and_refuses_what_the_script_cannot_run
     assert "gradient accumulation" in plan({**record(), "case": {**record()["case"], "grad_accum": 2}})[1]
     # The pipeline options belong to the pipeline script only.
     assert "does not take: microbatches, pp" in plan(record("torch.ddp", microbatches=4))[1]
+
+
+def test_a_ratio_between_hosts_apart_in_speed_is_not_judged():
+    """results/h200x1/20261129-075224: the adapters ran on one H200 machine (host probe 9-12 µs per
+    dispatch), the scripts later on another (6.8-8.5 µs). Host-bound cases follow the host: their
+    speed ratio is not judged, their memory still is; the same pair on one host is judged."""
+    run = ROOT / "results" / "h200x1" / "20261129-075224"
+    records = [json.loads(p.read_text()) for p in sorted((run / "cases").glob("*.json"))]
+    by_hash = {r["case_hash"]: r for r in combine_launches(records)}
+    verdicts = {}
+    for path in sorted((run / "fidelity").glob("*.json")):
+        record, entry = by_hash[path.stem], json.loads(path.read_text())
+        r = ratios(record, entry)
+        assert r["adapter_dispatch_us"] > 1.15 * r["script_dispatch_us"], record["label"]
+        verdicts[record["label"]] = r["verdict"]
+        # The same script launches, their host probe set to the adapter's: judged on tokens/s again.
+        same_host = {
+            **entry,
+            "launches": [
+                {
+                    **x,
+                    "result": {**x["result"], "host_per_rank": [{"dispatch_us": {"before": r["adapter_dispatch_us"]}}]},
+                }
+                for x in entry["launches"]
+            ],
+        }
+        assert ratios(record, same_host)["verdict"] in ("pass", "fail")
+    assert len(verdicts) == 4 and set(verdicts.values()) == {"speed not judged (hosts apart)"}
+    line = fidelity_line({**by_hash[path.stem]}, json.loads(path.read_text()))
+    assert "host dispatch µs adapter/script" in line and line.endswith("speed not judged (hosts apart)")

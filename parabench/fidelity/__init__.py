@@ -441,5 +441,7 @@ def fidelity_line(record: dict, entry: dict) -> str:
         f"fidelity: {record.get('label')}: tok/s/dev adapter {f(r['adapter_tps'], ',.0f')} script "
         f"{f(r['script_tps'], ',.0f')} ({f(r['tps_ratio'], '.3f')}x{pooled}; medians of {r['launches']} launches; "
         f"window {f(r['window_ratio'], '.3f')}x), "
-        f"peak adapter/script {f(r['mem_ratio'], '.3f')}x: {r['verdict']}"
+        f"peak adapter/script {f(r['mem_ratio'], '.3f')}x, "
+        f"host dispatch µs adapter/script {f(r['adapter_dispatch_us'], '.1f')}/{f(r['script_dispatch_us'], '.1f')}: "
+        f"{r['verdict']}"
     )

@@ -16,6 +16,12 @@ from parabench.stats import combine_launches, launch_samples, median, ratio_ci
 
 TPS_TARGET = 0.95  # adapter tokens/s over script tokens/s, at least
 MEM_TARGET = 1.05  # adapter peak memory over script peak memory, at most
+# The host's speed (one small device dispatch, ``parabench.meters.host.probe``; the scripts record the
+# same probe) moved 1.6x between launches on one machine and between machines of one kind
+# (docs/findings.md). A host-bound case's tokens/s follows it, so a ratio whose two sides ran on hosts
+# this much apart in speed (median over launches, slower over faster) says more about the hosts than
+# the adapter: its speed is not judged.
+HOST_SPEED_TOLERANCE = 1.15
 
 COLUMNS = [
     ("label", "case", "str"),
@@ -32,6 +38,7 @@ COLUMNS = [
     ("script_mem_MiB", "script peak MiB", "f1"),
     ("mem_ratio", "peak adapter / script", "f3"),
     ("mem_ok", "≤ 1.05", "str"),
+    ("host_speed_text", "dispatch µs adapter / script", "str"),
     ("verdict", "verdict", "str"),
     ("adapter_loss", "adapter loss", "g4"),
     ("script_loss", "script loss", "g4"),
@@ -95,8 +102,12 @@ def ratios(record: dict, entry: dict) -> dict:
         interval = {"low": low, "high": high, "coverage": coverage}
     tps_ok = tps_ratio >= TPS_TARGET if tps_ratio is not None else None
     mem_ok = mem_ratio <= MEM_TARGET if mem_ratio is not None else None
+    a_us, s_us = host_dispatch_us(record), median(s_us_all) if (s_us_all := script_dispatch_us(results)) else None
+    hosts_apart = bool(a_us and s_us and max(a_us, s_us) / min(a_us, s_us) > HOST_SPEED_TOLERANCE)
     if ((record.get("case") or {}).get("options") or {}).get("profile") == "matched":
         verdict = "not judged (matched profile)"
+    elif hosts_apart:
+        verdict = "fail (memory)" if mem_ok is False else "speed not judged (hosts apart)"
     elif tps_ok is None or mem_ok is None:
         verdict = None
     else:
@@ -115,8 +126,30 @@ def ratios(record: dict, entry: dict) -> dict:
         "script_mem": s_mem,
         "mem_ratio": mem_ratio,
         "mem_ok": mem_ok,
+        "adapter_dispatch_us": a_us,
+        "script_dispatch_us": s_us,
+        "host_speed_text": f"{a_us:.1f} / {s_us:.1f}" if a_us and s_us else "",
         "verdict": verdict,
     }
+
+
+def host_dispatch_us(record: dict) -> float | None:
+    """The adapter's host probe before its timed steps (slowest rank), median over its launches."""
+    values = launch_samples(record, "host_dispatch_us_max")
+    if not values and (record.get("metrics") or {}).get("host_dispatch_us_max"):
+        values = [record["metrics"]["host_dispatch_us_max"]]
+    return median(values) if values else None
+
+
+def script_dispatch_us(results: list[dict]) -> list[float]:
+    """Each script launch's host probe before its timed steps, the slowest rank's."""
+    out = []
+    for result in results:
+        ranks = [(h.get("dispatch_us") or {}).get("before") for h in result.get("host_per_rank") or []]
+        ranks = [v for v in ranks if isinstance(v, (int, float)) and v > 0]
+        if ranks:
+            out.append(max(ranks))
+    return out
 
 
 def interval_text(interval: dict | None) -> str:
@@ -198,7 +231,9 @@ def table_specs(run_dirs: list[Path], runs, run_col: list) -> list[dict]:
             "rows": rows,
             "note": NOTE,
             "row_class": lambda r: (
-                "bad-row" if r.get("verdict") == "fail" or r.get("status") not in ("ok", "skipped") else ""
+                "bad-row"
+                if str(r.get("verdict") or "").startswith("fail") or r.get("status") not in ("ok", "skipped")
+                else ""
             ),
         }
     ]
