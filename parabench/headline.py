@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import sys
 import textwrap
 from dataclasses import dataclass, field
@@ -371,7 +372,28 @@ def evaluate_row(row: Row, run_path: str, manifest: dict, records: list[dict], m
         "launches": f"{len(a)} / {len(b)}",
         "differs": differences(ref, peer),
         "differs_short": differences(ref, peer, short=True),
+        "layout": layout_of(ref),
+        "fidelity": peer_fidelity(ROOT / run_path, peer),
     }
+
+
+def peer_fidelity(run_dir: Path, peer: dict) -> str:
+    """The peer case beside its library's script in this run (``parabench fidelity``): the verdict and
+    the speed ratio, or "-" where the script has not run. A reference far ahead of a library is first
+    a question about the library's configuration; this column says how far the script answered it."""
+    from parabench.report.fidelity import ratios
+
+    path = run_dir / "fidelity" / f"{peer.get('case_hash')}.json"
+    if not path.is_file():
+        return "-"
+    entry = json.loads(path.read_text())
+    if entry.get("status") != "ok":
+        return f"script {entry.get('status')}"
+    r = ratios(peer, entry)
+    ratio = f"{r['tps_ratio']:.2f}x" if r["tps_ratio"] is not None else "-"
+    if r["verdict"] and "hosts apart" in r["verdict"]:
+        return f"{ratio}, hosts apart"
+    return f"{ratio}, {r['verdict'] or 'not judged'}"
 
 
 # --- the whole headline -------------------------------------------------------------------------------
@@ -430,25 +452,29 @@ def _unit(metric: str) -> str:
 def _table(rows: list[dict], metric: str) -> list[str]:
     lines = [
         f"| GPUs | model | shape | reference / peer | {_unit(metric)} | ratio (interval, coverage) | launches "
-        "| differs |",
-        "|---|---|---|---|---|---|---|---|",
+        "| differs | library / its script |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['gpus']} | {r['model']} | {r['shape']} | {r['reference']} / {r['peer']} "
             f"| {r['ref_value']:,.0f} / {r['peer_value']:,.0f} | {_ratio_text(r)} | {r['launches']} "
-            f"| {'; '.join(r['differs']) or '-'} |"
+            f"| {'; '.join(r['differs']) or '-'} | {r['fidelity']} |"
         )
     return lines
 
 
 def _short_table(rows: list[dict]) -> list[str]:
     """The README's few columns: README.md must stay short."""
-    lines = ["| GPUs, model, micro-batch | reference / library | ratio (interval) | differs |", "|---|---|---|---|"]
+    lines = [
+        "| GPUs, model, micro-batch | reference / library | ratio (interval) | differs | library / its script |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
+        layout = "" if r["layout"] == "separate" else f" {r['layout']}"
         lines.append(
-            f"| {r['gpus']}, {r['model']}, mb {r['micro_batch']} | {r['reference_name']} / {r['peer_name']} "
-            f"| {_ratio_text(r, coverage=False)} | {'; '.join(r['differs_short']) or '-'} |"
+            f"| {r['gpus']}, {r['model']}{layout}, mb {r['micro_batch']} | {r['reference_name']} / {r['peer_name']} "
+            f"| {_ratio_text(r, coverage=False)} | {'; '.join(r['differs_short']) or '-'} | {r['fidelity']} |"
         )
     return lines
 
@@ -474,6 +500,14 @@ def readme_block(rows: list[dict], metric: str) -> str:
         f"Runs {names}, as [results/headline.toml](results/headline.toml) names them; every row, the run folders and "
         "the rules: [docs/headline.md](docs/headline.md). `parabench headline` writes this table; CI checks it."
     )
+    if any(r["fidelity"] != "-" for r in shown):
+        from parabench.report.fidelity import HOST_SPEED_TOLERANCE
+
+        apart = round((HOST_SPEED_TOLERANCE - 1) * 100)
+        outro += (
+            " Last column: the library's case over a script written from its docs (`parabench fidelity`); "
+            f'"hosts apart": their hosts\' dispatch speeds differ by over {apart} %, speed not judged.'
+        )
     lines = [BEGIN, *_wrap(intro), "", *_short_table(shown), "", *_wrap(outro), END]
     return "\n".join(lines)
 
