@@ -83,7 +83,9 @@ def _gloo_context():
     pulls in Inductor, DTensor and FSDP; tensor and pipeline parallelism add their packages. Without
     them a rank spends some 3-5 s of CPU importing what the server could have imported once
     (tests/test_reference_mp.py: 60 against 45 CPU-s). DeepSpeed stays out: its import picks an
-    accelerator, which a server shared by every later test must not fix."""
+    accelerator, which a server shared by every later test must not fix. What the preloaded modules
+    read from the environment at import (Inductor's ``CXX``, for one) is read once, when the server
+    starts: a test that changes such a setting sets it in the child."""
     global _CONTEXT
     if _CONTEXT is None:
         ctx = mp.get_context("forkserver")

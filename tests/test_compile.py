@@ -102,6 +102,13 @@ def test_compiled_single_matches_eager():
 
 
 def _compile_with_broken_compiler(case_dict: dict) -> str | None:
+    import os
+
+    import torch._inductor.config as inductor_config
+
+    # Inductor reads CXX once, at import, and the gloo fork server imported it before this test set
+    # the variable (parabench.distributed._gloo_context): hand the broken compiler over explicitly.
+    inductor_config.cpp.cxx = (None, os.environ["CXX"])
     case = Case.from_dict(case_dict)
     try:
         run_case(case, torch.device("cpu"))
