@@ -38,9 +38,10 @@ from pathlib import Path
 
 import tomllib
 
+from parabench.superseded import SUPERSEDED, Superseded, load_superseded, superseded_entries  # noqa: F401 (re-exported)
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "results" / "headline.toml"
-SUPERSEDED = ROOT / "results" / "superseded.toml"
 README = ROOT / "README.md"
 DOCS_PAGE = ROOT / "docs" / "headline.md"
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
@@ -70,48 +71,6 @@ GRAD_REDUCTIONS = ("reduce_scatter", "all_reduce")  # the kinds that carry a dat
 
 class HeadlineError(Exception):
     """The headline cannot be generated: every refused row, each with its reason."""
-
-
-# --- superseded runs ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Superseded:
-    run: str  # folder relative to the repository, e.g. results/h100x2/20261126-180901
-    reason: str
-    by: str  # the run (or campaign) that replaces it
-    strategies: tuple[str, ...] = ()  # only these strategies' records; empty: the whole run
-
-    def covers(self, strategy: str | None) -> bool:
-        return not self.strategies or strategy in self.strategies
-
-    def text(self) -> str:
-        scope = f" (its {', '.join(self.strategies)} records)" if self.strategies else ""
-        return f"{self.run}{scope} is superseded by {self.by}: {self.reason}"
-
-
-def load_superseded(path: Path | str = SUPERSEDED) -> list[Superseded]:
-    """The entries of ``results/superseded.toml`` (none where the file is absent)."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    data = tomllib.loads(path.read_text(encoding="utf-8"))
-    out = []
-    for i, e in enumerate(data.get("superseded") or []):
-        missing = [k for k in ("run", "reason", "by") if not isinstance(e.get(k), str) or not e[k].strip()]
-        if missing:
-            raise ValueError(f"{path}: entry {i + 1} lacks {', '.join(missing)}")
-        out.append(
-            Superseded(e["run"].rstrip("/"), e["reason"].strip(), e["by"].strip(), tuple(e.get("strategies") or ()))
-        )
-    return out
-
-
-def superseded_entries(run_dir: Path | str, entries: list[Superseded] | None = None) -> list[Superseded]:
-    """The entries naming ``run_dir`` (a run folder, given from anywhere: it is resolved)."""
-    entries = load_superseded() if entries is None else entries
-    here = Path(run_dir).resolve()
-    return [e for e in entries if (ROOT / e.run).resolve() == here]
 
 
 # --- the configuration --------------------------------------------------------------------------------

@@ -372,7 +372,7 @@ def host_shared_notes(manifests: list[dict]) -> list[dict]:
 def superseded_notes(run_dirs: list[Path]) -> list[str]:
     """What ``results/superseded.toml`` says of these runs: shown first, so that nobody quotes a
     superseded run's figures (``parabench headline`` refuses them)."""
-    from parabench.headline import load_superseded, superseded_entries
+    from parabench.superseded import load_superseded, superseded_entries
 
     entries = load_superseded()
     return [e.text() for d in run_dirs for e in superseded_entries(d, entries)]
