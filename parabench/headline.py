@@ -207,16 +207,6 @@ def _selects(record: dict, strategy: str, where: dict, options: dict) -> bool:
 # --- one row ------------------------------------------------------------------------------------------
 
 
-def _launch_samples(record: dict, metric: str) -> list[float]:
-    from parabench.stats import finite, launch_samples
-
-    samples = launch_samples(record, metric)
-    if samples:
-        return samples
-    v = finite((record.get("metrics") or {}).get(metric))
-    return [v] if v is not None else []
-
-
 def _spread_problem(record: dict, n: int, noise_model: dict | None) -> str | None:
     """Why ``n`` launches of ``record`` cannot carry a ratio, or None where they can."""
     if n >= MIN_LAUNCHES:
@@ -277,7 +267,7 @@ def _gpus_text(manifest: dict, record: dict) -> str:
 
 def evaluate_row(row: Row, run_path: str, manifest: dict, records: list[dict], metric: str, noise_model) -> dict:
     """One table row from a run's combined records; raises HeadlineError naming the row and the rule."""
-    from parabench.stats import median, ratio_ci
+    from parabench.stats import launch_values, median, ratio_ci
 
     def pick(strategy, where, options):
         found = [r for r in records if _selects(r, strategy, where, options)]
@@ -301,7 +291,7 @@ def evaluate_row(row: Row, run_path: str, manifest: dict, records: list[dict], m
     unlike = [k for k in SAME_WORK if _case(ref).get(k) != _case(peer).get(k)]
     if unlike:
         problems.append("not a pair: " + ", ".join(f"{k} {_case(ref).get(k)} / {_case(peer).get(k)}" for k in unlike))
-    a, b = _launch_samples(ref, metric), _launch_samples(peer, metric)
+    a, b = launch_values(ref, metric), launch_values(peer, metric)
     for side, n in ((ref, len(a)), (peer, len(b))):
         if (why := _spread_problem(side, n, noise_model)) is not None:
             problems.append(why)

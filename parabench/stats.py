@@ -249,6 +249,16 @@ def launch_samples(record: dict, metric: str) -> list[float]:
     return out
 
 
+def launch_values(record: dict, metric: str) -> list[float]:
+    """One value of ``metric`` per launch: the ok launches of a combined record, else the record's own
+    figure; NaN and inf give no value (the gate fails them by name)."""
+    samples = launch_samples(record, metric)
+    if samples:
+        return samples
+    v = finite((record.get("metrics") or {}).get(metric))
+    return [v] if v is not None else []
+
+
 def combine_launches(records: list[dict]) -> list[dict]:
     """One record per case hash from one run's records (one per launch), in first-seen order.
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from parabench.stats import combine_launches, launch_samples, median, ratio_ci
+from parabench.stats import combine_launches, launch_values, median, ratio_ci
 
 TPS_TARGET = 0.95  # adapter tokens/s over script tokens/s, at least
 MEM_TARGET = 1.05  # adapter peak memory over script peak memory, at most
@@ -80,9 +80,7 @@ def ratios(record: dict, entry: dict) -> dict:
     (pairwise launch ratios): the verdict is still on the median ratio, and the interval says how
     far launch-to-launch spread could move it."""
     m = record.get("metrics") or {}
-    a_tps_all = launch_samples(record, "tokens_per_s_per_device") or (
-        [m["tokens_per_s_per_device"]] if m.get("tokens_per_s_per_device") else []
-    )
+    a_tps_all = launch_values(record, "tokens_per_s_per_device")
     results = script_launches(entry)
     s_tps_all = [s["tokens_per_s_per_device"] for s in results if s.get("tokens_per_s_per_device")]
     s_mem_all = [s["peak_memory_bytes"] for s in results if s.get("peak_memory_bytes")]
@@ -90,9 +88,7 @@ def ratios(record: dict, entry: dict) -> dict:
     a_mem = m.get("peak_alloc_bytes") or m.get("peak_rss_bytes")  # combined: the median where it moves
     s_mem = median(s_mem_all) if s_mem_all else None
     tps_ratio = a_tps / s_tps if a_tps and s_tps else None
-    a_win_all = launch_samples(record, "window_tokens_per_s_per_device") or (
-        [m["window_tokens_per_s_per_device"]] if m.get("window_tokens_per_s_per_device") else []
-    )
+    a_win_all = launch_values(record, "window_tokens_per_s_per_device")
     s_win_all = [s["window_tokens_per_s_per_device"] for s in results if s.get("window_tokens_per_s_per_device")]
     a_win, s_win = (median(a_win_all) if a_win_all else None), (median(s_win_all) if s_win_all else None)
     mem_ratio = a_mem / s_mem if a_mem and s_mem else None
@@ -135,9 +131,7 @@ def ratios(record: dict, entry: dict) -> dict:
 
 def host_dispatch_us(record: dict) -> float | None:
     """The adapter's host probe before its timed steps (slowest rank), median over its launches."""
-    values = launch_samples(record, "host_dispatch_us_max")
-    if not values and (record.get("metrics") or {}).get("host_dispatch_us_max"):
-        values = [record["metrics"]["host_dispatch_us_max"]]
+    values = launch_values(record, "host_dispatch_us_max")
     return median(values) if values else None
 
 

@@ -21,7 +21,7 @@ import statistics
 
 from parabench.registry import can_pair, pair_facts, pair_note
 from parabench.report.frames import dig, run_name
-from parabench.stats import finite, launch_samples, median_ci, ratio_ci
+from parabench.stats import finite, launch_values, median_ci, ratio_ci
 
 COLUMNS = [
     ("label", "case", "str"),
@@ -65,15 +65,6 @@ def _key(case: dict) -> str:
     )
 
 
-def _samples(r: dict, metric: str) -> list[float]:
-    """One value of ``metric`` per launch: the launches of a combined record, else its own figure."""
-    samples = launch_samples(r, metric)
-    if samples:
-        return samples
-    v = finite(dig(r, "metrics", metric))  # NaN, inf: no sample (the gate fails them by name)
-    return [v] if v is not None else []
-
-
 def spread_rows(runs) -> list[dict]:
     groups: dict[str, list[tuple[str, dict]]] = {}
     for manifest, records in runs:
@@ -83,16 +74,16 @@ def spread_rows(runs) -> list[dict]:
                 groups.setdefault(_key(r["case"]), []).append((run, r))
     rows = []
     for members in groups.values():
-        tps = [t for _, r in members for t in _samples(r, "tokens_per_s") if t]
+        tps = [t for _, r in members for t in launch_values(r, "tokens_per_s") if t]
         if len(tps) < 2:
             continue
         mean = statistics.fmean(tps)
         low, high, cover = median_ci(tps)
         peaks = [p for p in (finite(dig(r, "metrics", "peak_alloc_bytes")) for _, r in members) if p]
-        hosts = [h for _, r in members for h in _samples(r, "host_dispatch_us_max")]
-        busy = [u for _, r in members for u in _samples(r, "gpu_util_pct_mean_min")]
-        switches = [x for _, r in members for x in _samples(r, "host_involuntary_switches_per_step_max")]
-        gc_ms = [x * 1e3 for _, r in members for x in _samples(r, "host_gc_pause_s_per_step_max")]
+        hosts = [h for _, r in members for h in launch_values(r, "host_dispatch_us_max")]
+        busy = [u for _, r in members for u in launch_values(r, "gpu_util_pct_mean_min")]
+        switches = [x for _, r in members for x in launch_values(r, "host_involuntary_switches_per_step_max")]
+        gc_ms = [x * 1e3 for _, r in members for x in launch_values(r, "host_gc_pause_s_per_step_max")]
         rows.append(
             {
                 "label": members[0][1].get("label", ""),
@@ -162,7 +153,7 @@ def ratio_rows(runs) -> list[dict]:
     for manifest, records in runs:
         by_shape: dict[str, list[dict]] = {}
         for r in records:
-            if r.get("status") == "ok" and len(_samples(r, "tokens_per_s")) >= 2:
+            if r.get("status") == "ok" and len(launch_values(r, "tokens_per_s")) >= 2:
                 by_shape.setdefault(_shape(r["case"]), []).append(r)
         for members in by_shape.values():
             for ref in members:
@@ -172,7 +163,7 @@ def ratio_rows(runs) -> list[dict]:
                     facts = pair_facts(ref["case"]), pair_facts(peer["case"])
                     if not can_pair(*facts):
                         continue
-                    a, b = _samples(ref, "tokens_per_s"), _samples(peer, "tokens_per_s")
+                    a, b = launch_values(ref, "tokens_per_s"), launch_values(peer, "tokens_per_s")
                     est, low, high, cover = ratio_ci(a, b)
                     c = ref["case"]
                     profile = (peer["case"].get("options") or {}).get("profile")
