@@ -27,6 +27,10 @@ Names carry their units. Conventions:
 - ``host_foreign_cpu_share_max`` and ``host_load_average_max``: the CPUs other processes kept busy
   during the timed steps and the load average after them (:func:`foreign_load`), so a slow or
   scattered launch on a shared host can be told from a slow strategy.
+- ``host_steal_cpu_share_max``: the CPUs' worth of time the hypervisor took from the (virtual)
+  host during the timed steps (/proc/stat's steal), the largest rank's reading: a host-bound
+  launch slowed by busy neighbours on the physical machine shows here and nowhere else; 0 on bare
+  metal, None where it was not read.
 - ``host_gc_pause_s_per_step_max`` and ``host_gc_full_collections_max``: over the timed steps, the
   seconds per step a rank's process spent in Python's garbage collector and its full (generation 2)
   collections (``parabench.meters.host.GcPauses``), the largest rank's; None in records made before
@@ -132,6 +136,7 @@ def summarize(case, raw: dict) -> dict:
         ),
         "host_thread_cpu_share_max": largest_rank(per_rank, "host_cpu", lambda c: c["thread_cpu_share"]),
         **foreign_load(per_rank),
+        "host_steal_cpu_share_max": host_steal_max(per_rank),
         "host_gc_pause_s_per_step_max": largest_rank(per_rank, "host_gc", lambda g: g["pause_s_per_step"]),
         "host_gc_full_collections_max": largest_rank(per_rank, "host_gc", lambda g: g["collections_by_generation"][2]),
         "loss_scale": loss_scale_summary(raw.get("loss_scale")),
@@ -177,6 +182,12 @@ def foreign_load(per_rank: list[dict]) -> dict:
     foreign = max(max(0.0, c["other_cpu_share"] - (total_own - c["process_cpu_share"])) for c in cpu)
     loads = [c["load_average"][1][0] for c in cpu if (c.get("load_average") or [None, None])[1]]
     return {"host_foreign_cpu_share_max": foreign, "host_load_average_max": max(loads) if loads else None}
+
+
+def host_steal_max(per_rank: list[dict]) -> float | None:
+    """The largest rank's ``steal_cpu_share`` (``parabench.meters.host``); None unless every rank read it."""
+    steals = [(r.get("host_cpu") or {}).get("steal_cpu_share") for r in per_rank]
+    return max(steals) if steals and None not in steals else None
 
 
 def host_dispatch_max(per_rank: list[dict]) -> float | None:

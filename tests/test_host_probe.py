@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from parabench.case import Case
 from parabench.distributed import run_on_gloo
 from parabench.meters import host
+from parabench.metrics import host_steal_max
 from parabench.record import build_record
 from parabench.worker import run_case
 
@@ -232,3 +233,22 @@ def test_process_facts_name_the_cpus_and_thread_pools():
     assert facts["cpus_allowed"] == len(os.sched_getaffinity(0))
     assert facts["torch_threads"] == torch.get_num_threads() and facts["host_cpus"] == os.cpu_count()
     assert host._ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+def test_steal_is_the_hypervisors_share_of_the_timed_window(monkeypatch):
+    tick = host.os.sysconf("SC_CLK_TCK")
+    stat = {"steal": 0}
+    # user nice system idle iowait irq softirq steal: a VM whose hypervisor took 0.5 s over a 2 s window
+    monkeypatch.setattr(host, "_proc_stat_cpu", lambda: [100, 0, 50, 900, 0, 0, 0, stat["steal"], 0, 0])
+    before = host.cpu_times()
+    stat["steal"] = tick // 2
+    after = host.cpu_times()
+    after["wall_s"] = before["wall_s"] + 2.0
+    use = host.cpu_use(before, after, steps=2)
+    assert use["steal_cpu_share"] == 0.25
+    assert after["host_busy_s"] - before["host_busy_s"] == 0.5  # stolen time counts as busy, as /proc/stat has it
+    record_rank = {"host_cpu": use}
+    assert host_steal_max([record_rank, {"host_cpu": {**use, "steal_cpu_share": 0.1}}]) == 0.25
+    assert host_steal_max([record_rank, {"host_cpu": {**use, "steal_cpu_share": None}}]) is None
+    monkeypatch.setattr(host, "_proc_stat_cpu", lambda: None)
+    assert host.cpu_use(host.cpu_times(), host.cpu_times(), steps=2)["steal_cpu_share"] is None

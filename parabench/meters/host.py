@@ -87,16 +87,33 @@ def probe(device, ops: int = 200, repeats: int = 5) -> dict:
 def _host_busy_s() -> float | None:
     """Every CPU's non-idle time since boot, in seconds (Linux /proc/stat: user, nice, system, irq,
     softirq and steal; idle and iowait left out), or None where there is no /proc/stat."""
+    ticks = _proc_stat_cpu()
+    if ticks is None:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, *rest = ticks
+    steal = rest[0] if rest else 0
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _host_steal_s() -> float | None:
+    """Every CPU's stolen time since boot, in seconds (/proc/stat's eighth field): the time a virtual
+    machine's CPUs were ready to run and the hypervisor ran something else. A host-bound step on a
+    VM whose neighbours are busy slows by it, and nothing inside the VM shows it otherwise."""
+    ticks = _proc_stat_cpu()
+    if ticks is None or len(ticks) < 8:
+        return None
+    return ticks[7] / os.sysconf("SC_CLK_TCK")
+
+
+def _proc_stat_cpu() -> list[int] | None:
     try:
         with open("/proc/stat") as f:
             fields = f.readline().split()
     except OSError:
         return None
-    if not fields or fields[0] != "cpu":
+    if len(fields) < 8 or fields[0] != "cpu":
         return None
-    user, nice, system, _idle, _iowait, irq, softirq, *rest = (int(x) for x in fields[1:])
-    steal = rest[0] if rest else 0
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    return [int(x) for x in fields[1:]]
 
 
 def _load_average() -> list[float] | None:
@@ -120,6 +137,7 @@ def cpu_times() -> dict | None:
         "thread_cpu_s": thread.ru_utime + thread.ru_stime,
         "process_cpu_s": process.ru_utime + process.ru_stime,
         "host_busy_s": _host_busy_s(),
+        "host_steal_s": _host_steal_s(),
         "load_average": _load_average(),
         "involuntary_switches": thread.ru_nivcsw,
         "voluntary_switches": thread.ru_nvcsw,
@@ -253,6 +271,12 @@ def _other_cpu_share(before: dict, after: dict, wall: float) -> float | None:
     return max(0.0, host - mine) / wall
 
 
+def _steal_share(before: dict, after: dict, wall: float) -> float | None:
+    if before.get("host_steal_s") is None or after.get("host_steal_s") is None:
+        return None
+    return max(0.0, after["host_steal_s"] - before["host_steal_s"]) / wall
+
+
 def cpu_use(before: dict | None, after: dict | None, steps: int) -> dict | None:
     """What the thread did between two ``cpu_times``: ``thread_cpu_share`` (its CPU seconds over the
     wall seconds), ``process_cpu_share`` (every thread of the process: compile workers, NCCL's
@@ -269,6 +293,8 @@ def cpu_use(before: dict | None, after: dict | None, steps: int) -> dict | None:
         "process_cpu_share": (after["process_cpu_s"] - before["process_cpu_s"]) / wall,
         # the host's other work meanwhile, in CPUs kept busy: other processes and other ranks
         "other_cpu_share": _other_cpu_share(before, after, wall),
+        # the CPUs' worth of time the hypervisor took from the whole VM meanwhile
+        "steal_cpu_share": _steal_share(before, after, wall),
         "load_average": [before.get("load_average"), after.get("load_average")],
         "involuntary_switches_per_step": (after["involuntary_switches"] - before["involuntary_switches"]) / steps,
         "voluntary_switches_per_step": (after["voluntary_switches"] - before["voluntary_switches"]) / steps,

@@ -275,8 +275,9 @@ def _host_times() -> dict:
         with open("/proc/stat") as f:
             ticks = [int(x) for x in f.readline().split()[1:]]
         busy = (sum(ticks[:3]) + sum(ticks[5:8])) / tick
-    except (OSError, ValueError):
-        busy = None
+        steal = ticks[7] / tick  # the hypervisor's: time this VM's CPUs waited for the physical ones
+    except (OSError, ValueError, IndexError):
+        busy = steal = None
     threads = {}
     names = {t.native_id: t.name for t in threading.enumerate()}
     for tid in os.listdir("/proc/self/task"):
@@ -293,6 +294,7 @@ def _host_times() -> dict:
         "thread": thread.ru_utime + thread.ru_stime,
         "process": process.ru_utime + process.ru_stime,
         "busy": busy,
+        "steal": steal,
         "involuntary": thread.ru_nivcsw,
     }
 
@@ -313,6 +315,7 @@ def _host_use(before: dict, after: dict) -> dict:
         "thread_cpu_share": (after["thread"] - before["thread"]) / wall,
         "process_cpu_share": mine / wall,
         "other_cpu_share": other,
+        "steal_cpu_share": None if before["steal"] is None else max(0.0, after["steal"] - before["steal"]) / wall,
         "involuntary_switches": after["involuntary"] - before["involuntary"],
         "load_average": list(os.getloadavg()),
         "cpus_allowed": len(os.sched_getaffinity(0)),
