@@ -7,6 +7,8 @@
 # same warm machine resumes (everything lives in DEVICE_WORK), and OUT_DIR/results.tgz is rewritten
 # after every round.
 #
+# SUITE names another peer-fidelity study to run in rounds (default: the one beside this file).
+#
 #   ROUNDS=5 DEADLINE_S=560 bash suites/studies/peer-fidelity-rounds-h200x1.sh OUT_DIR
 set -uo pipefail
 out=$1
@@ -14,7 +16,7 @@ rounds=${ROUNDS:-5}
 deadline=${DEADLINE_S:-560}
 start=$(date +%s)
 cd "$(dirname "$0")/../.."
-suite=suites/studies/peer-fidelity-rounds-h200x1.toml
+suite=${SUITE:-suites/studies/peer-fidelity-rounds-h200x1.toml}
 work=${DEVICE_WORK:-/tmp/parabench-device}
 mkdir -p "$out" "$work"
 left() { echo $(( deadline - ($(date +%s) - start) )); }
@@ -24,7 +26,7 @@ adapters_and_scripts() {  # device_run.sh: wheels, NCCL's multicast off, the sui
 }
 scripts_only() {
   local run
-  run=$work/res/studies/peer-fidelity-rounds-h200x1/$(cat "$work/run_id")
+  run=$work/res/studies/$(basename "$suite" .toml)/$(cat "$work/run_id")
   [ -d "$run" ] || return 0
   PYTHONPATH=/tmp/site:$PWD TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
     NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 timeout -s INT "$(left)" python3 -m parabench.cli fidelity "$run" \
