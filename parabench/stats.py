@@ -259,6 +259,15 @@ def launch_values(record: dict, metric: str) -> list[float]:
     return [v] if v is not None else []
 
 
+def boot_ids(record: dict) -> list[str]:
+    """The machines a launch's ranks ran on (``parabench.meters.host.boot_id``), sorted; empty for
+    records made before it was read. A combined record: every launch's, together."""
+    if isinstance(record.get("launches"), list):
+        return sorted({b for row in record["launches"] for b in row.get("boot_ids") or []})
+    ranks = record.get("per_rank") or []
+    return sorted({b for r in ranks if isinstance(r, dict) and (b := (r.get("host_process") or {}).get("boot_id"))})
+
+
 def combine_launches(records: list[dict]) -> list[dict]:
     """One record per case hash from one run's records (one per launch), in first-seen order.
 
@@ -296,6 +305,7 @@ def _combine(launches: list[dict]) -> dict:
                 "started_at": r.get("started_at"),
                 "duration_s": r.get("duration_s"),
                 **{k: m.get(k) for k in PER_LAUNCH},
+                "boot_ids": boot_ids(r),
             }
         )
     steps = [finite(r["metrics"].get("step_time_s_median")) for r in ok]

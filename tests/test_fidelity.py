@@ -434,3 +434,41 @@ def test_a_ratio_between_hosts_apart_in_speed_is_not_judged():
     assert len(verdicts) == 4 and set(verdicts.values()) == {"speed not judged (hosts apart)"}
     line = fidelity_line({**by_hash[path.stem]}, json.loads(path.read_text()))
     assert "host dispatch µs adapter/script" in line and line.endswith("speed not judged (hosts apart)")
+
+
+def test_one_machine_is_judged_on_speed_whatever_its_probe_and_two_machines_are_not():
+    """results/studies/peer-fidelity-fused-h200x1/20261129-102919: DeepSpeed ZeRO-3 gpt-350m, adapter
+    and script alternating on one H200 machine, whose single-core speed moved between launches (host
+    probe medians 10.0 / 7.0 µs). Those records predate the boot id, so the probe guard holds the
+    speed back; with both sides' boot ids equal the ratio is judged, and with different ones it is
+    not, whatever the probes say."""
+    run = ROOT / "results" / "studies" / "peer-fidelity-fused-h200x1" / "20261129-102919"
+    records = [json.loads(p.read_text()) for p in sorted((run / "cases").glob("*.json"))]
+    by_hash = {r["case_hash"]: r for r in combine_launches(records)}
+    entry = json.loads((run / "fidelity" / "417a41e6fd166e80.json").read_text())
+    record = by_hash["417a41e6fd166e80"]
+    before = ratios(record, entry)
+    assert before["verdict"] == "speed not judged (hosts apart)" and before["same_machine"] is None
+
+    def on(adapter_boot: str, script_boot: str) -> dict:
+        rec = {**record, "launches": [{**row, "boot_ids": [adapter_boot]} for row in record["launches"]]}
+        ent = {
+            **entry,
+            "launches": [
+                {
+                    **x,
+                    "result": {
+                        **x["result"],
+                        "host_per_rank": [{**h, "boot_id": script_boot} for h in x["result"]["host_per_rank"]],
+                    },
+                }
+                for x in entry["launches"]
+            ],
+        }
+        return ratios(rec, ent)
+
+    same = on("machine-a", "machine-a")
+    assert same["same_machine"] is True and same["verdict"] == "pass"  # 0.952x, peak 1.000x
+    assert round(same["tps_ratio"], 3) == 0.952
+    apart = on("machine-a", "machine-b")
+    assert apart["same_machine"] is False and apart["verdict"] == "speed not judged (hosts apart)"

@@ -14,6 +14,7 @@ from parabench.distributed import run_on_gloo
 from parabench.meters import host
 from parabench.metrics import host_steal_max
 from parabench.record import build_record
+from parabench.stats import boot_ids
 from parabench.worker import run_case
 
 
@@ -233,6 +234,10 @@ def test_process_facts_name_the_cpus_and_thread_pools():
     assert facts["cpus_allowed"] == len(os.sched_getaffinity(0))
     assert facts["torch_threads"] == torch.get_num_threads() and facts["host_cpus"] == os.cpu_count()
     assert host._ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    # one machine, one boot id: every process reads the same, and a record's ranks name it once
+    assert len(facts["boot_id"]) == 36 and facts["boot_id"] == host.boot_id()
+    assert boot_ids({"per_rank": [{"host_process": facts}, {"host_process": facts}]}) == [facts["boot_id"]]
+    assert boot_ids({"launches": [{"boot_ids": ["b"]}, {"boot_ids": ["a"]}, {}]}) == ["a", "b"]
 
 
 def test_steal_is_the_hypervisors_share_of_the_timed_window(monkeypatch):

@@ -246,7 +246,19 @@ def process_facts() -> dict:
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
         "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
+        "boot_id": boot_id(),
     }
+
+
+def boot_id() -> str | None:
+    """The running kernel's boot id (Linux): the same on every process of one machine, new at every
+    boot, so two launches with the same id ran on the same machine. Containers on one host share
+    it, which is the sense wanted here: the same CPUs. None where the kernel does not expose it."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def _ranges(cpus: list[int]) -> str:

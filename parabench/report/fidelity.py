@@ -12,15 +12,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from parabench.stats import combine_launches, launch_values, median, ratio_ci
+from parabench.stats import boot_ids, combine_launches, launch_values, median, ratio_ci
 
 TPS_TARGET = 0.95  # adapter tokens/s over script tokens/s, at least
 MEM_TARGET = 1.05  # adapter peak memory over script peak memory, at most
-# The host's speed (one small device dispatch, ``parabench.meters.host.probe``; the scripts record the
-# same probe) moved 1.6x between launches on one machine and between machines of one kind
-# (docs/findings.md). A host-bound case's tokens/s follows it, so a ratio whose two sides ran on hosts
-# this much apart in speed (median over launches, slower over faster) says more about the hosts than
-# the adapter: its speed is not judged.
+# A host-bound case's tokens/s follows its host's single-core speed, which differs between machines of
+# one kind (the probe's floor 6.8 against 10.6 µs per dispatch) and, on one machine, from core to
+# core and second to second (6.8-17.7 µs, two modes about 1.35x apart; results/studies/
+# host-speed-h200x1). So the two sides of a ratio are judged on speed only when they ran on the same
+# machine: both record its kernel boot id (``parabench.meters.host.boot_id``), and launches
+# alternating on one machine see the same distribution of moments. Records from before the boot id
+# fall back to the probe: medians over launches this much apart (slower over faster) count as apart.
 HOST_SPEED_TOLERANCE = 1.15
 
 COLUMNS = [
@@ -99,7 +101,11 @@ def ratios(record: dict, entry: dict) -> dict:
     tps_ok = tps_ratio >= TPS_TARGET if tps_ratio is not None else None
     mem_ok = mem_ratio <= MEM_TARGET if mem_ratio is not None else None
     a_us, s_us = host_dispatch_us(record), median(s_us_all) if (s_us_all := script_dispatch_us(results)) else None
-    hosts_apart = bool(a_us and s_us and max(a_us, s_us) / min(a_us, s_us) > HOST_SPEED_TOLERANCE)
+    a_boot, s_boot = boot_ids(record), script_boot_ids(results)
+    if a_boot and s_boot:
+        hosts_apart = a_boot != s_boot
+    else:
+        hosts_apart = bool(a_us and s_us and max(a_us, s_us) / min(a_us, s_us) > HOST_SPEED_TOLERANCE)
     if ((record.get("case") or {}).get("options") or {}).get("profile") == "matched":
         verdict = "not judged (matched profile)"
     elif hosts_apart:
@@ -125,6 +131,7 @@ def ratios(record: dict, entry: dict) -> dict:
         "adapter_dispatch_us": a_us,
         "script_dispatch_us": s_us,
         "host_speed_text": f"{a_us:.1f} / {s_us:.1f}" if a_us and s_us else "",
+        "same_machine": (a_boot == s_boot) if a_boot and s_boot else None,
         "verdict": verdict,
     }
 
@@ -133,6 +140,11 @@ def host_dispatch_us(record: dict) -> float | None:
     """The adapter's host probe before its timed steps (slowest rank), median over its launches."""
     values = launch_values(record, "host_dispatch_us_max")
     return median(values) if values else None
+
+
+def script_boot_ids(results: list[dict]) -> list[str]:
+    """The machines the script's launches ran on (their ranks' kernel boot ids), sorted."""
+    return sorted({b for r in results for h in r.get("host_per_rank") or [] if (b := h.get("boot_id"))})
 
 
 def script_dispatch_us(results: list[dict]) -> list[float]:

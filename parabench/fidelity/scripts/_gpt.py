@@ -321,7 +321,17 @@ def _host_use(before: dict, after: dict) -> dict:
         "cpus_allowed": len(os.sched_getaffinity(0)),
         "torch_threads": torch.get_num_threads(),
         "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
+        "boot_id": _boot_id(),
     }
+
+
+def _boot_id() -> str | None:
+    """The kernel's boot id: equal on both sides only when script and adapter ran on one machine."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def _dispatch_us(device, ops: int = 200, repeats: int = 5) -> float:
