@@ -455,7 +455,7 @@ def readme_block(rows: list[dict], metric: str) -> str:
         apart = round((HOST_SPEED_TOLERANCE - 1) * 100)
         outro += (
             " Last column: the library's case over a script written from its docs (`parabench fidelity`); "
-            f'"hosts apart": their hosts\' dispatch speeds differ by over {apart} %, speed not judged.'
+            f'"hosts apart": on two machines (older records: host speeds over {apart} % apart), speed not judged.'
         )
     lines = [BEGIN, *_wrap(intro), "", *_short_table(shown), "", *_wrap(outro), END]
     return "\n".join(lines)
