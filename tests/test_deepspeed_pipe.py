@@ -42,6 +42,13 @@ CASES = {
     "p2_m4_bf16": mk(microbatches=4, precision="bf16"),
 }
 FP32 = ["p2_m4", "p2_m8_deep_ga2"]
+# Built after the pipelines in the same processes: DeepSpeed keeps a process-wide model-parallel
+# unit that the pipeline engine sets and must not leave behind for a later engine.
+AFTER_PIPE = {
+    "zero3_after_pipe": dataclasses.replace(
+        mk(), strategy="deepspeed.zero3", options={"optim": {"eps": 1e-6}, "profile": "tuned"}
+    )
+}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +56,13 @@ def group():
     """Step 0 under the comm meter (it also carries DeepSpeed's one-off tensor-meta message), then
     one more step after N_STEPS under the meter with state sampled; rank 0 adds the truth."""
     return run_cases(
-        2, CASES, N_STEPS, with_truth=True, meter_steps=(0, N_STEPS), extra_step=True, measure_state_from=N_STEPS
+        2,
+        {**CASES, **AFTER_PIPE},
+        N_STEPS,
+        with_truth=True,
+        meter_steps=(0, N_STEPS),
+        extra_step=True,
+        measure_state_from=N_STEPS,
     )
 
 
@@ -69,6 +82,13 @@ def test_matches_single_process(group, name):
     truth = res["single"]
     assert [r["losses"][0] is None for r in res["per_rank"]] == [True, False]  # stage 0 / last stage
     assert_matches_single(res, truth, loss_rtol=TOL, rtol=TOL, atol=PARAM_ATOL, losses=_losses(res))
+
+
+def test_an_engine_built_after_the_pipeline_in_the_same_process_trains(group):
+    """ZeRO-3 after three pipeline engines on the same ranks: it builds (no pipeline grid left as
+    DeepSpeed's model-parallel unit) and trains as one process does."""
+    res = group["zero3_after_pipe"]
+    assert_matches_single(res, res["single"], loss_rtol=1e-4, rtol=1e-4, atol=1e-4)
 
 
 def test_bf16_runs_close_to_single_process_bf16(group):

@@ -210,6 +210,14 @@ class DeepSpeedPipelineTrainer(Trainer):
         if hasattr(self, "engine"):
             self.engine.destroy() if hasattr(self.engine, "destroy") else None
             del self.engine
+        # The pipeline engine hands its grid to DeepSpeed as the process-wide model-parallel unit
+        # (runtime/engine.py: ``groups.mpu = self.mpu``), and destroy() leaves it there: a later
+        # engine in this process would read its model-parallel and data-parallel sizes from this
+        # pipeline ("'NoneType' object has no attribute 'get_model_parallel_rank'" in ZeRO-3, "1 is
+        # not divisible by 2" in the MoE engine's expert groups).
+        from deepspeed.utils import groups
+
+        groups.mpu = None
 
 
 def build(spec: TrainSpec) -> DeepSpeedPipelineTrainer:
