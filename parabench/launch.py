@@ -75,7 +75,7 @@ class LaunchOptions:
     # Cases per launch at most: a crash ends the launch, and the rest of it is launched again.
     # Starting torch, gloo and the imports costs ~5 s of a 2-core CPU, far more than a tiny case.
     max_batch: int = 8
-    max_batch_cpu: int = 24
+    max_batch_cpu: int = 32
 
     def torchrun_args(self, nproc: int, launch_number: int | None = None) -> list[str]:
         if self.nnodes == 1 and not self.rdzv_endpoint:

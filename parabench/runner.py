@@ -487,17 +487,29 @@ class Runner(LaunchOwner):
                 and get_strategy(c.strategy).shares_launch
             )
 
-        first = pending.pop(0)
-        batch = [first]
-        if self.launch.batch and shareable(first):
-            # take the next cases that can share this launch, in suite order
-            limit = self.launch.max_batch_cpu if resolve_device(first) == "cpu" else self.launch.max_batch
-            for c in list(pending):
-                if len(batch) >= limit:
-                    break
-                if c.world_size == first.world_size and resolve_device(c) == resolve_device(first) and shareable(c):
-                    batch.append(c)
-                    pending.remove(c)
+        def closes(c: Case) -> bool:
+            # A strategy that leaves state behind (shares_launch False) only spoils the cases after
+            # it: on CPU, where a launch's start-up costs far more than a tiny case, it may end a
+            # batch. On GPUs each keeps a launch of its own, as its measurements were taken.
+            return (
+                resolve_device(c) == "cpu"
+                and c.options.get("inject_fault") is None
+                and not c.own_launch
+                and c.repeats == 1
+                and not get_strategy(c.strategy).shares_launch
+            )
+
+        first = pending[0]
+        if not (self.launch.batch and (shareable(first) or closes(first))):
+            return [pending.pop(0)]
+        # the cases that can share this launch, in suite order, and one that can only end it
+        limit = self.launch.max_batch_cpu if resolve_device(first) == "cpu" else self.launch.max_batch
+        same = [c for c in pending if c.world_size == first.world_size and resolve_device(c) == resolve_device(first)]
+        closer = next((c for c in same if closes(c)), None)
+        batch = [c for c in same if shareable(c)][: limit - 1 if closer is not None else limit]
+        batch += [closer] if closer is not None else []
+        for c in batch:
+            pending.remove(c)
         return batch
 
     def _run_batch(self, batch: list[Case]) -> list[Case]:
