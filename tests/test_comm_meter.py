@@ -6,9 +6,12 @@ import os
 import torch
 import torch.distributed as dist
 
+from parabench.case import Case
 from parabench.distributed import run_on_gloo
 from parabench.meters import flight_recorder
 from parabench.meters.comm import CommMeter
+from parabench.record import build_record
+from parabench.worker import run_case
 from reference_impls._compat import all_gather_into, reduce_scatter_into
 
 
@@ -54,27 +57,44 @@ def test_meter_sees_every_op_kind_with_payload_conventions():
     assert fr["all_gather"]["payload_bytes"] >= 8000
 
 
-def test_bf16_tensor_and_pipeline_parallel_traffic_matches_theory(tmp_path):
+def _record(case: Case) -> dict:
+    """The case's record, as the runner builds it, from ranks forked off the gloo test server (the
+    traffic does not depend on the launcher, and a torchrun launch per world size costs ~10 s)."""
+    raw = run_on_gloo(_run_case, case.world_size, case.to_dict())[0]
+    return build_record(case, "ok", raw)
+
+
+def _run_case(case: dict) -> dict | None:
+    return run_case(Case.from_dict(case), torch.device("cpu"))
+
+
+def test_bf16_tensor_and_pipeline_parallel_traffic_matches_theory():
     """Under autocast (the "amp" recipe), g's forward all-reduces (with SP: the forward reduce-scatters and their
     backward all-gathers; expert parallelism's token rows) travel in bf16 while f's backward, the embedding, the cross-entropy and the
     pipeline's residual-stream activations stay fp32; theory says so, per rank, to 1 %."""
-    from helpers import run_suite_cli
-
-    from parabench.results import load_run
-
-    suite = tmp_path / "mp16.toml"
-    suite.write_text(
-        '[suite]\nname = "mp16"\ndevice = "cpu"\nprecision = "bf16"\nrecipe = "amp"\nsteps = 1\nwarmup = 0\n'
-        '[[matrix]]\nmodel = "tiny"\nstrategy = "ref.tp"\nworld_size = 2\nmicro_batch = 8\noptions = {tp = 2}\n'
-        '[[matrix]]\nmodel = "tiny"\nstrategy = "ref.pp_1f1b"\nworld_size = 2\nmicro_batch = 8\n'
-        "options = {pp = 2, microbatches = 4}\n"
-        '[[matrix]]\nmodel = "tiny"\nstrategy = "ref.tp_sp"\nworld_size = 2\nmicro_batch = 8\noptions = {tp = 2}\n'
-        '[[matrix]]\nmodel = "tiny"\nstrategy = "ref.pp_1f1b"\nworld_size = 4\nmicro_batch = 8\n'
-        "options = {pp = 2, tp = 2, sp = true, microbatches = 4}\n"
-        '[[matrix]]\nmodel = "tiny-moe"\nstrategy = "ref.ep"\nworld_size = 2\nmicro_batch = 4\n'
-    )
-    _, records = load_run(run_suite_cli(str(suite), tmp_path, "--no-report", run_id="r"))
-    assert len(records) == 5
+    amp = {"precision": "bf16", "recipe": "amp", "steps": 1, "warmup": 0, "device": "cpu"}
+    cases = [
+        Case(model="tiny", strategy="ref.tp", world_size=2, micro_batch=8, options={"tp": 2}, **amp),
+        Case(
+            model="tiny",
+            strategy="ref.pp_1f1b",
+            world_size=2,
+            micro_batch=8,
+            options={"pp": 2, "microbatches": 4},
+            **amp,
+        ),
+        Case(model="tiny", strategy="ref.tp_sp", world_size=2, micro_batch=8, options={"tp": 2}, **amp),
+        Case(
+            model="tiny",
+            strategy="ref.pp_1f1b",
+            world_size=4,
+            micro_batch=8,
+            options={"pp": 2, "tp": 2, "sp": True, "microbatches": 4},
+            **amp,
+        ),
+        Case(model="tiny-moe", strategy="ref.ep", world_size=2, micro_batch=4, **amp),
+    ]
+    records = [_record(c) for c in cases]
     for r in records:
         assert r["status"] == "ok" and r["checks"]["comm_ok"] is True, (r["label"], r["checks"].get("comm_per_rank"))
     tp = next(r for r in records if r["case"]["strategy"] == "ref.tp")
