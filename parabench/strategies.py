@@ -295,8 +295,8 @@ class StrategySpec:
     min_world_size: int = 1
     version: str = "1"  # bump when the implementation changes what it measures
     # False for strategies that leave state behind in the process (device memory, global hooks)
-    # after close(): the runner then gives each of their cases a launch of its own, so the
-    # next case is not measured on a contaminated process.
+    # after close(): the runner then gives each of their cases a launch of its own on GPUs, and
+    # the last place of a shared launch on CPU, so no case is measured on a contaminated process.
     shares_launch: bool = True
     # (precision, text): known behaviour of the implementation a reader of its numbers must know,
     # copied into every record of that precision and shown in the report beside the case.
