@@ -335,7 +335,12 @@ def peer_fidelity(run_dir: Path, peer: dict) -> str:
     path = run_dir / "fidelity" / f"{peer.get('case_hash')}.json"
     if not path.is_file():
         return "-"
-    entry = json.loads(path.read_text())
+    try:
+        entry = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return "script result unreadable"
+    if not isinstance(entry, dict):
+        return "script result unreadable"
     if entry.get("status") != "ok":
         return f"script {entry.get('status')}"
     r = ratios(peer, entry)

@@ -164,3 +164,13 @@ def test_a_library_far_behind_shows_its_own_script_beside_it(outputs):
     readme = next(new for path, (_, new) in outputs.items() if path.name == "README.md")
     assert "| ref.zero3 / deepspeed.zero3 | 3.78 (3.62-4.10) | - | 0.52x, hosts apart |" in readme
     assert "| ref.ddp / torch.ddp | 0.99 (0.99-1.00) | - | - |" in readme  # no script run: nothing claimed
+
+
+def test_an_unreadable_script_result_is_named_not_raised(tmp_path):
+    (tmp_path / "fidelity").mkdir()
+    peer = {"case_hash": "abc"}
+    assert headline.peer_fidelity(tmp_path, peer) == "-"
+    (tmp_path / "fidelity" / "abc.json").write_text('{"status": "ok", "result": ')  # cut short
+    assert headline.peer_fidelity(tmp_path, peer) == "script result unreadable"
+    (tmp_path / "fidelity" / "abc.json").write_text("[1, 2]")
+    assert headline.peer_fidelity(tmp_path, peer) == "script result unreadable"
