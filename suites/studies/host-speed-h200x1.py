@@ -1,6 +1,6 @@
 """Is a GPU host's single-core speed a property of the core or of the minute? One process pins its
 thread to each CPU in turn and times, on each: one tiny CUDA dispatch (the worker's host probe,
-``parabench.meters.host.probe``) and a pure-Python loop (no driver), with the VM's steal time
+``parabench.meters.host.probe``, run from the repository root) and a pure-Python loop (no driver), with the VM's steal time
 (/proc/stat) over each sweep. Several sweeps, some seconds apart, separate a slow core (same core
 slow in every sweep) from a slow minute (every core slow in one sweep).
 
@@ -10,26 +10,17 @@ slow in every sweep) from a slow minute (every core slow in one sweep).
 import argparse
 import json
 import os
-import statistics
+import sys
 import time
 
 import torch
+
+from parabench.meters.host import probe
 
 
 def stat_cpu() -> list[int]:
     with open("/proc/stat") as f:
         return [int(x) for x in f.readline().split()[1:]]
-
-
-def dispatch_us(x: torch.Tensor, ops: int = 200, repeats: int = 5) -> float:
-    rounds = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(ops):
-            x.add_(1.0)
-        rounds.append((time.perf_counter() - t0) / ops)
-        torch.cuda.synchronize()
-    return statistics.median(rounds) * 1e6
 
 
 def python_loop_us(n: int = 200_000) -> float:
@@ -46,9 +37,7 @@ def main() -> None:
     ap.add_argument("--pause-s", type=float, default=10.0)
     args = ap.parse_args()
     cores = sorted(os.sched_getaffinity(0))
-    x = torch.zeros(1, device="cuda")
-    x.add_(1.0)
-    torch.cuda.synchronize()
+    cuda = torch.device("cuda")
     tick = os.sysconf("SC_CLK_TCK")
     sweeps = []
     for sweep in range(args.sweeps):
@@ -60,7 +49,7 @@ def main() -> None:
             rows.append(
                 {
                     "core": core,
-                    "dispatch_us": round(dispatch_us(x), 3),
+                    "dispatch_us": round(probe(cuda)["dispatch_us"], 3),
                     "python_loop_ns": round(python_loop_us() * 1e3, 2),
                 }
             )
@@ -82,7 +71,7 @@ def main() -> None:
                     "steal": sweeps[-1]["steal_cpu_share"],
                 }
             ),
-            file=__import__("sys").stderr,
+            file=sys.stderr,
         )
         if sweep + 1 < args.sweeps:
             time.sleep(args.pause_s)
