@@ -1,10 +1,10 @@
 """Is a GPU host's single-core speed a property of the core or of the minute? One process pins its
 thread to each CPU in turn and times, on each: one tiny CUDA dispatch (the worker's host probe,
-``parabench.meters.host.probe``, run from the repository root) and a pure-Python loop (no driver), with the VM's steal time
+``parabench.meters.host.probe``) and a pure-Python loop (no driver), with the VM's steal time
 (/proc/stat) over each sweep. Several sweeps, some seconds apart, separate a slow core (same core
 slow in every sweep) from a slow minute (every core slow in one sweep).
 
-    python suites/studies/host-speed-h200x1.py --sweeps 6 --pause-s 10 > host-speed.json
+    PYTHONPATH=. python suites/studies/host-speed-h200x1.py --sweeps 6 --pause-s 10 > host-speed.json
 """
 
 import argparse
