@@ -84,10 +84,9 @@ def probe(device, ops: int = 200, repeats: int = 5) -> dict:
     return {"dispatch_us": statistics.median(rounds) * 1e6, "cpu": current_cpu()}
 
 
-def _host_busy_s() -> float | None:
-    """Every CPU's non-idle time since boot, in seconds (Linux /proc/stat: user, nice, system, irq,
-    softirq and steal; idle and iowait left out), or None where there is no /proc/stat."""
-    ticks = _proc_stat_cpu()
+def _host_busy_s(ticks: list[int] | None) -> float | None:
+    """Every CPU's non-idle time since boot, in seconds, from ``_proc_stat_cpu`` (user, nice, system,
+    irq, softirq and steal; idle and iowait left out), or None where there is no /proc/stat."""
     if ticks is None:
         return None
     user, nice, system, _idle, _iowait, irq, softirq, *rest = ticks
@@ -95,17 +94,17 @@ def _host_busy_s() -> float | None:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def _host_steal_s() -> float | None:
+def _host_steal_s(ticks: list[int] | None) -> float | None:
     """Every CPU's stolen time since boot, in seconds (/proc/stat's eighth field): the time a virtual
     machine's CPUs were ready to run and the hypervisor ran something else. A host-bound step on a
     VM whose neighbours are busy slows by it, and nothing inside the VM shows it otherwise."""
-    ticks = _proc_stat_cpu()
     if ticks is None or len(ticks) < 8:
         return None
     return ticks[7] / os.sysconf("SC_CLK_TCK")
 
 
 def _proc_stat_cpu() -> list[int] | None:
+    """The whole host's CPU times since boot, in clock ticks (the first line of /proc/stat), or None."""
     try:
         with open("/proc/stat") as f:
             fields = f.readline().split()
@@ -132,12 +131,13 @@ def cpu_times() -> dict | None:
     wall = time.perf_counter()
     thread = resource.getrusage(resource.RUSAGE_THREAD)
     process = resource.getrusage(resource.RUSAGE_SELF)
+    ticks = _proc_stat_cpu()
     return {
         "wall_s": wall,
         "thread_cpu_s": thread.ru_utime + thread.ru_stime,
         "process_cpu_s": process.ru_utime + process.ru_stime,
-        "host_busy_s": _host_busy_s(),
-        "host_steal_s": _host_steal_s(),
+        "host_busy_s": _host_busy_s(ticks),
+        "host_steal_s": _host_steal_s(ticks),
         "load_average": _load_average(),
         "involuntary_switches": thread.ru_nivcsw,
         "voluntary_switches": thread.ru_nvcsw,
@@ -155,7 +155,7 @@ def run_clock() -> dict:
         own = me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
     return {
         "wall_s": time.monotonic(),
-        "host_busy_s": _host_busy_s(),
+        "host_busy_s": _host_busy_s(_proc_stat_cpu()),
         "run_cpu_s": own,
         "load_average": _load_average(),
         "host_cpus": os.cpu_count(),

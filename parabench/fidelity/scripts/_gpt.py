@@ -275,8 +275,9 @@ def _host_times() -> dict:
         with open("/proc/stat") as f:
             ticks = [int(x) for x in f.readline().split()[1:]]
         busy = (sum(ticks[:3]) + sum(ticks[5:8])) / tick
-        steal = ticks[7] / tick  # the hypervisor's: time this VM's CPUs waited for the physical ones
-    except (OSError, ValueError, IndexError):
+        # the hypervisor's: time this VM's CPUs waited for the physical ones (absent on old kernels)
+        steal = ticks[7] / tick if len(ticks) > 7 else None
+    except (OSError, ValueError):
         busy = steal = None
     threads = {}
     names = {t.native_id: t.name for t in threading.enumerate()}
