@@ -186,8 +186,7 @@ def foreign_load(per_rank: list[dict]) -> dict:
 
 def host_steal_max(per_rank: list[dict]) -> float | None:
     """The largest rank's ``steal_cpu_share`` (``parabench.meters.host``); None unless every rank read it."""
-    steals = [(r.get("host_cpu") or {}).get("steal_cpu_share") for r in per_rank]
-    return max(steals) if steals and None not in steals else None
+    return largest_rank(per_rank, "host_cpu", lambda c: c.get("steal_cpu_share"))
 
 
 def host_dispatch_max(per_rank: list[dict]) -> float | None:
@@ -197,9 +196,10 @@ def host_dispatch_max(per_rank: list[dict]) -> float | None:
 
 def largest_rank(per_rank: list[dict], section: str, read) -> float | None:
     """The largest rank's ``read(rank[section])`` (a host meter's reading over the timed steps:
-    ``host_cpu``, ``host_gc``); None unless every rank has the section."""
+    ``host_cpu``, ``host_gc``); None unless every rank has the section and a reading in it (records
+    made before a reading existed)."""
     vals = [read(r[section]) for r in per_rank if r.get(section)]
-    return max(vals) if vals and len(vals) == len(per_rank) else None
+    return max(vals) if vals and len(vals) == len(per_rank) and None not in vals else None
 
 
 def lowest_or_highest(rows: list[dict], key: str, pick) -> float | None:
