@@ -470,8 +470,9 @@ class Runner(LaunchOwner):
         return self.counts
 
     def _next_batch(self, pending: list[Case]) -> list[Case]:
-        def shareable(c: Case) -> bool:
-            # A CUDA profiler may leave CUPTI attached after it stops (kineto without TEARDOWN_CUPTI:
+        def batchable(c: Case) -> bool:
+            # Whatever its strategy, a case runs alone when it is faulty, profiled on a GPU, asked
+            # to, or repeated. A CUDA profiler may leave CUPTI attached after it stops (kineto without TEARDOWN_CUPTI:
             # pytorch/pytorch#144455, 10-20 % slower kernels), so a profiled GPU case runs alone and
             # cannot slow the timed steps of the cases after it.
             profiled = c.options.get("step_breakdown") or c.options.get("trace")
@@ -479,23 +480,19 @@ class Runner(LaunchOwner):
             fault = (c.options.get("inject_fault") or {}).get("kind")
             faulty = fault not in (None, "leak")  # an injected leak must share a launch to show
             # a repeated case's launches are its samples of launch-to-launch variance: each its own
-            return (
-                not faulty
-                and not profiled_on_gpu
-                and not c.own_launch
-                and c.repeats == 1
-                and get_strategy(c.strategy).shares_launch
-            )
+            return not faulty and not profiled_on_gpu and not c.own_launch and c.repeats == 1
+
+        def shareable(c: Case) -> bool:
+            return batchable(c) and get_strategy(c.strategy).shares_launch
 
         def closes(c: Case) -> bool:
             # A strategy that leaves state behind (shares_launch False) only spoils the cases after
             # it: on CPU, where a launch's start-up costs far more than a tiny case, it may end a
             # batch. On GPUs each keeps a launch of its own, as its measurements were taken.
             return (
-                resolve_device(c) == "cpu"
+                batchable(c)
+                and resolve_device(c) == "cpu"
                 and c.options.get("inject_fault") is None
-                and not c.own_launch
-                and c.repeats == 1
                 and not get_strategy(c.strategy).shares_launch
             )
 
