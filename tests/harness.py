@@ -20,10 +20,23 @@ from parabench.case import Case
 from parabench.distributed import run_on_gloo
 from parabench.meters.comm import CommMeter
 from parabench.models import global_batch
+from parabench.record import build_record
 from parabench.registry import get_strategy
 from parabench.topology import Topology
 from parabench.trainer import OptimConfig, TrainSpec
-from parabench.worker import local_batches, make_spec
+from parabench.worker import local_batches, make_spec, run_case
+
+
+def record_on_gloo(case: Case) -> dict:
+    """The case's record as the runner builds it, from the worker's ``run_case`` on ``world_size``
+    ranks forked off the gloo test server: what a torchrun launch would record, without its ~10 s
+    of start-up."""
+    raw = run_on_gloo(_run_case, case.world_size, case.to_dict())[0]
+    return build_record(case, "ok", raw)
+
+
+def _run_case(case: dict) -> dict | None:
+    return run_case(Case.from_dict(case), torch.device("cpu"))
 
 
 def train_rank(

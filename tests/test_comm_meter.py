@@ -5,13 +5,12 @@ import os
 
 import torch
 import torch.distributed as dist
+from harness import record_on_gloo
 
 from parabench.case import Case
 from parabench.distributed import run_on_gloo
 from parabench.meters import flight_recorder
 from parabench.meters.comm import CommMeter
-from parabench.record import build_record
-from parabench.worker import run_case
 from reference_impls._compat import all_gather_into, reduce_scatter_into
 
 
@@ -57,17 +56,6 @@ def test_meter_sees_every_op_kind_with_payload_conventions():
     assert fr["all_gather"]["payload_bytes"] >= 8000
 
 
-def _record(case: Case) -> dict:
-    """The case's record, as the runner builds it, from ranks forked off the gloo test server (the
-    traffic does not depend on the launcher, and a torchrun launch per world size costs ~10 s)."""
-    raw = run_on_gloo(_run_case, case.world_size, case.to_dict())[0]
-    return build_record(case, "ok", raw)
-
-
-def _run_case(case: dict) -> dict | None:
-    return run_case(Case.from_dict(case), torch.device("cpu"))
-
-
 def test_bf16_tensor_and_pipeline_parallel_traffic_matches_theory():
     """Under autocast (the "amp" recipe), g's forward all-reduces (with SP: the forward reduce-scatters and their
     backward all-gathers; expert parallelism's token rows) travel in bf16 while f's backward, the embedding, the cross-entropy and the
@@ -94,7 +82,7 @@ def test_bf16_tensor_and_pipeline_parallel_traffic_matches_theory():
         ),
         Case(model="tiny-moe", strategy="ref.ep", world_size=2, micro_batch=4, **amp),
     ]
-    records = [_record(c) for c in cases]
+    records = [record_on_gloo(c) for c in cases]  # the traffic does not depend on the launcher
     for r in records:
         assert r["status"] == "ok" and r["checks"]["comm_ok"] is True, (r["label"], r["checks"].get("comm_per_rank"))
     tp = next(r for r in records if r["case"]["strategy"] == "ref.tp")

@@ -7,6 +7,7 @@ import gc
 import time
 
 import torch
+from harness import record_on_gloo
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parabench.case import Case
@@ -58,10 +59,6 @@ def test_cpu_use_tells_a_busy_thread_from_a_blocked_one():
     assert host.cpu_use(None, host.cpu_times(), steps=2) is None
 
 
-def _run(case: dict) -> dict | None:
-    return run_case(Case.from_dict(case), torch.device("cpu"))
-
-
 def test_every_rank_records_its_host_before_and_after_the_timed_steps():
     case = Case(
         model="tiny",
@@ -73,8 +70,7 @@ def test_every_rank_records_its_host_before_and_after_the_timed_steps():
         device="cpu",
         options={"roofline": False, "telemetry": False},
     )
-    raw = run_on_gloo(_run, 2, case.to_dict())[0]
-    record = build_record(case, "ok", raw)
+    record = record_on_gloo(case)
     probes = [r["host_probe"] for r in record["per_rank"]]
     assert [sorted(p) for p in probes] == [["after", "before"]] * 2
     values = [p[when]["dispatch_us"] for p in probes for when in ("before", "after")]
