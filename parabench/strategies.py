@@ -80,6 +80,22 @@ def _fits(value, tp) -> bool:
     return isinstance(value, typing.get_origin(tp) or tp)
 
 
+def _string_choices(tp) -> list[str]:
+    """The strings a type admits (its Literal arguments, inside a union too)."""
+    if typing.get_origin(tp) is Literal:
+        return [a for a in typing.get_args(tp) if isinstance(a, str)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return [c for a in typing.get_args(tp) for c in _string_choices(a)]
+    return []
+
+
+# What an option's string form means, where a number or a word may be given (the error names it).
+OPTION_VALUE_NOTES = {
+    "shard_size": "'node' means the data-parallel ranks of one node, resolved when the run starts",
+    "hpz_partition_size": "'node' means the data-parallel ranks of one node, resolved when the run starts",
+}
+
+
 @functools.cache
 def _option_fields(cls) -> tuple[dict, frozenset]:
     """An options class's resolved type hints and field names, resolved once per class (string
@@ -182,10 +198,10 @@ class CommonOptions:
                     f"{', '.join(sorted(known))}"
                 )
             if not _fits(value, hints[key]):
-                choices = [a for a in typing.get_args(hints[key]) if isinstance(a, str)]
-                close = closest_names(value, choices) if isinstance(value, str) else []
+                close = closest_names(value, _string_choices(hints[key])) if isinstance(value, str) else []
                 hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-                raise ValueError(f"option {key} must be {_type_name(hints[key])}, got {value!r}{hint}")
+                note = f" ({OPTION_VALUE_NOTES[key]})" if key in OPTION_VALUE_NOTES else ""
+                raise ValueError(f"option {key} must be {_type_name(hints[key])}{note}, got {value!r}{hint}")
             check_option_range(key, value)
         return cls(**options)
 

@@ -31,7 +31,9 @@ from parabench.theory import (
 
 @dataclass(frozen=True)
 class ShardedOptions(DataParallelOptions):
-    shard_size: int = 2  # hybrid shard: ranks per shard group (replicas across them)
+    # hybrid shard: ranks per shard group (replicas across them); "node": the data-parallel ranks of
+    # one node, resolved by the runner from its launch (parabench.multinode.resolve_node_options)
+    shard_size: int | Literal["node"] = 2
     prefetch: bool = True  # reference FSDP/ZeRO-3: all-gather the next block ahead of time
     in_flight: int = 2  # reference FSDP/ZeRO-3: gradient reduce-scatters outstanding at once
     reshard_after_forward: bool = True  # torch FSDP2: free gathered parameters after forward
@@ -66,7 +68,9 @@ class ZeroPPSwitches:
 
     qwz: bool = False  # Sec. 3.1: weights all-gathered as block-wise int8 + fp32 scales
     hpz: bool = False  # Sec. 3.2: secondary weight partition; backward all-gathers inside it
-    hpz_partition_size: int = 2  # hpZ: ranks per secondary partition (a stand-in for a node's GPUs)
+    # hpZ: ranks per secondary partition (a stand-in for a node's GPUs); "node": the data-parallel
+    # ranks of one node, resolved as shard_size's
+    hpz_partition_size: int | Literal["node"] = 2
     qgz: bool = False  # Sec. 3.3: gradient reduce-scatter -> all-to-all of quantized chunks
 
 
@@ -112,7 +116,8 @@ class DeepSpeedNVMeOptions(DeepSpeedZeroOptions):
 
 
 def validate_zeropp(case, o, cfg) -> None:
-    if o.hpz and (o.hpz_partition_size < 1 or case.dp % o.hpz_partition_size):
+    unresolved = o.hpz_partition_size == "node"  # checked once the runner resolves it for its nodes
+    if o.hpz and not unresolved and (o.hpz_partition_size < 1 or case.dp % o.hpz_partition_size):
         raise ValueError(
             f"{case.strategy}: hpz_partition_size {o.hpz_partition_size} must divide the data-parallel degree {case.dp}"
         )
