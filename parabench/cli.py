@@ -197,6 +197,13 @@ def _run_suite(suite: Suite, args) -> int:
             return _interrupted(exc)
     else:
         launch = _launch_options(args)
+        from parabench.multinode import resolve_node_options
+
+        try:  # options "node" take their sizes from --nnodes (the runner does it again, a no-op then)
+            suite.cases = resolve_node_options(suite.cases, launch.nnodes)
+        except SuiteError as exc:
+            print(f"parabench: error: {exc}; nothing was run", file=sys.stderr)
+            return 2
         if args.no_skips:
             from parabench.runner import skip_reason
 

@@ -29,7 +29,10 @@ and its runner starts one torchrun agent per launch, as on one node. What parabe
 meter splits bytes into intra- and inter-node with it, the theory states the same split
 (``theory_by_link``), the hierarchical all-reduce builds its groups from it
 (``reference_impls.collectives.node_groups``), and the runner warns where HSDP's shard groups or
-hpZ's partitions (consecutive ranks) would straddle nodes (``placement_note``).
+hpZ's partitions (consecutive ranks) would straddle nodes (``placement_note``). Option value
+``"node"`` for ``shard_size`` and ``hpz_partition_size`` asks for groups of one node's data-parallel
+ranks; the runner resolves it to the integer for its ``--nnodes`` before anything is hashed or
+recorded (``resolve_node_options``).
 
 On one GPU host, ``emulation_env`` splits the GPUs into emulated nodes whose traffic crosses the
 "node" boundary through sockets (see its docstring); the manifest records it as an emulation.
@@ -322,7 +325,10 @@ def shard_size(strategy: str, options: dict) -> int:
     """HSDP's shard group size for these options, the strategy's default where they name none."""
     from parabench.registry import get_strategy
 
-    return int(get_strategy(strategy).options.read(options).shard_size)
+    value = get_strategy(strategy).options.read(options).shard_size
+    if value == NODE:
+        raise ValueError("shard_size 'node' has no size before the runner resolves it (resolve_node_options)")
+    return int(value)
 
 
 def kind_groups(case, world: int) -> dict[str, list[int]] | None:
@@ -422,10 +428,74 @@ def placement_note(case, nnodes: int) -> str | None:
         inner = ("hpz_partition_size", int(case.options.get("hpz_partition_size", 2)))
     if inner is None:
         return None
-    span = inner[1] * case.options.get("pp", 1) * case.options.get("tp", 1)
-    if per_node % span == 0:
+    model_span = case.options.get("pp", 1) * case.options.get("tp", 1)
+    if per_node % (inner[1] * model_span) == 0:
         return None
+    fits = f' ({inner[0]} {per_node // model_span}, or "node", keeps them inside a node)'
     return (
         f"{case.label}: {inner[0]} {inner[1]} groups straddle the nodes of {per_node} ranks; their traffic crosses "
-        f"the slow link ({inner[0]} {per_node} keeps them inside a node)"
+        f"the slow link" + (fits if per_node % model_span == 0 else "")
     )
+
+
+# -- groups of one node's ranks ---------------------------------------------------------------------
+
+NODE = "node"  # option value: the data-parallel ranks of one node
+NODE_OPTIONS = ("shard_size", "hpz_partition_size")  # the options that take it
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+def node_layout_text(world_size: int, nnodes: int) -> str:
+    """``4 nodes of 1 rank``: the launch layout, as messages name it."""
+    return f"{nnodes} node{'' if nnodes == 1 else 's'} of {_ranks(world_size // nnodes)}"
+
+
+def node_group_size(key: str, world_size: int, nnodes: int, pp: int = 1, tp: int = 1) -> int:
+    """Option ``key = "node"`` on ``nnodes`` nodes: one node's data-parallel ranks, the ranks per
+    node over the model-parallel span, (world_size // nnodes) // (pp x tp); ValueError where a node
+    holds no whole number of model-parallel groups."""
+    if world_size % nnodes:
+        raise ValueError(f"{key} 'node': world_size {world_size} does not split into {nnodes} nodes of equal size")
+    per_node, span = world_size // nnodes, pp * tp
+    if per_node % span:
+        raise ValueError(
+            f"{key} 'node' is undefined on {node_layout_text(world_size, nnodes)}: a node does not hold whole "
+            f"model-parallel groups of pp x tp = {pp} x {tp} = {span} ranks"
+        )
+    return per_node // span
+
+
+def resolve_node_options(cases, nnodes: int) -> list:
+    """``cases`` with every ``"node"`` option (``NODE_OPTIONS``) replaced by its integer on ``nnodes``
+    nodes (``node_group_size``; one node: the whole data-parallel degree), so the hash, the label and
+    the record name the size that ran and every node of a launch derives the same cases. A resolved
+    case is validated again: a SuiteError names the case, the value and the layout. Cases that then
+    coincide run once, in every scaling series either belonged to (as ``load_suite`` merges them)."""
+    from dataclasses import replace
+
+    from parabench.suite import SuiteError, validate_case
+
+    out: dict[str, object] = {}
+    for case in cases:
+        keys = [k for k in NODE_OPTIONS if case.options.get(k) == NODE]
+        if keys:
+            pp, tp = case.options.get("pp", 1), case.options.get("tp", 1)
+            try:
+                values = {k: node_group_size(k, case.world_size, nnodes, pp, tp) for k in keys}
+            except ValueError as exc:
+                raise SuiteError(f"{case.label}: {exc}") from None
+            resolved = replace(case, options={**case.options, **values})
+            try:
+                validate_case(resolved)
+            except ValueError as exc:
+                sizes = ", ".join(f"{k} 'node' is {v}" for k, v in values.items())
+                layout = node_layout_text(case.world_size, nnodes)
+                raise SuiteError(f"{case.label}: {sizes} on {layout}: {exc}") from None
+            case = resolved
+        first = out.setdefault(case.case_hash, case)
+        if first is not case and first.scaling != case.scaling:
+            out[case.case_hash] = replace(first, scaling=first.scaling + case.scaling)
+    return list(out.values())

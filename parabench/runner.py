@@ -312,10 +312,13 @@ class Runner(LaunchOwner):
         if self.node_rank > 0:  # the records are node 0's: this node keeps its logs and scratch apart
             run_dir = Path(run_dir) / "nodes" / str(self.node_rank)
         super().__init__(run_dir, say)
-        self.suite, self.launch = suite, launch
+        # Options "node" become this launch layout's sizes before any case is hashed, fingerprinted
+        # or recorded (a SuiteError naming the layout where one cannot run on it)
+        self.suite = replace(suite, cases=multinode.resolve_node_options(suite.cases, launch.nnodes))
+        self.launch = launch
         # The label column fits the suite's longest label, up to LABEL_WIDTH_MAX (longer ones are
         # cut with an ellipsis on ok rows; failure rows keep them whole).
-        self.label_width = min(max((len(c.label) for c in suite.cases), default=0), LABEL_WIDTH_MAX)
+        self.label_width = min(max((len(c.label) for c in self.suite.cases), default=0), LABEL_WIDTH_MAX)
         self.resume, self.retry_failed = resume, retry_failed
         self.logs = self.run_dir / "logs"
         self.n_launches = 0

@@ -48,6 +48,7 @@ def _relative(path) -> str:
 def predict_suite(path, kind: str = "h100", calibration: str | None = None, calibration_dir=None) -> dict:
     """Every case of the suite at ``path`` predicted by ``kind``'s calibration (or the calibration
     file ``calibration``; or the kind's in ``calibration_dir``), keyed by case hash."""
+    from parabench.multinode import resolve_node_options
     from parabench.plan import calibrate as C
     from parabench.plan import model as M
     from parabench.plan import workload as W
@@ -59,6 +60,8 @@ def predict_suite(path, kind: str = "h100", calibration: str | None = None, cali
     if cal is None:
         raise C.CalibrationError(f"no calibration for {kind!r} (parabench calibrate --gpu ...)")
     suite = load_suite(str(path))
+    # the calibration prices one machine: options "node" are its whole data-parallel degree
+    suite.cases = resolve_node_options(suite.cases, 1)
     rows = []
     for case in suite.cases:
         cfg = model_config(case.model, case.seq_len, layout=case.layout)
