@@ -3,12 +3,14 @@
 
 - the smoke suite's HSDP cases (shard group inside a node, replicas across) as 2 nodes x 2
   processes give the same losses and per-rank bytes as the smoke run's 1 x 4, recorded once, by node 0;
+- a "node"-sized hpZ partition is recorded as the size the 2 nodes resolved it to;
 - a node with another suite, a node that never arrives and a node killed mid-case each end with
   one clear message, and no process of any node is left behind.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from parabench import multinode
 from parabench.distributed import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,6 +129,29 @@ def test_two_nodes_equal_one_node(smoke_run, tmp_path):
         split = rec["per_rank"][0]["comm"]["by_link"]
         assert split["intra_node"]["wire_bytes"] > 0 and split["inter_node"]["wire_bytes"] > 0
         assert base["per_rank"][0]["comm"]["by_link"]["inter_node"]["wire_bytes"] == 0
+    _no_orphans(mark)
+
+
+def test_node_groups_resolve_to_the_nodes_ranks(tmp_path):
+    """hpz_partition_size "node" on 2 nodes of 1 process runs and records hpz_partition_size 1 (its
+    hash, its label), where the default 2 would straddle the nodes: no such warning."""
+    from parabench.suite import load_suite
+
+    mark, port = uuid.uuid4().hex, free_port()
+    extra = 'options = {hpz = true, hpz_partition_size = "node"}\n'
+    suite = tmp_path / "mn.toml"
+    suite.write_text(TINY_SUITE.format(name="mn", matrix=DDP.format(strategy="ref.zeropp", extra=extra)))
+    (written,) = load_suite(str(suite)).cases
+    straddling = dataclasses.replace(written, options={"hpz": True})
+    assert "straddle" in multinode.placement_note(straddling, 2)
+    nodes = [_node(suite, tmp_path, r, port, mark, "--rdzv-timeout", "60") for r in (0, 1)]
+    (rc0, out0), (rc1, out1) = _finish(nodes)
+    assert rc0 == 0 and rc1 == 0, out0[-3000:] + out1[-3000:]
+    assert "straddle" not in out0 + out1
+    (record,) = _records(tmp_path / "mn" / "t").values()
+    ran = dataclasses.replace(written, options={"hpz": True, "hpz_partition_size": 1})
+    assert record["status"] == "ok" and record["case"]["options"] == ran.options
+    assert record["case_hash"] == ran.case_hash and record["label"] == ran.label
     _no_orphans(mark)
 
 

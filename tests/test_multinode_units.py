@@ -1,10 +1,11 @@
 """The node-aware pieces without a launch: the hierarchical all-reduce and the intra/inter-node
 split of the communication meter (4 gloo processes laid out as 2 emulated nodes of 2), the
-theory of that split, the rendezvous-failure messages, the GPU emulation's environment and the
-sbatch script."""
+theory of that split, the rendezvous-failure messages, the GPU emulation's environment, the
+sbatch script, and the "node" option sizes resolved from the launch layout."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -226,6 +227,7 @@ def test_placement_note_when_inner_groups_straddle_nodes():
         strategy="ref.zeropp", world_size=8, options={"hpz": True, "hpz_partition_size": 8}, label="z"
     )
     assert "hpz_partition_size 8" in multinode.placement_note(hpz, 2)
+    assert '(shard_size 2, or "node", keeps them inside a node)' in note
     assert multinode.placement_note(case, 1) is None
 
 
@@ -276,3 +278,74 @@ def test_the_report_says_a_run_emulated_its_nodes(tmp_path):
     manifest["emulation"] = {**multinode.emulation_manifest(2, 2, "socket"), "note": "nodes emulated on one host"}
     (run / "manifest.json").write_text(json.dumps(manifest))
     assert "nodes emulated on one host" in render_report([run], with_figures=False)
+
+
+def test_node_group_size_is_one_nodes_data_parallel_ranks():
+    assert multinode.node_group_size("shard_size", 4, 1) == 4  # one node: the whole data-parallel degree
+    assert multinode.node_group_size("shard_size", 4, 2) == 2  # 2 nodes x 2 ranks
+    assert multinode.node_group_size("hpz_partition_size", 16, 2, pp=2, tp=2) == 2  # 8 ranks a node over pp x tp
+    assert multinode.node_group_size("shard_size", 4, 4) == 1  # 4 nodes of 1 rank
+    with pytest.raises(ValueError, match=r"undefined on 4 nodes of 2 ranks: .* pp x tp = 1 x 4 = 4 ranks"):
+        multinode.node_group_size("shard_size", 8, 4, tp=4)
+    with pytest.raises(ValueError, match="world_size 6 does not split into 4 nodes"):
+        multinode.node_group_size("shard_size", 6, 4)
+
+
+def _case(strategy: str, **options):
+    from parabench.case import Case
+
+    return Case(model="tiny", strategy=strategy, world_size=4, device="cpu", options=options)
+
+
+def test_resolve_node_options_names_the_integer_that_runs():
+    hsdp = _case("ref.hsdp", shard_size="node")
+    for nnodes, size in ((1, 4), (2, 2), (4, 1)):
+        (resolved,) = multinode.resolve_node_options([hsdp], nnodes)
+        same = _case("ref.hsdp", shard_size=size)
+        assert resolved.options == {"shard_size": size}
+        assert resolved.label == same.label and resolved.case_hash == same.case_hash
+    zeropp = _case("ref.zeropp", hpz=True, hpz_partition_size="node", qgz=True)
+    (resolved,) = multinode.resolve_node_options([zeropp], 2)
+    assert resolved.options == {"hpz": True, "hpz_partition_size": 2, "qgz": True}
+    # a case that becomes another of the suite runs once, in both its series
+    a, b = _case("ref.hsdp", shard_size=2), dataclasses.replace(hsdp, scaling=("weak",))
+    (only,) = multinode.resolve_node_options([a, b], 2)
+    assert only.options == {"shard_size": 2} and only.scaling == ("weak",)
+    assert multinode.suite_fingerprint(multinode.resolve_node_options([hsdp], 2)) == multinode.suite_fingerprint([a])
+    assert multinode.placement_note(multinode.resolve_node_options([hsdp], 2)[0], 2) is None
+
+
+def test_resolve_node_options_refuses_a_size_the_layout_cannot_run():
+    from parabench.suite import SuiteError
+
+    ds = _case("deepspeed.zeropp", hpz=True, hpz_partition_size="node")
+    assert multinode.resolve_node_options([ds], 2)[0].options["hpz_partition_size"] == 2
+    with pytest.raises(SuiteError) as err:
+        multinode.resolve_node_options([ds], 4)
+    msg = str(err.value)
+    assert msg.startswith(ds.label) and "hpz_partition_size 'node' is 1 on 4 nodes of 1 rank" in msg, msg
+    assert "use hpz_partition_size >= 2" in msg
+    # ref.zeropp takes a secondary partition of 1
+    ref = _case("ref.zeropp", hpz=True, hpz_partition_size="node")
+    assert multinode.resolve_node_options([ref], 4)[0].options["hpz_partition_size"] == 1
+    with pytest.raises(SuiteError, match="shard_size 'node': world_size 4 does not split into 3 nodes"):
+        multinode.resolve_node_options([_case("torch.hsdp", shard_size="node")], 3)
+
+
+def test_the_runner_and_run_case_resolve_node_before_anything_runs(tmp_path, capsys):
+    from parabench.cli import main
+    from parabench.launch import LaunchOptions
+    from parabench.runner import Runner
+    from parabench.suite import Suite
+
+    suite = Suite("s", tmp_path / "s.toml", "", [_case("ref.hsdp", shard_size="node")])
+    runner = Runner(suite, tmp_path / "r", LaunchOptions(nnodes=2, node_rank=0))
+    assert [c.options for c in runner.suite.cases] == [{"shard_size": 2}]
+    assert suite.cases[0].options == {"shard_size": "node"}  # the caller's suite is left as it was
+    options = json.dumps({"hpz": True, "hpz_partition_size": "node"})
+    argv = ["run", "case", "--model", "tiny", "--strategy", "deepspeed.zeropp", "--world-size", "4"]
+    argv += ["--device", "cpu", "--options", options, "--out", str(tmp_path / "out"), "--no-report"]
+    rc = main([*argv, "--nnodes", "4", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "hpz_partition_size 'node' is 1 on 4 nodes of 1 rank" in err and "nothing was run" in err, err
+    assert not (tmp_path / "out").exists()

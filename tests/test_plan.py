@@ -902,6 +902,21 @@ def test_predict_suite_writes_one_prediction_per_case(tmp_path):
     assert out["calibration_runs"] == calibration["runs"]
 
 
+def test_predict_suite_prices_node_groups_as_one_node(tmp_path):
+    """shard_size "node" is one machine's data-parallel degree to the calibration, as a one-node run resolves it."""
+    from parabench.plan.check import predict_suite
+
+    suite = tmp_path / "node.toml"
+    suite.write_text(
+        '[suite]\nname = "node"\ndevice = "cuda"\nprecision = "bf16"\nseq_len = 2048\n\n'
+        '[[matrix]]\nmodel = "gpt-1.3b"\nstrategy = "torch.hsdp"\nworld_size = 4\nmicro_batch = 4\n'
+        'options = {shard_size = "node"}\n'
+    )
+    (row,) = predict_suite(str(suite))["predictions"]
+    assert row["case"]["options"]["shard_size"] == 4 and "shard_size=4" in row["label"]
+    assert row["tokens_per_s_per_device"] > 0
+
+
 def test_preregistered_comparison_matches_every_case_of_the_run_by_hash():
     from parabench.plan.validate import preregistered
 

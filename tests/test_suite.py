@@ -262,3 +262,33 @@ def test_every_registered_builder_resolves():
         if not callable(getattr(importlib.import_module(module), function, None)):
             missing.append(f"{name} -> {spec.builder}")
     assert not missing, missing
+
+
+def test_node_groups_parse_and_a_misspelt_form_names_file_and_value(tmp_path):
+    """shard_size and hpz_partition_size take "node" (resolved by the runner for its nodes), and only they."""
+    p = write(
+        tmp_path,
+        """
+        [[matrix]]
+        model = "tiny"
+        strategy = "ref.hsdp"
+        world_size = 4
+        options = {shard_size = "node"}
+        [[matrix]]
+        model = "tiny"
+        strategy = ["ref.zeropp", "deepspeed.zeropp"]
+        world_size = 4
+        options = {hpz = true, hpz_partition_size = "node"}
+        """,
+    )
+    cases = load_suite(str(p)).cases
+    assert [c.options.get("shard_size", c.options.get("hpz_partition_size")) for c in cases] == ["node"] * 3
+    assert "[shard_size=node]" in cases[0].label
+    bad = write(tmp_path, p.read_text().replace('shard_size = "node"', 'shard_size = "nodes"'), "bad.toml")
+    with pytest.raises(SuiteError) as err:
+        load_suite(str(bad))
+    msg = str(err.value)
+    assert str(bad) in msg and "option shard_size must be an int or 'node'" in msg and "got 'nodes'" in msg, msg
+    assert "did you mean 'node'?" in msg
+    with pytest.raises(ValueError, match="option bucket_mb must be a number, got 'node'"):
+        validate_case(Case(model="tiny", strategy="ref.hsdp", world_size=4, options={"bucket_mb": "node"}))
