@@ -115,10 +115,8 @@ def balanced_stage_layers(w: Workload, consts: dict) -> list[int] | None:
     seconds per micro-batch under ``pipeline_op_costs``. Those costs are linear in the block
     counts, so the pieces are read off it at the equal split and at one block moved from the first
     stage to the second: the block's cost, the first stage's extra (embedding gradient) and the
-    last's (head and loss). Then each stage gets one block and the rest go one at a time to the
-    stage whose cost grows to the least: exact for a min-max of equal increments (the largest of the
-    n smallest costs reachable), ties to the earlier stage, so equal extras give partition_layers'
-    equal split. None without a pipeline or with no block to move."""
+    last's (head and loss); ``reference_impls.pipeline_balance.balance_counts`` splits with them.
+    None without a pipeline or with no block to move."""
     if w.pp <= 1 or w.n_layers <= w.pp:
         return None
     equal = _chunk_layers(replace(w, stage_layers=None, virtual_stages=1))
@@ -131,13 +129,9 @@ def balanced_stage_layers(w: Workload, consts: dict) -> list[int] | None:
     block = at_equal[0] - at_moved[0]
     if block <= 0:
         return None
-    extra = [c - n * block for c, n in zip(at_equal, equal)]
-    split = [1] * w.pp
-    for _ in range(w.n_layers - w.pp):
-        # in whole blocks, rounded, so the subtraction's float noise cannot break a tie
-        grown = [round((n + 1) + e / block, 9) for n, e in zip(split, extra)]
-        split[grown.index(min(grown))] += 1
-    return split
+    from reference_impls.pipeline_balance import balance_counts
+
+    return balance_counts(w.n_layers, [(c - n * block) / block for c, n in zip(at_equal, equal)])
 
 
 _ORDER_CACHE: dict = {}
