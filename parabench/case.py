@@ -85,6 +85,27 @@ class Case:
         missing = {k: v for k, v in self.recorded_defaults().items() if k not in self.options}
         if missing:
             object.__setattr__(self, "options", {**missing, **self.options})
+        if isinstance(self.options.get("stage_layers"), str):
+            # the split is the case's: its hash, label and record name the block counts that ran
+            object.__setattr__(self, "options", {**self.options, "stage_layers": self._balanced_stage_layers()})
+
+    def _balanced_stage_layers(self) -> list[int]:
+        """Option ``stage_layers = "balanced"``: the FLOP-balanced blocks per pipeline stage
+        (``reference_impls.pipeline_balance``) of this model, sequence and ``pp``."""
+        from reference_impls.pipeline_balance import BALANCED, flop_balanced_layers
+
+        value = self.options["stage_layers"]
+        if value != BALANCED:
+            raise ValueError(
+                f"option stage_layers={value!r}: give the blocks of each pipeline stage, e.g. [7, 6, 6, 5], "
+                f"or {BALANCED!r} for the split that evens the stages' FLOPs"
+            )
+        cfg, pp = self.model_config(), self.options.get("pp", 1)
+        if cfg.n_experts:
+            raise ValueError(f"option stage_layers={BALANCED!r} counts dense blocks; {self.model} has experts")
+        if not isinstance(pp, int) or isinstance(pp, bool) or not 1 <= pp <= cfg.n_layers:
+            raise ValueError(f"option stage_layers={BALANCED!r} needs pp from 1 to {cfg.n_layers}, not {pp!r}")
+        return flop_balanced_layers(cfg.n_layers, pp, cfg.d_model, cfg.seq_len, cfg.vocab_size, cfg.mlp_ratio)
 
     def recorded_defaults(self) -> dict:
         """The strategy's options that every case records even when left at their default."""

@@ -292,6 +292,9 @@ def load_suite(name_or_path: str) -> Suite:
                 continue  # ... and a layout axis in the model layouts it takes
             try:
                 case = Case(**spec)
+            except ValueError as exc:  # an option the case resolves when it is made (stage_layers)
+                fail(str(exc), "options", "matrix", mi)
+            try:
                 validate_case(case)
             except (SuiteError, TopologyError) as exc:
                 fail(str(exc), "strategy", "matrix", mi)

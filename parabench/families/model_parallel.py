@@ -44,8 +44,10 @@ class ModelParallelOptions(CommonOptions):
     record_timeline: bool = False  # one more untimed step records the pipeline timeline (CUDA events on a GPU)
     virtual_stages: int = 2  # ref.pp_interleaved / torch.pp_interleaved: model chunks per rank
     # Blocks per pipeline stage, e.g. [7, 6, 6, 5] (one stage per rank; not the interleaved
-    # schedules): fewer on the last stage, which also runs the head and loss. None: an equal split
-    # (reference_impls.pipeline.partition_layers). Reference and peers cut the same stages.
+    # schedules): fewer on the last stage, which also runs the head and loss. "balanced": the split
+    # that evens the stages' FLOPs (reference_impls.pipeline_balance), resolved into the case when
+    # it is made. None: an equal split (reference_impls.pipeline.partition_layers). Reference and
+    # peers cut the same stages.
     stage_layers: list[int] | None = None
 
     @property
