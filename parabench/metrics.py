@@ -35,6 +35,11 @@ Names carry their units. Conventions:
   seconds per step a rank's process spent in Python's garbage collector and its full (generation 2)
   collections (``parabench.meters.host.GcPauses``), the largest rank's; None in records made before
   they were measured.
+- ``pipeline_stage_imbalance``: the slowest pipeline stage's compute seconds over the stages' mean
+  (each stage's slowest rank), on the step its pipeline stats describe (``reference_impls.pipeline``
+  ``StageClock``: the timeline step of option ``record_timeline`` on a GPU, the last step on a CPU);
+  1.0 is balanced, and a pipeline runs at its slowest stage's pace. None without a pipeline, and on
+  a GPU where the stats timed kernel launches only.
 - Memory: the maximum over ranks of each rank's peak during the timed steps.
 - ``loss_scale`` (fp16 only, else None): see :func:`loss_scale_summary`; the fp16-vs-fp32 loss
   deviation of two records of the same case is :func:`loss_deviation` (for the report).
@@ -140,8 +145,25 @@ def summarize(case, raw: dict) -> dict:
         "host_gc_pause_s_per_step_max": largest_rank(per_rank, "host_gc", lambda g: g["pause_s_per_step"]),
         "host_gc_full_collections_max": largest_rank(per_rank, "host_gc", lambda g: g["collections_by_generation"][2]),
         "loss_scale": loss_scale_summary(raw.get("loss_scale")),
+        "pipeline_stage_imbalance": pipeline_stage_imbalance(per_rank),
         **telemetry_summary(per_rank, tokens_per_step * len(steps)),
     }
+
+
+def pipeline_stage_imbalance(per_rank: list[dict]) -> float | None:
+    """Largest over mean of the stages' compute seconds (module docstring); None unless every
+    pipeline rank's stats timed the device's work (``bubble_fraction_measured`` is None where they
+    timed launches only) and there are two stages or more."""
+    stats = [r.get("pipeline") for r in per_rank]
+    if not stats or any(not p or p.get("bubble_fraction_measured") is None for p in stats):
+        return None
+    by_stage: dict[int, float] = {}
+    for p in stats:
+        by_stage[p["stage"]] = max(by_stage.get(p["stage"], 0.0), p["compute_s"])
+    if len(by_stage) < 2:
+        return None
+    mean = sum(by_stage.values()) / len(by_stage)
+    return max(by_stage.values()) / mean if mean > 0 else None
 
 
 def window_summary(per_rank: list[dict], timed_tokens: int, world: int) -> dict:

@@ -207,12 +207,16 @@ def add_scaling_efficiency(rows: list[dict]) -> None:
 
 
 def pipeline_rows(r: dict) -> list[dict]:
-    """Per pipeline stage, measured vs theoretical bubble (``record.pipeline_stages``)."""
+    """Per pipeline stage, measured vs theoretical bubble (``record.pipeline_stages``), and where the
+    stage's clock timed the device's work (a measured bubble), its forward and backward (B + W)
+    milliseconds and ``load``, its compute over the mean stage's: the stage split's imbalance."""
     out = []
     for rank, p in pipeline_stages(r):
         meas, theo = as_number(p.get("bubble_fraction_measured")), as_number(p.get("bubble_fraction_theory"))
         if meas is None and theo is None:
             continue
+        by_kind = (p.get("compute_s_by_kind") or {}) if meas is not None else {}
+        timed = [as_number(v) for v in by_kind.values()]
         out.append(
             {
                 "rank": rank,
@@ -222,9 +226,21 @@ def pipeline_rows(r: dict) -> list[dict]:
                 "microbatches": p.get("microbatches"),
                 "measured": meas,
                 "theory": theo,
+                "forward_ms": _ms(by_kind.get("F")),
+                "backward_ms": _ms(sum(as_number(v) or 0.0 for k, v in by_kind.items() if k in ("B", "W")) or None),
+                "compute_s": sum(timed) if timed and None not in timed else None,
             }
         )
+    computes = [row["compute_s"] for row in out if row["compute_s"] is not None]
+    mean = sum(computes) / len(computes) if len(computes) > 1 and len(computes) == len(out) else None
+    for row in out:
+        row["load"] = row["compute_s"] / mean if mean else None
     return out
+
+
+def _ms(seconds) -> float | None:
+    v = as_number(seconds)
+    return v * 1000 if v is not None else None
 
 
 def comm_check_rows(runs) -> list[dict]:

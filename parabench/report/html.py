@@ -107,6 +107,9 @@ PIPE_COLUMNS = [
     ("microbatches", "micro-batches", "int"),
     ("measured_pct", "bubble % measured", "f2"),
     ("theory_pct", "bubble % theory", "f2"),
+    ("forward_ms", "forward ms", "f2"),
+    ("backward_ms", "backward ms", "f2"),
+    ("load", "compute / mean stage", "f3"),
 ]
 COLL_COLUMNS = [
     ("run", "run", "str"),
@@ -546,7 +549,18 @@ def render_report(
         for p in (r["pipeline"] or [])
     ]
     if pipe:
-        tables.append(_table("pipeline-table", "Pipeline bubbles", run_col + PIPE_COLUMNS, pipe))
+        tables.append(
+            _table(
+                "pipeline-table",
+                "Pipeline bubbles",
+                run_col + PIPE_COLUMNS,
+                pipe,
+                "Per stage: the share of its step spent waiting for a neighbour, measured and in theory; "
+                "its forward and backward (B + W) time and its compute over the mean stage's, where its clock "
+                "timed the device's work (on a GPU, option record_timeline). A pipeline runs at the pace of "
+                'its slowest stage; option stage_layers = "balanced" evens the stages\' FLOPs.',
+            )
+        )
     for spec in scaling_section.table_specs(runs, run_col):  # scaling series; bubbles against (p-1)/(m+p-1)
         tables.append(_table(**spec))
     for spec in cp_balance.table_specs(runs, run_col):  # ring attention: contiguous vs zig-zag balance
