@@ -10,18 +10,30 @@ at seq_len 32 on 2 ranks, [3, 1] (and [1, 3] once); tolerances as ``test_referen
 from __future__ import annotations
 
 import dataclasses
+import json
+import statistics
+from pathlib import Path
 
 import pytest
 from harness import assert_matches_single, payload_by_kind, run_cases
 
 from parabench.case import Case
+from parabench.metrics import pipeline_stage_imbalance
 from parabench.models import model_config
 from parabench.plan import model as M
 from parabench.plan.workload import for_config
 from parabench.registry import expected
-from parabench.suite import SuiteError, validate_case
+from parabench.report.frames import pipeline_rows
+from parabench.suite import SuiteError, load_suite, validate_case
 from reference_impls.pipeline import partition_layers
+from reference_impls.pipeline_balance import (
+    balance_counts,
+    block_flops_per_token,
+    flop_balanced_layers,
+    head_flops_per_token,
+)
 
+ROOT = Path(__file__).resolve().parent.parent
 N_STEPS = 3
 TOL = 1e-5
 PARAM_ATOL = 1e-5
@@ -53,6 +65,7 @@ def _held_blocks(trainer, case, record):
     else:  # DeepSpeed: its parameters under their GPT names
         names = list(trainer._names.values())
     record["blocks"] = sorted({int(n.split(".")[1]) for n in names if n.startswith("blocks.")})
+    record["pipeline"] = trainer.pipeline_stats()
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +190,140 @@ def test_planner_replays_the_split():
     assert uneven.state_bytes > equal.state_bytes  # the heaviest rank now holds 5 blocks and the embedding
     heavy_head = {"inv_rate": 1e-12, "logit_s": 1e-9}
     assert M.pipeline_factor(uneven, heavy_head) < M.pipeline_factor(equal, heavy_head)
+
+
+# --- option stage_layers = "balanced" --------------------------------------------------------------
+
+
+def _max_stage_cost(split, extras):
+    return max(n + e for n, e in zip(split, extras))
+
+
+def _compositions(n, parts):
+    """Every split of n blocks into ``parts`` stages of at least one block."""
+    if parts == 1:
+        yield [n]
+        return
+    for first in range(1, n - parts + 2):
+        for rest in _compositions(n - first, parts - 1):
+            yield [first, *rest]
+
+
+@pytest.mark.parametrize(
+    "n, extras",
+    [(6, [0.0, 0.0]), (7, [0.0, 0.0, 0.0]), (12, [0.0, 0.0, 0.0, 1.9]), (9, [0.4, 0.0, 2.6]), (24, [0.3, 0, 0, 3.5])],
+)
+def test_balance_counts_minimises_the_largest_stage(n, extras):
+    """Against every split: no other split has a smaller largest stage (blocks plus the stage's extra),
+    and with equal extras the split is partition_layers' equal one."""
+    split = balance_counts(n, extras)
+    assert sum(split) == n and min(split) >= 1
+    best = min(_max_stage_cost(c, extras) for c in _compositions(n, len(extras)))
+    assert _max_stage_cost(split, extras) == pytest.approx(best)
+    if not any(extras):
+        assert [hi - lo for lo, hi in partition_layers(n, len(extras))] == split
+
+
+def test_balanced_split_takes_blocks_off_the_head_stage():
+    """gpt-1.3b at sequence 2048: the head (2 d V = 2.1e8 FLOPs a token) weighs 1.9 blocks
+    (24 d^2 + 2 s d = 1.09e8). Of the 4-stage splits whose largest stage is 7 blocks, the middle
+    stages take 7 and the ends share the rest; gpt-350m's head is 3.5 blocks."""
+    cfg = model_config("gpt-1.3b", 2048)
+    assert head_flops_per_token(cfg.d_model, cfg.vocab_size) / block_flops_per_token(cfg.d_model, 2048) == (
+        pytest.approx(1.89, abs=0.01)
+    )
+    assert flop_balanced_layers(24, 4, cfg.d_model, 2048, cfg.vocab_size) == [6, 7, 7, 4]
+    assert flop_balanced_layers(24, 4, 1024, 2048, 50304) == [7, 7, 7, 3]
+    assert flop_balanced_layers(24, 1, 1024, 2048, 50304) == [24]
+
+
+@pytest.mark.parametrize("n_stages", [2, 3, 4, 5])
+@pytest.mark.parametrize("model", ["small", "gpt-350m", "gpt-1.3b"])
+def test_balanced_split_is_a_best_split_by_flops(model, n_stages):
+    """No split of 12 blocks has a smaller largest stage under the same FLOP costs."""
+    cfg = model_config(model, 2048)
+    extras = [0.0] * n_stages
+    extras[-1] = head_flops_per_token(cfg.d_model, cfg.vocab_size) / block_flops_per_token(cfg.d_model, 2048)
+    split = flop_balanced_layers(12, n_stages, cfg.d_model, 2048, cfg.vocab_size)
+    assert sum(split) == 12 and min(split) >= 1
+    best = min(_max_stage_cost(c, extras) for c in _compositions(12, n_stages))
+    assert _max_stage_cost(split, extras) == pytest.approx(best)
+
+
+def test_balanced_split_is_the_best_on_measured_stage_costs():
+    """The committed gpt-1.3b pp 4 timelines (ref.pp_1f1b, 8 micro-batches, equal / [7, 7, 6, 4] /
+    [7, 7, 7, 3], medians of five launches) give a block's cost and each end stage's excess over a
+    middle stage; on those costs no split has a smaller largest stage than the FLOP-balanced one,
+    and the study's hand-made [7, 7, 6, 4] is at least 3 % worse."""
+    run = ROOT / "results" / "studies" / "plan-retest-pipelines-h100x4" / "20261127-161154"
+    by_split: dict[tuple, list] = {}
+    for path in sorted((run / "cases").glob("*.json")):
+        rec = json.loads(path.read_text())
+        opts = rec["case"]["options"]
+        if rec["status"] != "ok" or rec["case"]["strategy"] != "ref.pp_1f1b" or opts.get("microbatches") != 8:
+            continue
+        stages = sorted((pr["pipeline"]["stage"], pr["pipeline"]["compute_s"]) for pr in rec["per_rank"])
+        by_split.setdefault(tuple(opts.get("stage_layers") or (6, 6, 6, 6)), []).append([c for _, c in stages])
+    assert set(by_split) == {(6, 6, 6, 6), (7, 7, 6, 4), (7, 7, 7, 3)}
+    median = {k: [statistics.median(col) for col in zip(*v)] for k, v in by_split.items()}
+    equal = median[(6, 6, 6, 6)]
+    block = median[(7, 7, 6, 4)][1] - equal[1]  # stage 1: one block more
+    # each stage's excess over a middle stage of the same blocks, in blocks: the embedding and the head
+    extras = [(equal[s] - (equal[1] + equal[2]) / 2) / block for s in range(4)]
+    assert 0.2 < extras[0] < 0.8 and 1.9 < extras[3] < 2.8
+    split = flop_balanced_layers(24, 4, 2048, 2048, 50304)
+    best = min(_max_stage_cost(c, extras) for c in _compositions(24, 4))
+    assert _max_stage_cost(split, extras) == pytest.approx(best, rel=0.02)
+    assert _max_stage_cost(split, extras) < 0.97 * _max_stage_cost([7, 7, 6, 4], extras)
+
+
+def test_balanced_option_resolves_into_the_case():
+    """The case names the split that runs: the same hash and label as the explicit counts, and a
+    misspelt value refused with its file and line."""
+    cfg = model_config("gpt-1.3b", 2048)
+    kw = dict(model="gpt-1.3b", strategy="ref.pp_1f1b", world_size=4, micro_batch=8, seq_len=2048)
+    balanced = Case(**kw, options={"pp": 4, "stage_layers": "balanced"})
+    explicit = Case(**kw, options={"pp": 4, "stage_layers": [6, 7, 7, 4]})
+    assert balanced.options["stage_layers"] == [6, 7, 7, 4] == flop_balanced_layers(24, 4, cfg.d_model, 2048, 50304)
+    assert balanced.case_hash == explicit.case_hash and balanced.label == explicit.label
+    validate_case(balanced)
+    with pytest.raises(ValueError, match="'balanced' for the split that evens"):
+        Case(**kw, options={"pp": 4, "stage_layers": "balance"})
+
+
+def test_misspelt_balanced_names_file_and_line(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text(
+        '[suite]\nname = "s"\ndevice = "cpu"\n\n[[matrix]]\nmodel = "small"\nstrategy = "ref.pp_1f1b"\n'
+        'world_size = 2\nmicro_batch = 4\noptions = { pp = 2, stage_layers = "balance" }\n'
+    )
+    with pytest.raises(SuiteError, match=r"s\.toml:10: field 'options'.*stage_layers='balance'"):
+        load_suite(str(path))
+
+
+def test_stage_imbalance_metric_reads_the_device_timed_stages():
+    """The slowest stage over the mean stage, each stage's slowest rank; None where a stage's
+    clock timed launches only (its measured bubble is None)."""
+
+    def rank(stage, compute_s, bubble=0.1):
+        return {"pipeline": {"stage": stage, "compute_s": compute_s, "bubble_fraction_measured": bubble}}
+
+    assert pipeline_stage_imbalance([rank(0, 1.0), rank(1, 1.5), rank(1, 1.4), rank(0, 0.9)]) == pytest.approx(1.2)
+    assert pipeline_stage_imbalance([rank(0, 1.0), rank(1, 1.5, bubble=None)]) is None
+    assert pipeline_stage_imbalance([{"pipeline": None}, rank(1, 1.0)]) is None
+    assert pipeline_stage_imbalance([rank(0, 1.0), rank(0, 1.0)]) is None  # one stage
+
+
+@pytest.mark.parametrize("name", ["ref.pp_1f1b", "ref.pp_zb"])
+def test_report_rows_show_each_stage_and_its_load(group, name):
+    """On a CPU the stage clock is the host's, exact: each stage's forward and backward time and its
+    compute over the mean, the [3, 1] split loading the first stage more."""
+    record = {
+        "device": {"type": "cpu"},
+        "per_rank": [{"rank": i, "pipeline": r["pipeline"]} for i, r in enumerate(group[name]["per_rank"])],
+    }
+    rows = pipeline_rows(record)
+    assert [row["stage"] for row in rows] == [0, 1]
+    assert all(row["forward_ms"] > 0 and row["backward_ms"] > 0 for row in rows)
+    assert rows[0]["load"] > 1 > rows[1]["load"]
+    assert sum(row["load"] for row in rows) == pytest.approx(2)
