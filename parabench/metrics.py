@@ -150,17 +150,22 @@ def summarize(case, raw: dict) -> dict:
     }
 
 
-def pipeline_stage_imbalance(per_rank: list[dict]) -> float | None:
-    """Largest over mean of the stages' compute seconds (module docstring); None unless every
-    pipeline rank's stats timed the device's work (``bubble_fraction_measured`` is None where they
-    timed launches only) and there are two stages or more."""
-    stats = [r.get("pipeline") for r in per_rank]
+def stage_compute_s(stats: list[dict | None]) -> dict[int, float] | None:
+    """Each pipeline stage's compute seconds (its slowest rank's) from the ranks' pipeline stats;
+    None unless every rank's stats timed the device's work (``bubble_fraction_measured`` is None
+    where they timed launches only) and there are two stages or more."""
     if not stats or any(not p or p.get("bubble_fraction_measured") is None for p in stats):
         return None
     by_stage: dict[int, float] = {}
     for p in stats:
         by_stage[p["stage"]] = max(by_stage.get(p["stage"], 0.0), p["compute_s"])
-    if len(by_stage) < 2:
+    return by_stage if len(by_stage) > 1 else None
+
+
+def pipeline_stage_imbalance(per_rank: list[dict]) -> float | None:
+    """Largest over mean of the stages' compute seconds (module docstring, ``stage_compute_s``)."""
+    by_stage = stage_compute_s([r.get("pipeline") for r in per_rank])
+    if not by_stage:
         return None
     mean = sum(by_stage.values()) / len(by_stage)
     return max(by_stage.values()) / mean if mean > 0 else None

@@ -90,10 +90,8 @@ def _string_choices(tp) -> list[str]:
 
 
 # What an option's string form means, where a number or a word may be given (the error names it).
-OPTION_VALUE_NOTES = {
-    "shard_size": "'node' means the data-parallel ranks of one node, resolved when the run starts",
-    "hpz_partition_size": "'node' means the data-parallel ranks of one node, resolved when the run starts",
-}
+_NODE_NOTE = "'node' means the data-parallel ranks of one node, resolved when the run starts"
+OPTION_VALUE_NOTES = {"shard_size": _NODE_NOTE, "hpz_partition_size": _NODE_NOTE}
 
 
 @functools.cache

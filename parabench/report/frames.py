@@ -12,6 +12,7 @@ from pathlib import Path
 from parabench import pipeline_sim
 from parabench.data import case_row
 from parabench.matmul_ceiling import fraction_of_ceiling
+from parabench.metrics import stage_compute_s
 from parabench.recipes import recipe_name
 from parabench.record import byte_high, pipeline_stages, rank0_comm
 from parabench.registry import grad_reduce_dtype, recipe_of
@@ -208,15 +209,18 @@ def add_scaling_efficiency(rows: list[dict]) -> None:
 
 def pipeline_rows(r: dict) -> list[dict]:
     """Per pipeline stage, measured vs theoretical bubble (``record.pipeline_stages``), and where the
-    stage's clock timed the device's work (a measured bubble), its forward and backward (B + W)
-    milliseconds and ``load``, its compute over the mean stage's: the stage split's imbalance."""
+    stages' clocks timed the device's work (a measured bubble), each one's forward and backward
+    (B + W) milliseconds and ``load``, its compute over the mean stage's (``metrics.stage_compute_s``,
+    whose largest is the record's ``pipeline_stage_imbalance``)."""
+    stages = pipeline_stages(r)
+    by_stage = stage_compute_s([p for _, p in stages])
+    mean = sum(by_stage.values()) / len(by_stage) if by_stage else None
     out = []
-    for rank, p in pipeline_stages(r):
+    for rank, p in stages:
         meas, theo = as_number(p.get("bubble_fraction_measured")), as_number(p.get("bubble_fraction_theory"))
         if meas is None and theo is None:
             continue
         by_kind = (p.get("compute_s_by_kind") or {}) if meas is not None else {}
-        timed = [as_number(v) for v in by_kind.values()]
         out.append(
             {
                 "rank": rank,
@@ -228,19 +232,10 @@ def pipeline_rows(r: dict) -> list[dict]:
                 "theory": theo,
                 "forward_ms": _ms(by_kind.get("F")),
                 "backward_ms": _ms(sum(as_number(v) or 0.0 for k, v in by_kind.items() if k in ("B", "W")) or None),
-                "compute_s": sum(timed) if timed and None not in timed else None,
+                "load": p["compute_s"] / mean if mean else None,
             }
         )
-    computes = [row["compute_s"] for row in out if row["compute_s"] is not None]
-    mean = sum(computes) / len(computes) if len(computes) > 1 and len(computes) == len(out) else None
-    for row in out:
-        row["load"] = row["compute_s"] / mean if mean else None
     return out
-
-
-def _ms(seconds) -> float | None:
-    v = as_number(seconds)
-    return v * 1000 if v is not None else None
 
 
 def comm_check_rows(runs) -> list[dict]:
