@@ -64,7 +64,8 @@ THEORY_KEYS: dict[str, str] = {
     "comm_payload_bytes": "rank 0's payload bytes per collective kind",
     "comm_payload_bytes_per_rank": "the same per rank where ranks differ",
     "comm_exact_from": "set when routed traffic was made exact from the recorded routing",
-    "pipeline": "{schedule, microbatches, bubble_fraction, peak_live_microbatches_per_stage} for pp > 1",
+    "pipeline": "{schedule, microbatches, bubble_fraction, peak_live_microbatches_per_stage, "
+    "stage_imbalance_flops (one stage per rank)} for pp > 1",
     "notes": "what the expectation assumes",
 }
 

@@ -62,6 +62,17 @@ def head_flops_per_token(d_model: int, vocab_size: int) -> float:
     return 2 * d_model * vocab_size
 
 
+def flop_stage_imbalance(
+    stage_layers: list[int], d_model: int, seq_len: int, vocab_size: int, mlp_ratio: int = 4
+) -> float:
+    """The largest stage's forward FLOPs over the mean stage's, for blocks per stage ``stage_layers``
+    and the head on the last stage: the analytic value beside a record's measured
+    ``pipeline_stage_imbalance``."""
+    head = head_flops_per_token(d_model, vocab_size) / block_flops_per_token(d_model, seq_len, mlp_ratio)
+    costs = [*stage_layers[:-1], stage_layers[-1] + head]
+    return max(costs) * len(costs) / sum(costs)
+
+
 def flop_balanced_layers(
     n_layers: int, n_stages: int, d_model: int, seq_len: int, vocab_size: int, mlp_ratio: int = 4
 ) -> list[int]:

@@ -327,3 +327,25 @@ def test_report_rows_show_each_stage_and_its_load(group, name):
     assert all(row["forward_ms"] > 0 and row["backward_ms"] > 0 for row in rows)
     assert rows[0]["load"] > 1 > rows[1]["load"]
     assert sum(row["load"] for row in rows) == pytest.approx(2)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_theory_states_the_splits_flop_imbalance(name):
+    """Every one-stage-per-rank pipeline's expectation carries its split's FLOP imbalance: the
+    largest stage's blocks (the head counted on the last) over the mean stage's."""
+    case = CASES[name]
+    cfg = model_config(case.model, case.seq_len)
+    head = head_flops_per_token(cfg.d_model, cfg.vocab_size) / block_flops_per_token(cfg.d_model, case.seq_len)
+    counts = case.options["stage_layers"]
+    costs = [counts[0], counts[1] + head]
+    assert expected(case, cfg, 1)["pipeline"]["stage_imbalance_flops"] == pytest.approx(max(costs) / (sum(costs) / 2))
+
+
+def test_balanced_split_lowers_the_flop_imbalance():
+    """gpt-1.3b on 4 stages: equal blocks leave the head's stage 1.22x the mean, [6, 7, 7, 4] 1.08x."""
+    cfg = model_config("gpt-1.3b", 2048)
+    kw = dict(model="gpt-1.3b", strategy="ref.pp_1f1b", world_size=4, micro_batch=8, seq_len=2048)
+    equal = expected(Case(**kw, options={"pp": 4}), cfg, 1)["pipeline"]["stage_imbalance_flops"]
+    balanced = expected(Case(**kw, options={"pp": 4, "stage_layers": "balanced"}), cfg, 1)["pipeline"]
+    assert equal == pytest.approx(1.219, abs=0.002)
+    assert balanced["stage_imbalance_flops"] == pytest.approx(1.081, abs=0.002)

@@ -290,6 +290,15 @@ def zero_bubble_pipeline(p: int, n_micro: int) -> dict:
     }
 
 
+def stage_imbalance_flops(cfg: GPTConfig, p: int, stage_layers: list[int] | None) -> float:
+    """The split's largest stage over the mean stage by forward FLOPs (reference_impls.pipeline_balance)."""
+    from reference_impls.pipeline import partition_layers
+    from reference_impls.pipeline_balance import flop_stage_imbalance
+
+    counts = [hi - lo for lo, hi in partition_layers(cfg.n_layers, p, stage_layers)]
+    return flop_stage_imbalance(counts, cfg.d_model, cfg.seq_len, cfg.vocab_size, cfg.mlp_ratio)
+
+
 def model_parallel_expectation(sequence_parallel: bool | None, schedule: str | None):
     def fn(cfg, case, o, dp):
         from reference_impls import pipeline_interleaved as interleaved
@@ -338,6 +347,8 @@ def model_parallel_expectation(sequence_parallel: bool | None, schedule: str | N
                     n_micro if (schedule or o.schedule) == "gpipe" else min(p - s, n_micro) for s in range(p)
                 ],
             }
+        if p > 1 and v == 1:  # beside the record's measured pipeline_stage_imbalance
+            out["pipeline"]["stage_imbalance_flops"] = stage_imbalance_flops(cfg, p, o.stage_layers)
         return out
 
     return fn
@@ -535,7 +546,12 @@ def expect_deepspeed_pp(cfg, case, o, dp):
         "gradients over its one-rank data-parallel group, the loss broadcast from the last stage "
         "(scalar); see parabench.theory.deepspeed_pp_ops. The first step also sends a 1 KiB tensor-meta "
         "message ahead of the first activation.",
-        pipeline={"schedule": "1f1b", "microbatches": n_micro, "bubble_fraction": bubble_fraction_theory(p, n_micro)},
+        pipeline={
+            "schedule": "1f1b",
+            "microbatches": n_micro,
+            "bubble_fraction": bubble_fraction_theory(p, n_micro),
+            "stage_imbalance_flops": stage_imbalance_flops(cfg, p, o.stage_layers),
+        },
     )
 
 
@@ -657,6 +673,8 @@ def expect_torch_pipeline(cfg, case, o, dp):
     pipeline = torch_pipeline_schedule(
         case.strategy.removeprefix("torch.pp_"), p, v, o.n_microbatches * case.grad_accum
     )
+    if v == 1:  # beside the record's measured pipeline_stage_imbalance
+        pipeline["stage_imbalance_flops"] = stage_imbalance_flops(cfg, p, o.stage_layers)
     return Expectation(
         state_bytes=state,
         comm_payload_bytes=per_rank[0],
