@@ -153,8 +153,15 @@ def summarize(case, raw: dict) -> dict:
 def stage_compute_s(stats: list[dict | None]) -> dict[int, float] | None:
     """Each pipeline stage's compute seconds (its slowest rank's) from the ranks' pipeline stats;
     None unless every rank's stats timed the device's work (``bubble_fraction_measured`` is None
-    where they timed launches only) and there are two stages or more."""
-    if not stats or any(not p or p.get("bubble_fraction_measured") is None for p in stats):
+    where they timed launches only) and carry ``compute_s`` (records made before it lack it), and
+    there are two stages or more."""
+    if not stats or any(
+        not p
+        or p.get("bubble_fraction_measured") is None
+        or not isinstance(p.get("compute_s"), (int, float))
+        or not isinstance(p.get("stage"), int)
+        for p in stats
+    ):
         return None
     by_stage: dict[int, float] = {}
     for p in stats:
