@@ -476,9 +476,9 @@ def resolve_node_options(cases, nnodes: int) -> list:
     coincide run once, in every scaling series either belonged to (as ``load_suite`` merges them)."""
     from dataclasses import replace
 
-    from parabench.suite import SuiteError, validate_case
+    from parabench.suite import SuiteError, merge_duplicates, validate_case
 
-    out: dict[str, object] = {}
+    out = []
     for case in cases:
         keys = [k for k in NODE_OPTIONS if case.options.get(k) == NODE]
         if keys:
@@ -495,7 +495,5 @@ def resolve_node_options(cases, nnodes: int) -> list:
                 layout = node_layout_text(case.world_size, nnodes)
                 raise SuiteError(f"{case.label}: {sizes} on {layout}: {exc}") from None
             case = resolved
-        first = out.setdefault(case.case_hash, case)
-        if first is not case and first.scaling != case.scaling:
-            out[case.case_hash] = replace(first, scaling=first.scaling + case.scaling)
-    return list(out.values())
+        out.append(case)
+    return merge_duplicates(out)

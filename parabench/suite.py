@@ -306,12 +306,18 @@ def load_suite(name_or_path: str) -> Suite:
             if key not in CASE_FIELDS:
                 fail(f"unknown key; valid keys: {', '.join(sorted(CASE_FIELDS))}", key, "exclude", ei)
     cases = [c for c in cases if not any(all(_excludes(c, k, v) for k, v in ex.items()) for ex in excludes)]
+    return Suite(name=name, path=path, description=head.get("description", ""), cases=merge_duplicates(cases), raw=data)
+
+
+def merge_duplicates(cases: list[Case]) -> list[Case]:
+    """The same case (one hash) from two matrices, or two resolutions, runs once, in every scaling
+    series that lists it; first-seen order."""
     seen: dict[str, Case] = {}
     for c in cases:
-        first = seen.setdefault(c.case_hash, c)  # the same case from two matrices runs once
-        if first.scaling != c.scaling:  # ... in every series that lists it
+        first = seen.setdefault(c.case_hash, c)
+        if first.scaling != c.scaling:
             seen[c.case_hash] = replace(first, scaling=first.scaling + c.scaling)
-    return Suite(name=name, path=path, description=head.get("description", ""), cases=list(seen.values()), raw=data)
+    return list(seen.values())
 
 
 def _scaling_mode(matrix: dict, defaults: dict, fail) -> str | None:
