@@ -13,6 +13,7 @@ Batches are a pure function of (seed, step), so any world size sees the same glo
 
 from __future__ import annotations
 
+import contextlib
 import math
 import types
 
@@ -265,9 +266,50 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over all tokens, computed in fp32 whatever the logits' dtype."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class _LossRoute:
+    """Which form of :func:`token_cross_entropy` :func:`lm_loss` runs, and how often it ran compiled."""
+
+    fn = staticmethod(token_cross_entropy)
+    compiled_calls = 0
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The training loss every strategy that holds whole logits calls: :func:`token_cross_entropy`,
+    eager, or compiled inside :func:`compiled_loss` (option ``compile_loss``)."""
+    return _LossRoute.fn(logits, targets)
+
+
+def _counted(fn):
+    def run(logits, targets):
+        _LossRoute.compiled_calls += 1
+        return fn(logits, targets)
+
+    return run
+
+
+@contextlib.contextmanager
+def compiled_loss(on: bool):
+    """Option ``compile_loss``: within, :func:`lm_loss` runs ``torch.compile(token_cross_entropy)``,
+    torchtitan's compile component "loss" (``torchtitan/train.py``: ``self.loss_fn =
+    torch.compile(self.loss_fn)``). Eager, the fp32 cross-entropy over a 50,304-way vocabulary
+    writes the upcast logits, their log-softmax and two gradients of that size to memory (about
+    20 bytes per logit); Inductor fuses the upcast, the log-sum-exp and the gradient into a read and
+    a write of the 16-bit logits. Yields a function that returns how many calls ran compiled, so a
+    strategy that never calls :func:`lm_loss` cannot carry the option's label unnoticed."""
+    if not on:
+        yield lambda: 0
+        return
+    start = _LossRoute.compiled_calls
+    _LossRoute.fn = staticmethod(_counted(torch.compile(token_cross_entropy)))
+    try:
+        yield lambda: _LossRoute.compiled_calls - start
+    finally:
+        _LossRoute.fn = staticmethod(token_cross_entropy)
 
 
 @torch.no_grad()

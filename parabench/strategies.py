@@ -179,6 +179,7 @@ class CommonOptions:
     # off the clock, and one every 50 timed steps, on it.
     python_gc: Literal["auto", "scheduled"] = "auto"
     compile: bool = False  # torch.compile every transformer block (torchtitan's order); see peers.common.compile_blocks
+    compile_loss: bool = False  # torch.compile the loss (torchtitan's component "loss"); see models.compiled_loss
 
     # Options that every case of the strategy carries explicitly, default or not (``Case`` fills
     # them in): their default changed what is measured, so a record must say which value it ran.
@@ -319,6 +320,9 @@ class StrategySpec:
     # the blocks (``peers.common.compile_blocks``). Refusing is the default: a strategy whose builder
     # never calls the hook would otherwise record eager numbers under a compiled label.
     compile_unsupported: str | None = NO_COMPILE_HOOK
+    # Why option ``compile_loss`` is refused: the strategy's loss is not ``models.lm_loss`` over whole
+    # logits (vocabulary-parallel or per-stage losses). None: it calls lm_loss, which the worker checks.
+    own_loss: str | None = None
     options: type = CommonOptions
     validate: Callable | None = None
     expect: Callable | None = None
@@ -366,6 +370,8 @@ class StrategySpec:
         opts = self.options.parse(options, self.name)
         if getattr(opts, "compile", False) and self.compile_unsupported:
             raise ValueError(f"{self.name} does not support compile = true: {self.compile_unsupported}")
+        if getattr(opts, "compile_loss", False) and self.own_loss:
+            raise ValueError(f"{self.name} does not support compile_loss = true: {self.own_loss}")
         return opts
 
     def build(self, spec: TrainSpec) -> Trainer:

@@ -50,7 +50,7 @@ from parabench.hardware import device_name, measured_matmul_flops, peak_flops
 from parabench.meters import flight_recorder, host, memory, telemetry
 from parabench.meters.comm import CommMeter
 from parabench.meters.traces import TraceFiles
-from parabench.models import global_batch
+from parabench.models import compiled_loss, global_batch
 from parabench.multinode import check_nodes_agree
 from parabench.progress import PhaseReporter, status_path
 from parabench.registry import get_strategy
@@ -180,7 +180,7 @@ def eager_under_meter(case: Case):
     breakdown): the compiled blocks run their eager code. Dynamo does not compile while such a mode
     is active ("non-infra torch dispatch mode present"), and with ``fullgraph`` that is an error;
     eager blocks issue the same collectives on the same tensors, and those steps are untimed."""
-    if not case.options.get("compile"):
+    if not (case.options.get("compile") or case.options.get("compile_loss")):
         return contextlib.nullcontext()
     return torch.compiler.set_stance("force_eager")
 
@@ -295,6 +295,26 @@ def local_batches(case: Case, spec: TrainSpec, n_steps: int) -> list[tuple[torch
 
 
 def run_case(
+    case: Case,
+    device: torch.device,
+    leftover: int | None = None,
+    progress: PhaseReporter | None = None,
+    trace_files: TraceFiles | None = None,
+) -> dict | None:
+    """:func:`train_case` with the loss that option ``compile_loss`` asks for (``models.compiled_loss``):
+    a case that asked for it and never ran it is an error, not a record under the option's label."""
+    compile_loss = bool(case.options.get("compile_loss"))
+    with compiled_loss(compile_loss) as compiled_calls:
+        result = train_case(case, device, leftover, progress, trace_files)
+        if compile_loss and compiled_calls() == 0:
+            raise RuntimeError(
+                f"option compile_loss = true, but {case.strategy} never called parabench.models.lm_loss "
+                "(its loss is its own): set own_loss in its registry entry"
+            )
+    return result
+
+
+def train_case(
     case: Case,
     device: torch.device,
     leftover: int | None = None,

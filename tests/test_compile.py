@@ -17,7 +17,7 @@ import torch
 
 from parabench.case import Case
 from parabench.distributed import run_on_gloo
-from parabench.models import global_batch, model_config
+from parabench.models import compiled_loss, global_batch, lm_loss, model_config, token_cross_entropy
 from parabench.record import build_record
 from parabench.registry import get_strategy
 from parabench.suite import SuiteError, validate_case
@@ -62,9 +62,16 @@ def _run_cases(cases: list[dict]) -> list[dict | None]:
 
 
 def test_compiled_ddp_and_reference_match_eager_and_record_compile_time():
-    cases = [mk("torch.ddp", False), mk("torch.ddp", True), mk("ref.ddp", False), mk("ref.ddp", True)]
+    # The reference's compiled case compiles its loss too (option compile_loss): the same losses again.
+    cases = [
+        mk("torch.ddp", False),
+        mk("torch.ddp", True),
+        mk("ref.ddp", False),
+        mk("ref.ddp", True, compile_loss=True),
+    ]
     raws = run_on_gloo(_run_cases, 2, [c.to_dict() for c in cases])[0]
     records = [build_record(c, "ok", raw) for c, raw in zip(cases, raws)]
+    assert "compile_loss=True" in records[3]["label"]
     for eager, compiled in (records[:2], records[2:]):
         e, c = eager["metrics"], compiled["metrics"]
         # Inductor reorders reductions: equal to float rounding, not bit for bit.
@@ -75,6 +82,32 @@ def test_compiled_ddp_and_reference_match_eager_and_record_compile_time():
         assert e["compile_s"] is None and e["first_step_s_max"] > 0
     # The compiler's work is the first step's: far more than a timed step of the tiny model.
     assert records[1]["metrics"]["compile_s"] > 5 * records[1]["metrics"]["step_time_s_median"]
+
+
+def test_compile_loss_runs_the_compiled_cross_entropy_only_inside_its_context():
+    logits = torch.randn(2, 5, 11, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 11, (2, 5))
+    eager = token_cross_entropy(logits, targets)
+    (eager_grad,) = torch.autograd.grad(eager, logits)
+    with compiled_loss(True) as compiled_calls:
+        loss = lm_loss(logits, targets)
+        (grad,) = torch.autograd.grad(loss, logits)
+        assert compiled_calls() == 1
+    assert loss.item() == pytest.approx(eager.item(), rel=1e-6)
+    assert torch.allclose(grad.float(), eager_grad.float(), rtol=1e-2, atol=1e-4)  # bf16 gradients
+    lm_loss(logits, targets)
+    assert compiled_calls() == 1  # outside the context, the eager function again
+    with compiled_loss(False) as compiled_calls:
+        lm_loss(logits, targets)
+        assert compiled_calls() == 0
+
+
+def test_compile_loss_is_refused_where_the_loss_is_not_lm_loss():
+    with pytest.raises(SuiteError, match=r"ref\.tp does not support compile_loss = true: .*vocabulary-parallel"):
+        validate_case(mk("ref.tp", False, tp=2, compile_loss=True))
+    with pytest.raises(SuiteError, match=r"ref\.pp_1f1b does not support compile_loss = true: .*per stage"):
+        validate_case(mk("ref.pp_1f1b", False, pp=2, compile_loss=True))
+    validate_case(mk("deepspeed.zero2", False, compile_loss=True))  # eager blocks, compiled loss
 
 
 def _one_rank_spec(micro_batch: int, options: dict) -> TrainSpec:

@@ -689,6 +689,12 @@ def expect_torch_pipeline(cfg, case, o, dp):
     )
 
 
+MODEL_PARALLEL_LOSS = (
+    "its loss is computed per stage (the last pipeline stage's head and loss) or over vocabulary-parallel "
+    "logits (tensor parallelism), not by parabench.models.lm_loss over whole logits"
+)
+
+
 def _row(name, builder, kind, description, expect, **kw):
     # Rows whose builders compile the blocks (peers.common.compile_blocks, after tensor parallelism and
     # the pipeline split) say compile_unsupported=None; the others name why they refuse it.
@@ -702,6 +708,7 @@ def _row(name, builder, kind, description, expect, **kw):
         kw.setdefault(
             "compile_unsupported", "DeepSpeed's PipelineModule runs its layers itself; no compile hook is wired"
         )
+    kw.setdefault("own_loss", MODEL_PARALLEL_LOSS)
     return StrategySpec(
         name,
         "model_parallel",

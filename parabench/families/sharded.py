@@ -1130,6 +1130,7 @@ ROWS = (
         options=ZeroROptions,
         validate=validate_zero_r,
         expect=expect_ref_zero_r,
+        own_loss="it trains ref.tp's model, whose loss runs over vocabulary-parallel logits",
         version="1",
     ),
     _row(

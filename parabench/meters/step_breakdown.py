@@ -82,7 +82,7 @@ STEP_MARK = "parabench::step_breakdown"
 COMM_PREFIXES = ("gloo:", "nccl:", "mpi:", "ucc:", "c10d::", "_c10d_functional::", "c10d_functional::")
 COMM_NAMES = ("record_param_comms",)
 COMPUTE_PREFIXES = ("aten::",)  # operators; what wraps them may be waiting (see the docstring)
-TOP_NAMES = 5
+TOP_NAMES = 20  # enough to name the small kernels of a host-light step, not only its GEMMs
 NAME_CHARS = 160  # templated kernel names run to hundreds of characters
 
 # Kineto's activity types (``_KinetoEvent.activity_type()``) mapped to what they are here.
