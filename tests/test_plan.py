@@ -497,6 +497,7 @@ def test_fp8_memory_has_its_own_activations_and_no_autocast_copy_of_the_float8_w
 def test_fp8_variants_without_terms_are_unmodelled_with_their_reason():
     assert _workload("fp8", compile=True).unmodelled is None and _workload("amp").unmodelled is None
     assert _workload("fp8").unmodelled == M.FP8_EAGER
+    assert _workload("master", compile=True, compile_loss=True).unmodelled == M.COMPILED_LOSS
     assert _workload("fp8", compile=True, fp8_filter="auto").unmodelled == M.FP8_FILTER_AUTO
     w = for_config(
         model="tiny",

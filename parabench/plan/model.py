@@ -66,6 +66,7 @@ from parabench.plan.terms.common import (  # noqa: F401 (the planner's names, im
     ACT_BYTES,
     ACT_CONSTANTS,
     AUTOCAST_RECIPES,
+    COMPILED_LOSS,
     DDP_FIRST_BUCKET_BYTES,
     DS_ZERO_KEYS,
     FIXED_TIME_CONSTANTS,
