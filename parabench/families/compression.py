@@ -191,7 +191,14 @@ def expect_torch_powersgd_hook(cfg, case, o, dp):
     )
 
 
+_HOOKS = "parabench.peers.torch_ddp_hooks"
+
+
 def _row(name, builder, kind, description, expect, **kw):
+    # The references and torch's DDP communication hooks compile the blocks (peers.common.compile_blocks,
+    # before DDP); torch.local_sgd's PostLocalSGDOptimizer has no hook wired and refuses.
+    if kind == "reference" or builder.startswith(_HOOKS):
+        kw.setdefault("compile_unsupported", None)
     return StrategySpec(
         name,
         "compression",
@@ -208,7 +215,6 @@ def _row(name, builder, kind, description, expect, **kw):
 
 
 _REF = "parabench.builders.compression"
-_HOOKS = "parabench.peers.torch_ddp_hooks"
 ROWS = (
     _row(
         "ref.ddp_fp16_compress",

@@ -111,6 +111,12 @@ def cp_expectation(mode: str):
 
 
 def _row(name, builder, kind, description, expect, **kw):
+    if kind == "reference":
+        kw.setdefault(
+            "compile_unsupported",
+            "its attention exchanges K and V (or heads) with send/recv or all-to-all inside each block, which a "
+            "whole-block torch.compile (fullgraph) cannot trace, and its builder wires no hook",
+        )
     return StrategySpec(
         name,
         "context",

@@ -269,6 +269,10 @@ ROWS = (
         version="2",
         peers=("deepspeed.moe",),
         report_sections=("moe_routing",),
+        compile_unsupported=(
+            "its MoE layers route tokens by data-dependent counts and all-to-all inside the block, and its builder "
+            "wires no torch.compile hook; deepspeed.moe, its peer, refuses compile too"
+        ),
     ),
     _row(
         "deepspeed.moe",

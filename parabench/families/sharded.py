@@ -1041,6 +1041,7 @@ ROWS = (
         "reference ZeRO-Offload: ZeRO-2 with fp32 master, Adam states and the AdamW update on the CPU",
         expect_ref_zero2_offload,
         version="2",
+        compile_unsupported=None,
         plan=PlanFacts(
             family="sharded",
             search=("offload",),
