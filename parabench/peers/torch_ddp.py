@@ -45,12 +45,17 @@ def build(spec: TrainSpec) -> DDPTrainer:
     o = DDPPeerOptions.read(spec.options)
     model = recipe_module(build_model(spec.model, spec.seed, spec.device), spec)
     checkpoint_blocks(model, spec)  # before DDP: DDP wraps whatever forward the blocks have
-    compile_blocks(model.blocks, spec)  # after checkpointing, before DDP (torchtitan's order)
-    # Dynamo reads it when the blocks first compile (the first step), set per case: a batched
-    # launch runs several cases in one process
-    torch._dynamo.config.optimize_ddp = bool(o.ddp_optimizer)
+    compile_for_ddp(model, spec, o.ddp_optimizer)  # after checkpointing
     ddp = DDP(model, process_group=spec.topology.dp_group, **ddp_settings(spec, o))
     return DDPTrainer(spec, ddp, recipe_optimizer(ddp.parameters(), spec), no_sync=ddp.no_sync)
+
+
+def compile_for_ddp(model, spec: TrainSpec, ddp_optimizer: bool = True) -> None:
+    """``compile_blocks`` before DDP wraps ``model`` (torchtitan's order), with Dynamo's DDPOptimizer
+    on or off for this case: Dynamo reads the setting when the blocks first compile (the first
+    step), and a batched launch runs several cases in one process."""
+    compile_blocks(model.blocks, spec)
+    torch._dynamo.config.optimize_ddp = bool(ddp_optimizer)
 
 
 def ddp_settings(spec: TrainSpec, o: DDPPeerOptions) -> dict:

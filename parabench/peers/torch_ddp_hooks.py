@@ -13,13 +13,12 @@
 
 from __future__ import annotations
 
-import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parabench.families.compression import CompressionOptions
 from parabench.models import build_model
-from parabench.peers.common import adamw, compile_blocks
-from parabench.peers.torch_ddp import DDPTrainer
+from parabench.peers.common import adamw
+from parabench.peers.torch_ddp import DDPTrainer, compile_for_ddp
 from parabench.trainer import TrainSpec
 
 START_POWERSGD_ITER = 2
@@ -28,8 +27,7 @@ MIN_COMPRESSION_RATE = 1.0
 
 def _ddp(spec: TrainSpec) -> DDP:
     model = build_model(spec.model, spec.seed, spec.device)
-    compile_blocks(model.blocks, spec)  # before DDP (torchtitan's order)
-    torch._dynamo.config.optimize_ddp = True  # torch's default, whatever an earlier case of the launch set
+    compile_for_ddp(model, spec)  # DDPOptimizer on: torch's default
     return DDP(
         model,
         device_ids=[spec.device.index] if spec.device.type == "cuda" else None,
