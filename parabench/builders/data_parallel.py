@@ -42,7 +42,7 @@ def common_kwargs(spec: TrainSpec, o: LossScaleOptions, groups=()) -> dict:
     )
 
 
-def reference_model(spec: TrainSpec, o: DataParallelOptions):
+def reference_model(spec: TrainSpec, o: DataParallelOptions, split_bucket_bytes: int | None = None):
     """The GPT a reference trains. Under the "amp" recipe its forward runs under torch.autocast (the
     reference then keeps, reduces and updates fp32 parameters: ``compute_dtype`` is fp32); "fp8" is
     "amp" with the blocks' linears in float8 (``parabench.fp8``); under
@@ -60,7 +60,7 @@ def reference_model(spec: TrainSpec, o: DataParallelOptions):
         checkpoint_blocks(model.blocks)
     from parabench.peers.common import compile_blocks
 
-    compile_blocks(model.blocks, spec)  # after checkpointing, before the flat buffers and their hooks
+    compile_blocks(model.blocks, spec, split_bucket_bytes)  # after checkpointing, before the flat buffers and hooks
     return model
 
 
@@ -111,14 +111,16 @@ def build_ps(spec: TrainSpec):
 
 
 def build_ddp(spec: TrainSpec):
+    from parabench.families.data_parallel import RefDDPOptions
     from reference_impls.data_parallel import DDP
 
-    o = DataParallelOptions.read(spec.options)
+    o = RefDDPOptions.read(spec.options)
+    split = int(o.bucket_mb * 2**20) if o.ddp_optimizer else None
     # Every rank holds the full reduced gradient; the global check still all-reduces the inf flag
     # over the dp group, so an inf that appears on one rank only (after the all-reduce) skips everywhere.
     return with_lr_spike(
         as_trainer(DDP)(
-            reference_model(spec, o),
+            reference_model(spec, o, split),
             lm_loss,
             spec.topology.dp_group,
             bucket_mb=float(o.bucket_mb),

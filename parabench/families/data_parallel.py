@@ -54,6 +54,14 @@ class DataParallelOptions(LossScaleOptions):
 
 
 @dataclass(frozen=True)
+class RefDDPOptions(DataParallelOptions):
+    # with option compile: split each compiled block's graph at gradient buckets of bucket_mb, as
+    # Dynamo's DDPOptimizer does for torch.ddp (peers.common.bucket_split_backend); false compiles
+    # each block as one graph
+    ddp_optimizer: bool = False
+
+
+@dataclass(frozen=True)
 class DDPPeerOptions(DataParallelOptions):
     profile: PeerProfile = "tuned"  # strategies.PEER_PROFILE_HELP
     # with option compile: Dynamo's DDPOptimizer (torch._dynamo.config.optimize_ddp, torch's default
@@ -282,6 +290,7 @@ ROWS = (
         fp8=True,
         layouts=ANY_LAYOUT,
         compile_unsupported=None,
+        options=RefDDPOptions,
         plan=PlanFacts(
             family="data_parallel",
             search=("data_parallel",),

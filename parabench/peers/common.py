@@ -135,7 +135,7 @@ def checkpoint_blocks(model: torch.nn.Module, spec: TrainSpec) -> None:
         _ckpt(model.blocks)
 
 
-def compile_blocks(blocks, spec: TrainSpec) -> None:
+def compile_blocks(blocks, spec: TrainSpec, split_bucket_bytes: int | None = None) -> None:
     """Option ``compile``: ``torch.compile`` every transformer block, in torchtitan's order
     (torchtitan/models/llama3/infra/parallelize.py: tensor parallelism, then activation
     checkpointing, then ``apply_compile`` per block, then FSDP / DDP), so call it after
@@ -157,12 +157,42 @@ def compile_blocks(blocks, spec: TrainSpec) -> None:
     ran ref.ddp's graph, never split at DDP's buckets by Dynamo's DDPOptimizer), while the entries
     pile up towards ``torch._dynamo.config.recompile_limit`` (8 per code object), past which Dynamo
     runs the block eagerly with only a warning. Inductor's on-disk FX graph cache survives the reset,
-    so a rerun of the same graph still compiles in seconds."""
+    so a rerun of the same graph still compiles in seconds.
+
+    ``split_bucket_bytes``: split each block's graph at gradient-bucket boundaries of that many
+    bytes, as Dynamo's DDPOptimizer does for a block under torch DDP (``bucket_split_backend``)."""
     if not spec.options.get("compile", False):
         return
     torch._dynamo.reset()
+    backend = "inductor" if split_bucket_bytes is None else bucket_split_backend(split_bucket_bytes)
     for block in blocks:
-        block.forward = torch.compile(block.forward, fullgraph=not spec.model.is_moe)
+        block.forward = torch.compile(block.forward, fullgraph=not spec.model.is_moe, backend=backend)
+
+
+def bucket_split_backend(bucket_bytes: int):
+    """A torch.compile backend that splits a graph where torch DDP would (Dynamo's DDPOptimizer,
+    torch/_dynamo/backends/distributed.py: parameters counted in reverse graph order into buckets of
+    ``bucket_bytes``, the first capped at DDP's 1 MiB) and compiles each piece with Inductor, as
+    Dynamo does for a compiled block under DDP (torch.ddp's default, option ``ddp_optimizer``).
+
+    Dynamo applies its DDPOptimizer only inside a ``DistributedDataParallel`` module; this gives the
+    same split to a reference whose buckets are its own. Two changes: a parameter is counted by its
+    own bytes, not its storage's, because a reference's parameters are views of one flat buffer
+    (whose storage DDPOptimizer would count in full for each); and buckets under 1 MiB are allowed
+    (the first bucket is then no larger than the others), where DDPOptimizer asserts."""
+    from torch._dynamo.backends.distributed import DDPOptimizer
+
+    class ViewSizedSplit(DDPOptimizer):
+        def add_param(self, bucket, param, name: str) -> None:
+            bucket.size += param.numel() * param.element_size()
+            bucket.params.append(name)
+            bucket.param_ids.append(id(param))
+
+    inductor = torch._TorchCompileInductorWrapper(mode=None, options=None, dynamic=None)
+    first = min(int(bucket_bytes), torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+    return ViewSizedSplit(
+        bucket_bytes_cap=int(bucket_bytes), backend_compile_fn=inductor, first_bucket_cap=first
+    ).compile_fn
 
 
 def grad_scaler(spec: TrainSpec):
