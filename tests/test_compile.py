@@ -103,6 +103,31 @@ def test_compiled_compression_offload_and_hook_peers_match_eager():
         validate_case(mk("torch.local_sgd", True))
 
 
+def _run_cases_counting_graphs(cases: list[dict]) -> list[tuple[dict | None, int]]:
+    """``_run_cases``, with the number of graphs AOTAutograd compiled for each case."""
+    from torch._dynamo.utils import counters
+
+    out = []
+    for d in cases:
+        counters.clear()
+        raw = run_case(Case.from_dict(d), torch.device("cpu"))
+        out.append((raw, counters["aot_autograd"]["total"]))
+    return out
+
+
+def test_reference_ddp_option_ddp_optimizer_splits_its_blocks_at_its_buckets_and_trains_the_same():
+    """ref.ddp with ddp_optimizer cuts each compiled block where its buckets end (Dynamo's DDPOptimizer,
+    ``peers.common.bucket_split_backend``): more graphs than the whole block's one, the same losses.
+    Buckets of 10 KB cut the tiny model's blocks (a whole block's parameters take 200 KB)."""
+    cases = [mk("ref.ddp", True), mk("ref.ddp", True, ddp_optimizer=True, bucket_mb=0.01)]
+    (whole, whole_graphs), (split, split_graphs) = run_on_gloo(
+        _run_cases_counting_graphs, 2, [c.to_dict() for c in cases]
+    )[0]
+    assert whole_graphs >= 1 and split_graphs > whole_graphs + 2, (whole_graphs, split_graphs)
+    w, c = (build_record(case, "ok", raw)["metrics"]["losses"] for case, raw in zip(cases, (whole, split)))
+    assert c == pytest.approx(w, rel=1e-5)
+
+
 def test_compile_loss_runs_the_compiled_cross_entropy_only_inside_its_context():
     logits = torch.randn(2, 5, 11, dtype=torch.bfloat16, requires_grad=True)
     targets = torch.randint(0, 11, (2, 5))

@@ -523,6 +523,14 @@ def test_torch_ddp_compiled_with_the_ddp_optimizer_and_checkpointing_notes_the_u
         "torch.ddp", compile=True, activation_checkpointing=True, ddp_optimizer=False
     )
     assert M.SPLIT_GRAPHS_NOTE not in notes("ref.ddp", compile=True, activation_checkpointing=True)
+    # the reference splits only when asked (its ddp_optimizer defaults to false), at its own bucket_mb
+    assert M.SPLIT_GRAPHS_NOTE in notes("ref.ddp", compile=True, activation_checkpointing=True, ddp_optimizer=True)
+    assert (
+        _workload("amp", "gpt-125m", "ref.ddp", 2, compile=True, ddp_optimizer=True, bucket_mb=4).split_bucket_bytes
+        == 4 * 2**20
+    )
+    # a bucket size alone cuts nothing: the blocks are not compiled
+    assert _workload("amp", "gpt-125m", "torch.ddp", 2, bucket_mb=4).split_bucket_bytes is None
 
 
 def test_plan_fp8_compiles_every_candidate_and_needs_a_calibrated_float8_rate(tmp_path, capsys):

@@ -299,6 +299,7 @@ ROWS = (
             grad_sync_once_per_step=True,
             persistent_grads="flat",
             device_copies="flat_grad_zero",
+            compiled_bucket_split=True,
         ),
         peers=("torch.ddp", "deepspeed.zero0"),
         report_sections=("compression_to_loss",),  # the plain baseline the compressors are measured against

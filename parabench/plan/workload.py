@@ -181,13 +181,22 @@ def build(
         zb_keeps_done_graphs=zb_keeps_done_graphs,
         strategy_version=strategy_version,
         unmodelled=unmodelled_reason(recipe, options),
-        split_bucket_bytes=float(options["bucket_mb"]) * 2**20
-        if "bucket_mb" in options
-        else BUCKET_BYTES
-        if facts(strategy).compiled_bucket_split and options.get("compile") and options.get("ddp_optimizer", True)
-        else None,
+        split_bucket_bytes=_split_bucket_bytes(strategy, options),
         **_degrees(strategy, world_size, options, shape["n_layers"]),
     )
+
+
+def _split_bucket_bytes(strategy: str, options: dict) -> float | None:
+    """The bucket size at which Dynamo's DDPOptimizer (torch.ddp) or its copy in the reference
+    (ref.ddp, ``peers.common.bucket_split_backend``) cuts each compiled block; None where the blocks
+    are not compiled, or compiled whole (option ``ddp_optimizer``, whose default is the strategy's)."""
+    from parabench.registry import STRATEGIES
+
+    if not (facts(strategy).compiled_bucket_split and options.get("compile")):
+        return None
+    if not options.get("ddp_optimizer", getattr(STRATEGIES[strategy].options, "ddp_optimizer", False)):
+        return None
+    return float(options["bucket_mb"]) * 2**20 if "bucket_mb" in options else BUCKET_BYTES
 
 
 def measured_zb_times(record: dict) -> tuple | None:
