@@ -26,8 +26,8 @@ dropped silently. Every compared metric has a direction and a decision rule (asv
             one within it ``noise``; otherwise, or without a model (``--no-noise-model``, a CPU
             run), the change is ``unjudged``, never a regression. Cross-validated on the
             committed runs (one launch a side, each run left out in turn; the model's
-            ``cross_validation``, tabled in docs/gate.md): no false alarm in 1,386 same-code launch
-            pairs, a 10 % slowdown of a GPU-bound case caught in 466 of 466. An unjudged metric does not fail the gate unless ``--fail-unjudged`` is given
+            ``cross_validation``, tabled in docs/gate.md): no false alarm in 1,410 same-code launch
+            pairs, a 10 % slowdown of a GPU-bound case caught in 490 of 490. An unjudged metric does not fail the gate unless ``--fail-unjudged`` is given
             (for a CI job that must not pass because someone ran with repeats = 1). A change
             within the threshold is ``same`` whatever the repeats.
 
