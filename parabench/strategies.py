@@ -277,9 +277,7 @@ class PlanFacts:
     step_grad_copies: bool = False  # DeepSpeed ZeRO-1/2's 16-bit partition, flat and fp32 copies in the step
     sharded_units: str | None = None  # the references' flat units: "reshard_root" | "keep_root"
     device_copies: str | None = None  # "bucket_div" | "flat_grad_zero" | "slot_cast" | "fsdp2" | "torch_pipeline"
-    compiled_bucket_split: bool = (
-        False  # compiled, option ddp_optimizer splits graphs at its buckets (Dynamo's DDPOptimizer)
-    )
+    compiled_bucket_split: bool = False  # compiled, option ddp_optimizer cuts the blocks at its buckets
     done_graphs_kept_versions: tuple[str, ...] = ()  # ZB-H1: finished graphs kept to the step's end
     compiled_gc_remedy: bool = False  # compiled launches erratic where Python's GC runs unscheduled
 
