@@ -33,10 +33,9 @@ import difflib
 import json
 import sys
 import textwrap
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import tomllib
 
 from parabench.superseded import SUPERSEDED, Superseded, load_superseded, superseded_entries  # noqa: F401 (re-exported)
 

@@ -54,10 +54,9 @@ import hashlib
 import itertools
 import math
 import re
+import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-
-import tomllib
 
 from parabench.case import FIELD_MAXIMA, SCALING_MODES, Case, check_field_maximum
 from parabench.fp8 import filter_option_error

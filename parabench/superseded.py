@@ -5,10 +5,9 @@ report: both read the list here, so the report does not depend on the headline's
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-
-import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 SUPERSEDED = ROOT / "results" / "superseded.toml"

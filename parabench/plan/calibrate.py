@@ -19,11 +19,11 @@ import math
 import os
 import statistics
 import tempfile
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import tomllib
 
 from parabench.plan import attention
 from parabench.plan import model as M

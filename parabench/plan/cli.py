@@ -6,10 +6,9 @@ import contextlib
 import json
 import re
 import sys
+import tomllib
 from dataclasses import fields
 from pathlib import Path
-
-import tomllib
 
 SHAPE_FLAGS = ("layers", "hidden", "heads", "vocab", "seq")
 # The ranges every shape number must lie in, flag or --shape field alike: wide enough for any model
