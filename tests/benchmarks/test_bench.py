@@ -13,14 +13,14 @@ ROOT = Path(__file__).resolve().parents[2]
 GPU_RUN = ROOT / "results" / "gpu-spine" / "20261126-020214"
 
 
-def test_suite_parse(benchmark):
+def test_suite_parse(gauged):
     from parabench.suite import load_suite
 
-    suite = benchmark.pedantic(load_suite, args=("smoke",), rounds=50, warmup_rounds=2)
+    suite = gauged(load_suite, args=("smoke",), rounds=50, warmup_rounds=2)
     assert len(suite.cases) >= 14
 
 
-def test_comm_meter_small_ops(benchmark, world_of_one):
+def test_comm_meter_small_ops(gauged, world_of_one):
     """The meter's own cost: 20 all-reduces of 4 KiB and 20 broadcasts under the dispatcher meter,
     issued on torch's fake process group (no transport), so that gloo's latency, which on a shared
     2-core machine drifts by more than the gate's threshold from hour to hour, is not what is timed."""
@@ -38,12 +38,12 @@ def test_comm_meter_small_ops(benchmark, world_of_one):
                 dist.broadcast(t, 0, group=group)
         return meter.summary()
 
-    s = benchmark.pedantic(ops, rounds=30, warmup_rounds=3)
+    s = gauged(ops, rounds=30, warmup_rounds=3)
     assert s["payload_bytes"] == 40 * 4096
     assert s["by_kind"]["all_reduce"]["calls"] == 20 and s["by_kind"]["broadcast"]["calls"] == 20
 
 
-def test_train_step_tiny_single(benchmark, world_of_one):
+def test_train_step_tiny_single(gauged, world_of_one):
     from parabench.case import Case
     from parabench.registry import get_strategy
     from parabench.worker import local_batches, make_spec
@@ -54,24 +54,28 @@ def test_train_step_tiny_single(benchmark, world_of_one):
     spec = make_spec(case, torch.device("cpu"))
     trainer = get_strategy("single").build(spec)
     ((x, y),) = local_batches(case, spec, 1)
-    loss = benchmark.pedantic(trainer.train_step, args=(x, y), rounds=20, warmup_rounds=3)
+    loss = gauged(trainer.train_step, args=(x, y), rounds=20, warmup_rounds=3)
     trainer.close()
     assert float(loss) > 0
 
 
-def test_report_tables_gpu_run(benchmark):
+def test_report_tables_gpu_run(gauged):
     from parabench.report.html import render_report
 
-    html = benchmark.pedantic(
-        render_report, args=([GPU_RUN],), kwargs={"with_figures": False}, rounds=10, warmup_rounds=1
+    html = gauged(
+        render_report,
+        args=([GPU_RUN],),
+        kwargs={"with_figures": False},
+        rounds=10,
+        warmup_rounds=1,
     )
     assert "tbl-overview" in html
 
 
-def test_compare_gpu_run(benchmark):
+def test_compare_gpu_run(gauged):
     from parabench.compare import compare_runs
     from parabench.results import load_run
 
     run = load_run(GPU_RUN)
-    res = benchmark.pedantic(compare_runs, args=(run, run), rounds=100, warmup_rounds=5)
+    res = gauged(compare_runs, args=(run, run), rounds=100, warmup_rounds=5)
     assert not res["regression"]
