@@ -94,11 +94,38 @@ def test_main_exits_1_and_names_the_failed_benchmark(tmp_path, capsys, monkeypat
     now = tmp_path / "now.json"
     base.write_text(json.dumps(_record(MACHINE, parse=(3e-3, "y", 2e-3), step=(10e-3, "y", 2e-3))))
     now.write_text(json.dumps(_record(MACHINE, parse=(6e-3, "y", 2e-3), step=(16e-3, "y", 3.2e-3))))
-    assert gate_check.main(str(base), str(now)) == 1
+    assert gate_check.main(str(base), [str(now)]) == 1
     out = capsys.readouterr().out
     assert "FAILED (parse)" in out and "+100.0%" in out
     now.write_text(json.dumps(_record(MACHINE, parse=(4.8e-3, "y", 3.2e-3), step=(16e-3, "y", 3.2e-3))))
-    assert gate_check.main(str(base), str(now)) == 0
+    assert gate_check.main(str(base), [str(now)]) == 0
+
+
+def test_each_benchmark_is_judged_on_its_better_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("PARABENCH_BENCH_THRESHOLD", raising=False)
+    base = tmp_path / "base.json"
+    first = tmp_path / "run1.json"
+    again = tmp_path / "run2.json"
+    base.write_text(json.dumps(_record(MACHINE, report=(20e-3, "y", 2.5e-3), parse=(3e-3, "y", 2.5e-3))))
+    # report slowed by a neighbour in the first run (yardstick unmoved), parse regressed for real
+    first.write_text(json.dumps(_record(MACHINE, report=(31.6e-3, "y", 2.5e-3), parse=(6e-3, "y", 2.5e-3))))
+    assert gate_check.main(str(base), [str(first)], list_failed=True) == 1
+    assert capsys.readouterr().out.split() == ["parse", "report"]
+    again.write_text(json.dumps(_record(MACHINE, report=(21e-3, "y", 2.5e-3), parse=(6.1e-3, "y", 2.5e-3))))
+    assert gate_check.main(str(base), [str(first), str(again)]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED (parse)" in out and "better of 2 runs" in out
+    best = gate_check.best_timings([json.loads(first.read_text()), json.loads(again.read_text())])
+    assert best["report"].min_s == 21e-3 and best["parse"].min_s == 6e-3
+
+
+def test_listing_failures_leaves_out_benchmarks_that_did_not_run(tmp_path, capsys):
+    base = tmp_path / "base.json"
+    now = tmp_path / "now.json"
+    base.write_text(json.dumps(_record(MACHINE, gone=(1e-3, "y", 1e-3))))
+    now.write_text(json.dumps(_record(MACHINE, other=(1e-3, "y", 1e-3))))
+    assert gate_check.main(str(base), [str(now)], list_failed=True) == 1
+    assert capsys.readouterr().out.strip() == ""
 
 
 def test_committed_baseline_gauges_every_benchmark_with_the_current_yardstick():

@@ -14,7 +14,13 @@ not capture all of that); PARABENCH_BENCH_THRESHOLD=N overrides both. A benchmar
 in the baseline is compared on its raw min. A benchmark missing from this run fails the gate: a
 dropped benchmark must be dropped from the baseline too (gate.sh --update).
 
-Usage: gate_check.py BASELINE.json CURRENT.json     exit 1 when any benchmark fails
+Given several runs, each benchmark is judged on its best one. gate.sh times the failed benchmarks
+once more after a pause: a neighbour on the machine can slow one benchmark and not the yardstick
+(a CI run timed report building at 31.6 ms with the yardstick at its usual speed; alone, on the
+same checkout, it took 21.3 and 21.5 ms), and a regression in the code fails both runs.
+
+Usage: gate_check.py [--failed] BASELINE.json RUN.json [RUN.json ...]
+       exit 1 when any benchmark fails; --failed prints the failed benchmarks' names and nothing else
 """
 
 from __future__ import annotations
@@ -103,25 +109,46 @@ def judge(baseline: dict[str, Timing], current: dict[str, Timing], limit_pct: fl
     return verdicts
 
 
+def best_timings(records: list[dict]) -> dict[str, Timing]:
+    """Each benchmark's best run of several: the lowest min over yardstick min (raw min without a
+    yardstick). Contention on the machine only adds time, so the best run is the one it touched least."""
+
+    def cost(t: Timing) -> float:
+        return t.min_s / t.yardstick_min_s if t.yardstick_min_s else t.min_s
+
+    best: dict[str, Timing] = {}
+    for record in records:
+        for name, timing in timings(record).items():
+            if name not in best or cost(timing) < cost(best[name]):
+                best[name] = timing
+    return best
+
+
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.3f}"
 
 
-def main(baseline_path: str, current_path: str) -> int:
+def main(baseline_path: str, run_paths: list[str], list_failed: bool = False) -> int:
     with open(baseline_path) as f:
         baseline = json.load(f)
-    with open(current_path) as f:
-        current = json.load(f)
-    limit, reason = threshold_pct(baseline, current)
-    print(f"benchmark gate: threshold {limit:g} % on min / yardstick min ({reason})")
-    verdicts = judge(timings(baseline), timings(current), limit)
+    runs = []
+    for path in run_paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    limit, reason = threshold_pct(baseline, runs[0])
+    verdicts = judge(timings(baseline), best_timings(runs), limit)
+    failed = [v.name for v in verdicts if v.failed]
+    if list_failed:
+        print(" ".join(v.name for v in verdicts if v.failed and v.now_min_s is not None))
+        return 1 if failed else 0
+    runs_note = f", the better of {len(runs)} runs" if len(runs) > 1 else ""
+    print(f"benchmark gate: threshold {limit:g} % on min / yardstick min{runs_note} ({reason})")
     width = max(len(v.name) for v in verdicts)
     print(f"{'benchmark':<{width}}  {'base ms':>9}  {'now ms':>9}  {'change':>8}  verdict")
     for v in verdicts:
         change = "-" if v.change is None else f"{v.change * 100:+.1f}%"
         verdict = "FAIL" if v.failed else "ok"
         print(f"{v.name:<{width}}  {_ms(v.baseline_min_s):>9}  {_ms(v.now_min_s):>9}  {change:>8}  {verdict}  {v.why}")
-    failed = [v.name for v in verdicts if v.failed]
     if failed:
         print(f"benchmark gate: FAILED ({', '.join(failed)})")
         return 1
@@ -130,6 +157,9 @@ def main(baseline_path: str, current_path: str) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    args = sys.argv[1:]
+    list_failed = "--failed" in args
+    args = [a for a in args if a != "--failed"]
+    if len(args) < 2:
         sys.exit(__doc__.rsplit("Usage: ", 1)[1])
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(main(args[0], args[1:], list_failed))
