@@ -5,14 +5,15 @@ the same seconds, compared with the baseline's.
 
 Why a ratio: the 2-core CI machines run a core at one of two speeds and switch within seconds, so
 a raw min moves by more than any useful threshold between two runs of the same code (the
-smoke-suite parse took 3.3 and 6.5 ms back to back; a CI run failed the old raw-min gate on it). The yardstick (yardsticks.py) is timed before every round, so it sees the same mode.
-Contention only adds time, so mins are the stable statistic on both sides of the ratio.
+smoke-suite parse took 3.3 and 6.5 ms back to back; a CI run failed the old raw-min gate on it).
+The yardstick (yardsticks.py) is timed before every round, so it sees the same speed. Contention
+only adds time, so mins are the stable statistic on both sides of the ratio.
 
 Threshold: 40 % when the baseline was timed on this kind of machine, 200 % on another (a CPU model
-with faster cores but slower loopback moves figures unevenly, and one yardstick a kind of work does
-not capture all of that); PARABENCH_BENCH_THRESHOLD=N overrides both. A benchmark with no yardstick
-in the baseline is compared on its raw min. A benchmark missing from this run fails the gate: a
-dropped benchmark must be dropped from the baseline too (gate.sh --update).
+with faster cores but slower loopback moves figures unevenly, and a yardstick of one kind of work
+does not follow all of that); PARABENCH_BENCH_THRESHOLD=N overrides both. A benchmark with no
+yardstick in the baseline is compared on its raw min. A benchmark missing from this run fails the
+gate: a dropped benchmark must be dropped from the baseline too (gate.sh --update).
 
 Given several runs, each benchmark is judged on its best one. gate.sh times the failed benchmarks
 once more after a pause: a neighbour on the machine can slow one benchmark and not the yardstick
